@@ -1,0 +1,151 @@
+"""NumPy reference ops shared by every model on the CPU backend.
+
+All math is fp32 (reductions included) unless a function says otherwise. These are the numerical contracts the CUDA
+kernels are checked against, so each one is written for clarity first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, offset: bool) -> np.ndarray:
+    """RMSNorm over the last axis. `offset=True` is Qwen's zero-centred form `(1 + w) * x / rms(x)`."""
+    x = x.astype(F32, copy=False)
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True, dtype=F32) + F32(eps))
+    scale = (F32(1.0) + weight.astype(F32)) if offset else weight.astype(F32)
+    return (x * inv.astype(F32)) * scale
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """`x / sqrt(sum(x^2) + eps)` over the last axis (a sum, not a mean)."""
+    x = x.astype(F32, copy=False)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True, dtype=F32) + F32(eps))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    x = x.astype(F32, copy=False)
+    # Split by sign so exp never overflows.
+    out = np.empty_like(x)
+    pos = x >= 0
+    out[pos] = 1.0 / (1.0 + np.exp(-x[pos]))
+    ex = np.exp(x[~pos])
+    out[~pos] = ex / (1.0 + ex)
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), and exactly x above 20 (the threshold the reference uses)."""
+    x = x.astype(F32, copy=False)
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(F32)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = x.astype(F32, copy=False)
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """`x @ weight.T` for a `[out, in]` weight (the storage orientation of every matrix in an artifact)."""
+    return np.matmul(x.astype(F32, copy=False), weight.T)
+
+
+def swiglu(x: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray) -> np.ndarray:
+    """`down(silu(gate x) * up x)`."""
+    return linear(silu(linear(x, gate_w)) * linear(x, up_w), down_w)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """`theta^(-2i/rotary_dim)` for i in [0, rotary_dim/2), computed in float64 then rounded once."""
+    return (1.0 / (float(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))).astype(F32)
+
+
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Angles `[T, rotary_dim/2]` for 1-D integer positions `[T]`."""
+    return positions.astype(F32)[:, None] * inv_freq[None, :]
+
+
+def mrope_angles(positions: np.ndarray, inv_freq: np.ndarray, section: tuple[int, int, int]) -> np.ndarray:
+    """Interleaved 3-axis MRoPE angles `[T, pairs]` for positions `[3, T]` (T, H, W axes).
+
+    Pair i uses the H position when i % 3 == 1 and i < 3 * section[1], the W position when i % 3 == 2 and
+    i < 3 * section[2], and the T position otherwise (ninfer-facts §3.4). With equal axes this is plain 1-D RoPE.
+    """
+    pairs = inv_freq.shape[0]
+    axis = np.zeros(pairs, dtype=np.int64)
+    idx = np.arange(pairs)
+    axis[(idx % 3 == 1) & (idx < 3 * section[1])] = 1
+    axis[(idx % 3 == 2) & (idx < 3 * section[2])] = 2
+    pos = positions.astype(F32)[axis, :].T  # [T, pairs]
+    return pos * inv_freq[None, :]
+
+
+def apply_rotary(x: np.ndarray, angles: np.ndarray) -> np.ndarray:
+    """Rotate-half (NeoX) RoPE on the first `2 * pairs` dims of each head; the rest pass through.
+
+    x: `[T, heads, head_dim]`, angles: `[T, pairs]`. out[i] = x[i]cos - x[i+p]sin, out[i+p] = x[i+p]cos + x[i]sin.
+    """
+    pairs = angles.shape[-1]
+    cos = np.cos(angles)[:, None, :]
+    sin = np.sin(angles)[:, None, :]
+    x = x.astype(F32, copy=False)
+    out = x.copy()
+    lo = x[..., :pairs]
+    hi = x[..., pairs : 2 * pairs]
+    out[..., :pairs] = lo * cos - hi * sin
+    out[..., pairs : 2 * pairs] = hi * cos + lo * sin
+    return out
+
+
+def causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_start: int, scale: float) -> np.ndarray:
+    """Causal grouped-query attention of new queries over a cache.
+
+    q: `[T, Hq, D]` for absolute positions q_start..q_start+T-1; k, v: `[S, Hkv, D]` for positions 0..S-1 with
+    S == q_start + T. Query head h reads KV head h // (Hq / Hkv). Returns `[T, Hq, D]`.
+    """
+    t, hq, d = q.shape
+    s, hkv, _ = k.shape
+    if s != q_start + t:
+        raise ValueError(f"cache holds {s} positions, queries end at {q_start + t}")
+    group = hq // hkv
+    qg = q.astype(F32, copy=False).reshape(t, hkv, group, d)
+    scores = np.einsum("tkgd,skd->kgts", qg, k.astype(F32, copy=False)) * F32(scale)
+    mask = np.arange(s)[None, :] > (q_start + np.arange(t))[:, None]
+    scores = np.where(mask[None, None], -np.inf, scores)
+    probs = softmax(scores, axis=-1)
+    out = np.einsum("kgts,skd->tkgd", probs, v.astype(F32, copy=False))
+    return out.reshape(t, hq, d)
+
+
+class KVCache:
+    """Growable per-layer K/V store for one sequence: `[positions, kv_heads, head_dim]` fp32."""
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 256) -> None:
+        self._k = np.zeros((capacity, kv_heads, head_dim), dtype=F32)
+        self._v = np.zeros((capacity, kv_heads, head_dim), dtype=F32)
+        self.length = 0
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Append `[T, kv_heads, head_dim]` rows and return views of the whole cache."""
+        end = self.length + k.shape[0]
+        if end > self._k.shape[0]:
+            cap = max(end, 2 * self._k.shape[0])
+            self._k = np.concatenate([self._k, np.zeros((cap - self._k.shape[0],) + self._k.shape[1:], F32)])
+            self._v = np.concatenate([self._v, np.zeros((cap - self._v.shape[0],) + self._v.shape[1:], F32)])
+        self._k[self.length : end] = k
+        self._v[self.length : end] = v
+        self.length = end
+        return self._k[:end], self._v[:end]
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (rejected speculative tokens, prefix reuse)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length

@@ -1,0 +1,93 @@
+"""model_id -> target: which model family serves an artifact, and with which dimensions.
+
+Published targets have fixed dimensions (ninfer-facts §3.1); an artifact that also carries `model/dimensions.json`
+must agree with them. `*-custom` targets (tiny test models) take their dimensions from that resource alone.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ninfer.targets.dims import LlamaDims, ModelDims, QwenDims, VisionDims
+
+
+class UnknownModelError(LookupError):
+    """The artifact's model_id is not one ninfer can serve."""
+
+
+class TargetMismatchError(ValueError):
+    """An artifact's (or checkpoint's) dimensions contradict its registered target."""
+
+
+def _qwen_layer_types(layers: int) -> tuple[str, ...]:
+    # Every fourth layer (i + 1) % 4 == 0 is gated full attention; the rest are Gated DeltaNet.
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
+
+
+def _vision(out_hidden: int) -> VisionDims:
+    return VisionDims(depth=27, hidden=1152, intermediate=4304, heads=16, patch=16, temporal_patch=2,
+                      spatial_merge=2, position_table=2304, out_hidden=out_hidden)
+
+
+_QWEN_COMMON = dict(vocab_rows=248320, vocab_ids=248077, head_dim=256, rotary_dim=64, rope_theta=1e7,
+                    mrope_section=(11, 11, 10), gdn_qk_heads=16, gdn_k_dim=128, gdn_v_dim=128, conv_kernel=4,
+                    rms_eps=1e-6, mtp_layers=1)
+
+QWEN36_27B_DIMS = QwenDims(hidden=5120, layer_types=_qwen_layer_types(64), attn_heads=24, kv_heads=4, gdn_v_heads=48,
+                           intermediate=17408, vision=_vision(5120), **_QWEN_COMMON)
+QWEN36_35B_A3B_DIMS = QwenDims(hidden=2048, layer_types=_qwen_layer_types(40), attn_heads=16, kv_heads=2,
+                               gdn_v_heads=32, moe_experts=256, moe_top_k=8, moe_intermediate=512,
+                               shared_intermediate=512, vision=_vision(2048), **_QWEN_COMMON)
+SMOLLM2_135M_DIMS = LlamaDims(hidden=576, layers=30, vocab_rows=49152, vocab_ids=49152, attn_heads=9, kv_heads=3,
+                              head_dim=64, intermediate=1536, rope_theta=100000.0, rms_eps=1e-5, tie_embeddings=True)
+
+
+@attrs.frozen
+class Target:
+    model_id: str
+    family: str  # "qwen3_6" | "llama"
+    dims: ModelDims | None  # None: taken from the artifact's model/dimensions.json
+    description: str
+
+
+TARGETS: dict[str, Target] = {
+    t.model_id: t
+    for t in (
+        Target("qwen3.6-27b", "qwen3_6", QWEN36_27B_DIMS, "Qwen3.6-27B (dense, 64 layers)"),
+        Target("qwen3.8-27b", "qwen3_6", QWEN36_27B_DIMS, "Qwen3.8-27B (same geometry as Qwen3.6-27B)"),
+        Target("qwen3.6-35b-a3b", "qwen3_6", QWEN36_35B_A3B_DIMS, "Qwen3.6-35B-A3B (MoE, 40 layers)"),
+        Target("qwen3.6-custom", "qwen3_6", None, "a Qwen3.5/3.6-architecture model of any size (tests)"),
+        Target("smollm2-135m-instruct", "llama", SMOLLM2_135M_DIMS, "SmolLM2-135M-Instruct (the bundled demo)"),
+        Target("llama-custom", "llama", None, "a llama-architecture model of any size (tests)"),
+    )
+}
+
+
+def lookup_target(model_id: str) -> Target:
+    try:
+        return TARGETS[model_id]
+    except KeyError:
+        known = ", ".join(sorted(TARGETS))
+        raise UnknownModelError(f"unknown model_id {model_id!r}: ninfer serves {known}") from None
+
+
+def resolve_dims(model_id: str, carried: ModelDims | None) -> ModelDims:
+    """The dimensions an artifact is served with: the target's own, checked against what the artifact carries."""
+    target = lookup_target(model_id)
+    if target.dims is None:
+        if carried is None:
+            raise TargetMismatchError(f"model_id {model_id!r} needs the resource model/dimensions.json")
+        if carried.family != target.family:
+            raise TargetMismatchError(f"model_id {model_id!r} is a {target.family} target, dimensions say {carried.family}")
+        return carried
+    if carried is not None and carried != target.dims:
+        raise TargetMismatchError(f"model/dimensions.json contradicts the registered dimensions of {model_id!r}")
+    return target.dims
+
+
+def target_for_qwen_dims(dims: QwenDims) -> str:
+    """The published target whose geometry `dims` has, else the custom one."""
+    for model_id in ("qwen3.6-27b", "qwen3.6-35b-a3b"):
+        if TARGETS[model_id].dims == dims:
+            return model_id
+    return "qwen3.6-custom"
