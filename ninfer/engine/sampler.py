@@ -1,0 +1,132 @@
+"""The sampling pipeline and its counter-based RNG (ninfer-facts §4.8).
+
+Every draw is a pure function of (seed, position, purpose), so a request replays identically wherever it runs, and the
+CUDA sampler can be checked against this one draw for draw. The math is fp32 with sequential sums, as on the device.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import attrs
+import numpy as np
+
+_MASK64 = (1 << 64) - 1
+TOP_K_CAP = 20  # NInfer never samples outside the 20 best candidates
+
+
+class Purpose(enum.IntEnum):
+    PREFILL = 0  # position = prompt length
+    DECODE = 1  # position = index of the input token
+    SPECULATIVE_ACCEPT = 2
+    CORRECTION = 3
+    BONUS = 4
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int, purpose: Purpose, sub: int = 0) -> float:
+    """u in [0, 1) with 24 bits: `U(seed, position, purpose)`."""
+    key = splitmix64((seed ^ ((position & 0xFFFFFFFF) * 0xD1B54A32D192ED03)) & _MASK64)
+    key = splitmix64((key ^ (int(purpose) << 21) ^ (sub * 0x2545F4914F6CDD1D)) & _MASK64)
+    return (key >> 40) / float(1 << 24)
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of its range (the message names it)."""
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not math.isfinite(value) or not low <= value <= high:
+        raise SamplingParamsError(f"{name} must be a finite number in [{low}, {high}], got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    temperature: float = 0.6
+    top_k: int = 20
+    top_p: float = 0.95
+    min_p: float = 0.0
+    presence_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.seed <= _MASK64:
+            raise SamplingParamsError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+
+    @classmethod
+    def greedy(cls) -> "SamplingParams":
+        return cls(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def penalties_active(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def top_candidates(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits, by logit descending and id ascending on ties."""
+    k = min(k, logits.shape[0])
+    part = np.argpartition(-logits, k - 1)[:k] if k < logits.shape[0] else np.arange(logits.shape[0])
+    # The partition may cut through a run of ties: widen to every id tied with the k-th value, then order exactly.
+    kth = logits[part].min()
+    pool = np.flatnonzero(logits >= kth)
+    order = np.lexsort((pool, -logits[pool]))
+    return pool[order][:k]
+
+
+class Sampler:
+    """Per-request sampler: owns the generated-token counts that the penalties read."""
+
+    def __init__(self, params: SamplingParams, vocab_ids: int) -> None:
+        self.params = params
+        self.vocab_ids = vocab_ids
+        self._counts = np.zeros(vocab_ids, dtype=np.int32)
+
+    def sample(self, logits: np.ndarray, position: int, purpose: Purpose) -> int:
+        """Choose the next token from one row of logits (only rows [0, vocab_ids) are eligible)."""
+        x = np.asarray(logits[: self.vocab_ids], dtype=np.float32)
+        p = self.params
+        if p.is_greedy:
+            return int(np.argmax(x))  # first maximum: the lowest id wins ties
+        if p.penalties_active:
+            x = x - np.float32(p.presence_penalty) * (self._counts > 0) - np.float32(p.frequency_penalty) * self._counts
+            x = x.astype(np.float32)
+        k = TOP_K_CAP if p.top_k <= 0 or p.top_k >= TOP_K_CAP else p.top_k
+        ids = top_candidates(x, k)
+        weights = np.exp((x[ids] - x[ids[0]]) / np.float32(p.temperature)).astype(np.float32)
+        keep = len(ids)
+        if p.min_p > 0.0:
+            below = np.flatnonzero(weights < np.float32(p.min_p))  # w_0 == 1, so the threshold is min_p itself
+            if below.size:
+                keep = int(below[0])
+        if p.top_p < 1.0:
+            target = np.float32(p.top_p) * np.sum(weights, dtype=np.float32)
+            reached = np.flatnonzero(np.cumsum(weights, dtype=np.float32) >= target)
+            if reached.size:
+                keep = min(keep, int(reached[0]) + 1)
+        keep = max(keep, 1)
+        kept = weights[:keep]
+        cumulative = np.cumsum(kept, dtype=np.float32)
+        threshold = np.float32(uniform(p.seed, position, purpose)) * cumulative[-1]
+        chosen = int(ids[min(int(np.searchsorted(cumulative, threshold, side="right")), keep - 1)])
+        if p.penalties_active:
+            self._counts[chosen] += 1
+        return chosen

@@ -1,0 +1,55 @@
+"""Open an artifact and build the CPU model its model_id names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ninfer.artifact.reader import Artifact
+from ninfer.models.base import CausalLM
+from ninfer.targets.dims import DIMENSIONS_RESOURCE, LlamaDims, ModelDims, QwenDims, dims_from_json
+from ninfer.targets.registry import resolve_dims
+
+
+class ArtifactWeights:
+    """A WeightSource over an open artifact: each tensor is dequantized to fp32 once, on first use."""
+
+    def __init__(self, artifact: Artifact) -> None:
+        self._artifact = artifact
+        self._cache: dict[str, np.ndarray] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        array = self._cache.get(name)
+        if array is None:
+            array = self._artifact.tensor(name).to_numpy()
+            self._cache[name] = array
+        return array
+
+    def has(self, name: str) -> bool:
+        return name in self._artifact
+
+
+def artifact_dims(artifact: Artifact) -> ModelDims:
+    """The dimensions the artifact is served with (registered target, checked against what it carries)."""
+    carried = dims_from_json(artifact.resource(DIMENSIONS_RESOURCE)) if DIMENSIONS_RESOURCE in artifact else None
+    return resolve_dims(artifact.model_id, carried)
+
+
+def build_model(artifact: Artifact) -> CausalLM:
+    dims = artifact_dims(artifact)
+    weights = ArtifactWeights(artifact)
+    if isinstance(dims, QwenDims):
+        from ninfer.models.qwen3_6 import Qwen36Model
+
+        return Qwen36Model(dims, weights)
+    if isinstance(dims, LlamaDims):
+        from ninfer.models.llama import LlamaModel
+
+        return LlamaModel(dims, weights)
+    raise TypeError(f"no CPU model for dimensions of type {type(dims).__name__}")
+
+
+def load_model(path: str | Path) -> CausalLM:
+    """Open `path` (kept open for the model's lifetime: weights are read lazily) and build its CPU model."""
+    return build_model(Artifact.open(path))
