@@ -66,25 +66,30 @@ def encode_buffer(array: np.ndarray, fmt: str) -> np.ndarray:
 
 def decode(buf, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor stored in `buf`: float formats as float32 (quantized ones dequantized), I32 as int32."""
-    expected = encoded_size(fmt, shape)
-    data = np.frombuffer(buf, dtype=np.uint8)
-    if data.size != expected:
-        raise ArtifactGeometryError("bytes-mismatch", f"{fmt} {list(shape)} needs {expected} bytes, got {data.size}")
     if not shape:
-        return _decode_words(data, fmt).reshape(())
-    return decode_rows(data, fmt, shape, 0, shape[0])
+        return _decode_words(_payload_array(buf, fmt, shape), fmt).reshape(())
+    return decode_rows(buf, fmt, shape, 0, shape[0])
 
 
 def decode_rows(buf, fmt: str, shape: tuple[int, ...], start: int, count: int) -> np.ndarray:
     """Rows [start, start+count) of the rank>=1 tensor whose whole payload is `buf`, touching only their bytes."""
+    data = _payload_array(buf, fmt, shape)
     if not shape or start < 0 or count < 0 or start + count > shape[0]:
         raise ArtifactUsageError("row-range", f"rows [{start}, {start + count}) of a tensor of shape {list(shape)}")
-    data = np.frombuffer(buf, dtype=np.uint8)
     if fmt in QUANT_FORMATS:
         return _decode_row_split(data, row_split_geometry(fmt, shape), start, count)
     row_bytes = math.prod(shape[1:]) * WORD_BYTES[fmt]
     words = _decode_words(data[start * row_bytes : (start + count) * row_bytes], fmt)
     return words.reshape((count,) + tuple(shape[1:]))
+
+
+def _payload_array(buf, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
+    """`buf` as a uint8 array (no copy), after checking it has the encoded size of (fmt, shape)."""
+    expected = encoded_size(fmt, shape)
+    data = np.frombuffer(buf, dtype=np.uint8)
+    if data.size != expected:
+        raise ArtifactGeometryError("bytes-mismatch", f"{fmt} {list(shape)} needs {expected} bytes, got {data.size}")
+    return data
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -147,7 +152,8 @@ def _quantize_block(block: np.ndarray, geometry: RowSplitGeometry) -> tuple[np.n
     """MAXABS_F16_RECIP_RNE_V1 (§2.7) on a block of rows: int8 codes [n,groups,G] and float16 scales [n,groups]."""
     quant, rows, cols = geometry.quant, block.shape[0], geometry.cols
     x = np.empty((rows, geometry.logical_groups * quant.group), dtype=np.float32)
-    x[:, :cols] = block  # the source rounded to fp32; columns past K are zero before grouping
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, rejected just below
+        x[:, :cols] = block  # the source rounded to fp32; columns past K are zero before grouping
     x[:, cols:] = 0
     x = x.reshape(rows, geometry.logical_groups, quant.group)
     amax = np.abs(x).max(axis=2)  # max propagates NaN, so a non-finite source shows up here

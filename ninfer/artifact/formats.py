@@ -6,6 +6,7 @@ Formats, layouts and encodings are string identities compared exactly; there are
 from __future__ import annotations
 
 import math
+import struct
 
 import attrs
 
@@ -15,6 +16,8 @@ BF16, FP32, I32 = "BF16", "FP32", "I32"
 Q4G64, Q5G64, Q6G64, W8G32 = "Q4G64_F16S", "Q5G64_F16S", "Q6G64_F16S", "W8G32_F16S"
 CONTIGUOUS, ROW_SPLIT, RAW_BYTES = "contiguous-le-v1", "row-split-k128-v1", "raw-bytes-v1"
 
+MAGIC = b"NINFER\x00\x01"  # "NINFER", 0x00, framing revision 1
+PREFIX = struct.Struct("<8sQ")  # magic, then the byte length of the JSON directory
 PAYLOAD_ALIGNMENT = 4096
 MAX_CONTIGUOUS_RANK = 16
 ROW_SPLIT_K_ALIGNMENT = 128  # every row is padded to a multiple of 128 columns
@@ -75,10 +78,6 @@ def is_valid_text(value: object) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def is_quantized(fmt: str) -> bool:
-    return fmt in QUANT_FORMATS
 
 
 def layout_for(fmt: str) -> str:

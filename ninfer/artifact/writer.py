@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import operator
 import os
-import struct
 from typing import Iterable, Sequence
 
 import attrs
@@ -13,10 +12,18 @@ import numpy as np
 
 from ninfer.artifact import codec
 from ninfer.artifact.errors import ArtifactError, ArtifactFormatError, ArtifactUsageError
-from ninfer.artifact.formats import PAYLOAD_ALIGNMENT, RAW_BYTES, align_up, alignment, check_shape, encoded_size, is_valid_text, layout_for
-
-MAGIC = b"NINFER\x00\x01"
-PREFIX = struct.Struct("<8sQ")  # magic, then the byte length of the JSON directory
+from ninfer.artifact.formats import (
+    MAGIC,
+    PAYLOAD_ALIGNMENT,
+    PREFIX,
+    RAW_BYTES,
+    align_up,
+    alignment,
+    encoded_size,
+    is_valid_text,
+    layout_for,
+)
+from ninfer.artifact.reader import ObjectEntry
 
 
 def _as_shape(shape: Iterable[int]) -> tuple[int, ...]:
@@ -36,56 +43,36 @@ class ResourceSpec:
     nbytes: int  # resource payload size, known before anything is written
 
 
-@attrs.frozen
-class _PlannedObject:
-    spec: TensorSpec | ResourceSpec
-    offset: int  # relative to the payload start
-    nbytes: int
-
-    def directory_entry(self) -> dict:
-        spec = self.spec
-        if isinstance(spec, ResourceSpec):
-            return {"name": spec.name, "kind": "resource", "encoding": RAW_BYTES, "offset": self.offset, "bytes": self.nbytes}
-        return {
-            "name": spec.name,
-            "kind": "tensor",
-            "shape": list(spec.shape),
-            "format": spec.format,
-            "layout": layout_for(spec.format),
-            "offset": self.offset,
-            "bytes": self.nbytes,
-        }
-
-
-def plan_objects(objects: Sequence[TensorSpec | ResourceSpec]) -> list[_PlannedObject]:
-    """Offsets and sizes in directory order: each object at the first aligned offset after the previous one."""
+def plan_objects(objects: Sequence[TensorSpec | ResourceSpec]) -> list[ObjectEntry]:
+    """Directory entries in order: each object at the first aligned offset after the previous one."""
     if not objects:
         raise ArtifactFormatError("json-schema", "an artifact needs at least one object")
     planned, names, cursor = [], set(), 0
     for spec in objects:
         try:
-            nbytes = _planned_size(spec)
+            entry = _entry_at(spec, cursor)
         except ArtifactError as err:
             raise err.for_object(spec.name) from None
         if spec.name in names:
             raise ArtifactFormatError("duplicate-name", "object names must be unique", spec.name)
         names.add(spec.name)
-        kind_alignment = alignment(RAW_BYTES if isinstance(spec, ResourceSpec) else layout_for(spec.format))
-        offset = align_up(cursor, kind_alignment)
-        planned.append(_PlannedObject(spec, offset, nbytes))
-        cursor = offset + nbytes
+        planned.append(entry)
+        cursor = entry.offset + entry.nbytes
     return planned
 
 
-def _planned_size(spec: TensorSpec | ResourceSpec) -> int:
+def _entry_at(spec: TensorSpec | ResourceSpec, cursor: int) -> ObjectEntry:
+    """The entry of `spec`, placed at the first offset at or after `cursor` that its layout allows."""
     if not is_valid_text(spec.name):
         raise ArtifactFormatError("json-schema", "object names must be non-empty strings")
     if isinstance(spec, ResourceSpec):
         if type(spec.nbytes) is not int or spec.nbytes <= 0:
             raise ArtifactFormatError("json-schema", f"resource size must be a positive integer, got {spec.nbytes!r}")
-        return spec.nbytes
-    check_shape(spec.format, spec.shape)
-    return encoded_size(spec.format, spec.shape)
+        offset = align_up(cursor, alignment(RAW_BYTES))
+        return ObjectEntry(spec.name, "resource", (), None, RAW_BYTES, offset, spec.nbytes)
+    layout = layout_for(spec.format)
+    offset, nbytes = align_up(cursor, alignment(layout)), encoded_size(spec.format, spec.shape)
+    return ObjectEntry(spec.name, "tensor", spec.shape, spec.format, layout, offset, nbytes)
 
 
 class ArtifactWriter:
@@ -101,7 +88,7 @@ class ArtifactWriter:
             raise ArtifactFormatError("json-schema", "model_id must be a non-empty string")
         self._path = os.fspath(path)
         self._planned = plan_objects(objects)
-        directory = {"model_id": model_id, "objects": [obj.directory_entry() for obj in self._planned]}
+        directory = {"model_id": model_id, "objects": [entry.to_json() for entry in self._planned]}
         text = json.dumps(directory, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         self._payload_offset = align_up(PREFIX.size + len(text), PAYLOAD_ALIGNMENT)
         self._next = 0
@@ -130,34 +117,34 @@ class ArtifactWriter:
         """Write the payload of the next object: encoded bytes of the planned size, or an array to encode."""
         if self._next >= len(self._planned):
             raise ArtifactUsageError("too-many-payloads", f"all {len(self._planned)} objects are already written")
-        planned = self._planned[self._next]
+        entry = self._planned[self._next]
         try:
-            data = self._payload_bytes(planned, payload)
+            data = self._payload_bytes(entry, payload)
         except ArtifactError as err:
-            raise err.for_object(planned.spec.name) from None
-        self._file.write(bytes(self._payload_offset + planned.offset - self._file.tell()))  # alignment gap
+            raise err.for_object(entry.name) from None
+        self._file.write(bytes(self._payload_offset + entry.offset - self._file.tell()))  # alignment gap
         self._file.write(data)
         self._next += 1
 
     @staticmethod
-    def _payload_bytes(planned: _PlannedObject, payload: bytes | np.ndarray) -> memoryview:
-        spec = planned.spec
-        if isinstance(payload, np.ndarray):
-            if isinstance(spec, ResourceSpec):
+    def _payload_bytes(entry: ObjectEntry, payload: bytes | np.ndarray) -> memoryview:
+        if isinstance(payload, (np.ndarray, np.generic)):  # numpy scalars are arrays of shape ()
+            payload = np.asarray(payload)
+            if entry.kind == "resource":
                 raise ArtifactUsageError("payload-type", "a resource payload must be bytes")
-            if payload.shape != spec.shape:
-                raise ArtifactUsageError("shape-mismatch", f"array shape {list(payload.shape)} != {list(spec.shape)}")
-            return memoryview(codec.encode_buffer(payload, spec.format))
+            if payload.shape != entry.shape:
+                raise ArtifactUsageError("shape-mismatch", f"array shape {list(payload.shape)} != {list(entry.shape)}")
+            return memoryview(codec.encode_buffer(payload, entry.format))
         data = memoryview(payload).cast("B")
-        if data.nbytes != planned.nbytes:
-            raise ArtifactUsageError("bytes-mismatch", f"payload has {data.nbytes} bytes, planned {planned.nbytes}")
+        if data.nbytes != entry.nbytes:
+            raise ArtifactUsageError("bytes-mismatch", f"payload has {data.nbytes} bytes, planned {entry.nbytes}")
         return data
 
     def close(self) -> None:
         if self._file.closed:
             return
         if self._next != len(self._planned):
-            missing = self._planned[self._next].spec.name
+            missing = self._planned[self._next].name
             raise ArtifactUsageError("incomplete", f"{len(self._planned) - self._next} payloads not written", missing)
         self._file.truncate()  # the file ends exactly at the end of the last object
         self._file.close()
