@@ -1,0 +1,33 @@
+"""Session fixtures: the Qwen tokenizer.json and tiny Qwen3.5/3.6 checkpoints, each built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.qwen_checkpoints import QwenCase, build_qwen_checkpoint
+from tests.support.qwen_tokenizer import build_qwen_tokenizer_json
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_qwen_tokenizer_json(tmp_path_factory.mktemp("qwen-tokenizer") / "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def dense_checkpoint(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_json: Path) -> Path:
+    """Tiny Qwen3_5ForConditionalGeneration, one safetensors file."""
+    return build_qwen_checkpoint(tmp_path_factory.mktemp("qwen-dense"), moe=False, tokenizer_json=qwen_tokenizer_json)
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_json: Path) -> Path:
+    """Tiny Qwen3_5MoeForConditionalGeneration in three shards with model.safetensors.index.json."""
+    return build_qwen_checkpoint(tmp_path_factory.mktemp("qwen-moe"), moe=True, tokenizer_json=qwen_tokenizer_json,
+                                 shards=3)
+
+
+@pytest.fixture(scope="session", params=["dense", "moe"])
+def qwen_case(request: pytest.FixtureRequest, qwen_tokenizer_json: Path) -> QwenCase:
+    return QwenCase(request.param, request.getfixturevalue(f"{request.param}_checkpoint"), qwen_tokenizer_json)
