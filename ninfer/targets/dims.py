@@ -39,8 +39,28 @@ class VisionDims:
         return self.hidden * self.spatial_merge * self.spatial_merge
 
 
+class _DimsRecord:
+    """What both families' records share: attention widths and the `model/dimensions.json` encoding."""
+
+    family: str
+    attn_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def q_width(self) -> int:
+        return self.attn_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def to_json(self) -> str:
+        return json.dumps({"family": self.family, **attrs.asdict(self)}, sort_keys=True, separators=(",", ":"))
+
+
 @attrs.frozen(kw_only=True)
-class QwenDims:
+class QwenDims(_DimsRecord):
     """Hybrid Gated DeltaNet + gated attention (Qwen3.5/3.6/3.8); dense SwiGLU or sparse MoE FFN."""
 
     hidden: int
@@ -81,14 +101,6 @@ class QwenDims:
         return self.moe_experts > 0
 
     @property
-    def q_width(self) -> int:
-        return self.attn_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
     def gdn_qk_width(self) -> int:
         return self.gdn_qk_heads * self.gdn_k_dim
 
@@ -103,12 +115,9 @@ class QwenDims:
     def full_attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
 
-    def to_json(self) -> str:
-        return json.dumps({"family": self.family, **attrs.asdict(self)}, sort_keys=True, separators=(",", ":"))
-
 
 @attrs.frozen(kw_only=True)
-class LlamaDims:
+class LlamaDims(_DimsRecord):
     """Plain llama (the bundled SmolLM2 demo model): RMSNorm, rotate-half RoPE, GQA, SwiGLU."""
 
     hidden: int
@@ -124,17 +133,6 @@ class LlamaDims:
     tie_embeddings: bool
 
     family = "llama"
-
-    @property
-    def q_width(self) -> int:
-        return self.attn_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def to_json(self) -> str:
-        return json.dumps({"family": self.family, **attrs.asdict(self)}, sort_keys=True, separators=(",", ":"))
 
 
 ModelDims = QwenDims | LlamaDims
