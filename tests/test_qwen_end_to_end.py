@@ -7,11 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ninfer.convert import driver
+from ninfer.models import loader
 from tests.support.qwen_checkpoints import QwenCase, hf_logits
 from tests.test_qwen_model import LOGITS_ATOL
-
-driver = pytest.importorskip("ninfer.convert.driver")
-loader = pytest.importorskip("ninfer.models.loader")
 
 # Measured on the tiny random models: relative logits error 0.39 (dense) / 0.32 (MoE), smallest per-position cosine
 # 0.72 / 0.76, argmax agreement 35% / 49% over 37 positions. Each quantized matrix alone is as expected (Q4 ~11%,
