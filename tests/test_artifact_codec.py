@@ -277,3 +277,12 @@ def test_small_processing_blocks_give_identical_results(fmt, monkeypatch):
     assert codec.encode(array, fmt) == payload
     assert np.array_equal(codec.decode(payload, fmt, shape), decoded)
     assert np.array_equal(codec.decode_rows(payload, fmt, shape, 5, 20), decoded[5:25])
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP32])
+def test_contiguous_payloads_stream_in_blocks_with_identical_bytes(monkeypatch, fmt):
+    array = np.random.default_rng(5).normal(size=(7, 9)).astype(np.float32)
+    whole = codec.encode(array, fmt)
+    monkeypatch.setattr(codec, "BLOCK_ELEMENTS", 10)
+    pieces = [bytes(p) for p in codec.encode_chunks(array, fmt)]
+    assert len(pieces) == 7 and b"".join(pieces) == whole

@@ -9,6 +9,7 @@ Large tensors are processed in row blocks so temporaries stay near BLOCK_ELEMENT
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -64,6 +65,19 @@ def encode_buffer(array: np.ndarray, fmt: str) -> np.ndarray:
     return _encode_float_words(array, fmt)
 
 
+def encode_chunks(array: np.ndarray, fmt: str) -> Iterator[np.ndarray]:
+    """The payload of `array` as `fmt`, in consecutive uint8 pieces: contiguous float formats come block by block,
+    so writing a huge BF16/FP32 tensor never holds its whole encoding; other formats come as one piece."""
+    array = np.asarray(array)
+    if fmt in (BF16, FP32) and _is_float(array.dtype):
+        check_shape(fmt, array.shape)
+        flat = array.reshape(-1)
+        for begin in range(0, flat.size, BLOCK_ELEMENTS):
+            yield _float_words(flat[begin : begin + BLOCK_ELEMENTS], fmt).view(np.uint8)
+        return
+    yield encode_buffer(array, fmt)
+
+
 def decode(buf, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor stored in `buf`: float formats as float32 (quantized ones dequantized), I32 as int32."""
     if not shape:
@@ -105,12 +119,16 @@ def _encode_i32(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype="<i4").reshape(-1).view(np.uint8)
 
 
+def _float_words(block: np.ndarray, fmt: str) -> np.ndarray:
+    block = block.astype(np.float32, copy=False)
+    return f32_to_bf16_bits(block) if fmt == BF16 else np.ascontiguousarray(block, dtype="<f4")
+
+
 def _encode_float_words(array: np.ndarray, fmt: str) -> np.ndarray:
     flat = array.reshape(-1)
     out = np.empty(flat.size, dtype=_WORD_DTYPES[fmt])
     for begin in range(0, flat.size, BLOCK_ELEMENTS):
-        block = flat[begin : begin + BLOCK_ELEMENTS].astype(np.float32)
-        out[begin : begin + BLOCK_ELEMENTS] = f32_to_bf16_bits(block) if fmt == BF16 else block
+        out[begin : begin + BLOCK_ELEMENTS] = _float_words(flat[begin : begin + BLOCK_ELEMENTS], fmt)
     return out.view(np.uint8)
 
 

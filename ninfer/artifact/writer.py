@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import operator
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -118,27 +118,28 @@ class ArtifactWriter:
         if self._next >= len(self._planned):
             raise ArtifactUsageError("too-many-payloads", f"all {len(self._planned)} objects are already written")
         entry = self._planned[self._next]
+        self._file.write(bytes(self._payload_offset + entry.offset - self._file.tell()))  # alignment gap
         try:
-            data = self._payload_bytes(entry, payload)
+            for piece in self._payload_pieces(entry, payload):
+                self._file.write(piece)
         except ArtifactError as err:
             raise err.for_object(entry.name) from None
-        self._file.write(bytes(self._payload_offset + entry.offset - self._file.tell()))  # alignment gap
-        self._file.write(data)
         self._next += 1
 
     @staticmethod
-    def _payload_bytes(entry: ObjectEntry, payload: bytes | np.ndarray) -> memoryview:
+    def _payload_pieces(entry: ObjectEntry, payload: bytes | np.ndarray) -> Iterator[memoryview]:
+        """The payload's bytes in order; an array is checked, then encoded piece by piece as it is written."""
         if isinstance(payload, (np.ndarray, np.generic)):  # numpy scalars are arrays of shape ()
             payload = np.asarray(payload)
             if entry.kind == "resource":
                 raise ArtifactUsageError("payload-type", "a resource payload must be bytes")
             if payload.shape != entry.shape:
                 raise ArtifactUsageError("shape-mismatch", f"array shape {list(payload.shape)} != {list(entry.shape)}")
-            return memoryview(codec.encode_buffer(payload, entry.format))
+            return (memoryview(piece) for piece in codec.encode_chunks(payload, entry.format))
         data = memoryview(payload).cast("B")
         if data.nbytes != entry.nbytes:
             raise ArtifactUsageError("bytes-mismatch", f"payload has {data.nbytes} bytes, planned {entry.nbytes}")
-        return data
+        return iter((data,))
 
     def close(self) -> None:
         if self._file.closed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,6 +76,9 @@ class _Entry:
     stop: int
 
 
+READ_BLOCK_BYTES = 32 << 20
+
+
 class SafetensorsCheckpoint:
     """The tensors of `model.safetensors` or of the shards `model.safetensors.index.json` lists."""
 
@@ -106,14 +110,20 @@ class SafetensorsCheckpoint:
         return entry.shape if entry else None
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor as float32 (BF16 widened exactly)."""
+        """The tensor as float32 (BF16 widened exactly), read block by block straight into the result so the peak
+        memory is the float32 tensor itself, not the file bytes plus widening temporaries."""
         entry = self.entries[name]
+        dtype = np.dtype(_FLOAT_DTYPES[entry.dtype])
+        out = np.empty(math.prod(entry.shape), dtype=np.float32)
+        block = np.empty(READ_BLOCK_BYTES // dtype.itemsize, dtype=dtype)
         with open(entry.path, "rb") as f:
             f.seek(entry.start)
-            raw = f.read(entry.stop - entry.start)
-        words = np.frombuffer(raw, dtype=_FLOAT_DTYPES[entry.dtype])
-        array = bf16_bits_to_f32(words) if entry.dtype == "BF16" else words.astype(np.float32)
-        return array.reshape(entry.shape)
+            for begin in range(0, out.size, block.size):
+                words = block[: min(block.size, out.size - begin)]
+                if f.readinto(memoryview(words).cast("B")) != words.nbytes:
+                    raise CheckpointError(f"{entry.path.name}: tensor {name!r} is cut short")
+                out[begin : begin + words.size] = bf16_bits_to_f32(words) if entry.dtype == "BF16" else words
+        return out.reshape(entry.shape)
 
 
 def _read_header(path: Path) -> dict[str, _Entry]:
