@@ -110,20 +110,33 @@ class SafetensorsCheckpoint:
         return entry.shape if entry else None
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor as float32 (BF16 widened exactly), read block by block straight into the result so the peak
-        memory is the float32 tensor itself, not the file bytes plus widening temporaries."""
+        """The tensor as float32 (BF16 widened exactly)."""
+        return self.read_rows(name, None)
+
+    def read_rows(self, name: str, rows: np.ndarray | None) -> np.ndarray:
+        """Rows `rows` (ascending; None: all) of the tensor as float32, read run by run in blocks straight into the
+        result, so the peak memory is the float32 result itself, not the file bytes plus widening temporaries."""
         entry = self.entries[name]
         dtype = np.dtype(_FLOAT_DTYPES[entry.dtype])
-        out = np.empty(math.prod(entry.shape), dtype=np.float32)
-        block = np.empty(READ_BLOCK_BYTES // dtype.itemsize, dtype=dtype)
+        row_words = math.prod(entry.shape[1:])
+        rows = np.arange(entry.shape[0]) if rows is None else np.asarray(rows)
+        out = np.empty((len(rows), row_words), dtype=np.float32)
+        # Consecutive ids form one contiguous span of the file.
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         with open(entry.path, "rb") as f:
-            f.seek(entry.start)
-            for begin in range(0, out.size, block.size):
-                words = block[: min(block.size, out.size - begin)]
-                if f.readinto(memoryview(words).cast("B")) != words.nbytes:
-                    raise CheckpointError(f"{entry.path.name}: tensor {name!r} is cut short")
-                out[begin : begin + words.size] = bf16_bits_to_f32(words) if entry.dtype == "BF16" else words
-        return out.reshape(entry.shape)
+            for run_start, run_stop in zip(np.r_[0, breaks], np.r_[breaks, len(rows)]):
+                f.seek(entry.start + int(rows[run_start]) * row_words * dtype.itemsize)
+                self._read_words(f, entry, dtype, out[run_start:run_stop].reshape(-1))
+        return out.reshape((len(rows),) + tuple(entry.shape[1:]))
+
+    @staticmethod
+    def _read_words(f, entry: _Entry, dtype: np.dtype, out: np.ndarray) -> None:
+        block = np.empty(max(1, READ_BLOCK_BYTES // dtype.itemsize), dtype=dtype)
+        for begin in range(0, out.size, block.size):
+            words = block[: min(block.size, out.size - begin)]
+            if f.readinto(memoryview(words).cast("B")) != words.nbytes:
+                raise CheckpointError(f"{entry.path.name}: a tensor is cut short")
+            out[begin : begin + words.size] = bf16_bits_to_f32(words) if entry.dtype == "BF16" else words
 
 
 def _read_header(path: Path) -> dict[str, _Entry]:
@@ -247,7 +260,8 @@ class _GatherRows:
         return self.part.leaves()
 
     def load(self, checkpoint: SafetensorsCheckpoint) -> np.ndarray:
-        return self.part.load(checkpoint)[self.ids]
+        # Only the gathered rows are read: the draft head is a shortlist of a huge output head.
+        return checkpoint.read_rows(self.part.name, self.ids)
 
 
 @attrs.frozen
