@@ -55,3 +55,21 @@ def test_matches_transformers_apply_chat_template(model):
                 conversations=[messages], tools=tools, chat_template=source, add_generation_prompt=True,
                 enable_thinking=thinking)[0][0]
             assert ours.render(messages, tools=tools, enable_thinking=thinking) == expected
+
+
+def test_namespace_refuses_underscore_attributes():
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate("{% set ns = namespace(_x=1) %}{{ ns._x }}").render([])
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate("{% set ns = namespace(x=1) %}{% set ns._y = 2 %}").render([])
+    assert ChatTemplate("{% set ns = namespace(x=1) %}{% set ns.x = ns.x + 1 %}{{ ns.x }}").render([]) == "2"
+
+
+def test_null_message_fields_are_left_out_like_transformers_does():
+    t = ChatTemplate("{% for m in messages %}{{ m.name if m.name is defined else 'anonymous' }}{% endfor %}")
+    assert t.render([{"role": "user", "content": "x", "name": None}]) == "anonymous"
+
+
+def test_tojson_keeps_non_ascii_text_and_takes_json_dumps_options():
+    t = ChatTemplate("{{ v | tojson }}|{{ v | tojson(separators=(',', ':'), sort_keys=true) }}")
+    assert t.render([], v={"b": "é<&>", "a": [1, None]}) == '{"b": "é<&>", "a": [1, null]}|{"a":[1,null],"b":"é<&>"}'

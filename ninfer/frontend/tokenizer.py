@@ -1,5 +1,10 @@
 """The artifact's tokenizer: HF `tokenizers` over `frontend/tokenizer.json`, plus tokenizer_config's extra tokens.
 
+Upstream Qwen3.5/3.6 ship added tokens 248044..248069 in tokenizer.json and define 248070..248076 only in
+tokenizer_config.json's `added_tokens_decoder`; both join here at their stated ids. Added-token text (`<|im_start|>`,
+`<think>`, ...) always encodes to its single id. Normalization is tokenizer.json's own normalizer (NFC for Qwen),
+applied to the text between added tokens, as the original tokenizer does.
+
 Decoding goes through raw bytes per token (not `Tokenizer.decode`) so output decoding can hold back incomplete UTF-8
 sequences exactly, whatever the chunking.
 """
@@ -9,8 +14,7 @@ from __future__ import annotations
 import json
 from functools import cached_property
 
-import attrs
-from tokenizers import AddedToken, Tokenizer as HFTokenizer
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders
 
 TOKENIZER_JSON = "frontend/tokenizer.json"
 TOKENIZER_CONFIG = "frontend/tokenizer_config.json"
@@ -32,13 +36,6 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in chars.items()}
 
 
-@attrs.frozen
-class SpecialToken:
-    id: int
-    content: str
-    special: bool
-
-
 class Tokenizer:
     def __init__(self, tokenizer_json: bytes | str, tokenizer_config: bytes | str | None = None) -> None:
         try:
@@ -47,8 +44,7 @@ class Tokenizer:
             raise TokenizerError(f"{TOKENIZER_JSON}: cannot load ({exc})") from exc
         self.config: dict = json.loads(tokenizer_config) if tokenizer_config else {}
         self._add_config_tokens()
-        model = json.loads(self._hf.to_str())
-        self._byte_level = (model.get("decoder") or {}).get("type") == "ByteLevel"
+        self._byte_level = isinstance(self._hf.decoder, decoders.ByteLevel)
 
     @classmethod
     def from_artifact(cls, artifact) -> "Tokenizer":
@@ -70,8 +66,11 @@ class Tokenizer:
                 continue
             if self._hf.get_vocab_size(with_added_tokens=True) != token_id:
                 raise TokenizerError(f"added token {entry['content']!r} would not land at id {token_id}")
-            token = AddedToken(entry["content"], special=bool(entry.get("special", False)), normalized=False)
-            if entry.get("special", False):
+            special = bool(entry.get("special", False))
+            token = AddedToken(entry["content"], special=special, normalized=bool(entry.get("normalized", False)),
+                               lstrip=bool(entry.get("lstrip", False)), rstrip=bool(entry.get("rstrip", False)),
+                               single_word=bool(entry.get("single_word", False)))
+            if special:
                 self._hf.add_special_tokens([token])
             else:
                 self._hf.add_tokens([token])
