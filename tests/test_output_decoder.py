@@ -2,7 +2,7 @@
 
 import pytest
 
-from ninfer.frontend.output import FinishReason, OutputDecoder
+from ninfer.frontend.output import Delta, FinishReason, OutputDecoder
 
 STOP_ID, SPECIAL_ID = 1000, 1001
 
@@ -124,3 +124,46 @@ def test_reasoning_tokens_count_the_reasoning_channel():
     dec = make(thinking=True)
     run(dec, ids(b"ab") + [1002] + ids(b"c") + [STOP_ID])
     assert dec.reasoning_tokens == 3 and dec.generated_tokens == 5
+
+
+def test_speculative_round_ending_on_a_stop_string_accepts_only_up_to_the_completing_token():
+    dec = make(stop_strings=("END",))
+    delta, accepted = dec.push_many(ids(b"abEND") + ids(b"zz"))
+    assert (delta.content, delta.finish, accepted) == ("ab", FinishReason.STOP_STRING, 5)
+    assert dec.generated_tokens == 5
+
+
+def test_speculative_round_with_a_stop_token_counts_it_withholds_it_and_drops_the_rest():
+    dec = make()
+    delta, accepted = dec.push_many(ids(b"hi") + [STOP_ID] + ids(b"never"))
+    assert (delta.content, delta.finish, accepted, dec.generated_tokens) == ("hi", FinishReason.STOP_TOKEN, 3, 3)
+
+
+def test_speculative_round_crossing_think_close_counts_reasoning_per_token():
+    dec = make(thinking=True)
+    delta, accepted = dec.push_many(ids(b"hm") + [1002] + ids(b"\nok"))
+    assert (delta.reasoning, delta.content, accepted) == ("hm", "ok", 6)
+    assert dec.reasoning_tokens == 3 and dec.finished is None
+
+
+def test_speculative_round_without_a_stop_takes_every_token():
+    dec = make()
+    assert dec.push_many([]) == (Delta(), 0)
+    assert dec.push_many(ids(b"abc")) == (Delta(content="abc"), 3)
+
+
+def test_tokens_after_the_finish_are_an_error():
+    dec = make()
+    dec.push_many([STOP_ID])
+    with pytest.raises(RuntimeError):
+        dec.push_many(ids(b"x"))
+
+
+def test_stop_string_completed_first_wins_over_one_that_started_earlier():
+    # §4.9: earliest by (token that completes the match, byte offset, declaration order).
+    assert run(make(stop_strings=("END", "N")), ids(b"xEND")) == ("", "xE", FinishReason.STOP_STRING)
+
+
+def test_stop_string_never_matches_across_the_think_boundary():
+    toks = ids(b"abc</think>") + ids(b"def")
+    assert run(make(thinking=True, stop_strings=("cd",)), toks) == ("abc", "def", FinishReason.LENGTH)

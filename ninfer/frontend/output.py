@@ -1,14 +1,18 @@
 """Incremental output decoding of one request (ninfer-facts §4.9).
 
-Tokens go in one at a time; what comes out is reasoning and content text that is final: incomplete UTF-8, a partial
-`</think>` and a partial stop string are held back until resolved, so the concatenated deltas are the same whatever the
-chunking and never need to be taken back.
+Tokens go in one at a time (`push`) or a speculative round at a time (`push_many`); what comes out is reasoning and
+content text that is final: incomplete UTF-8, a partial `</think>` and a partial stop string are held back until
+resolved, so the concatenated deltas are the same whatever the chunking and never need to be taken back.
+
+Usage counts come from accepted tokens, not from re-tokenizing text: `generated_tokens` includes a withheld stop token,
+`reasoning_tokens` counts tokens accepted while the reasoning channel was open (the one completing `</think>` too).
 """
 
 from __future__ import annotations
 
 import codecs
 import enum
+from collections.abc import Sequence
 
 import attrs
 
@@ -99,6 +103,24 @@ class OutputDecoder:
         if delta.finish is not None:
             self.finished = delta.finish
         return delta
+
+    def push_many(self, token_ids: Sequence[int]) -> tuple[Delta, int]:
+        """Consume the tokens of one (speculative) round in order, stopping at the one that finishes the output.
+
+        Returns the merged delta and how many tokens were accepted: the engine commits exactly that prefix, so
+        tokens after a stop token or after the token that completed a stop string are neither counted nor decoded.
+        """
+        merged = Delta()
+        accepted = 0
+        for token_id in token_ids:
+            delta = self.push(token_id)
+            merged.reasoning += delta.reasoning
+            merged.content += delta.content
+            merged.finish = delta.finish
+            accepted += 1
+            if self.finished is not None:
+                break
+        return merged, accepted
 
     def finish(self, reason: FinishReason = FinishReason.LENGTH) -> Delta:
         """End the output (length limit): flush everything held, a dangling partial code point as U+FFFD."""
