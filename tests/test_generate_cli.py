@@ -73,6 +73,7 @@ def test_messages_file_with_system_turn(demo, capsys, tmp_path):
     (["--temperature", "3"], "temperature"),
     (["--max-context", "5"], "more than --max-context"),
     (["--stop", ""], "stop strings"),
+    (["--reasoning-effort", "low"], "not supported by the loaded chat template"),
 ])
 def test_bad_options_exit_1_with_a_message(demo, capsys, args, message):
     code, _, err = generate(capsys, demo, "--prompt", QUESTION, *args)

@@ -18,6 +18,7 @@ import numpy as np
 from ninfer.engine.sampler import Purpose, Sampler, SamplingParams, SamplingParamsError
 
 MESSAGE_KEYS = {"role", "content", "reasoning_content", "tool_calls", "tool_call_id"}
+MEDIA_PARTS = ("image", "image_url", "video", "video_url")
 GENERATION_CONFIG = "frontend/generation_config.json"
 
 
@@ -51,6 +52,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-stop", action="append", default=[], metavar="TEXT",
                    help="stop string in reasoning (repeatable)")
     p.add_argument("--no-thinking", action="store_true", help="render the prompt with thinking disabled")
+    p.add_argument("--reasoning-effort", metavar="LEVEL",
+                   help="a reasoning effort the model's chat template exposes (e.g. low, medium, xhigh), or none")
     p.add_argument("--raw-output", action="store_true",
                    help="print everything generated: no reasoning split, special and stop tokens included")
     p.add_argument("--print-token-ids", action="store_true", help="print the prompt and generated ids to stderr")
@@ -104,25 +107,12 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]
         unknown = set(msg) - MESSAGE_KEYS
         if unknown:
             raise UsageError(f"--messages: message {i} has unknown keys {sorted(unknown)}")
-        content = msg.get("content")
-        if isinstance(content, list):
-            msg["content"] = _join_text_parts(content, i)
-        elif content is not None and not isinstance(content, str):
-            raise UsageError(f"--messages: message {i} content must be a string or an array of parts")
+        parts = msg.get("content")
+        media = [p.get("type") for p in parts if isinstance(p, dict) and p.get("type") in MEDIA_PARTS] \
+            if isinstance(parts, list) else []
+        if media:
+            raise UsageError(f"--messages: message {i} has a {media[0]} part; media input needs vision support")
     return doc, tools
-
-
-def _join_text_parts(parts: list[Any], index: int) -> str:
-    texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("image", "image_url", "video", "video_url"):
-            raise UsageError(f"--messages: message {index} has a {kind} part; media input needs vision support")
-        else:
-            raise UsageError(f"--messages: message {index} has an unsupported content part {part!r}")
-    return "\n".join(texts)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -152,9 +142,8 @@ def _generate(args: argparse.Namespace) -> int:
         messages, tools = [{"role": "user", "content": args.prompt}], None
 
     from ninfer.artifact.reader import Artifact
-    from ninfer.frontend.chat import ChatTemplate, opens_thinking
     from ninfer.frontend.output import FinishReason, OutputDecoder
-    from ninfer.frontend.tokenizer import Tokenizer
+    from ninfer.frontend.prompt import PromptBuilder, resolve_options
     from ninfer.models.loader import build_model
 
     path = args.artifact
@@ -165,17 +154,19 @@ def _generate(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     artifact = Artifact.open(path)
     model = build_model(artifact)
-    tokenizer = Tokenizer.from_artifact(artifact)
-    template = ChatTemplate.from_artifact(artifact)
-    prompt = template.render(messages, tools=tools, add_generation_prompt=True, enable_thinking=not args.no_thinking)
-    prompt_ids = tokenizer.encode(prompt)
+    builder = PromptBuilder.from_artifact(artifact)
+    options = resolve_options(builder.capabilities, reasoning_effort=args.reasoning_effort,
+                              enable_thinking=False if args.no_thinking else None,
+                              effort_param="--reasoning-effort", thinking_param="--no-thinking")
+    prompt = builder.build(messages, options, tools=tools)
+    prompt_ids = list(prompt.ids)
     if len(prompt_ids) > args.max_context:
         raise UsageError(f"prompt has {len(prompt_ids)} tokens, more than --max-context {args.max_context}")
     print(f"loaded {artifact.model_id} from {path} in {time.perf_counter() - t_load:.2f} s", file=sys.stderr)
     if args.print_token_ids:
         print(f"prompt ids ({len(prompt_ids)}): {prompt_ids}", file=sys.stderr)
 
-    decoder = OutputDecoder(tokenizer, thinking=opens_thinking(prompt),
+    decoder = OutputDecoder(builder.tokenizer, thinking=prompt.thinking,
                             stop_ids=model_stop_ids(artifact) | set(args.stop_token_id), stop_strings=tuple(args.stop),
                             reasoning_stop_strings=tuple(args.reasoning_stop),
                             raw=args.raw_output)
