@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import enum
 import math
+import secrets
 
 import attrs
 import numpy as np
+
+from ninfer.targets.registry import SamplingDefaults
 
 _MASK64 = (1 << 64) - 1
 TOP_K_CAP = 20  # NInfer never samples outside the 20 best candidates
@@ -81,6 +84,33 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+@attrs.frozen(kw_only=True)
+class SamplingOverrides:
+    """Sampling fields one layer of configuration sets (a request, or the process flags); None leaves it open."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+
+def resolve_sampling(preset: SamplingDefaults, process: SamplingOverrides, request: SamplingOverrides, *,
+                     greedy: bool) -> SamplingParams:
+    """serving.md's precedence: request fields over process flags over the target's preset for the request's
+    thinking mode; `--greedy` finally forces temperature 0. The seed is the request's, else `--seed`, else fresh."""
+    values = attrs.asdict(preset)
+    for layer in (process, request):
+        values.update({name: value for name, value in attrs.asdict(layer).items()
+                       if value is not None and name != "seed"})
+    if greedy:
+        values["temperature"] = 0.0
+    seed = next((s for s in (request.seed, process.seed) if s is not None), None)
+    return SamplingParams(**values, seed=secrets.randbits(64) if seed is None else seed)
+
+
 def top_candidates(logits: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest logits, by logit descending and id ascending on ties."""
     k = min(k, logits.shape[0])
@@ -102,10 +132,20 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, position: int, purpose: Purpose) -> int:
         """Choose the next token from one row of logits (only rows [0, vocab_ids) are eligible)."""
+        if self.params.is_greedy:
+            return self.argmax(logits)
+        ids, weights = self.candidates(logits)
+        chosen = draw(ids, weights, uniform(self.params.seed, position, purpose))
+        self.count(chosen)
+        return chosen
+
+    def argmax(self, logits: np.ndarray) -> int:
+        return int(np.argmax(np.asarray(logits[: self.vocab_ids], dtype=np.float32)))  # the lowest id wins ties
+
+    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 2-6 of the pipeline: the kept candidate ids, best first, and their unnormalised fp32 weights."""
         x = np.asarray(logits[: self.vocab_ids], dtype=np.float32)
         p = self.params
-        if p.is_greedy:
-            return int(np.argmax(x))  # first maximum: the lowest id wins ties
         if p.penalties_active:
             x = x - np.float32(p.presence_penalty) * (self._counts > 0) - np.float32(p.frequency_penalty) * self._counts
             x = x.astype(np.float32)
@@ -123,10 +163,16 @@ class Sampler:
             if reached.size:
                 keep = min(keep, int(reached[0]) + 1)
         keep = max(keep, 1)
-        kept = weights[:keep]
-        cumulative = np.cumsum(kept, dtype=np.float32)
-        threshold = np.float32(uniform(p.seed, position, purpose)) * cumulative[-1]
-        chosen = int(ids[min(int(np.searchsorted(cumulative, threshold, side="right")), keep - 1)])
-        if p.penalties_active:
-            self._counts[chosen] += 1
-        return chosen
+        return ids[:keep], weights[:keep]
+
+    def count(self, token: int) -> None:
+        """Step 8: a token was generated (the penalties of later draws see it)."""
+        if self.params.penalties_active:
+            self._counts[token] += 1
+
+
+def draw(ids: np.ndarray, weights: np.ndarray, u: float) -> int:
+    """Step 7: inverse-CDF draw over the candidates with `u` in [0, 1) (weights need not be normalised)."""
+    cumulative = np.cumsum(weights, dtype=np.float32)
+    threshold = np.float32(u) * cumulative[-1]
+    return int(ids[min(int(np.searchsorted(cumulative, threshold, side="right")), len(ids) - 1)])

@@ -8,6 +8,7 @@ final RMSNorm and the head (the embedding itself when tied). Tensor names: `ninf
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import attrs
 import numpy as np
@@ -36,6 +37,8 @@ class _Layer:
 
 
 class LlamaModel:
+    has_mtp = False
+
     def __init__(self, dims: LlamaDims, weights: WeightSource) -> None:
         self.dims = dims
         d = dims
@@ -66,35 +69,53 @@ class LlamaModel:
     def new_state(self) -> LlamaState:
         return LlamaState(caches=[ops.KVCache(self.dims.kv_heads, self.dims.head_dim) for _ in self.layers])
 
+    @property
+    def mixer_kinds(self) -> tuple[str, ...]:
+        return (ops.ATTENTION,) * len(self.layers)
+
     def forward(self, state: LlamaState, token_ids: np.ndarray, *, logits: LogitsWanted = "last") -> ForwardResult:
         """Run `token_ids` as the continuation of `state` (prefill or decode alike) and advance it."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        start = state.position
+        positions = np.broadcast_to(np.arange(start, start + ids.size), (3, ids.size))
+        hidden = self.forward_batch(ids, positions, [ops.Segment(slice(0, ids.size), state.caches)])
+        state.position = start + ids.size
+        return ForwardResult(logits=self.logits(hidden if logits == "all" else hidden[-1:]), hidden=hidden)
+
+    def forward_batch(self, token_ids: np.ndarray, positions: np.ndarray,
+                      segments: Sequence[ops.Segment]) -> np.ndarray:
+        """Several sequences in one traversal: `token_ids [N]`, `positions [3, N]` (all axes equal: plain RoPE uses
+        the first), `segments` each continuing one sequence with its per-layer KV stores. Returns the hidden rows
+        after the final norm; every row is bitwise what it would be in any other batch or chunk."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
         if ids.min() < 0 or ids.max() >= self.dims.vocab_rows:
             raise ValueError(f"token ids must be in [0, {self.dims.vocab_rows})")
-        start = state.position
-        angles = ops.rope_angles(np.arange(start, start + ids.size), self._inv_freq)
+        angles = ops.rope_angles(np.asarray(positions)[0], self._inv_freq)
         x = self.embedding[ids]
-        for layer, cache in zip(self.layers, state.caches):
-            x = x + self._attention(layer, cache, ops.rms_norm(x, layer.input_norm, self.dims.rms_eps, offset=False),
-                                    angles, start)
+        for index, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.input_norm, self.dims.rms_eps, offset=False)
+            x = x + self._attention(layer, [(s.rows, s.layers[index]) for s in segments], h, angles)
             x = x + self._mlp(layer, ops.rms_norm(x, layer.post_attention_norm, self.dims.rms_eps, offset=False))
-        hidden = ops.rms_norm(x, self.final_norm, self.dims.rms_eps, offset=False)
-        state.position = start + ids.size
-        rows = hidden if logits == "all" else hidden[-1:]
-        return ForwardResult(logits=ops.linear(rows, self.head), hidden=hidden)
+        return ops.rms_norm(x, self.final_norm, self.dims.rms_eps, offset=False)
 
-    def _attention(self, layer: _Layer, cache: ops.KVCache, h: np.ndarray, angles: np.ndarray,
-                   start: int) -> np.ndarray:
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return ops.linear(hidden, self.head)
+
+    def _attention(self, layer: _Layer, parts: list[tuple[slice, ops.KVStore]], h: np.ndarray,
+                   angles: np.ndarray) -> np.ndarray:
         d = self.dims
         t = h.shape[0]
         qkv = ops.linear(h, layer.qkv)
-        q = qkv[:, : d.q_width].reshape(t, d.attn_heads, d.head_dim)
-        k = qkv[:, d.q_width : d.q_width + d.kv_width].reshape(t, d.kv_heads, d.head_dim)
+        q = ops.apply_rotary(qkv[:, : d.q_width].reshape(t, d.attn_heads, d.head_dim), angles)
+        k = ops.apply_rotary(qkv[:, d.q_width : d.q_width + d.kv_width].reshape(t, d.kv_heads, d.head_dim), angles)
         v = qkv[:, d.q_width + d.kv_width :].reshape(t, d.kv_heads, d.head_dim)
-        keys, values = cache.append(ops.apply_rotary(k, angles), v)
-        out = ops.causal_gqa_attention(ops.apply_rotary(q, angles), keys, values, start, self._scale)
+        out = np.empty_like(q)
+        for rows, cache in parts:
+            start = cache.length
+            keys, values = cache.append(k[rows], v[rows])
+            out[rows] = ops.causal_gqa_attention(q[rows], keys, values, start, self._scale)
         return ops.linear(out.reshape(t, d.q_width), layer.output)
 
     def _mlp(self, layer: _Layer, h: np.ndarray) -> np.ndarray:

@@ -4,20 +4,28 @@ SwiGLU or sparse MoE FFN, untied head, and the one-layer MTP draft head.
 Weights are read by ninfer name (§2.9). Dense models use the 27B inventory layout (separate `query_key` /
 `gate_value`, `gdn/query_key` / `gdn/value_z`, `mlp/*`), MoE models the 35B one (fused `query_key_gate_value`,
 `gdn/query_key_value_z`, `moe/*`), whatever their size. Fused objects are split by rows exactly as §2.9 lists them.
+
+Layers run over ragged batches: `Segment`s of rows that each continue one sequence with that sequence's own KV stores
+and recurrent states. The per-sequence `forward` is a one-segment batch, and the paged runner batches many.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, Sequence
 
 import attrs
 import numpy as np
 
-from ninfer.backends.cpu.gdn import causal_conv, gated_delta_rule
+from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rule
 from ninfer.backends.cpu.moe import MoeWeights, sparse_moe
 from ninfer.backends.cpu.ops import (
+    ATTENTION,
     F32,
+    RECURRENT,
     KVCache,
+    KVStore,
+    Segment,
     apply_rotary,
     causal_gqa_attention,
     l2_normalize,
@@ -45,6 +53,37 @@ def _get(weights: WeightSource, name: str, shape: tuple[int, ...]) -> np.ndarray
 class GdnState:
     conv: np.ndarray  # [conv_kernel - 1, channels]: the last RAW (pre-convolution) q|k|v columns, oldest first
     recurrent: np.ndarray  # [v_heads, k_dim, v_dim] fp32
+
+    def copy(self) -> "GdnState":
+        return GdnState(conv=self.conv.copy(), recurrent=self.recurrent.copy())
+
+
+@attrs.frozen
+class GdnColumns:
+    """A GdnState after each of T consecutive tokens: `conv [T, K-1, C]`, `recurrent [T, Hv, Dk, Dv]`."""
+
+    conv: np.ndarray
+    recurrent: np.ndarray
+
+    def state_after(self, column: int) -> GdnState:
+        return GdnState(conv=self.conv[column].copy(), recurrent=self.recurrent[column].copy())
+
+
+@attrs.frozen
+class MixerRows:
+    """The rows of one sequence inside a ragged batch, as one mixer layer sees them."""
+
+    rows: slice
+    state: KVStore | GdnState
+    record_columns: bool = False
+
+
+@attrs.frozen
+class DraftHead:
+    """§3.9: a shortlist of output-head rows; a proposal is the best shortlist row, mapped back to its token id."""
+
+    weight: np.ndarray  # [rows, hidden]
+    token_ids: np.ndarray  # [rows] int32
 
 
 @attrs.define
@@ -83,16 +122,21 @@ class GatedAttention:
     def new_state(self) -> KVCache:
         return KVCache(self.kv_heads, self.head_dim)
 
-    def __call__(self, h: np.ndarray, cache: KVCache, angles: np.ndarray) -> np.ndarray:
+    def __call__(self, h: np.ndarray, parts: Sequence[MixerRows],
+                 angles: np.ndarray) -> tuple[np.ndarray, list[None]]:
         t = h.shape[0]
         q, k, gate, v = np.split(linear(h, self.in_proj), self.splits, axis=1)
         q = rms_norm(q.reshape(t, self.heads, self.head_dim), self.query_norm, self.eps, offset=True)
         k = rms_norm(k.reshape(t, self.kv_heads, self.head_dim), self.key_norm, self.eps, offset=True)
         q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-        start = cache.length
-        keys, values = cache.append(k, v.reshape(t, self.kv_heads, self.head_dim))
-        attended = causal_gqa_attention(q, keys, values, start, 1.0 / np.sqrt(self.head_dim))
-        return linear(attended.reshape(t, -1) * sigmoid(gate), self.output)
+        v = v.reshape(t, self.kv_heads, self.head_dim)
+        attended = np.empty_like(q)
+        for part in parts:
+            r, cache = part.rows, part.state
+            start = cache.length
+            keys, values = cache.append(k[r], v[r])
+            attended[r] = causal_gqa_attention(q[r], keys, values, start, 1.0 / np.sqrt(self.head_dim))
+        return linear(attended.reshape(t, -1) * sigmoid(gate), self.output), [None] * len(parts)
 
 
 class GatedDeltaNet:
@@ -127,12 +171,21 @@ class GatedDeltaNet:
         return GdnState(conv=np.zeros((d.conv_kernel - 1, d.gdn_conv_channels), F32),
                         recurrent=np.zeros((d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim), F32))
 
-    def __call__(self, h: np.ndarray, state: GdnState, angles: np.ndarray) -> np.ndarray:
-        """`angles` is unused (GDN has no positions); mixers share one call signature."""
+    def __call__(self, h: np.ndarray, parts: Sequence[MixerRows],
+                 angles: np.ndarray) -> tuple[np.ndarray, list[GdnColumns | None]]:
+        """`angles` is unused (GDN has no positions); mixers share one call signature. Returns the output and, per
+        part that asked for them, its states after every column."""
         d, t = self.dims, h.shape[0]
         projected = linear(h, self.in_proj)
         mixed, z = projected[:, : d.gdn_conv_channels], projected[:, d.gdn_conv_channels :]
-        conv_out, state.conv = causal_conv(mixed, state.conv, self.conv)
+        conv_out = np.empty_like(mixed)
+        columns: list[GdnColumns | None] = []
+        for part in parts:
+            r, state = part.rows, part.state
+            conv_history = conv_histories(mixed[r], state.conv) if part.record_columns else None
+            conv_out[r], state.conv = causal_conv(mixed[r], state.conv, self.conv)
+            columns.append(None if conv_history is None else GdnColumns(
+                conv=conv_history, recurrent=np.empty((r.stop - r.start,) + state.recurrent.shape, F32)))
         q, k, v = np.split(silu(conv_out), self.splits, axis=1)
         # Each QK head serves v_heads / qk_heads consecutive V heads.
         repeat = d.gdn_v_heads // d.gdn_qk_heads
@@ -141,10 +194,15 @@ class GatedDeltaNet:
         q = q * F32(1.0 / np.sqrt(d.gdn_k_dim))  # the output scale, folded into q
         v = v.reshape(t, d.gdn_v_heads, d.gdn_v_dim)
         a, b = np.split(linear(h, self.ab_proj), 2, axis=1)
-        log_decay = self.neg_a * softplus(a + self.dt_bias)
-        out, state.recurrent = gated_delta_rule(q, k, v, log_decay, sigmoid(b), state.recurrent)
+        log_decay, beta = self.neg_a * softplus(a + self.dt_bias), sigmoid(b)
+        out = np.empty_like(v)
+        for part, recorded in zip(parts, columns):
+            r, state = part.rows, part.state
+            out[r], state.recurrent = gated_delta_rule(
+                q[r], k[r], v[r], log_decay[r], beta[r], state.recurrent,
+                column_states=None if recorded is None else recorded.recurrent)
         normed = rms_norm(out, self.norm, d.rms_eps, offset=False) * silu(z.reshape(t, d.gdn_v_heads, d.gdn_v_dim))
-        return linear(normed.reshape(t, -1), self.output)
+        return linear(normed.reshape(t, -1), self.output), columns
 
 
 class DenseMlp:
@@ -184,9 +242,11 @@ class DecoderLayer:
         self.post_attention_norm = _get(weights, prefix + "post_attention_norm", (dims.hidden,))
         self.mixer, self.ffn, self.eps = mixer, ffn, dims.rms_eps
 
-    def __call__(self, x: np.ndarray, state: KVCache | GdnState, angles: np.ndarray) -> np.ndarray:
-        x = x + self.mixer(rms_norm(x, self.input_norm, self.eps, offset=True), state, angles)
-        return x + self.ffn(rms_norm(x, self.post_attention_norm, self.eps, offset=True))
+    def __call__(self, x: np.ndarray, parts: Sequence[MixerRows],
+                 angles: np.ndarray) -> tuple[np.ndarray, list[GdnColumns | None]]:
+        mixed, columns = self.mixer(rms_norm(x, self.input_norm, self.eps, offset=True), parts, angles)
+        x = x + mixed
+        return x + self.ffn(rms_norm(x, self.post_attention_norm, self.eps, offset=True)), columns
 
 
 def _ffn(dims: QwenDims, weights: WeightSource, prefix: str) -> DenseMlp | SparseMoe:
@@ -226,11 +286,19 @@ class Qwen36Model:
         self.output_head = _get(weights, "text/output_head", (dims.vocab_rows, dims.hidden))
         self.mtp = MtpHead(dims, weights) if dims.mtp_layers > 0 else None
         self._inv_freq = rope_inv_freq(dims.rotary_dim, dims.rope_theta)
+        self._weights = weights  # the draft head is read only when speculative decoding asks for it
 
     # ---- target model ----
 
     def new_state(self) -> Qwen36State:
         return Qwen36State(layers=[layer.mixer.new_state() for layer in self.layers])
+
+    @property
+    def mixer_kinds(self) -> tuple[str, ...]:
+        return tuple(ATTENTION if isinstance(layer.mixer, GatedAttention) else RECURRENT for layer in self.layers)
+
+    def new_recurrent_state(self, layer: int) -> GdnState:
+        return self.layers[layer].mixer.new_state()
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.embedding[_token_ids(token_ids, self.dims.vocab_rows)]
@@ -247,15 +315,35 @@ class Qwen36Model:
                            logits: LogitsWanted = "last") -> ForwardResult:
         """`forward` from input embeddings `[T, hidden]` (where Vision output replaces media pad columns)."""
         positions = _positions(state.next_position, x.shape[0], positions)
-        angles = mrope_angles(positions, self._inv_freq, self.dims.mrope_section)
-        x = x.astype(F32, copy=False)
-        for layer, layer_state in zip(self.layers, state.layers):
-            x = layer(x, layer_state, angles)
+        hidden = self.forward_segments(x, positions, [Segment(slice(0, x.shape[0]), state.layers)])
         state.next_position = int(positions.max()) + 1
-        hidden = rms_norm(x, self.final_norm, self.dims.rms_eps, offset=True)
         return ForwardResult(logits=self._logits(hidden, logits), hidden=hidden)
 
+    def forward_batch(self, token_ids: np.ndarray, positions: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+        """Several sequences in one traversal (the paged runner's entry point): `token_ids [N]` with MRoPE
+        `positions [3, N]`, split into `segments` that each continue one sequence. Returns the hidden rows after the
+        final norm `[N, hidden]`; every row is bitwise what it would be in any other batch or chunk."""
+        return self.forward_segments(self.embed(token_ids), positions, segments)
+
+    def forward_segments(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+        angles = mrope_angles(positions, self._inv_freq, self.dims.mrope_section)
+        x = x.astype(F32, copy=False)
+        for index, layer in enumerate(self.layers):
+            x, columns = layer(x, _layer_parts(segments, index), angles)
+            for segment, recorded in zip(segments, columns):
+                if recorded is not None:
+                    segment.columns[index] = recorded
+        return rms_norm(x, self.final_norm, self.dims.rms_eps, offset=True)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Head rows `[N, vocab_rows]` for hidden rows after the final norm."""
+        return linear(hidden, self.output_head)
+
     # ---- MTP head ----
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
 
     def mtp_new_state(self) -> MtpState:
         return MtpState(cache=self._require_mtp().layer.mixer.new_state())
@@ -264,17 +352,39 @@ class Qwen36Model:
                     positions: np.ndarray | None = None, logits: LogitsWanted = "last") -> ForwardResult:
         """Fuse target hidden h_t `[T, hidden]` (after the final norm) with the embedding of token t+1, at h_t's
         position. `result.hidden` is the MTP output `d` (after `mtp/final_norm`), the `h` of the next draft step."""
-        mtp, eps = self._require_mtp(), self.dims.rms_eps
         if hidden.shape != (len(next_ids), self.dims.hidden):
             raise ValueError(f"hidden {hidden.shape} does not match {len(next_ids)} next ids")
+        positions = _positions(mtp_state.next_position, hidden.shape[0], positions)
+        d = self.mtp_forward_batch(hidden, next_ids, positions, [Segment(slice(0, len(next_ids)), [mtp_state.cache])])
+        mtp_state.next_position = int(positions.max()) + 1
+        return ForwardResult(logits=self._logits(d, logits), hidden=d)
+
+    def mtp_forward_batch(self, hidden: np.ndarray, next_ids: np.ndarray, positions: np.ndarray,
+                          segments: Sequence[Segment]) -> np.ndarray:
+        """The MTP layer over a ragged batch; each segment's `layers` is `[its MTP KV store]`. Returns `d [N, hidden]`."""
+        mtp, eps = self._require_mtp(), self.dims.rms_eps
         embedded = rms_norm(self.embed(next_ids), mtp.embedding_norm, eps, offset=True)
         carried = rms_norm(hidden, mtp.hidden_norm, eps, offset=True)
         u = linear(np.concatenate([embedded, carried], axis=1), mtp.input_projection)
-        positions = _positions(mtp_state.next_position, u.shape[0], positions)
-        u = mtp.layer(u, mtp_state.cache, mrope_angles(positions, self._inv_freq, self.dims.mrope_section))
-        mtp_state.next_position = int(positions.max()) + 1
-        d = rms_norm(u, mtp.final_norm, eps, offset=True)
-        return ForwardResult(logits=self._logits(d, logits), hidden=d)
+        angles = mrope_angles(positions, self._inv_freq, self.dims.mrope_section)
+        u, _ = mtp.layer(u, _layer_parts(segments, 0), angles)
+        return rms_norm(u, mtp.final_norm, eps, offset=True)
+
+    def draft_ids(self, d: np.ndarray, *, shortlist: bool) -> np.ndarray:
+        """Greedy MTP proposals for MTP outputs `d [N, hidden]`: argmax over the full head's token rows, or over the
+        §3.9 shortlist head when `shortlist` (and the artifact has one). MTP never samples."""
+        head = self.draft_head if shortlist else None
+        if head is None:
+            return np.argmax(self.logits(d)[:, : self.dims.vocab_ids], axis=1).astype(np.int32)
+        return head.token_ids[np.argmax(linear(d, head.weight), axis=1)]
+
+    @functools.cached_property
+    def draft_head(self) -> DraftHead | None:
+        """The optimized proposal head (`text/draft_head` + its token ids), when the weights carry one."""
+        if not (self._weights.has("text/draft_head") and self._weights.has("text/draft_head_token_ids")):
+            return None
+        ids = np.asarray(self._weights.get("text/draft_head_token_ids"), dtype=np.int32)
+        return DraftHead(weight=_get(self._weights, "text/draft_head", (len(ids), self.dims.hidden)), token_ids=ids)
 
     def _require_mtp(self) -> MtpHead:
         if self.mtp is None:
@@ -284,7 +394,11 @@ class Qwen36Model:
     def _logits(self, hidden: np.ndarray, wanted: LogitsWanted) -> np.ndarray:
         if wanted not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', not {wanted!r}")
-        return linear(hidden if wanted == "all" else hidden[-1:], self.output_head)
+        return self.logits(hidden if wanted == "all" else hidden[-1:])
+
+
+def _layer_parts(segments: Sequence[Segment], index: int) -> list[MixerRows]:
+    return [MixerRows(s.rows, s.layers[index], s.record_columns) for s in segments]
 
 
 def _token_ids(token_ids: np.ndarray, vocab_rows: int) -> np.ndarray:

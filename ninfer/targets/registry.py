@@ -42,23 +42,62 @@ SMOLLM2_135M_DIMS = LlamaDims(hidden=576, layers=30, vocab_rows=49152, vocab_ids
                               head_dim=64, intermediate=1536, rope_theta=100000.0, rms_eps=1e-5, tie_embeddings=True)
 
 
+@attrs.frozen(kw_only=True)
+class SamplingDefaults:
+    """One registered sampling preset (serving.md): what a request gets when neither it nor a process flag says."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class SamplingPresets:
+    """The presets of a target for the request's resolved thinking mode."""
+
+    thinking: SamplingDefaults
+    non_thinking: SamplingDefaults
+
+    def for_mode(self, thinking: bool) -> SamplingDefaults:
+        return self.thinking if thinking else self.non_thinking
+
+
+# serving.md: 27B / 3.8-27B thinking 1.0/0.95/20/0/0, non-thinking 0.7/0.80/20/0/1.5; 35B-A3B differs only in its
+# thinking presence penalty (1.5). Custom Qwen targets use the 27B presets; llama keeps the snapshot's one default.
+QWEN_27B_PRESETS = SamplingPresets(
+    thinking=SamplingDefaults(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0),
+    non_thinking=SamplingDefaults(temperature=0.7, top_p=0.80, top_k=20, min_p=0.0, presence_penalty=1.5))
+QWEN_35B_A3B_PRESETS = attrs.evolve(QWEN_27B_PRESETS,
+                                    thinking=attrs.evolve(QWEN_27B_PRESETS.thinking, presence_penalty=1.5))
+_LLAMA_DEFAULTS = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.0)
+LLAMA_PRESETS = SamplingPresets(thinking=_LLAMA_DEFAULTS, non_thinking=_LLAMA_DEFAULTS)
+
+
 @attrs.frozen
 class Target:
     model_id: str
     family: str  # "qwen3_6" | "llama"
     dims: ModelDims | None  # None: taken from the artifact's model/dimensions.json
     description: str
+    sampling: SamplingPresets
 
 
 TARGETS: dict[str, Target] = {
     t.model_id: t
     for t in (
-        Target("qwen3.6-27b", "qwen3_6", QWEN36_27B_DIMS, "Qwen3.6-27B (dense, 64 layers)"),
-        Target("qwen3.8-27b", "qwen3_6", QWEN36_27B_DIMS, "Qwen3.8-27B (same geometry as Qwen3.6-27B)"),
-        Target("qwen3.6-35b-a3b", "qwen3_6", QWEN36_35B_A3B_DIMS, "Qwen3.6-35B-A3B (MoE, 40 layers)"),
-        Target("qwen3.6-custom", "qwen3_6", None, "a Qwen3.5/3.6-architecture model of any size (tests)"),
-        Target("smollm2-135m-instruct", "llama", SMOLLM2_135M_DIMS, "SmolLM2-135M-Instruct (the bundled demo)"),
-        Target("llama-custom", "llama", None, "a llama-architecture model of any size (tests)"),
+        Target("qwen3.6-27b", "qwen3_6", QWEN36_27B_DIMS, "Qwen3.6-27B (dense, 64 layers)", QWEN_27B_PRESETS),
+        Target("qwen3.8-27b", "qwen3_6", QWEN36_27B_DIMS, "Qwen3.8-27B (same geometry as Qwen3.6-27B)",
+               QWEN_27B_PRESETS),
+        Target("qwen3.6-35b-a3b", "qwen3_6", QWEN36_35B_A3B_DIMS, "Qwen3.6-35B-A3B (MoE, 40 layers)",
+               QWEN_35B_A3B_PRESETS),
+        Target("qwen3.6-custom", "qwen3_6", None, "a Qwen3.5/3.6-architecture model of any size (tests)",
+               QWEN_27B_PRESETS),
+        Target("smollm2-135m-instruct", "llama", SMOLLM2_135M_DIMS, "SmolLM2-135M-Instruct (the bundled demo)",
+               LLAMA_PRESETS),
+        Target("llama-custom", "llama", None, "a llama-architecture model of any size (tests)", LLAMA_PRESETS),
     )
 }
 

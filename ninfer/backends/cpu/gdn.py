@@ -27,8 +27,16 @@ def causal_conv(x: np.ndarray, history: np.ndarray, weight: np.ndarray) -> tuple
     return y, extended[t:].copy()
 
 
+def conv_histories(x: np.ndarray, history: np.ndarray) -> np.ndarray:
+    """The `causal_conv` history after each of the T columns of `x`: `[T, K-1, C]` (for per-column snapshots)."""
+    keep = history.shape[0]
+    extended = np.concatenate([history.astype(F32, copy=False), x.astype(F32, copy=False)])
+    return np.stack([extended[t + 1 : t + 1 + keep] for t in range(x.shape[0])])
+
+
 def gated_delta_rule(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.ndarray, beta: np.ndarray, state: np.ndarray
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.ndarray, beta: np.ndarray, state: np.ndarray,
+    *, column_states: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule recurrence, one token at a time, vectorised over heads.
 
@@ -36,6 +44,7 @@ def gated_delta_rule(
     log_decay (g) and beta: `[T, H]`; state: `[H, Dk, Dv]`. Per token and head:
         S = exp(g) * S;  u = beta * (v - S^T k);  S = S + k u^T;  o = S^T q
     The decay is applied BEFORE the delta error is measured. Returns (`[T, H, Dv]` outputs, the new state).
+    `column_states` (`[T, H, Dk, Dv]`), when given, receives the state after each token.
     """
     s = state.astype(F32, copy=True)
     decay = np.exp(log_decay.astype(F32, copy=False))
@@ -46,4 +55,6 @@ def gated_delta_rule(
         update = beta[t][:, None] * (v[t] - predicted)
         s += k[t][:, :, None] * update[:, None, :]
         out[t] = np.matmul(q[t][:, None, :], s)[:, 0, :]
+        if column_states is not None:
+            column_states[t] = s
     return out, s

@@ -39,6 +39,7 @@ def sparse_moe(x: np.ndarray, w: MoeWeights, top_k: int) -> np.ndarray:
     inter = w.routed_gate_up.shape[1] // 2
     routed = np.zeros_like(x)
     # Expert by expert over the tokens that chose it; a token picks an expert at most once, so rows are unique.
+    # Each token sums its experts in ascending id order whatever else is in the batch (row invariance).
     for expert in np.unique(ids):
         rows, slot = np.nonzero(ids == expert)
         gate_up = linear(x[rows], w.routed_gate_up[expert])
@@ -46,4 +47,4 @@ def sparse_moe(x: np.ndarray, w: MoeWeights, top_k: int) -> np.ndarray:
         routed[rows] += weights[rows, slot][:, None] * linear(hidden, w.routed_down[expert])
     shared_inter = w.shared_gate_up.shape[0] // 2
     shared = swiglu(x, w.shared_gate_up[:shared_inter], w.shared_gate_up[shared_inter:], w.shared_down)
-    return routed + sigmoid(x @ w.shared_gate)[:, None] * shared
+    return routed + sigmoid(linear(x, w.shared_gate[None, :]))[:, :1] * shared

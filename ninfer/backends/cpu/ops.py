@@ -2,13 +2,22 @@
 
 All math is fp32 (reductions included) unless a function says otherwise. These are the numerical contracts the CUDA
 kernels are checked against, so each one is written for clarity first.
+
+Row invariance: every op computes each token row (each query, for attention) on its own, so a row's result is bitwise
+the same whether it runs alone, in a decode batch of other sequences, in a speculative verify block or inside any
+prefill chunk. The engine's determinism guarantees (greedy output independent of batch composition, of speculative
+decoding and of prefix reuse) rest on this.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
+import attrs
 import numpy as np
 
 F32 = np.float32
+ATTENTION, RECURRENT = "attention", "recurrent"  # mixer kinds: a KV store per sequence, or a carried state
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, offset: bool) -> np.ndarray:
@@ -53,8 +62,12 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """`x @ weight.T` for a `[out, in]` weight (the storage orientation of every matrix in an artifact)."""
-    return np.matmul(x.astype(F32, copy=False), weight.T)
+    """`x @ weight.T` for a `[out, in]` weight (the storage orientation of every matrix in an artifact).
+
+    Computed as a stack of one-row products: BLAS picks different kernels (and summation orders) for different row
+    counts, so a plain `[T, in] @ [in, out]` would make a row's result depend on how many rows ran with it.
+    """
+    return np.matmul(x.astype(F32, copy=False)[:, None, :], weight.T)[:, 0, :]
 
 
 def swiglu(x: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray) -> np.ndarray:
@@ -109,19 +122,45 @@ def causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_start: i
 
     q: `[T, Hq, D]` for absolute positions q_start..q_start+T-1; k, v: `[S, Hkv, D]` for positions 0..S-1 with
     S == q_start + T. Query head h reads KV head h // (Hq / Hkv). Returns `[T, Hq, D]`.
+    Each query attends over exactly its visible keys (no masked tail), so its result does not depend on T.
     """
     t, hq, d = q.shape
     s, hkv, _ = k.shape
     if s != q_start + t:
         raise ValueError(f"cache holds {s} positions, queries end at {q_start + t}")
     group = hq // hkv
-    qg = q.astype(F32, copy=False).reshape(t, hkv, group, d)
-    scores = np.einsum("tkgd,skd->kgts", qg, k.astype(F32, copy=False)) * F32(scale)
-    mask = np.arange(s)[None, :] > (q_start + np.arange(t))[:, None]
-    scores = np.where(mask[None, None], -np.inf, scores)
-    probs = softmax(scores, axis=-1)
-    out = np.einsum("kgts,skd->tkgd", probs, v.astype(F32, copy=False))
+    keys = k.astype(F32, copy=False).transpose(1, 2, 0)  # [Hkv, D, S]
+    values = v.astype(F32, copy=False).transpose(1, 0, 2)  # [Hkv, S, D]
+    queries = q.astype(F32, copy=False).reshape(t, hkv, group, d)
+    out = np.empty((t, hkv, group, d), dtype=F32)
+    for i in range(t):
+        visible = q_start + i + 1
+        scores = np.matmul(queries[i], keys[:, :, :visible]) * F32(scale)  # [Hkv, group, visible]
+        out[i] = np.matmul(softmax(scores, axis=-1), values[:, :visible, :])
     return out.reshape(t, hq, d)
+
+
+class KVStore(Protocol):
+    """Where an attention layer keeps one sequence's keys and values: a KVCache, or a paged view of a shared pool."""
+
+    @property
+    def length(self) -> int: ...
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@attrs.define
+class Segment:
+    """Consecutive rows of a ragged batch that continue one sequence, with that sequence's per-layer state.
+
+    `layers[i]` is layer i's KV store (attention) or recurrent state. With `record_columns`, recurrent layers also
+    leave their state after every row in `columns[i]` (a speculative verify can then keep any accepted prefix).
+    """
+
+    rows: slice
+    layers: list[Any]
+    record_columns: bool = False
+    columns: dict[int, Any] = attrs.Factory(dict)
 
 
 class KVCache:

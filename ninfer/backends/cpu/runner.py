@@ -1,0 +1,302 @@
+"""The CPU model runner: the reference implementation of `ninfer.engine.runner.ModelRunner` over the NumPy models.
+
+Attention KV lives in shared paged pools (`paged_kv`), recurrent state in per-lane objects. Every call runs the
+model once over a ragged batch (`forward_batch`), whose rows are computed independently of each other, so a lane's
+tokens do not depend on what else shares the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import attrs
+import numpy as np
+
+from ninfer.backends.cpu.ops import ATTENTION, Segment
+from ninfer.backends.cpu.paged_kv import PagedKVView, PagedLayerKV, kv_bytes_per_token
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.kv_pool import PAGE_TOKENS, plan_kv_pool
+from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
+                                  StateSource)
+from ninfer.engine.sampler import Purpose, Sampler
+from ninfer.engine.speculative import verify_drafts
+
+CHECKPOINT_SLOTS = 2  # the turn checkpoint and the response checkpoint
+
+
+class RunnerModel(Protocol):
+    """What the runner needs from a CPU model (Qwen36Model, LlamaModel)."""
+
+    dims: Any
+    mixer_kinds: tuple[str, ...]  # per layer: "attention" (paged KV) or "recurrent" (a state object)
+    has_mtp: bool
+
+    def new_recurrent_state(self, layer: int) -> Any: ...
+
+    def forward_batch(self, token_ids: np.ndarray, positions: np.ndarray,
+                      segments: Sequence[Segment]) -> np.ndarray: ...
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray: ...
+
+    def mtp_forward_batch(self, hidden: np.ndarray, next_ids: np.ndarray, positions: np.ndarray,
+                          segments: Sequence[Segment]) -> np.ndarray: ...
+
+    def draft_ids(self, d: np.ndarray, *, shortlist: bool) -> np.ndarray: ...
+
+
+def runner_kv_bytes_per_token(model: RunnerModel, kv_dtype: str, draft_tokens: int) -> int:
+    """Shared-pool bytes per token: every attention layer, plus the MTP layer when speculative decoding is on."""
+    layers = model.mixer_kinds.count(ATTENTION) + (1 if draft_tokens else 0)
+    return kv_bytes_per_token(layers, model.dims.kv_heads, model.dims.head_dim, kv_dtype)
+
+
+@attrs.frozen
+class _Checkpoint:
+    recurrent: dict[int, Any]
+    tail: np.ndarray
+
+
+@attrs.frozen
+class _Verify:
+    """The last speculative round of a lane: recurrent state and hidden row after each verify column."""
+
+    columns: dict[int, Any]
+    hidden: np.ndarray
+
+
+@attrs.define
+class _Lane:
+    recurrent: dict[int, Any]
+    checkpoints: list[_Checkpoint | None]
+    page_table: np.ndarray = attrs.Factory(lambda: np.zeros(0, np.int32))
+    tail: np.ndarray | None = None  # final-norm hidden row of token E-1
+    sampler: Sampler | None = None
+    drafts: np.ndarray | None = None  # k ready MTP proposals
+    verify: _Verify | None = None
+
+
+@attrs.frozen
+class _MtpRows:
+    """MTP columns first..first+n-1 of one lane: target hidden rows fused with the token after each."""
+
+    lane: _Lane
+    first: int
+    hidden: np.ndarray  # [n, hidden]
+    next_ids: np.ndarray  # [n]
+    positions: np.ndarray  # [3, n]
+
+
+class CpuRunner:
+    def __init__(self, model: RunnerModel, *, lanes: int, pages: int, kv_dtype: str = "bf16", draft_tokens: int = 0,
+                 lm_head_draft: bool = False) -> None:
+        if draft_tokens and not model.has_mtp:
+            raise ValueError("speculative decoding needs a model with an MTP head")
+        dims = model.dims
+        self._model = model
+        self._kv = {i: PagedLayerKV(pages, PAGE_TOKENS, dims.kv_heads, dims.head_dim, kv_dtype)
+                    for i, kind in enumerate(model.mixer_kinds) if kind == ATTENTION}
+        self._mtp_kv = PagedLayerKV(pages, PAGE_TOKENS, dims.kv_heads, dims.head_dim, kv_dtype) if draft_tokens else None
+        self._shortlist = lm_head_draft
+        self.info = RunnerInfo(lanes=lanes, pages=pages, page_tokens=PAGE_TOKENS, checkpoint_slots=CHECKPOINT_SLOTS,
+                               vocab_ids=dims.vocab_ids, draft_tokens=draft_tokens,
+                               kv_bytes_per_token=runner_kv_bytes_per_token(model, kv_dtype, draft_tokens))
+        self._lanes = [self._new_lane() for _ in range(lanes)]
+
+    # ---- state operations ----
+
+    def assign_pages(self, lane: int, page_table: np.ndarray) -> None:
+        self._lanes[lane].page_table = np.array(page_table, dtype=np.int32)
+
+    def begin_sequence(self, lane: int, start: SequenceStart) -> None:
+        state = self._lanes[lane]
+        if start.source is StateSource.RESET:
+            table = state.page_table
+            state = self._lanes[lane] = self._new_lane()
+            state.page_table = table
+        elif start.source is StateSource.CHECKPOINT:
+            checkpoint = state.checkpoints[start.checkpoint_slot]
+            if checkpoint is None:
+                raise ValueError(f"lane {lane} has no checkpoint in slot {start.checkpoint_slot}")
+            state.recurrent = {i: s.copy() for i, s in checkpoint.recurrent.items()}
+            state.tail = checkpoint.tail.copy()
+        state.sampler = Sampler(start.sampling, self.info.vocab_ids)
+        state.drafts = state.verify = None
+
+    def save_checkpoint(self, lane: int, slot: int) -> None:
+        state = self._lanes[lane]
+        if state.tail is None:
+            raise ValueError(f"lane {lane} has no materialized token to checkpoint")
+        state.checkpoints[slot] = _Checkpoint({i: s.copy() for i, s in state.recurrent.items()}, state.tail.copy())
+
+    def rewind(self, lane: int, kept: int) -> None:
+        state = self._lanes[lane]
+        if state.verify is None:
+            if kept != 1:
+                raise ValueError(f"lane {lane}: an ordinary round produced one token, cannot keep {kept}")
+            return
+        self._select_column(state, kept - 1)
+        state.drafts = None
+
+    def release(self, lane: int) -> None:
+        self._lanes[lane] = self._new_lane()
+
+    # ---- model calls ----
+
+    def prefill(self, chunk: PrefillChunk) -> PrefillResult:
+        lane, model = self._lanes[chunk.lane], self._model
+        count, start = len(chunk.token_ids), chunk.kv_length
+        hidden = np.zeros((0, model.dims.hidden), np.float32)
+        if count:
+            segment = Segment(slice(0, count), self._stores(lane, start))
+            hidden = model.forward_batch(chunk.token_ids, chunk.positions, [segment])
+        token = -1
+        if chunk.final:
+            last = hidden[-1] if count else lane.tail
+            if last is None:
+                raise ValueError(f"lane {chunk.lane}: nothing to sample from (empty chunk without a tail)")
+            token = lane.sampler.sample(model.logits(last[None])[0], start + count, Purpose.PREFILL)
+        drafts_ready = False
+        if self._mtp_kv is not None:
+            rows = self._prefill_mtp_rows(lane, chunk, hidden, token)
+            if rows is not None:
+                d = self._run_mtp([rows])[0]
+                if chunk.final and self._affords_a_round(chunk.remaining - 1):
+                    last_column = rows.first + len(rows.next_ids) - 1
+                    self._prepare_drafts([(lane, d[-1], last_column, int(rows.positions[0, -1]))])
+                    drafts_ready = True
+        if count:
+            lane.tail = hidden[-1].copy()
+        lane.verify = None
+        return PrefillResult(token=token, drafts_ready=drafts_ready)
+
+    def decode(self, batch: DecodeBatch) -> DecodeResult:
+        model, k = self._model, self.info.draft_tokens
+        lanes = [self._lanes[i] for i in batch.lanes]
+        segments, ids, positions, row = [], [], [], 0
+        for b, lane in enumerate(lanes):
+            columns = [int(batch.input_tokens[b])]
+            if batch.speculative[b]:
+                if lane.drafts is None or batch.remaining[b] < k + 1:
+                    raise ValueError(f"lane {batch.lanes[b]} cannot verify: no drafts or too little output budget")
+                columns += [int(t) for t in lane.drafts]
+            n = len(columns)
+            segments.append(Segment(slice(row, row + n), self._stores(lane, int(batch.kv_lengths[b])),
+                                    record_columns=bool(batch.speculative[b])))
+            ids += columns
+            positions.append(batch.positions[b] + np.arange(n))
+            row += n
+        positions = np.broadcast_to(np.concatenate(positions), (3, row))
+        hidden = model.forward_batch(np.array(ids, np.int32), positions, segments)
+        logits = model.logits(hidden)
+
+        size = batch.size
+        tokens, counts = np.zeros((size, k + 1), np.int32), np.zeros(size, np.int32)
+        accepted, drafts_ready = np.zeros(size, np.int32), np.zeros(size, bool)
+        mtp_rows = []
+        for b, (lane, segment) in enumerate(zip(lanes, segments)):
+            r, start = segment.rows, int(batch.kv_lengths[b])
+            if batch.speculative[b]:
+                accepted[b], produced = verify_drafts(logits[r], lane.drafts, lane.sampler, start)
+                lane.verify = _Verify(segment.columns, hidden[r].copy())
+                self._select_column(lane, int(accepted[b]))
+            else:
+                produced = [lane.sampler.sample(logits[r.start], start, Purpose.DECODE)]
+                lane.verify, lane.tail = None, hidden[r.start].copy()
+            lane.drafts = None
+            n = len(produced)
+            tokens[b, :n], counts[b] = produced, n
+            if self._mtp_kv is not None:
+                mtp_rows.append(_MtpRows(lane, start, hidden[r][:n], np.array(produced, np.int32),
+                                         np.broadcast_to(batch.positions[b] + np.arange(n), (3, n))))
+        if mtp_rows:
+            outputs = self._run_mtp(mtp_rows)
+            wanted = []
+            for b, (rows, d) in enumerate(zip(mtp_rows, outputs)):
+                if batch.speculative[b] and self._affords_a_round(batch.remaining[b] - counts[b]):
+                    last_column = rows.first + counts[b] - 1
+                    wanted.append((rows.lane, d[-1], last_column, int(rows.positions[0, -1])))
+                    drafts_ready[b] = True
+            if wanted:
+                self._prepare_drafts(wanted)
+        return DecodeResult(tokens=tokens, counts=counts, accepted=accepted, drafts_ready=drafts_ready)
+
+    # ---- internals ----
+
+    def _affords_a_round(self, remaining: int) -> bool:
+        """Drafts are worth preparing only when the output budget left can take a whole verify round (k + 1)."""
+        return remaining >= self.info.draft_tokens + 1
+
+    def _new_lane(self) -> _Lane:
+        kinds = self._model.mixer_kinds
+        recurrent = {i: self._model.new_recurrent_state(i) for i, kind in enumerate(kinds) if kind != ATTENTION}
+        return _Lane(recurrent=recurrent, checkpoints=[None] * CHECKPOINT_SLOTS)
+
+    def _stores(self, lane: _Lane, kv_length: int) -> list[Any]:
+        return [PagedKVView(self._kv[i], lane.page_table, kv_length) if i in self._kv else lane.recurrent[i]
+                for i in range(len(self._model.mixer_kinds))]
+
+    def _select_column(self, lane: _Lane, column: int) -> None:
+        """Keep the state after verify column `column`: the accepted prefix of the last speculative round."""
+        lane.recurrent = {i: lane.verify.columns[i].state_after(column) for i in lane.recurrent}
+        lane.tail = lane.verify.hidden[column].copy()
+
+    def _prefill_mtp_rows(self, lane: _Lane, chunk: PrefillChunk, hidden: np.ndarray, token: int) -> _MtpRows | None:
+        """MTP columns of a prefill chunk: one behind the target (column j needs token j+1), starting with the bridge
+        column E-1 from the tail; a final chunk also covers its last column with the sampled token."""
+        start = chunk.kv_length
+        next_ids = np.append(chunk.token_ids, token) if chunk.final else chunk.token_ids
+        rows_hidden, positions = hidden, chunk.positions
+        if start > 0:
+            rows_hidden = np.concatenate([lane.tail[None], hidden])
+            positions = np.concatenate([chunk.tail_position[:, None], positions], axis=1)
+        else:
+            next_ids = next_ids[1:]
+        n = len(next_ids)
+        if n == 0:
+            return None
+        return _MtpRows(lane, start - 1 if start > 0 else 0, rows_hidden[:n], next_ids, positions[:, :n])
+
+    def _run_mtp(self, items: list[_MtpRows]) -> list[np.ndarray]:
+        segments, row = [], 0
+        for item in items:
+            n = len(item.next_ids)
+            segments.append(Segment(slice(row, row + n), [PagedKVView(self._mtp_kv, item.lane.page_table, item.first)]))
+            row += n
+        d = self._model.mtp_forward_batch(np.concatenate([i.hidden for i in items]),
+                                          np.concatenate([i.next_ids for i in items]),
+                                          np.concatenate([i.positions for i in items], axis=1), segments)
+        return [d[s.rows] for s in segments]
+
+    def _prepare_drafts(self, wanted: list[tuple[_Lane, np.ndarray, int, int]]) -> None:
+        """k greedy proposals per lane from the MTP output of its last aligned column (`last_column`, at rope
+        position `position`): draft 0 from that output, then k-1 autoregressive MTP steps (§3.8)."""
+        model, k = self._model, self.info.draft_tokens
+        d = np.stack([w[1] for w in wanted])
+        drafts = np.zeros((len(wanted), k), np.int32)
+        drafts[:, 0] = model.draft_ids(d, shortlist=self._shortlist)
+        for step in range(1, k):
+            segments = [Segment(slice(j, j + 1), [PagedKVView(self._mtp_kv, lane.page_table, column + step)])
+                        for j, (lane, _, column, _) in enumerate(wanted)]
+            positions = np.broadcast_to(np.array([p + step for *_, p in wanted]), (3, len(wanted)))
+            d = model.mtp_forward_batch(d, drafts[:, step - 1], positions, segments)
+            drafts[:, step] = model.draft_ids(d, shortlist=self._shortlist)
+        for (lane, *_), row in zip(wanted, drafts):
+            lane.drafts = row
+
+
+def runner_state_bytes(model: RunnerModel, lanes: int, draft_tokens: int) -> int:
+    """Fixed per-lane recurrent state: the running copy, the checkpoint slots and one copy per verify column."""
+    one = sum(array.nbytes for i, kind in enumerate(model.mixer_kinds) if kind != ATTENTION
+              for array in attrs.astuple(model.new_recurrent_state(i)))
+    return lanes * one * (1 + CHECKPOINT_SLOTS + (draft_tokens + 1 if draft_tokens else 0))
+
+
+def build_cpu_runner(model: RunnerModel, config: EngineConfig, *, memory_budget: int | None = None) -> CpuRunner:
+    """The CPU runner for an engine configuration, its pool sized by `plan_kv_pool`. `memory_budget` (bytes left
+    after the weights) is what `--kv-capacity auto` sizes from, after the runner's fixed lane state."""
+    plan = plan_kv_pool(kv_capacity=config.kv_capacity, max_context=config.max_context,
+                        lanes=config.max_concurrency, memory_budget=memory_budget,
+                        reserved_bytes=runner_state_bytes(model, config.max_concurrency, config.draft_tokens),
+                        bytes_per_token=runner_kv_bytes_per_token(model, config.kv_dtype, config.draft_tokens))
+    return CpuRunner(model, lanes=config.max_concurrency, pages=plan.pages, kv_dtype=config.kv_dtype,
+                     draft_tokens=config.draft_tokens, lm_head_draft=config.lm_head_draft)

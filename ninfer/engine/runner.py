@@ -1,0 +1,153 @@
+"""The model-runner interface: everything the engine asks of a backend, and nothing more.
+
+The engine decides *what* runs (admission, page allocation, prefix reuse, chunking, batching, output acceptance);
+a runner decides *how* (device memory, kernels, graphs). The CPU runner (`ninfer.backends.cpu.runner`) is the
+reference; the CUDA runner implements the same calls with device buffers and one CUDA graph per exact batch size.
+
+Shape of the contract
+---------------------
+* Lanes. A runner is built for `lanes` (1..8) sequence slots. A lane holds one sequence's device state: the
+  recurrent (Gated DeltaNet conv + SSM) running state, `checkpoint_slots` checkpoint copies of it (each with the
+  final-norm hidden row of the token before it), the hidden row of the last materialized token ("tail"), the
+  sampler's per-request state (penalty counts), the MTP draft window, and the per-column state of its last verify.
+  All of it is addressed by lane index: the engine never sees a tensor.
+* Pages. Attention KV (every full-attention layer, and the MTP layer when speculative decoding is on) lives in one
+  shared pool of `pages` pages of `page_tokens` tokens. A lane's page table is an int32 array of page ids, set by
+  `assign_pages`; token i of the sequence is at page `table[i // page_tokens]`, offset `i % page_tokens`. The engine
+  owns the allocator and guarantees no page is in two live tables; a runner only reads and writes through tables.
+* Frontier bookkeeping. `E` (execution frontier) is the number of tokens whose KV and recurrent state are
+  materialized. The engine passes E (`kv_length`) and rope positions with every call, so the runner keeps no
+  ledger. After every call that produced tokens, the MTP KV of a speculative runner covers the same E tokens
+  (column j fuses hidden h_j with token j+1), so a later request can bridge from the tail or a checkpoint.
+* Calls are coarse: one per prefill chunk of one lane, one per decode round for the whole decode batch (ordinary
+  and speculative rows together; a CUDA runner may replay one exact-size graph per row kind), plus cheap state
+  operations between rounds. Per-round inputs are small int32 arrays (CUDA: copied into fixed device buffers before
+  a graph replay); nothing is a Python object per token.
+* Sampling runs inside the runner (§4.8 pipeline, counter-based RNG keyed by seed, position and purpose), and so do
+  the §4.7 speculative accept rules, so a round returns token ids, never logits.
+
+Determinism: a row's logits must not depend on which other rows share its call (batch, verify block or prefill
+chunk). Greedy output is then identical alone or batched, with or without speculative decoding or prefix reuse.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import attrs
+import numpy as np
+
+from ninfer.engine.sampler import SamplingParams
+
+
+class StateSource(enum.Enum):
+    """Where a new sequence's running state comes from (`begin_sequence`)."""
+
+    RESET = "reset"  # zero state: the sequence starts at token 0
+    RESIDENT = "resident"  # keep the lane's running state and tail: continue at its frontier (append)
+    CHECKPOINT = "checkpoint"  # copy checkpoint `slot` (state + hidden row) back into the running state
+
+
+@attrs.frozen(kw_only=True)
+class RunnerInfo:
+    lanes: int
+    pages: int
+    page_tokens: int
+    checkpoint_slots: int
+    vocab_ids: int
+    draft_tokens: int  # k of MTP speculative decoding; 0 when off
+    kv_bytes_per_token: int  # shared-pool bytes one token takes (all attention layers, MTP included)
+
+
+@attrs.frozen(kw_only=True)
+class SequenceStart:
+    source: StateSource
+    sampling: SamplingParams  # the request's resolved sampler; its penalty counts start empty
+    checkpoint_slot: int = -1  # with StateSource.CHECKPOINT
+
+
+def _int32(value) -> np.ndarray:
+    return np.ascontiguousarray(value, dtype=np.int32)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillChunk:
+    """Prompt tokens kv_length..kv_length+T-1 of one lane.
+
+    A `final` chunk samples the first output token (RNG position = prompt length, purpose Prefill) from its last
+    column, or from the lane's tail when T == 0 (the whole prompt was reused). A speculative runner also runs the
+    MTP head over the chunk, starting one column early (the bridge column kv_length-1 fuses the tail hidden with the
+    chunk's first token), and after a final chunk prepares k drafts when `remaining - 1 >= k + 1`.
+    """
+
+    lane: int
+    token_ids: np.ndarray = attrs.field(converter=_int32, eq=False)  # [T]
+    positions: np.ndarray = attrs.field(converter=_int32, eq=False)  # [3, T] rope positions
+    kv_length: int  # E before the chunk
+    tail_position: np.ndarray = attrs.field(converter=_int32, eq=False)  # [3]: position of token E-1
+    final: bool
+    remaining: int  # output tokens the request may still produce, before this chunk's token
+
+
+@attrs.frozen
+class PrefillResult:
+    token: int  # the sampled first output token, -1 for a non-final chunk
+    drafts_ready: bool
+
+
+@attrs.frozen(kw_only=True)
+class DecodeBatch:
+    """One decode round over B lanes.
+
+    Row b feeds `input_tokens[b]` at KV index `kv_lengths[b]` and rope position `positions[b]` (all three axes).
+    An ordinary row samples one token (RNG position = kv_length, purpose Decode). A `speculative` row verifies the
+    lane's k ready drafts in the same traversal (T = k+1 columns; requires `remaining >= k + 1`), keeps the state after
+    the accepted prefix and returns A+1 tokens. A speculative runner keeps every row's MTP KV aligned, and prepares
+    the next drafts for speculative rows that can afford another round (`remaining - produced >= k + 1`).
+    """
+
+    lanes: np.ndarray = attrs.field(converter=_int32, eq=False)
+    input_tokens: np.ndarray = attrs.field(converter=_int32, eq=False)
+    kv_lengths: np.ndarray = attrs.field(converter=_int32, eq=False)
+    positions: np.ndarray = attrs.field(converter=_int32, eq=False)
+    speculative: np.ndarray = attrs.field(converter=lambda v: np.ascontiguousarray(v, dtype=bool), eq=False)
+    remaining: np.ndarray = attrs.field(converter=_int32, eq=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.lanes)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeResult:
+    tokens: np.ndarray = attrs.field(eq=False)  # int32 [B, k+1]; row b's tokens are tokens[b, :counts[b]]
+    counts: np.ndarray = attrs.field(eq=False)  # int32 [B]: 1 for an ordinary row, A+1 for a speculative one
+    accepted: np.ndarray = attrs.field(eq=False)  # int32 [B]: drafts accepted (A), 0 for ordinary rows
+    drafts_ready: np.ndarray = attrs.field(eq=False)  # bool [B]: drafts prepared for the next round
+
+
+class ModelRunner(Protocol):
+    info: RunnerInfo
+
+    def assign_pages(self, lane: int, page_table: np.ndarray) -> None:
+        """Set the lane's page table (int32 page ids, in token order). Pages keep their contents: a table that keeps
+        a prefix of the old one keeps that prefix's KV."""
+
+    def begin_sequence(self, lane: int, start: SequenceStart) -> None:
+        """Start a request on the lane: choose its running state (reset, resident, or a checkpoint), install its
+        sampler with empty penalty counts, and forget drafts and verify columns."""
+
+    def save_checkpoint(self, lane: int, slot: int) -> None:
+        """Copy the running recurrent state and the tail hidden row into checkpoint `slot` (the lane's state at E)."""
+
+    def prefill(self, chunk: PrefillChunk) -> PrefillResult: ...
+
+    def decode(self, batch: DecodeBatch) -> DecodeResult: ...
+
+    def rewind(self, lane: int, kept: int) -> None:
+        """Commit only the first `kept` tokens of the lane's last decode round (a stop inside a speculative round):
+        the running state and tail become those after verify column kept-1, so E = round E + kept is exact."""
+
+    def release(self, lane: int) -> None:
+        """Forget the lane's sequence (cancelled or evicted): its state, checkpoints, sampler and page table."""
