@@ -182,9 +182,3 @@ class KVCache:
         self._v[self.length : end] = v
         self.length = end
         return self._k[:end], self._v[:end]
-
-    def truncate(self, length: int) -> None:
-        """Forget positions >= length (rejected speculative tokens, prefix reuse)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.length = length
