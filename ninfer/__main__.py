@@ -1,4 +1,5 @@
-"""`python -m ninfer ...`: the command-line entry point (the server joins here with the HTTP issue)."""
+"""`python -m ninfer [ARTIFACT] [options]`: the server (the demo model without ARTIFACT);
+`python -m ninfer generate|convert|inspect ...`: the other commands."""
 
 from ninfer.cli.main import main
 

@@ -19,7 +19,6 @@ from ninfer.engine.sampler import Purpose, Sampler, SamplingParams, SamplingPara
 
 MESSAGE_KEYS = {"role", "content", "reasoning_content", "tool_calls", "tool_call_id"}
 MEDIA_PARTS = ("image", "image_url", "video", "video_url")
-GENERATION_CONFIG = "frontend/generation_config.json"
 
 
 class UsageError(ValueError):
@@ -123,16 +122,6 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
                           seed=args.seed)
 
 
-def model_stop_ids(artifact) -> set[int]:
-    """The generation_config's eos_token_id (an id or a list): the model's default stop tokens."""
-    if GENERATION_CONFIG not in artifact:
-        return set()
-    eos = json.loads(artifact.resource(GENERATION_CONFIG)).get("eos_token_id")
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
-
-
 def _generate(args: argparse.Namespace) -> int:
     _check_options(args)
     sampling = _sampling(args)
@@ -142,6 +131,7 @@ def _generate(args: argparse.Namespace) -> int:
         messages, tools = [{"role": "user", "content": args.prompt}], None
 
     from ninfer.artifact.reader import Artifact
+    from ninfer.frontend.generation_config import model_stop_ids
     from ninfer.frontend.output import FinishReason, OutputDecoder
     from ninfer.frontend.prompt import PromptBuilder, resolve_options
     from ninfer.models.loader import build_model

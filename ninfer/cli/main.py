@@ -1,4 +1,5 @@
-"""`ninfer COMMAND ...`: one module per command, each registering its own sub-parser."""
+"""`ninfer [ARTIFACT] [serve options]` serves; `ninfer COMMAND ...` runs one of the other commands, each module
+registering its own sub-parser. `--help` is the server's (it lists the other commands)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import sys
 
 from ninfer import __version__
+
+COMMANDS = ("generate", "convert", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,5 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args) or 0)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and (argv[0] in COMMANDS or argv[0] == "--version"):
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    from ninfer.cli import serve
+
+    return serve.main(argv)

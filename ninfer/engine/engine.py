@@ -20,7 +20,7 @@ from ninfer.engine.prefix import PrefixStats
 from ninfer.engine.request import (FinishReason, OutputPolicy, PreparedPrompt, RequestEvent, RequestOptions,
                                    StopTokenPolicy, Usage)
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.sampler import resolve_sampling
+from ninfer.engine.sampler import SamplingParams, resolve_sampling
 from ninfer.engine.scheduler import Scheduler, SchedulerSnapshot, ThroughputCounters
 from ninfer.targets.registry import SamplingPresets
 
@@ -41,6 +41,8 @@ class Completion:
 class RequestHandle:
     def __init__(self, request_id: int, engine: Engine) -> None:
         self.id = request_id
+        self.sampling: SamplingParams | None = None  # resolved at submit (the request log records it)
+        self.output_budget = 0  # the effective output limit: min(max_tokens, max_context - prompt + 1)
         self.events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
         self._engine = engine
 
@@ -98,14 +100,18 @@ class Engine:
 
     def submit(self, prompt: PreparedPrompt, options: RequestOptions = RequestOptions(),
                policy: OutputPolicy | None = None, *,
-               on_event: Callable[[RequestEvent], None] | None = None) -> RequestHandle:
+               on_event: Callable[[RequestEvent], None] | None = None,
+               on_admit: Callable[[], None] | None = None) -> RequestHandle:
         """Queue a request (FIFO). Invalid prompts and sampling values raise here, before anything is queued.
-        Without a policy only the output limit and the context end the request."""
+        Without a policy only the output limit and the context end the request. `on_admit` runs on the engine
+        thread (it must not block) when the request leaves the queue for a lane, before its first event."""
         sampling = resolve_sampling(self._presets.for_mode(prompt.thinking), self.config.sampling, options.sampling,
                                     greedy=self.config.greedy)
         handle = RequestHandle(next(self._ids), self)
         request = self._scheduler.new_request(handle.id, prompt, options.max_tokens, sampling,
                                               policy or StopTokenPolicy(), on_event or handle.events.put)
+        request.on_admit = on_admit
+        handle.sampling, handle.output_budget = sampling, request.budget
         self._commands.put(("submit", request))
         return handle
 

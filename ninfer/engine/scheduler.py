@@ -51,6 +51,7 @@ class Request:
     budget: int  # effective output tokens: min(max_tokens, max_context - prompt + 1)
     limit_reason: FinishReason  # why the request ends when the budget runs out
     counters: SpeculativeCounters | None
+    on_admit: Callable[[], None] | None = None  # told on the engine thread when the request takes a lane
     submitted: float = attrs.Factory(time.perf_counter)
     phase: Phase = Phase.WAITING
     lane: Lane | None = None
@@ -240,6 +241,8 @@ class Scheduler:
         request.lane, request.plan, request.cursor = lane, plan, plan.frontier
         request.phase, request.admitted = Phase.PREFILL, time.perf_counter()
         request.capture = checkpoint_to_capture(prompt, plan)
+        if request.on_admit is not None:
+            request.on_admit()
         self.prefix.record(plan, len(prompt),
                            deferred=request.capture is None and desired_checkpoint(prompt) is not None)
         if request.capture is not None and request.capture.position == plan.frontier:

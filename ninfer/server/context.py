@@ -8,7 +8,7 @@ its body with `ninfer.protocol`, prepares the prompt with the frontend, runs the
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Mapping, Protocol
 
 import attrs
 
@@ -84,6 +84,16 @@ class ServerContext(Protocol):
     prompt_builder: Any  # ninfer.frontend.prompt.PromptBuilder for the loaded artifact
     stop_ids: frozenset[int]  # the model's default stop tokens (generation_config eos ids)
     max_context: int
+    started_unix: int  # when the server started serving (the model objects' `created`)
+
+    def begin_preparation(self, *, api: str, shape: Mapping[str, Any] | None = None) -> None:
+        """Call after schema and model validation, just before preparing the prompt. The request takes its
+        capacity slot here (ApiError 429 server_overloaded when full, 503 server_shutting_down while the server
+        drains) and its request id; an ApiError raised after this is logged as request_rejected (phase "prepare").
+        `shape` describes the request for the log without its content, e.g. {"stream": true, "messages": 3,
+        "tools": 1, "media_items": 0}. Optional: `generate` begins preparation itself when a handler did not (then
+        the preparation is neither counted against capacity nor logged as such)."""
+        ...
 
     def generate(self, prompt: PreparedPrompt, options: RequestOptions, policy: OutputPolicy, *,
                  api: str) -> AsyncIterator[RequestEvent]:

@@ -1,0 +1,167 @@
+"""What startup builds before the first request is served: the checks of what this build can do, the model stack
+(artifact -> model -> CPU runner -> Engine, and the prompt builder), and the warm-up generation."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ninfer.artifact.reader import Artifact
+from ninfer.engine.engine import Engine
+from ninfer.engine.request import PreparedPrompt, RequestOptions, StopTokenPolicy
+from ninfer.frontend.generation_config import model_stop_ids
+from ninfer.frontend.prompt import PromptBuilder, PromptOptions
+from ninfer.nursery.engine_bridge import submit
+from ninfer.nursery.options import ServeOptions
+from ninfer.targets.registry import Target, lookup_target
+
+log = logging.getLogger(__name__)
+
+WARM_UP_MESSAGE = "hi"
+WARM_UP_TOKENS = 4
+FP32_BYTES = 4  # the CPU models dequantize every weight to fp32
+
+
+class StartupError(RuntimeError):
+    """The server cannot start; the message says why (an artifact it cannot serve, a KV pool that cannot work...)."""
+
+
+def unsupported_options(options: ServeOptions) -> list[str]:
+    """Options the parser accepts but this build (the CPU backend) cannot honour, each with what is missing.
+    --no-cuda-graph needs nothing (the CPU backend has no graphs), and the default cold tier is simply inactive
+    without secondary GPUs (serving.md: the tier is best-effort)."""
+    problems = []
+    if options.device != 0:
+        problems.append(f"--device {options.device} needs the CUDA backend, which this build does not have "
+                        f"(the CPU backend stands in for device 0 only)")
+    if options.vision:
+        problems.append("--vision needs the Vision runtime (media input), which this build does not have")
+    if options.spec == "dflash":
+        problems.append("--spec dflash needs the DFlash drafter, which this build does not have")
+    if options.cold_tier_device >= 0 and not options.no_cold_tier:
+        problems.append(f"--cold-tier-device {options.cold_tier_device} needs a secondary CUDA device; the CPU "
+                        f"backend has none (use the default -1 or --no-cold-tier)")
+    return problems
+
+
+def weights_bytes(artifact: Artifact) -> int:
+    """Resident weight bytes once the CPU model has dequantized every tensor."""
+    return sum(math.prod(entry.shape) * FP32_BYTES for entry in artifact.objects if entry.kind == "tensor")
+
+
+def available_memory_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@attrs.frozen(kw_only=True)
+class ModelStack:
+    artifact_path: Path
+    artifact: Artifact
+    target: Target
+    model: Any
+    runner: Any  # the CPU runner the engine drives
+    engine: Engine  # not started
+    prompt_builder: PromptBuilder
+    stop_ids: frozenset[int]
+    public_model_id: str
+    weights_bytes: int
+    memory_budget: int | None  # what --kv-capacity auto sized the KV pool from (None otherwise)
+    load_seconds: float
+
+
+def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
+    """Open the artifact and build everything that serves it (blocking; run it off the trio thread)."""
+    from ninfer.backends.cpu.runner import build_cpu_runner
+    from ninfer.models.loader import build_model
+
+    began = time.perf_counter()
+    try:
+        artifact = Artifact.open(artifact_path)
+        target = lookup_target(artifact.model_id)
+        model = build_model(artifact)
+        builder = PromptBuilder.from_artifact(artifact)
+        config = options.engine_config()
+        weights = weights_bytes(artifact)
+        budget = available_memory_bytes() - weights if options.kv_capacity == "auto" else None
+        runner = build_cpu_runner(model, config, memory_budget=budget)
+        engine = Engine(runner, config, target.sampling)
+    except (OSError, ValueError, LookupError, TypeError) as exc:  # artifact, target, template, KV-sizing errors
+        raise StartupError(f"cannot serve {artifact_path}: {exc}") from exc
+    return ModelStack(artifact_path=artifact_path, artifact=artifact, target=target, model=model, runner=runner,
+                      engine=engine, prompt_builder=builder, stop_ids=model_stop_ids(artifact),
+                      public_model_id=options.model_id or artifact.model_id, weights_bytes=weights,
+                      memory_budget=budget, load_seconds=time.perf_counter() - began)
+
+
+async def warm_up(stack: ModelStack, options: ServeOptions) -> float | None:
+    """One tiny generation through the whole path (the first one pays for dequantizing every weight). Its seconds,
+    or None when it failed: a failed warm-up is logged and ignored, as the real requests will show the problem."""
+    began = time.perf_counter()
+    try:
+        text = stack.prompt_builder.build([{"role": "user", "content": WARM_UP_MESSAGE}],
+                                          PromptOptions(thinking=options.default_thinking))
+        prompt = PreparedPrompt(token_ids=text.ids, thinking=text.thinking)
+        request = submit(stack.engine, prompt, RequestOptions(max_tokens=WARM_UP_TOKENS),
+                         StopTokenPolicy(stack.stop_ids))
+        try:
+            async for event in request.events():
+                if event.error is not None:
+                    raise RuntimeError(event.error)
+        finally:
+            request.close()
+    except Exception as exc:
+        log.warning("warm-up generation failed (ignored): %s", exc)
+        return None
+    return time.perf_counter() - began
+
+
+def _kv_policy(options: ServeOptions) -> str:
+    if options.kv_capacity is None:
+        return "max_context"
+    return "auto" if options.kv_capacity == "auto" else "explicit"
+
+
+def server_start_record(options: ServeOptions, stack: ModelStack, warm_up_seconds: float | None) -> dict[str, Any]:
+    """The request log's server_start event: what is served, how, and on what."""
+    from ninfer.backends.cpu.runner import runner_state_bytes
+    from ninfer.observability.request_log import redact_argv
+
+    config = stack.engine.config
+    info = stack.runner.info
+    kv_pool_bytes = info.pages * info.page_tokens * info.kv_bytes_per_token
+    sequence_bytes = runner_state_bytes(stack.model, config.max_concurrency, config.draft_tokens)
+    presets = stack.target.sampling
+    return {
+        "target": {"model_id": stack.target.model_id, "family": stack.target.family,
+                   "description": stack.target.description},
+        "weights": {"artifact": str(stack.artifact_path), "artifact_bytes": stack.artifact.file_size,
+                    "model_id": stack.artifact.model_id, "public_model_id": stack.public_model_id},
+        "engine": {"backend": "cpu", **attrs.asdict(config, recurse=True)},
+        "sampling": {"thinking": attrs.asdict(presets.thinking), "non_thinking": attrs.asdict(presets.non_thinking),
+                     "process_overrides": attrs.asdict(config.sampling), "greedy": config.greedy},
+        "thinking_defaults": {"thinking": options.default_thinking, "preserve_thinking": options.preserve_thinking},
+        "arenas_bytes": {"weights": stack.weights_bytes, "sequence_state": sequence_bytes, "kv_pool": kv_pool_bytes,
+                         "workspace": 0, "request_transient": 0},
+        "kv_sizing": {"policy": _kv_policy(options), "pages": info.pages, "page_tokens": info.page_tokens,
+                      "capacity_tokens": info.pages * info.page_tokens, "bytes_per_token": info.kv_bytes_per_token,
+                      "pool_bytes": kv_pool_bytes, "memory_budget_bytes": stack.memory_budget},
+        "cuda_graph": {"enabled": False, "observed_bytes": 0, "allowance_bytes": 0},  # the CPU backend has none
+        "cold_tier": {"active": False, "reason": "no secondary GPU (CPU backend)" if not options.no_cold_tier
+                      else "--no-cold-tier"},
+        "environment": {"backend": "cpu", "cuda": None, "gpus": [], "python": platform.python_version(),
+                        "numpy": np.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "admission": {"max_concurrency": options.max_concurrency,
+                      "max_pending_requests": options.max_pending_requests,
+                      "pending_timeout_ms": options.pending_timeout_ms, "max_request_mib": options.max_request_mib},
+        "load_seconds": stack.load_seconds,
+        "warm_up_seconds": warm_up_seconds,
+        "argv": redact_argv(options.argv),
+    }
