@@ -132,6 +132,12 @@ class Engine:
         return self._scheduler.prefix
 
     @property
+    def kv_pool_usage(self) -> float:
+        """Allocated pages over all pages of the shared KV pool (0..1), retained residents included."""
+        pool = self._scheduler.pool
+        return (pool.pages - pool.free) / pool.pages if pool.pages else 0.0
+
+    @property
     def throughput(self) -> ThroughputCounters:
         return self._scheduler.throughput
 

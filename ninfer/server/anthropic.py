@@ -20,6 +20,7 @@ from typing import Any
 
 from ninfer.engine.request import PreparedPrompt, RequestOptions
 from ninfer.engine.sampler import SamplingOverrides
+from ninfer.frontend.prompt import PromptOptions
 from ninfer.frontend.tool_calls import TextDelta, ToolCall, ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
 from ninfer.protocol import anthropic as wire
 from ninfer.protocol.anthropic import CONVERTER, CountTokensRequest, MessagesRequest
@@ -95,13 +96,18 @@ def _tool(tool: wire.Tool) -> dict[str, Any]:
     return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 
 
-def _prepare(ctx: ServerContext, body: CountTokensRequest, media: list[str],
-             tools: list[dict[str, Any]]) -> PreparedPrompt:
-    if media:
-        require_vision(ctx, media[0])
-    options = resolve_prompt_options(
+def _options(ctx: ServerContext, body: CountTokensRequest) -> PromptOptions:
+    return resolve_prompt_options(
         ctx, reasoning_effort=body.output_config and body.output_config.effort, enable_thinking=body.enable_thinking,
         preserve_thinking=body.preserve_thinking, effort_param="output_config.effort", thinking_param="thinking.type")
+
+
+def _prepare(ctx: ServerContext, body: CountTokensRequest, media: list[str],
+             tools: list[dict[str, Any]], options: PromptOptions | None = None) -> PreparedPrompt:
+    if media:
+        require_vision(ctx, media[0])
+    if options is None:
+        options = _options(ctx, body)
     messages = [{"role": "system", "content": _parts(_blocks(body.system))}] if body.system else []
     for message in body.messages:
         messages += _lower_message(message)
@@ -122,9 +128,10 @@ async def create_message(ctx: ServerContext, request: HttpRequest) -> Response:
     body = parse_body(request, CONVERTER, MessagesRequest)
     media = _media_params(body)
     tools = [_tool(tool) for tool in body.rendered_tools]
+    options = _options(ctx, body)  # serving.md: an effort the template does not expose fails before preparation
     ctx.begin_preparation(api="messages", shape={"stream": bool(body.stream), "messages": len(body.messages),
                                                  "tools": len(tools), "media_items": len(media)})
-    prompt = _prepare(ctx, body, media, tools)
+    prompt = _prepare(ctx, body, media, tools, options)
     sampling = SamplingOverrides(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     generation = await start_generation(ctx, prompt, RequestOptions(max_tokens=body.max_tokens, sampling=sampling),
                                         api="messages", stop_strings=body.stop_strings, tools=tools,

@@ -16,8 +16,8 @@ from urllib.parse import parse_qs
 
 import trio
 
-from ninfer.server import models_endpoints
-from ninfer.server.context import ApiError, ErrorFlavor, HttpRequest, JsonResponse, Route, StreamResponse
+from ninfer.server import metrics_endpoint, models_endpoints
+from ninfer.server.context import ApiError, ErrorFlavor, HttpRequest, JsonResponse, Route, StreamResponse, TextResponse
 from ninfer.server.errors import error_body, error_response, internal_error
 from ninfer.server.http import (CORS_HEADERS, CORS_PREFLIGHT_HEADERS, OPEN_PATHS, ClientDisconnected, Receive,
                                 check_api_key, read_body)
@@ -34,7 +34,7 @@ CLOSE_TIMEOUT_SECONDS = 1.0  # how long a cancelled stream's cleanup may take be
 
 def default_routes() -> list[Route]:
     """/health and the model endpoints, then every API handler module that exists in this build."""
-    routes = models_endpoints.routes()
+    routes = models_endpoints.routes() + metrics_endpoint.routes()
     for name in HANDLER_MODULES:
         try:
             module = importlib.import_module(name)
@@ -108,7 +108,7 @@ class App:
                 nursery.cancel_scope.cancel()
 
     async def _respond(self, route: Route, request: HttpRequest,
-                       request_scope: RequestScope) -> JsonResponse | StreamResponse:
+                       request_scope: RequestScope) -> JsonResponse | StreamResponse | TextResponse:
         """The handler's response, or the error it raised as a response in the route's flavor."""
         try:
             return await route.handler(self.context, request)
@@ -121,10 +121,14 @@ class App:
             pass
         handler_scope.cancel()
 
-    async def _send(self, send: Send, response: JsonResponse | StreamResponse, flavor: ErrorFlavor,
+    async def _send(self, send: Send, response: JsonResponse | StreamResponse | TextResponse, flavor: ErrorFlavor,
                     request_scope: RequestScope) -> None:
         if isinstance(response, StreamResponse):
             await self._send_stream(send, response, flavor, request_scope)
+        elif isinstance(response, TextResponse):
+            headers = [("content-type", response.content_type), *self._cors]
+            await send({"type": "http.response.start", "status": response.status, "headers": _encode(headers)})
+            await send({"type": "http.response.body", "body": response.text.encode("utf-8")})
         else:
             await self._send_json(send, response)
 

@@ -73,7 +73,16 @@ class StreamResponse:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-Response = JsonResponse | StreamResponse
+@attrs.frozen
+class TextResponse:
+    """A plain-text body (GET /metrics)."""
+
+    text: str
+    status: int = 200
+    content_type: str = "text/plain; charset=utf-8"
+
+
+Response = JsonResponse | StreamResponse | TextResponse
 
 
 class ServerContext(Protocol):

@@ -52,14 +52,15 @@ async def create_chat_completion(ctx: ServerContext, request: HttpRequest) -> Re
              if isinstance(message, UserMessage) and not isinstance(message.content, str)
              for j, part in enumerate(message.content) if isinstance(part, MEDIA_PARTS)]
     tools = [CONVERTER.unstructure(tool) for tool in body.rendered_tools]
-    ctx.begin_preparation(api="chat", shape={"stream": bool(body.stream), "messages": len(body.messages),
-                                             "tools": len(tools), "media_items": len(media)})
-    if media:
-        require_vision(ctx, media[0])
+    # serving.md: an effort the template does not expose (and a contradictory option) fails before preparation.
     options = resolve_prompt_options(ctx, reasoning_effort=body.reasoning_effort,
                                      enable_thinking=body.template_enable_thinking,
                                      preserve_thinking=body.template_preserve_thinking,
                                      effort_param="reasoning_effort", thinking_param="enable_thinking")
+    ctx.begin_preparation(api="chat", shape={"stream": bool(body.stream), "messages": len(body.messages),
+                                             "tools": len(tools), "media_items": len(media)})
+    if media:
+        require_vision(ctx, media[0])
     prompt = build_prompt(ctx, [CONVERTER.unstructure(message) for message in body.messages], options, tools=tools)
     sampling = SamplingOverrides(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

@@ -290,6 +290,11 @@ class ResponsesApi:
         requested = body.template_preserve_thinking
         tools = chat_tools(body.rendered_tools)
         media = media_params(input_items)
+        # serving.md: an effort the template does not expose fails before preparation.
+        options = resolve_prompt_options(
+            ctx, reasoning_effort=body.reasoning_effort, enable_thinking=None,
+            preserve_thinking=parent.preserve_thinking if requested is None and parent else requested,
+            effort_param="reasoning.effort", thinking_param="reasoning.effort")
         ctx.begin_preparation(api="responses", shape={
             "stream": bool(body.stream), "input_items": len(input_items), "tools": len(tools),
             "media_items": len(media), "continued": parent is not None,
@@ -298,10 +303,6 @@ class ResponsesApi:
             and requested != parent.preserve_thinking})
         if media:
             require_vision(ctx, media[0])
-        options = resolve_prompt_options(
-            ctx, reasoning_effort=body.reasoning_effort, enable_thinking=None,
-            preserve_thinking=parent.preserve_thinking if requested is None and parent else requested,
-            effort_param="reasoning.effort", thinking_param="reasoning.effort")
         conversation = (parent.conversation if parent else ()) + input_items
         prompt = _build_prompt(ctx, conversation, options, instructions=body.instructions, tools=tools)
         storing = body.store is not False

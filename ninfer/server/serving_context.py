@@ -25,6 +25,7 @@ from ninfer.nursery.admission import AdmissionGate, ServerOverloaded, ShuttingDo
 from ninfer.nursery.engine_bridge import AdmissionTimeout, submit
 from ninfer.nursery.options import ServeOptions
 from ninfer.nursery.startup import ModelStack
+from ninfer.observability.metrics import RequestCounters
 from ninfer.observability.records import (RequestClock, sampler_record, speculative_record, timings_record,
                                           usage_record)
 from ninfer.observability.request_log import RequestLog
@@ -61,6 +62,7 @@ class ServingContext:
         self.engine = stack.engine
         self.gate = gate
         self.request_log = request_log
+        self.request_counters = RequestCounters()  # GET /metrics
 
     # ---- for the app ----
 
@@ -82,6 +84,7 @@ class ServingContext:
         if scope.request_id is None or scope.logged:
             return
         scope.logged = True
+        self.request_counters.reject(error.code)
         shape = dict(scope.shape or {})
         self.request_log.write("request_rejected", request_id=scope.request_id, protocol=scope.api, shape=shape,
                                media_items=shape.get("media_items", 0), phase=phase, status=error.status,
@@ -105,6 +108,7 @@ class ServingContext:
             self.request_log.write("request_rejected", request_id=None, protocol=api, shape=dict(shape or {}),
                                    phase="capacity", status=429, type="rate_limit_error", code="server_overloaded",
                                    param=None, message=str(exc))
+            self.request_counters.reject("server_overloaded")
             raise ApiError(429, "server_overloaded", str(exc), type="rate_limit_error") from None
         except ShuttingDown as exc:
             raise ApiError(503, "server_shutting_down", str(exc), type="server_error") from None
@@ -172,6 +176,7 @@ class ServingContext:
 
     def _log_end(self, scope: RequestScope, finish: FinishReason, usage: Usage | None, error: str | None,
                  prompt_tokens: int, completion_tokens: int, clock: RequestClock) -> None:
+        self.request_counters.count(finish.value)
         counts = usage_record(usage, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         timings = timings_record(clock, usage)
         if finish is FinishReason.ERROR:
