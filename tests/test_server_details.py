@@ -58,15 +58,8 @@ def start(artifact, monkeypatch):
     routes = server_harness.harness_routes
     monkeypatch.setattr(server_harness, "harness_routes",
                         lambda: routes() + [Route("POST", "/test/slow_prepare", _slow_preparation)])
-    servers = []
-
-    def started(*options: str, **kwargs) -> ServerThread:
-        servers.append(ServerThread.start(artifact, "--max-context", "512", *options, **kwargs))
-        return servers[-1]
-
-    yield started
-    for server in servers:
-        server.stop()
+    with server_harness.server_starter(artifact, "--max-context", "512") as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 from ninfer.engine.scheduler import SchedulerSnapshot, ThroughputCounters
 from ninfer.observability.request_log import ARTIFACT_TYPE, SCHEMA_VERSION
 from ninfer.observability.stats import ThroughputMeter
+from tests.support import server_harness
 from tests.support.server_harness import ServerThread, build_tiny_artifact
 
 SLOW = {"text": "hello", "max_tokens": 25, "round_delay_ms": 40}  # about a second in the engine
@@ -28,15 +29,8 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture
 def start(artifact):
-    servers = []
-
-    def started(*options: str, **kwargs) -> ServerThread:
-        servers.append(ServerThread.start(artifact, "--max-context", "512", *options, **kwargs))
-        return servers[-1]
-
-    yield started
-    for server in servers:
-        server.stop()
+    with server_harness.server_starter(artifact, "--max-context", "512") as started:
+        yield started
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:

@@ -3,6 +3,7 @@ hypercorn in a background thread (or a subprocess, for signals)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 import threading
@@ -139,3 +140,20 @@ class ServerThread:
         self._thread.join(timeout)
         self.engine.close()
         self.runtime.request_log.close()
+
+
+@contextlib.contextmanager
+def server_starter(artifact: Path, *common: str):
+    """A `start(*options)` that launches ServerThreads on `artifact` (with `common` options first) and stops every
+    one of them on exit."""
+    servers: list[ServerThread] = []
+
+    def started(*options: str, **kwargs) -> ServerThread:
+        servers.append(ServerThread.start(artifact, *common, *options, **kwargs))
+        return servers[-1]
+
+    try:
+        yield started
+    finally:
+        for server in servers:
+            server.stop()
