@@ -55,7 +55,7 @@ def quantize_group(values: list[float], qmax: int, qmin: int) -> tuple[int, list
 def encode_row_split(rows: list[list[float]], fmt: str) -> bytes:
     """The full row-split-k128-v1 payload of an [N,K] matrix given as nested lists."""
     bits, group, qmin, qmax = QUANT[fmt]
-    n, k = len(rows), len(rows[0])
+    k = len(rows[0])
     k_pad = -(-k // 128) * 128
     groups_per_row = k_pad // group
     logical_groups = -(-k // group)

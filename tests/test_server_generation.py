@@ -17,7 +17,7 @@ from ninfer.engine.scheduler import SchedulerSnapshot, ThroughputCounters
 from ninfer.observability.request_log import ARTIFACT_TYPE, SCHEMA_VERSION
 from ninfer.observability.stats import ThroughputMeter
 from tests.support import server_harness
-from tests.support.server_harness import ServerThread, build_tiny_artifact
+from tests.support.server_harness import build_tiny_artifact
 
 SLOW = {"text": "hello", "max_tokens": 25, "round_delay_ms": 40}  # about a second in the engine
 
