@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ninfer.artifact import codec
-from ninfer.artifact.errors import ArtifactError
+from ninfer.artifact.errors import ArtifactError, ArtifactUsageError
 from ninfer.artifact.formats import BF16, FP32, I32, Q4G64, Q5G64, Q6G64, W8G32, encoded_size
 from tests.test_artifact_oracle import QUANT, dequantize_row_split, encode_row_split
 
@@ -286,3 +286,18 @@ def test_contiguous_payloads_stream_in_blocks_with_identical_bytes(monkeypatch, 
     monkeypatch.setattr(codec, "BLOCK_ELEMENTS", 10)
     pieces = [bytes(p) for p in codec.encode_chunks(array, fmt)]
     assert len(pieces) == 7 and b"".join(pieces) == whole
+
+
+@pytest.mark.parametrize("fmt", ["Q4G64_F16S", "Q5G64_F16S", "Q6G64_F16S", "W8G32_F16S", "BF16", "FP32"])
+def test_concat_rows_equals_encoding_the_concatenated_matrix(fmt):
+    rng = np.random.default_rng(7)
+    parts = [rng.standard_normal((rows, 200)).astype(np.float32) for rows in (37, 5, 64)]
+    shape, payload = codec.concat_rows(fmt, [(p.shape, codec.encode_buffer(p, fmt)) for p in parts])
+    assert shape == (106, 200)
+    assert np.array_equal(payload, codec.encode_buffer(np.concatenate(parts), fmt))
+
+
+def test_concat_rows_rejects_mismatched_columns():
+    a, b = np.zeros((2, 64), np.float32), np.zeros((2, 128), np.float32)
+    with pytest.raises(ArtifactUsageError):
+        codec.concat_rows("BF16", [(a.shape, codec.encode_buffer(a, "BF16")), (b.shape, codec.encode_buffer(b, "BF16"))])

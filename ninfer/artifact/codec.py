@@ -262,3 +262,32 @@ def _unpack_codes(base: np.ndarray, high: np.ndarray, geometry: RowSplitGeometry
     # Sign-extend the low `bits` bits: move them to the top of the byte, then shift back arithmetically.
     shift = 8 - quant.bits
     return (lanes << shift).view(np.int8) >> shift
+
+
+def concat_rows(fmt: str, parts: list[tuple[tuple[int, ...], np.ndarray]]) -> tuple[tuple[int, int], np.ndarray]:
+    """The payload of the row-wise concatenation of several `fmt` tensors with the same column count, without
+    decoding: contiguous formats concatenate their words; row-split payloads concatenate plane by plane (each
+    plane is row-major, so the base, high and scale planes of the parts follow each other within the new planes).
+    `parts` are (shape, payload uint8) pairs; returns (shape, payload)."""
+    cols = {shape[1] for shape, _ in parts}
+    if len(cols) != 1 or any(len(shape) != 2 for shape, _ in parts):
+        raise ArtifactUsageError("concat-shape", f"row concatenation needs [N, K] parts with one K, got "
+                                 f"{[list(shape) for shape, _ in parts]}")
+    shape = (sum(shape[0] for shape, _ in parts), cols.pop())
+    if fmt not in QUANT_FORMATS:
+        return shape, np.concatenate([np.asarray(payload, dtype=np.uint8).reshape(-1) for _, payload in parts])
+    whole = row_split_geometry(fmt, shape)
+    out = np.zeros(whole.total_bytes, dtype=np.uint8)
+    row = 0
+    for part_shape, payload in parts:
+        g = row_split_geometry(fmt, part_shape)
+        data = np.asarray(payload, dtype=np.uint8).reshape(-1)
+        rows = part_shape[0]
+        for plane_at, part_at, row_bytes in ((0, 0, g.base_row_bytes),
+                                            (whole.high_offset, g.high_offset, g.high_row_bytes),
+                                            (whole.scale_offset, g.scale_offset, g.scale_row_bytes)):
+            size = rows * row_bytes
+            start = plane_at + row * row_bytes
+            out[start : start + size] = data[part_at : part_at + size]
+        row += rows
+    return shape, out
