@@ -1,0 +1,66 @@
+"""Device helpers every kernel shares: bf16 bit conversions, warp and block reductions, launch geometry.
+
+bf16 tensors are stored as uint16 bit patterns (the artifact's words); activations are fp32. Conversions are bit
+operations, so they match `ninfer.artifact.codec` exactly (round to nearest even, NaN stays NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import float32, int32, uint32
+from numba.cuda import libdevice
+
+from ninfer.kernels_numba.numba_setup import cuda, device_function
+
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+
+
+@device_function
+def bf16_to_f32(bits):
+    """A bf16 bit pattern (any unsigned integer holding it in its low 16 bits) as float32."""
+    return libdevice.int_as_float(int32(uint32(bits) << uint32(16)))
+
+
+@device_function
+def bf16_hi_to_f32(word):
+    """The bf16 in the HIGH half of a uint32 word as float32 (the odd element of a little-endian pair)."""
+    return libdevice.int_as_float(int32(uint32(word) & uint32(0xFFFF0000)))
+
+
+@device_function
+def f32_to_bf16(value):
+    """float32 -> bf16 bits (uint32 holding 16 bits), round to nearest even; NaN stays a quiet NaN."""
+    bits = uint32(libdevice.float_as_int(float32(value)))
+    if (bits & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return (bits >> uint32(16)) | uint32(0x0040)
+    return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
+
+
+@device_function
+def warp_sum(value):
+    for offset in (16, 8, 4, 2, 1):
+        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+    return value
+
+
+@device_function
+def warp_max(value):
+    for offset in (16, 8, 4, 2, 1):
+        other = cuda.shfl_xor_sync(FULL_MASK, value, offset)
+        value = max(value, other)
+    return value
+
+
+@device_function
+def sigmoid_f32(x):
+    """Split by sign like `ops.sigmoid`, so exp never overflows."""
+    if x >= float32(0.0):
+        return float32(1.0) / (float32(1.0) + math.exp(-x))
+    e = math.exp(x)
+    return e / (float32(1.0) + e)
+
+
+def blocks_for(items: int, per_block: int) -> int:
+    return max(1, math.ceil(items / per_block))

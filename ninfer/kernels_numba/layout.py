@@ -1,0 +1,50 @@
+"""Data movement kernels the model glue needs: joining two row blocks side by side, and gathering rows by an index
+held on the device (so graph-captured steps can pick rows chosen by earlier kernels)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import float32, int32
+
+from ninfer.kernels_numba.common import blocks_for
+from ninfer.kernels_numba.numba_setup import cuda, kernel
+
+THREADS = 256
+
+
+@kernel((float32[:, ::1], float32[:, ::1], float32[:, ::1]))
+def _concat_columns(left, right, out):
+    row = cuda.blockIdx.y
+    width = left.shape[1]
+    for col in range(cuda.grid(1), out.shape[1], cuda.gridsize(1)):
+        out[row, col] = left[row, col] if col < width else right[row, col - width]
+
+
+def concat_columns(left, right, out, *, stream) -> None:
+    """out[r] = left[r] | right[r]: fp32 [R, A] and [R, B] into [R, A + B]."""
+    rows = out.shape[0]
+    if rows:
+        _concat_columns[(blocks_for(out.shape[1], THREADS), rows), THREADS, stream](left, right, out)
+
+
+def concat_columns_reference(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    return np.concatenate([left, right], axis=1).astype(np.float32)
+
+
+@kernel((float32[:, ::1], int32[::1], float32[:, ::1]))
+def _gather_rows(source, index, out):
+    row = cuda.blockIdx.y
+    src = index[row]
+    for col in range(cuda.grid(1), out.shape[1], cuda.gridsize(1)):
+        out[row, col] = source[src, col]
+
+
+def gather_rows(source, index, out, *, stream) -> None:
+    """out[r] = source[index[r]] for fp32 rows; `index` int32 [R] on the device."""
+    rows = out.shape[0]
+    if rows:
+        _gather_rows[(blocks_for(out.shape[1], THREADS), rows), THREADS, stream](source, index, out)
+
+
+def gather_rows_reference(source: np.ndarray, index: np.ndarray) -> np.ndarray:
+    return source[index].astype(np.float32)

@@ -1,0 +1,47 @@
+"""The one place that makes numba importable on the GPU image, and the kernel registry.
+
+numba 0.68 calls `numpy.row_stack`, which numpy 2.5 removed; `numpy.vstack` is the same function. The alias is set
+here, before numba is imported, and nowhere else: every kernel module imports `cuda` from this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import numpy
+
+if not hasattr(numpy, "row_stack"):
+    numpy.row_stack = numpy.vstack
+
+from numba import cuda  # noqa: E402  (after the shim on purpose)
+
+COMPUTE_CAPABILITY = (9, 0)  # H100/H200
+
+
+@attrs.frozen
+class RegisteredKernel:
+    name: str
+    function: Callable[..., Any]  # the Python source function (compile_ptx takes it)
+    signatures: tuple[Any, ...]  # numba signatures CI compiles to PTX
+    options: dict[str, Any]  # cuda.jit options (fastmath, ...)
+
+
+REGISTRY: list[RegisteredKernel] = []
+
+
+def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """`cuda.jit(**options)` that also records the kernel with the signatures its launchers use, so CI can compile
+    each one to PTX. Signatures are those of real launches: a kernel launched with other argument types recompiles."""
+
+    def wrap(function: Callable[..., Any]) -> Any:
+        REGISTRY.append(RegisteredKernel(f"{function.__module__}.{function.__qualname__}", function, signatures,
+                                         dict(options)))
+        return cuda.jit(**options)(function)
+
+    return wrap
+
+
+def device_function(function: Callable[..., Any]) -> Any:
+    """An inlined `cuda.jit(device=True)` helper."""
+    return cuda.jit(device=True, inline=True)(function)
