@@ -1,0 +1,215 @@
+"""Time the gated-attention kernels at the real Qwen3.6 shapes on a GPU (CUDA events, median of >= 20 runs).
+
+    python bench/kernel_attention.py            # prints a table; writes $OUT/kernel_attention.json when OUT is set
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ninfer.kernels_numba import attention as A  # noqa: E402
+from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402
+
+COPY_BW = 4.3e12
+PAGE = 64
+MODELS = {"27B": (24, 4, 256), "35B": (16, 2, 256)}
+RUNS = 20
+
+
+@cuda.jit
+def _spin(buf, iters):
+    x = buf[0]
+    for _ in range(iters):
+        x = x * 0.9999999 + 1e-7
+    buf[0] = x
+
+
+_SPIN = {}
+
+
+def _spin_iters(stream):
+    """Iterations of the one-thread spin kernel that keep the GPU busy ~20 ms (so queued launches run back to back
+    and the events time the kernels, not Python's launch overhead)."""
+    if "iters" not in _SPIN:
+        buf = cuda.to_device(np.ones(1, np.float32))
+        _spin[1, 1, stream](buf, 1000)
+        start, stop = cuda.event(), cuda.event()
+        start.record(stream)
+        _spin[1, 1, stream](buf, 200000)
+        stop.record(stream)
+        stop.synchronize()
+        ms = cuda.event_elapsed_time(start, stop)
+        _SPIN["iters"], _SPIN["buf"] = int(200000 * 20.0 / max(ms, 1e-3)), buf
+    return _SPIN["iters"], _SPIN["buf"]
+
+
+def timed(launch, sets, stream, warm=3, runs=RUNS):
+    """Median GPU microseconds of `launch(set)` over `runs` launches rotating through `sets`."""
+    for i in range(warm):
+        launch(sets[i % len(sets)])
+    stream.synchronize()
+    iters, buf = _spin_iters(stream)
+    _spin[1, 1, stream](buf, iters)
+    events = []
+    for i in range(runs):
+        start, stop = cuda.event(), cuda.event()
+        start.record(stream)
+        launch(sets[i % len(sets)])
+        stop.record(stream)
+        events.append((start, stop))
+    stream.synchronize()
+    return float(np.median([cuda.event_elapsed_time(a, b) * 1e3 for a, b in events]))
+
+
+def make_pools(rng, pages, kv_heads, d, dtype):
+    shape = (pages, PAGE, kv_heads, d)
+    if dtype == "bf16":
+        k = cuda.to_device((rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        v = cuda.to_device((rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        return k, v, None, None
+    sshape = shape[:-1] + (d // 64,)
+    k = cuda.to_device(rng.integers(-127, 128, shape, dtype=np.int8))
+    v = cuda.to_device(rng.integers(-127, 128, shape, dtype=np.int8))
+    ks = cuda.to_device(np.full(sshape, 0.01, np.float16).view(np.uint16))
+    vs = cuda.to_device(np.full(sshape, 0.01, np.float16).view(np.uint16))
+    return k, v, ks, vs
+
+
+def kv_token_bytes(kv_heads, d, dtype):
+    per = 2 * d if dtype == "bf16" else d + 2 * (d // 64)
+    return 2 * kv_heads * per
+
+
+def bench_decode(rows_out, stream):
+    rng = np.random.default_rng(0)
+    for model, (heads, kv_heads, d) in MODELS.items():
+        for dtype in ("bf16", "int8"):
+            for ctx in (4096, 32768):
+                for batch in (1, 8):
+                    sets_n = 3
+                    lanes = batch * sets_n
+                    max_pages = ctx // PAGE
+                    pools = make_pools(rng, lanes * max_pages, kv_heads, d, dtype)
+                    tables = cuda.to_device(np.arange(lanes * max_pages, dtype=np.int32).reshape(lanes, max_pages))
+                    q = cuda.to_device(rng.standard_normal((batch, heads, d), dtype=np.float32))
+                    qkgv = cuda.to_device(rng.standard_normal((batch, 2 * (heads + kv_heads) * d), dtype=np.float32))
+                    pos = cuda.to_device(np.full(batch, ctx - 1, np.int32))
+                    row_lanes = [cuda.to_device(np.arange(s * batch, (s + 1) * batch, dtype=np.int32))
+                                 for s in range(sets_n)]
+                    out = cuda.device_array((batch, heads * d), np.float32)
+                    compulsory = batch * ctx * kv_token_bytes(kv_heads, d, dtype)
+                    best = None
+                    default_us = None
+                    for split in sorted({1, 2, 4, 8, 16, A.DEFAULT_SPLIT_PAGES}):
+                        partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, max_pages, split),
+                                                     np.float32)
+
+                        def launch(row_lane, split=split, partials=partials):
+                            A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials, heads=heads,
+                                               kv_heads=kv_heads, head_dim=d, split_pages=split, stream=stream)
+
+                        us = timed(launch, row_lanes, stream)
+                        if split == A.DEFAULT_SPLIT_PAGES:
+                            default_us = us
+                        if best is None or us < best[1]:
+                            best = (split, us)
+                    split, us = best
+                    bw = compulsory / (us * 1e-6)
+                    rows_out.append(dict(kernel="attention_decode", model=model, kv=dtype, ctx=ctx, rows=batch,
+                                         split_pages=split, us=us, gbps=bw / 1e9, of_copy=bw / COPY_BW,
+                                         us_default_split=default_us))
+                    del pools
+
+
+def bench_prefill(rows_out, stream, count=8192):
+    rng = np.random.default_rng(1)
+    for model, (heads, kv_heads, d) in MODELS.items():
+        for dtype in ("bf16", "int8"):
+            pages = count // PAGE
+            pools = make_pools(rng, pages, kv_heads, d, dtype)
+            tables = cuda.to_device(np.arange(pages, dtype=np.int32).reshape(1, pages))
+            q = cuda.to_device(rng.standard_normal((count, heads, d), dtype=np.float32))
+            qkgv = cuda.to_device(rng.standard_normal((count, 2 * (heads + kv_heads) * d), dtype=np.float32))
+            out = cuda.device_array((count, heads * d), np.float32)
+
+            def launch(_):
+                A.attention_prefill(q, qkgv, tables, 0, 0, count, *pools, out, heads=heads, kv_heads=kv_heads,
+                                    head_dim=d, stream=stream)
+
+            us = timed(launch, [None], stream, warm=1, runs=RUNS)
+            flops = 4 * heads * d * count * count / 2
+            rows_out.append(dict(kernel="attention_prefill", model=model, kv=dtype, ctx=count, rows=count, us=us,
+                                 tflops=flops / (us * 1e-6) / 1e12))
+
+
+def bench_prepare(rows_out, stream):
+    rng = np.random.default_rng(2)
+    for model, (heads, kv_heads, d) in MODELS.items():
+        for dtype in ("bf16", "int8"):
+            for rows in (1, 8, 48, 8192):
+                pages = -(-rows // PAGE) + 1
+                pools = make_pools(rng, pages, kv_heads, d, dtype)
+                tables = cuda.to_device(np.arange(pages, dtype=np.int32).reshape(1, pages))
+                sets = []
+                for _ in range(3):
+                    qkgv = cuda.to_device(rng.standard_normal((rows, 2 * (heads + kv_heads) * d), dtype=np.float32))
+                    sets.append(qkgv)
+                q_out = cuda.device_array((rows, heads, d), np.float32)
+                norm = cuda.to_device(rng.standard_normal(d, dtype=np.float32))
+                inv_freq = cuda.to_device((1e7 ** (-np.arange(0, 64, 2) / 64)).astype(np.float32))
+                pos = cuda.to_device(np.arange(rows, dtype=np.int32))
+                positions = cuda.to_device(np.tile(np.arange(rows, dtype=np.int32), (3, 1)))
+                lanes = cuda.to_device(np.zeros(rows, np.int32))
+
+                def launch(qkgv):
+                    A.attention_prepare(qkgv, norm, norm, inv_freq, positions, lanes, pos, tables, *pools, q_out,
+                                        heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=64,
+                                        sections=(11, 11, 10), eps=1e-6, stream=stream)
+
+                us = timed(launch, sets, stream)
+                moved = rows * ((heads + 2 * kv_heads) * d * 4 + heads * d * 4 + kv_token_bytes(kv_heads, d, dtype))
+                bw = moved / (us * 1e-6)
+                rows_out.append(dict(kernel="attention_prepare", model=model, kv=dtype, rows=rows, us=us,
+                                     gbps=bw / 1e9, of_copy=bw / COPY_BW))
+
+
+def main() -> None:
+    stream = cuda.stream()
+    results: list[dict] = []
+    which = sys.argv[1:] or ["prepare", "decode", "prefill"]
+    if "prepare" in which:
+        bench_prepare(results, stream)
+    if "decode" in which:
+        bench_decode(results, stream)
+    if "prefill" in which:
+        bench_prefill(results, stream)
+    print(f"{'kernel':18} {'model':5} {'kv':5} {'ctx':>6} {'rows':>5} {'split':>5} {'us':>10} {'GB/s':>8} "
+          f"{'of4.3':>6} {'TFLOP/s':>8} {'us@default_split':>16}")
+    for r in results:
+        print(f"{r['kernel']:18} {r['model']:5} {r['kv']:5} {r.get('ctx', ''):>6} {r['rows']:>5} "
+              f"{r.get('split_pages', ''):>5} {r['us']:10.1f} {r.get('gbps', float('nan')):8.0f} "
+              f"{r.get('of_copy', float('nan')):6.2f} {r.get('tflops', float('nan')):8.2f} "
+              f"{r.get('us_default_split') or float('nan'):16.1f}")
+    for name in ("prepare_kernel", "decode_split_kernel", "decode_fast_kernel", "decode_combine_kernel",
+                 "prefill_kernel"):
+        dispatcher = getattr(A, name)
+        try:
+            print(name, "regs", sorted(set(dispatcher.get_regs_per_thread().values())),
+                  "local bytes", sorted(set(dispatcher.get_local_mem_per_thread().values())),
+                  "shared bytes", sorted(set(dispatcher.get_shared_mem_per_block().values())))
+        except Exception as error:  # noqa: BLE001 (diagnostics only)
+            print(name, "no info:", error)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "kernel_attention.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""GPU timings of the Gated DeltaNet kernels at the real model shapes (Qwen3.6-27B and 35B-A3B).
+
+Scenarios per model: decode (8 segments x 1 row), verify (8 segments x 4 rows, recording columns), prefill (1 segment
+x 8192 rows). Each launcher is timed with CUDA events (3 warm-ups, median of RUNS), queued behind a sleeping kernel so
+the ~26 us Python launch cost is not in the measurement; small scenarios rotate 3 input sets (states included) so
+they do not sit in the 60 MB L2. `recurrent_g8` is the recurrent kernel with 8 key groups (not counted in the layer
+total, which uses the default). Prints a table and writes JSON to $OUT/kernel_gdn.json when OUT is set.
+
+Run on the GPU box: `python bench/kernel_gdn.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ninfer.kernels_numba import gdn  # noqa: E402
+from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402
+
+F32 = np.float32
+COPY_BW = 4.3e12  # measured device copy bandwidth, bytes/s
+RUNS = 20
+WARMUP = 3
+K = 4
+
+MODELS = {
+    "27b": dict(qk_heads=16, v_heads=48, k_dim=128, v_dim=128),
+    "35b": dict(qk_heads=16, v_heads=32, k_dim=128, v_dim=128),
+}
+SCENARIOS = {
+    "decode": dict(segments=8, rows_each=1, record=0),
+    "verify": dict(segments=8, rows_each=4, record=1),
+    "prefill": dict(segments=1, rows_each=8192, record=0),
+}
+
+
+@cuda.jit
+def _sleep(iterations):
+    for _ in range(iterations):
+        cuda.nanosleep(1000)
+
+
+def _timed(stream, launch, sets, sleep_iterations):
+    for i in range(WARMUP):
+        launch(sets[i % len(sets)])
+    stream.synchronize()
+    _sleep[1, 1, stream](sleep_iterations)
+    pairs = []
+    for i in range(RUNS):
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        launch(sets[i % len(sets)])
+        end.record(stream)
+        pairs.append((start, end))
+    stream.synchronize()
+    return statistics.median(cuda.event_elapsed_time(a, b) * 1e3 for a, b in pairs)  # us
+
+
+def _make_set(rng, m, sc, stream):
+    hq, hv, dk, dv = m["qk_heads"], m["v_heads"], m["k_dim"], m["v_dim"]
+    c, vw = 2 * hq * dk + hv * dv, hv * dv
+    s, each = sc["segments"], sc["rows_each"]
+    rows = s * each
+    cols = each if sc["record"] else 1
+    lanes = s
+
+    def dev(a):
+        return cuda.to_device(np.ascontiguousarray(a), stream=stream)
+
+    def empty(*shape):
+        return cuda.device_array(shape, F32, stream=stream)
+
+    d = dict(
+        projected=dev(rng.standard_normal((rows, c + vw), dtype=F32)),
+        conv_weight=dev(rng.standard_normal((K, c), dtype=F32) * F32(0.5)),
+        conv_state=dev(rng.standard_normal((lanes, K - 1, c), dtype=F32)),
+        conv_columns=dev(np.zeros((lanes, cols, K - 1, c), F32)),
+        ab=dev(rng.standard_normal((rows, 2 * hv), dtype=F32)),
+        neg_a=dev(-np.exp(rng.uniform(-1.5, 0.5, hv)).astype(F32)),
+        dt_bias=dev(rng.standard_normal(hv, dtype=F32) * F32(0.5)),
+        ssm_state=dev(rng.standard_normal((lanes, hv, dk, dv), dtype=F32) * F32(0.1)),
+        ssm_columns=dev(np.zeros((lanes, cols, hv, dk, dv), F32)),
+        norm=dev(np.ones(dv, F32)),
+        seg_lane=dev(np.arange(s, dtype=np.int32)),
+        seg_row=dev((np.arange(s) * each).astype(np.int32)),
+        seg_count=dev(np.full(s, each, np.int32)),
+        seg_record=dev(np.full(s, sc["record"], np.int32)),
+        mixed=empty(rows, c), q=empty(rows, hq, dk), k=empty(rows, hq, dk), log_decay=empty(rows, hv),
+        beta=empty(rows, hv), out=empty(rows, hv, dv), result=empty(rows, hv * dv),
+    )
+    d.update(rows=rows, c=c, vw=vw, lanes=lanes)
+    return d
+
+
+def _launchers(m, stream):
+    hq, hv, dk, dv = m["qk_heads"], m["v_heads"], m["k_dim"], m["v_dim"]
+
+    def seg(d):
+        return d["seg_lane"], d["seg_row"], d["seg_count"], d["seg_record"]
+
+    return {
+        "conv": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"], *seg(d),
+                                       d["mixed"], channels=d["c"], stream=stream),
+        "gates": lambda d: gdn.gdn_gates(d["mixed"], d["ab"], d["neg_a"], d["dt_bias"], d["q"], d["k"],
+                                         d["log_decay"], d["beta"], qk_heads=hq, v_heads=hv, k_dim=dk,
+                                         stream=stream),
+        "recurrent": lambda d: gdn.gdn_recurrent(d["q"], d["k"], d["mixed"], d["log_decay"], d["beta"],
+                                                 d["ssm_state"], d["ssm_columns"], *seg(d), d["out"], qk_heads=hq,
+                                                 v_heads=hv, k_dim=dk, v_dim=dv, channels_qk=2 * hq * dk,
+                                                 stream=stream),
+        "recurrent_g8": lambda d: gdn.gdn_recurrent(d["q"], d["k"], d["mixed"], d["log_decay"], d["beta"],
+                                                    d["ssm_state"], d["ssm_columns"], *seg(d), d["out"],
+                                                    qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv,
+                                                    channels_qk=2 * hq * dk, stream=stream, groups=8),
+        "output": lambda d: gdn.gdn_output(d["out"], d["projected"], d["norm"], d["result"], v_heads=hv, v_dim=dv,
+                                           z_offset=d["c"], eps=1e-6, stream=stream),
+    }
+
+
+def _bytes_and_flops(name, m, sc, d):
+    hq, hv, dk, dv = m["qk_heads"], m["v_heads"], m["k_dim"], m["v_dim"]
+    rows, c, vw, lanes = d["rows"], d["c"], d["vw"], d["lanes"]
+    rec = sc["record"]
+    if name == "conv":
+        return 4 * (2 * rows * c + K * c + 2 * lanes * (K - 1) * c + rec * rows * (K - 1) * c), 2 * K * rows * c
+    if name == "gates":
+        return 4 * (2 * rows * 2 * hq * dk + 2 * rows * 2 * hv), 0
+    if name.startswith("recurrent"):
+        state = hv * dk * dv
+        return (4 * (2 * lanes * state + rows * (2 * hq * dk + 2 * hv + 2 * hv * dv) + rec * rows * state),
+                8 * rows * state)
+    if name == "output":
+        return 4 * (3 * rows * vw + dv), 0
+    raise KeyError(name)
+
+
+def main() -> None:
+    stream = cuda.stream()
+    rng = np.random.default_rng(0)
+    records = []
+    header = f"{'model':5} {'scenario':8} {'kernel':10} {'us':>10} {'GB/s':>9} {'of 4.3TB/s':>10} {'TFLOP/s':>8}"
+    print(header)
+    print("-" * len(header))
+    for model_name, m in MODELS.items():
+        for sc_name, sc in SCENARIOS.items():
+            n_sets = 1 if sc_name == "prefill" else 3
+            sets = [_make_set(rng, m, sc, stream) for _ in range(n_sets)]
+            launchers = _launchers(m, stream)
+            for d in sets:  # realistic inputs for each stage (normalised q/k, real gates)
+                for launch in launchers.values():
+                    launch(d)
+            stream.synchronize()
+            sleep_iterations = 3000
+            total = 0.0
+            for kname, launch in launchers.items():
+                us = _timed(stream, launch, sets, sleep_iterations)
+                if not kname.endswith("_g8"):  # the alternative variant, not part of the layer
+                    total += us
+                nbytes, flops = _bytes_and_flops(kname, m, sc, sets[0])
+                gbs = nbytes / (us * 1e-6) / 1e9
+                tflops = flops / (us * 1e-6) / 1e12
+                rec = dict(model=model_name, scenario=sc_name, kernel=kname, rows=sets[0]["rows"], us=us,
+                           bytes=nbytes, gb_per_s=gbs, ratio_to_copy_bw=gbs * 1e9 / COPY_BW, tflops=tflops)
+                records.append(rec)
+                print(f"{model_name:5} {sc_name:8} {kname:10} {us:10.1f} {gbs:9.1f} {gbs * 1e9 / COPY_BW:10.3f} "
+                      f"{tflops:8.3f}")
+            rows = sets[0]["rows"]
+            layer = dict(model=model_name, scenario=sc_name, kernel="layer_total", rows=rows, us=total,
+                         tokens_per_s_per_layer=rows / (total * 1e-6))
+            records.append(layer)
+            print(f"{model_name:5} {sc_name:8} {'TOTAL':10} {total:10.1f}   rows {rows}: "
+                  f"{rows / (total * 1e-6):,.0f} tokens/s per layer")
+            del sets
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "kernel_gdn.json").write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,794 @@
+"""Gated full attention (Qwen3.6 §3.4) on the GPU: prepare (q/k offset RMSNorm + partial interleaved MRoPE + KV
+append into the paged pool, bf16 or INT8-G64), flash-decoding paged attention for decode/verify rows, and a tiled
+online-softmax prefill kernel; both attention paths fuse the sigmoid output gate.
+
+Layouts (see tests/kernels/test_attention.py for executable contracts):
+- `qkgv` fp32 [R, 2*Hq*D + 2*Hkv*D]: column blocks q | k | gate | v.
+- pools [pages, page_tokens, Hkv, D] uint16 (bf16 bits) or int8 codes; INT8 scales [pages, page_tokens, Hkv, D/group]
+  uint16 (fp16 bits), group = min(64, D). page_tokens is read from the pool's shape.
+- `q` fp32 [R, Hq, D] (what attention_prepare writes), `out` fp32 [R, Hq*D].
+Limits: D a multiple of 32 and <= 256; Hq/Hkv <= 8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import float32, int8, int32, uint16, uint32, uint64
+from numba.cuda import libdevice
+
+from ninfer.backends.cpu import ops
+from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
+from ninfer.kernels_numba.common import FULL_MASK, bf16_to_f32, f32_to_bf16, sigmoid_f32, warp_max, warp_sum
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+
+F32 = np.float32
+MAX_E = 8  # head dims per lane in the decode kernel (D <= 256)
+MAX_G = 8  # q heads per kv head
+DECODE_WARPS = 4
+MAX_GE = MAX_G * MAX_E
+NEG_INF = -math.inf
+
+f32_1d = float32[::1]
+f32_2d = float32[:, ::1]
+f32_3d = float32[:, :, ::1]
+f32_4d = float32[:, :, :, ::1]
+i32_1d = int32[::1]
+i32_2d = int32[:, ::1]
+u16_4d = uint16[:, :, :, ::1]
+i8_4d = int8[:, :, :, ::1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@device_function
+def f32_to_f16_bits(value):
+    """float32 -> IEEE half bits (uint32 holding 16 bits), round to nearest even, like numpy's astype(float16)."""
+    bits = uint32(libdevice.float_as_int(float32(value)))
+    sign = (bits >> uint32(16)) & uint32(0x8000)
+    mag = bits & uint32(0x7FFFFFFF)
+    if mag > uint32(0x7F800000):  # NaN
+        return sign | uint32(0x7E00)
+    if mag >= uint32(0x477FF000):  # rounds to >= 65520: inf
+        return sign | uint32(0x7C00)
+    if mag >= uint32(0x38800000):  # normal half (>= 2^-14)
+        # rebias exponent 127 -> 15 and round the 13 dropped mantissa bits to nearest even
+        rounded = mag + uint32(0xFFF) + ((mag >> uint32(13)) & uint32(1))
+        return sign | ((rounded - uint32(0x38000000)) >> uint32(13))
+    if mag < uint32(0x33000000):  # below half of the smallest subnormal (2^-25): zero
+        return sign
+    # subnormal half: value = m * 2^-24 with m = rne(x * 2^24) (exact scaling, exact rint)
+    m = uint32(libdevice.rintf(libdevice.int_as_float(int32(mag)) * float32(16777216.0)))
+    return sign | m
+
+
+@device_function
+def f16_bits_to_f32(h):
+    h = uint32(h)
+    sign = (h & uint32(0x8000)) << uint32(16)
+    exp = (h >> uint32(10)) & uint32(0x1F)
+    mant = h & uint32(0x3FF)
+    if exp == uint32(0):
+        value = float32(mant) * float32(5.960464477539063e-08)  # 2^-24, exact
+        return -value if sign else value
+    if exp == uint32(31):
+        return libdevice.int_as_float(int32(sign | uint32(0x7F800000) | (mant << uint32(13))))
+    return libdevice.int_as_float(int32(sign | ((exp + uint32(112)) << uint32(23)) | (mant << uint32(13))))
+
+
+@device_function
+def load_kv(pool, scales, page, off, kvh, d, group, quant):
+    """One dequantized K or V element (bf16 bits, or int8 code times its fp16 group scale)."""
+    if quant:
+        return float32(pool[page, off, kvh, d]) * f16_bits_to_f32(scales[page, off, kvh, d // group])
+    return bf16_to_f32(pool[page, off, kvh, d])
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. prepare: norms + rope + KV append
+
+
+def _prepare_kernel(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, page_tables, k_pool, v_pool,
+                    k_scale, v_scale, q_out, heads, kv_heads, head_dim, pairs, sec1, sec2, eps, quant):
+    """grid (R, Hq + Hkv), block head_dim threads. Head slot < Hq: a q head; else kv head (k normed+roped, v raw)."""
+    r = cuda.blockIdx.x
+    slot = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    lane = t % 32
+    warp = t // 32
+    nwarps = head_dim // 32
+    red = cuda.shared.array(32, float32)
+    vals = cuda.shared.array(256, float32)
+    amax_sh = cuda.shared.array(16, float32)
+    is_q = slot < heads
+    if is_q:
+        col = slot * head_dim
+        w = q_norm[t]
+    else:
+        col = heads * head_dim + (slot - heads) * head_dim
+        w = k_norm[t]
+    x = qkgv[r, col + t]
+    s = warp_sum(x * x)
+    if lane == 0:
+        red[warp] = s
+    cuda.syncthreads()
+    total = float32(0.0)
+    for i in range(nwarps):
+        total += red[i]
+    mean = total / float32(head_dim)
+    inv = float32(1.0) / math.sqrt(mean + eps)
+    y = (x * inv) * (float32(1.0) + w)
+    vals[t] = y
+    cuda.syncthreads()
+    if t < 2 * pairs:
+        i = t % pairs
+        axis = 0
+        if i % 3 == 1 and i < 3 * sec1:
+            axis = 1
+        elif i % 3 == 2 and i < 3 * sec2:
+            axis = 2
+        angle = float32(positions[axis, r]) * inv_freq[i]
+        c = libdevice.cosf(angle)
+        sn = libdevice.sinf(angle)
+        if t < pairs:
+            y = y * c - vals[t + pairs] * sn
+        else:
+            y = y * c + vals[t - pairs] * sn
+    if is_q:
+        q_out[r, slot, t] = y
+        return
+    kvh = slot - heads
+    pos = row_pos[r]
+    page_tokens = k_pool.shape[1]
+    page = page_tables[row_lane[r], pos // page_tokens]
+    off = pos % page_tokens
+    v = qkgv[r, 2 * heads * head_dim + kv_heads * head_dim + kvh * head_dim + t]
+    if not quant:
+        k_pool[page, off, kvh, t] = f32_to_bf16(y)
+        v_pool[page, off, kvh, t] = f32_to_bf16(v)
+        return
+    group = min(64, head_dim)
+    for which in range(2):
+        value = y if which == 0 else v
+        a = warp_max(abs(value))
+        cuda.syncthreads()
+        if lane == 0:
+            amax_sh[warp] = a
+        cuda.syncthreads()
+        g0 = (t // group) * (group // 32)
+        amax = amax_sh[g0]
+        for j in range(1, group // 32):
+            amax = max(amax, amax_sh[g0 + j])
+        sbits = f32_to_f16_bits(amax / float32(127.0))
+        sw = f16_bits_to_f32(sbits)
+        inv_s = float32(0.0)
+        if sw != float32(0.0):
+            inv_s = float32(1.0) / sw
+        code = libdevice.rintf(value * inv_s)
+        code = min(max(code, float32(-127.0)), float32(127.0))
+        if which == 0:
+            k_pool[page, off, kvh, t] = int32(code)
+            if t % group == 0:
+                k_scale[page, off, kvh, t // group] = sbits
+        else:
+            v_pool[page, off, kvh, t] = int32(code)
+            if t % group == 0:
+                v_scale[page, off, kvh, t // group] = sbits
+
+
+_PREPARE_TAIL = (int32, int32, int32, int32, int32, int32, float32, int32)
+_prepare_common = (f32_2d, f32_1d, f32_1d, f32_1d, i32_2d, i32_1d, i32_1d, i32_2d)
+prepare_kernel = kernel(
+    _prepare_common + (u16_4d, u16_4d, u16_4d, u16_4d, f32_3d) + _PREPARE_TAIL,
+    _prepare_common + (i8_4d, i8_4d, u16_4d, u16_4d, f32_3d) + _PREPARE_TAIL,
+    fastmath=False,
+)(_prepare_kernel)
+
+
+def _i32(*values):
+    """Scalars as int32 so launches hit the registered signatures."""
+    return tuple(np.int32(v) for v in values)
+
+
+def _check_dims(heads, kv_heads, head_dim):
+    if head_dim % 32 or head_dim > 256:
+        raise ValueError(f"head_dim must be a multiple of 32 and at most 256, got {head_dim}")
+    if heads % kv_heads or heads // kv_heads > MAX_G:
+        raise ValueError(f"heads/kv_heads must be an integer <= {MAX_G}, got {heads}/{kv_heads}")
+
+
+def _quant_args(k_pool, v_pool, k_scale, v_scale):
+    quant = k_pool.dtype == np.int8
+    if quant:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an int8 pool needs k_scale and v_scale")
+        return 1, k_scale, v_scale
+    return 0, k_pool, v_pool  # bf16: the pools stand in for the (unused) scale arguments
+
+
+def attention_prepare(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, page_tables, k_pool, v_pool,
+                      k_scale, v_scale, q_out, *, heads, kv_heads, head_dim, rotary_dim, sections, eps, stream):
+    """One launch: q_out[R, Hq, D] = rope(offset_rmsnorm(q)); pool[row's page, row_pos % page] = encode(rope(norm(k)))
+    and encode(v). bf16 pools: pass k_scale = v_scale = None."""
+    _check_dims(heads, kv_heads, head_dim)
+    rows = qkgv.shape[0]
+    if rows == 0:
+        return
+    quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
+    prepare_kernel[(rows, heads + kv_heads), head_dim, stream](
+        qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, page_tables, k_pool, v_pool, ks, vs, q_out,
+        *_i32(heads, kv_heads, head_dim, rotary_dim // 2, sections[1], sections[2]), np.float32(eps), np.int32(quant))
+
+
+def _encode_rows(k, v, dtype_int8, group):
+    if not dtype_int8:
+        return (f32_to_bf16_bits(k), None), (f32_to_bf16_bits(v), None)
+    kc, ks = quantize_int8(k, group)
+    vc, vs = quantize_int8(v, group)
+    return (kc, ks.view(np.uint16)), (vc, vs.view(np.uint16))
+
+
+def attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, page_tables, k_pool,
+                                v_pool, k_scale, v_scale, q_out, *, heads, kv_heads, head_dim, rotary_dim, sections,
+                                eps, stream=None):
+    """NumPy twin on host arrays (mutates q_out and the pools); returns q_out."""
+    rows = qkgv.shape[0]
+    qw, kw = heads * head_dim, kv_heads * head_dim
+    q = ops.rms_norm(qkgv[:, :qw].reshape(rows, heads, head_dim), q_norm, eps, offset=True)
+    k = ops.rms_norm(qkgv[:, qw:qw + kw].reshape(rows, kv_heads, head_dim), k_norm, eps, offset=True)
+    v = qkgv[:, 2 * qw + kw:].reshape(rows, kv_heads, head_dim).astype(F32)
+    angles = ops.mrope_angles(positions, inv_freq[: rotary_dim // 2], tuple(sections))
+    q, k = ops.apply_rotary(q, angles), ops.apply_rotary(k, angles)
+    q_out[...] = q
+    page_tokens = k_pool.shape[1]
+    quant = k_pool.dtype == np.int8
+    group = int8_group(head_dim) if quant else 0
+    (kc, ksc), (vc, vsc) = _encode_rows(k, v, quant, group)
+    for r in range(rows):
+        pos = int(row_pos[r])
+        page, off = page_tables[row_lane[r], pos // page_tokens], pos % page_tokens
+        k_pool[page, off], v_pool[page, off] = kc[r], vc[r]
+        if quant:
+            k_scale[page, off], v_scale[page, off] = ksc[r], vsc[r]
+    return q_out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. decode: flash-decoding over pages + combine with the gate
+
+
+DEFAULT_SPLIT_PAGES = 4  # pages per flash-decoding split; keep ONE value for every batch size (see below)
+
+
+def decode_partials_shape(rows, heads, head_dim, max_pages, split_pages):
+    """Scratch for attention_decode: per (row, q head, split) the running max, the sum and D accumulators."""
+    return (rows, heads, -(-max_pages // split_pages), head_dim + 2)
+
+
+def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, partials,
+                         heads, kv_heads, head_dim, split_pages, quant):
+    """grid (splits, Hkv, R), block DECODE_WARPS warps; a warp per key, lanes split head_dim, G q heads at once."""
+    split = cuda.blockIdx.x
+    kvh = cuda.blockIdx.y
+    r = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    warp = tid // 32
+    page_tokens = k_pool.shape[1]
+    chunk = split_pages * page_tokens
+    length = row_pos[r] + 1
+    start = split * chunk
+    if start >= length:
+        return
+    stop = min(start + chunk, length)
+    group_heads = heads // kv_heads
+    per_lane = head_dim // 32
+    dbase = lane * per_lane
+    qgroup = min(64, head_dim)
+    scale = float32(1.0) / math.sqrt(float32(head_dim))
+    qv = cuda.local.array(MAX_GE, float32)
+    acc = cuda.local.array(MAX_GE, float32)
+    m = cuda.local.array(MAX_G, float32)
+    lsum = cuda.local.array(MAX_G, float32)
+    kx = cuda.local.array(MAX_E, float32)
+    ag = cuda.local.array(MAX_G, float32)
+    pg = cuda.local.array(MAX_G, float32)
+    for e in range(MAX_E):
+        kx[e] = float32(0.0)
+    for g in range(MAX_G):
+        m[g] = float32(NEG_INF)
+        lsum[g] = float32(0.0)
+        for e in range(MAX_E):
+            acc[g * MAX_E + e] = float32(0.0)
+            qv[g * MAX_E + e] = float32(0.0)
+            if g < group_heads and e < per_lane:
+                qv[g * MAX_E + e] = q[r, kvh * group_heads + g, dbase + e] * scale
+    lane_id = row_lane[r]
+    for key in range(start + warp, stop, DECODE_WARPS):
+        page = page_tables[lane_id, key // page_tokens]
+        off = key % page_tokens
+        for e in range(MAX_E):
+            if e < per_lane:
+                kx[e] = load_kv(k_pool, k_scale, page, off, kvh, dbase + e, qgroup, quant)
+        for g in range(MAX_G):
+            if g < group_heads:
+                dot = float32(0.0)
+                for e in range(MAX_E):
+                    if e < per_lane:
+                        dot += qv[g * MAX_E + e] * kx[e]
+                dot = warp_sum(dot)
+                m_new = max(m[g], dot)
+                alpha = math.exp(m[g] - m_new)
+                p = math.exp(dot - m_new)
+                lsum[g] = lsum[g] * alpha + p
+                m[g] = m_new
+                ag[g] = alpha
+                pg[g] = p
+        for e in range(MAX_E):
+            if e < per_lane:
+                kx[e] = load_kv(v_pool, v_scale, page, off, kvh, dbase + e, qgroup, quant)
+        for g in range(MAX_G):
+            if g < group_heads:
+                for e in range(MAX_E):
+                    acc[g * MAX_E + e] = acc[g * MAX_E + e] * ag[g] + pg[g] * kx[e]
+    # block combine of the warps' states (fixed order), then one partial per (row, q head, split)
+    sm_m = cuda.shared.array((DECODE_WARPS, MAX_G), float32)
+    sm_l = cuda.shared.array((DECODE_WARPS, MAX_G), float32)
+    sm_acc = cuda.shared.array((DECODE_WARPS, MAX_G, 256), float32)
+    for g in range(MAX_G):
+        if g < group_heads:
+            if lane == 0:
+                sm_m[warp, g] = m[g]
+                sm_l[warp, g] = lsum[g]
+            for e in range(MAX_E):
+                if e < per_lane:
+                    sm_acc[warp, g, dbase + e] = acc[g * MAX_E + e]
+    cuda.syncthreads()
+    split_slot = split
+    for idx in range(tid, group_heads * head_dim, DECODE_WARPS * 32):
+        g = idx // head_dim
+        d = idx % head_dim
+        mx = float32(NEG_INF)
+        for w in range(DECODE_WARPS):
+            mx = max(mx, sm_m[w, g])
+        total_l = float32(0.0)
+        total_a = float32(0.0)
+        for w in range(DECODE_WARPS):
+            mw = sm_m[w, g]
+            if mw != float32(NEG_INF):
+                f = math.exp(mw - mx)
+                total_l += sm_l[w, g] * f
+                total_a += sm_acc[w, g, d] * f
+        h = kvh * group_heads + g
+        partials[r, h, split_slot, 2 + d] = total_a
+        if d == 0:
+            partials[r, h, split_slot, 0] = mx
+            partials[r, h, split_slot, 1] = total_l
+
+
+_DECODE_TAIL = (int32, int32, int32, int32, int32)
+decode_split_kernel = kernel(
+    (f32_3d, i32_2d, i32_1d, i32_1d, u16_4d, u16_4d, u16_4d, u16_4d, f32_4d) + _DECODE_TAIL,
+    (f32_3d, i32_2d, i32_1d, i32_1d, i8_4d, i8_4d, u16_4d, u16_4d, f32_4d) + _DECODE_TAIL,
+    fastmath=True,
+)(_decode_split_kernel)
+
+
+FAST_KEYS = 4  # keys per warp iteration
+FAST_MAX_WARPS = 16
+FAST_BLOCK_WARPS = 8  # G x KW warps per block: KW = max(1, 8 // G)
+
+
+@device_function
+def _int8_lane(word, i):
+    """Signed byte i of a uint64 word as float32."""
+    return float32(int32(uint32(word >> uint64(8 * i)) << uint32(24)) >> int32(24))
+
+
+@device_function
+def _bf16_lane(word, i):
+    """bf16 element i (0..3) of a uint64 word as float32."""
+    half = uint32(word >> uint64(32 * (i // 2)))
+    if i % 2 == 0:
+        return libdevice.int_as_float(int32(half << uint32(16)))
+    return libdevice.int_as_float(int32(half & uint32(0xFFFF0000)))
+
+
+def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
+                        heads, kv_heads, split_pages, quant):
+    """head_dim == 256 path of the split kernel. Block = G x KW warps (blockDim.x = 32*G*KW): warp w serves q head
+    w % G of this kv head over keys start + (w // G)*4 + i*4*KW (4 per step, the G warps of a key step read the
+    same K/V lines, shared through L1). Pools as uint64 words (bf16: 64 per head row, int8: 32); lane owns head dims
+    lane*8..lane*8+7. The 4 dot products of a step are reduced with a butterfly reduce-scatter (lane L: key L//8)."""
+    split = cuda.blockIdx.x
+    kvh = cuda.blockIdx.y
+    r = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    warp = tid // 32
+    group_heads = heads // kv_heads
+    key_warps = cuda.blockDim.x // (32 * group_heads)
+    g = warp % group_heads
+    kw_i = warp // group_heads
+    page_tokens = k_words.shape[1]
+    chunk = split_pages * page_tokens
+    length = row_pos[r] + 1
+    start = split * chunk
+    if start >= length:
+        return
+    stop = min(start + chunk, length)
+    scale = float32(1.0) / math.sqrt(float32(256.0))
+    h = kvh * group_heads + g
+    qv = cuda.local.array(8, float32)
+    acc = cuda.local.array(8, float32)
+    vals = cuda.local.array(4, float32)
+    kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
+    kw = cuda.local.array(8, uint64)
+    vw = cuda.local.array(8, uint64)
+    ksc = cuda.local.array(4, float32)
+    vsc = cuda.local.array(4, float32)
+    for e in range(8):
+        acc[e] = float32(0.0)
+        qv[e] = q[r, h, lane * 8 + e] * scale
+    m_l = float32(NEG_INF)
+    l_l = float32(0.0)
+    lane_id = row_lane[r]
+    for key0 in range(start + kw_i * FAST_KEYS, stop, key_warps * FAST_KEYS):
+        for j in range(FAST_KEYS):
+            key = min(key0 + j, stop - 1)
+            page = page_tables[lane_id, key // page_tokens]
+            off = key % page_tokens
+            if quant:
+                kw[j] = k_words[page, off, kvh, lane]
+                vw[j] = v_words[page, off, kvh, lane]
+                ksc[j] = f16_bits_to_f32(k_scale[page, off, kvh, lane // 8])
+                vsc[j] = f16_bits_to_f32(v_scale[page, off, kvh, lane // 8])
+            else:
+                kw[2 * j] = k_words[page, off, kvh, 2 * lane]
+                kw[2 * j + 1] = k_words[page, off, kvh, 2 * lane + 1]
+                vw[2 * j] = v_words[page, off, kvh, 2 * lane]
+                vw[2 * j + 1] = v_words[page, off, kvh, 2 * lane + 1]
+        for j in range(FAST_KEYS):
+            for e in range(8):
+                if quant:
+                    kx[j * 8 + e] = _int8_lane(kw[j], e) * ksc[j]
+                else:
+                    kx[j * 8 + e] = _bf16_lane(kw[2 * j + e // 4], e % 4)
+        for j in range(FAST_KEYS):
+            dot = float32(0.0)
+            for e in range(8):
+                dot += qv[e] * kx[j * 8 + e]
+            vals[j] = dot
+        # reduce-scatter over offsets 16 and 8, then a plain butterfly: lane L holds key L // 8's score
+        hi = (lane & 16) != 0
+        for i in range(2):
+            a = vals[i]
+            b = vals[i + 2]
+            vals[i] = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 16)
+        hi = (lane & 8) != 0
+        a = vals[0]
+        b = vals[1]
+        s = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 8)
+        s += cuda.shfl_xor_sync(FULL_MASK, s, 4)
+        s += cuda.shfl_xor_sync(FULL_MASK, s, 2)
+        s += cuda.shfl_xor_sync(FULL_MASK, s, 1)
+        if key0 + lane // 8 >= stop:
+            s = float32(NEG_INF)
+        mx = max(s, cuda.shfl_xor_sync(FULL_MASK, s, 8))
+        mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 16))
+        m_new = max(m_l, mx)
+        alpha = math.exp(m_l - m_new)
+        p = math.exp(s - m_new)
+        p0 = cuda.shfl_sync(FULL_MASK, p, 0)
+        p1 = cuda.shfl_sync(FULL_MASK, p, 8)
+        p2 = cuda.shfl_sync(FULL_MASK, p, 16)
+        p3 = cuda.shfl_sync(FULL_MASK, p, 24)
+        l_l = l_l * alpha + (((p0 + p1) + p2) + p3)
+        m_l = m_new
+        for j in range(FAST_KEYS):
+            for e in range(8):
+                if quant:
+                    kx[j * 8 + e] = _int8_lane(vw[j], e) * vsc[j]
+                else:
+                    kx[j * 8 + e] = _bf16_lane(vw[2 * j + e // 4], e % 4)
+        for e in range(8):
+            acc[e] = acc[e] * alpha + p0 * kx[e] + p1 * kx[8 + e] + p2 * kx[16 + e] + p3 * kx[24 + e]
+    sm_m = cuda.shared.array(FAST_MAX_WARPS, float32)
+    sm_l = cuda.shared.array(FAST_MAX_WARPS, float32)
+    sm_acc = cuda.shared.array((FAST_MAX_WARPS, 256), float32)
+    if lane == 0:
+        sm_m[warp] = m_l
+        sm_l[warp] = l_l
+    for e in range(8):
+        sm_acc[warp, lane * 8 + e] = acc[e]
+    cuda.syncthreads()
+    for idx in range(tid, group_heads * 256, cuda.blockDim.x):
+        gg = idx // 256
+        d = idx % 256
+        mx = float32(NEG_INF)
+        for i in range(key_warps):
+            mx = max(mx, sm_m[i * group_heads + gg])
+        total_l = float32(0.0)
+        total_a = float32(0.0)
+        for i in range(key_warps):
+            w = i * group_heads + gg
+            mw = sm_m[w]
+            if mw != float32(NEG_INF):
+                f = math.exp(mw - mx)
+                total_l += sm_l[w] * f
+                total_a += sm_acc[w, d] * f
+        hh = kvh * group_heads + gg
+        partials[r, hh, split, 2 + d] = total_a
+        if d == 0:
+            partials[r, hh, split, 0] = mx
+            partials[r, hh, split, 1] = total_l
+
+
+u64_4d = uint64[:, :, :, ::1]
+decode_fast_kernel = kernel(
+    (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32, int32),
+    fastmath=True,
+)(_decode_fast_kernel)
+
+
+@kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32, int32), fastmath=True)
+def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_dim, chunk):
+    """grid (R, Hq), block head_dim: merge the row's own splits in order, normalise, multiply by sigmoid(gate)."""
+    r = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    d = cuda.threadIdx.x
+    splits = (row_pos[r] + chunk) // chunk
+    mx = float32(NEG_INF)
+    for s in range(splits):
+        mx = max(mx, partials[r, h, s, 0])
+    total_l = float32(0.0)
+    total_a = float32(0.0)
+    for s in range(splits):
+        f = math.exp(partials[r, h, s, 0] - mx)
+        total_l += partials[r, h, s, 1] * f
+        total_a += partials[r, h, s, 2 + d] * f
+    gate = qkgv[r, (heads + kv_heads) * head_dim + h * head_dim + d]
+    out[r, h * head_dim + d] = (total_a / total_l) * sigmoid_f32(gate)
+
+
+def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
+                     heads, kv_heads, head_dim, split_pages, stream):
+    """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
+    lane page table. Two launches (splits of `split_pages` pages, then combine). `partials` from
+    decode_partials_shape(>= R, heads, head_dim, max_pages, split_pages); grid covers partials.shape[2] splits
+    (blocks past a row's length exit at once). A row's bits depend on its own data and on split_pages only, so use
+    the same split_pages for every batch size / graph to keep batch invariance."""
+    _check_dims(heads, kv_heads, head_dim)
+    rows = q.shape[0]
+    if rows == 0:
+        return
+    quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
+    splits = partials.shape[2]
+    if head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
+        group = heads // kv_heads
+        decode_fast_kernel[(splits, kv_heads, rows), 32 * group * max(1, FAST_BLOCK_WARPS // group), stream](
+            q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
+            *_i32(heads, kv_heads, split_pages, quant))
+    else:
+        decode_split_kernel[(splits, kv_heads, rows), DECODE_WARPS * 32, stream](
+            q, page_tables, row_lane, row_pos, k_pool, v_pool, ks, vs, partials,
+            *_i32(heads, kv_heads, head_dim, split_pages, quant))
+    decode_combine_kernel[(rows, heads), head_dim, stream](
+        partials, qkgv, row_pos, out, *_i32(heads, kv_heads, head_dim, split_pages * k_pool.shape[1]))
+
+
+def _gather_kv(page_tables, lane, length, k_pool, v_pool, k_scale, v_scale):
+    page_tokens = k_pool.shape[1]
+    used = -(-length // page_tokens)
+    pages = page_tables[lane, :used]
+
+    def gather(store):
+        return store[pages].reshape((used * page_tokens,) + store.shape[2:])[:length]
+
+    if k_pool.dtype == np.int8:
+        return (dequantize_int8(gather(k_pool), gather(k_scale).view(np.float16)),
+                dequantize_int8(gather(v_pool), gather(v_scale).view(np.float16)))
+    return bf16_bits_to_f32(gather(k_pool)), bf16_bits_to_f32(gather(v_pool))
+
+
+def _gate(qkgv, rows, heads, kv_heads, head_dim):
+    start = (heads + kv_heads) * head_dim
+    return ops.sigmoid(qkgv[rows, start:start + heads * head_dim])
+
+
+def attention_decode_reference(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out,
+                               partials=None, *, heads, kv_heads, head_dim, split_pages=1, stream=None):
+    """NumPy twin: each row attends causally over its lane's keys 0..row_pos; writes and returns out."""
+    for r in range(q.shape[0]):
+        length = int(row_pos[r]) + 1
+        k, v = _gather_kv(page_tables, int(row_lane[r]), length, k_pool, v_pool, k_scale, v_scale)
+        att = ops.causal_gqa_attention(q[r:r + 1], k, v, length - 1, 1.0 / np.sqrt(head_dim))
+        out[r] = att.reshape(-1) * _gate(qkgv, slice(r, r + 1), heads, kv_heads, head_dim)[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. prefill: query tiles x one q head, online softmax, K/V tiles in shared memory
+
+PF_Q = 64  # queries per block
+PF_K = 64  # keys per tile
+PF_D = 32  # head dims per QK^T step
+PF_V = 16  # keys per PV step
+PF_PAD = 65
+PF_THREADS = 256
+PF_BUF = 2 * PF_D * PF_PAD
+PF_PS = PF_K * PF_PAD
+
+
+def _prefill_kernel(q, qkgv, page_tables, lane, kv_start, count, k_pool, v_pool, k_scale, v_scale, out,
+                    heads, kv_heads, head_dim, quant):
+    """grid (ceil(count/64), Hq), block 256 = 16 x 16: thread (ty, tx) owns S rows ty*4+i, cols tx+16j and
+    O rows ty*4+i, dims tx+16c (c < D/16)."""
+    qt = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    tx = tid % 16
+    ty = tid // 16
+    group_heads = heads // kv_heads
+    kvh = h // group_heads
+    page_tokens = k_pool.shape[1]
+    qgroup = min(64, head_dim)
+    scale = float32(1.0) / math.sqrt(float32(head_dim))
+    q0 = qt * PF_Q
+    buf = cuda.shared.array(PF_BUF, float32)  # Qs[d][row] | Ks[d][key], or Vs[key][dim]
+    ps = cuda.shared.array(PF_PS, float32)  # P[key][row]
+    tile_page = cuda.shared.array(PF_K, int32)
+    tile_off = cuda.shared.array(PF_K, int32)
+    oacc = cuda.local.array(64, float32)  # [4 rows][16 dims] (D <= 256)
+    sacc = cuda.local.array(16, float32)  # [4 rows][4 keys]
+    m = cuda.local.array(4, float32)
+    lsum = cuda.local.array(4, float32)
+    alph = cuda.local.array(4, float32)
+    qreg = cuda.local.array(8, float32)
+    kreg = cuda.local.array(8, float32)
+    vreg = cuda.local.array(PF_V, float32)
+    ndc = head_dim // 16
+    for i in range(4):
+        m[i] = float32(NEG_INF)
+        lsum[i] = float32(0.0)
+    for i in range(64):
+        oacc[i] = float32(0.0)
+    last_q = min(q0 + PF_Q, count) - 1
+    key_end = kv_start + last_q + 1  # keys 0..key_end-1 are visible to some row of the tile
+    n_tiles = (key_end + PF_K - 1) // PF_K
+    for kt in range(n_tiles):
+        k0 = kt * PF_K
+        for i in range(16):
+            sacc[i] = float32(0.0)
+        if tid < PF_K:
+            key = min(k0 + tid, key_end - 1)
+            tile_page[tid] = page_tables[lane, key // page_tokens]
+            tile_off[tid] = key % page_tokens
+        cuda.syncthreads()
+        for dc in range(0, head_dim, PF_D):
+            # stage Q[64 rows][32 dims] and K[64 keys][32 dims], transposed, padded: all loads first, then stores
+            d = tid % PF_D
+            for it in range(8):
+                row = tid // PF_D + it * (PF_THREADS // PF_D)
+                qrow = min(q0 + row, count - 1)
+                qreg[it] = q[qrow, h, dc + d] * scale
+                kreg[it] = load_kv(k_pool, k_scale, tile_page[row], tile_off[row], kvh, dc + d, qgroup, quant)
+            for it in range(8):
+                row = tid // PF_D + it * (PF_THREADS // PF_D)
+                buf[d * PF_PAD + row] = qreg[it]
+                buf[PF_D * PF_PAD + d * PF_PAD + row] = kreg[it]
+            cuda.syncthreads()
+            for d in range(PF_D):
+                qa0 = buf[d * PF_PAD + ty * 4]
+                qa1 = buf[d * PF_PAD + ty * 4 + 1]
+                qa2 = buf[d * PF_PAD + ty * 4 + 2]
+                qa3 = buf[d * PF_PAD + ty * 4 + 3]
+                for j in range(4):
+                    kb = buf[PF_D * PF_PAD + d * PF_PAD + tx + 16 * j]
+                    sacc[j] += qa0 * kb
+                    sacc[4 + j] += qa1 * kb
+                    sacc[8 + j] += qa2 * kb
+                    sacc[12 + j] += qa3 * kb
+            cuda.syncthreads()
+        # online softmax per row (the 16 threads of a half-warp share a row set)
+        for i in range(4):
+            qpos = kv_start + q0 + ty * 4 + i
+            for j in range(4):
+                if k0 + tx + 16 * j > qpos:
+                    sacc[i * 4 + j] = float32(NEG_INF)
+        for i in range(4):
+            rmax = max(max(sacc[i * 4], sacc[i * 4 + 1]), max(sacc[i * 4 + 2], sacc[i * 4 + 3]))
+            rmax = max(rmax, cuda.shfl_xor_sync(FULL_MASK, rmax, 8))
+            rmax = max(rmax, cuda.shfl_xor_sync(FULL_MASK, rmax, 4))
+            rmax = max(rmax, cuda.shfl_xor_sync(FULL_MASK, rmax, 2))
+            rmax = max(rmax, cuda.shfl_xor_sync(FULL_MASK, rmax, 1))
+            m_new = max(m[i], rmax)
+            alpha = math.exp(m[i] - m_new)
+            m[i] = m_new
+            rsum = float32(0.0)
+            for j in range(4):
+                p = math.exp(sacc[i * 4 + j] - m_new)
+                sacc[i * 4 + j] = p
+                rsum += p
+            rsum += cuda.shfl_xor_sync(FULL_MASK, rsum, 8)
+            rsum += cuda.shfl_xor_sync(FULL_MASK, rsum, 4)
+            rsum += cuda.shfl_xor_sync(FULL_MASK, rsum, 2)
+            rsum += cuda.shfl_xor_sync(FULL_MASK, rsum, 1)
+            lsum[i] = lsum[i] * alpha + rsum
+            alph[i] = alpha
+        for i in range(4):
+            for j in range(4):
+                ps[(tx + 16 * j) * PF_PAD + ty * 4 + i] = sacc[i * 4 + j]
+        for i in range(4):
+            for c in range(16):
+                oacc[i * 16 + c] *= alph[i]
+        # O += P V, V staged PF_V keys at a time
+        for vk in range(0, PF_K, PF_V):
+            cuda.syncthreads()  # ps written / previous V chunk consumed
+            if tid < head_dim:
+                for kk in range(PF_V):
+                    vreg[kk] = load_kv(v_pool, v_scale, tile_page[vk + kk], tile_off[vk + kk], kvh, tid, qgroup,
+                                       quant)
+                for kk in range(PF_V):
+                    buf[kk * head_dim + tid] = vreg[kk]
+            cuda.syncthreads()
+            for kk in range(PF_V):
+                pbase = (vk + kk) * PF_PAD + ty * 4
+                p0 = ps[pbase]
+                p1 = ps[pbase + 1]
+                p2 = ps[pbase + 2]
+                p3 = ps[pbase + 3]
+                for c in range(16):
+                    if c < ndc:
+                        vb = buf[kk * head_dim + tx + 16 * c]
+                        oacc[c] += p0 * vb
+                        oacc[16 + c] += p1 * vb
+                        oacc[32 + c] += p2 * vb
+                        oacc[48 + c] += p3 * vb
+        cuda.syncthreads()
+    gate_col = (heads + kv_heads) * head_dim + h * head_dim
+    for i in range(4):
+        row = q0 + ty * 4 + i
+        if row < count:
+            inv_l = float32(1.0) / lsum[i]
+            for c in range(16):
+                if c < ndc:
+                    d = tx + 16 * c
+                    out[row, h * head_dim + d] = (oacc[i * 16 + c] * inv_l) * sigmoid_f32(qkgv[row, gate_col + d])
+
+
+_PREFILL_TAIL = (f32_2d, int32, int32, int32, int32)
+prefill_kernel = kernel(
+    (f32_3d, f32_2d, i32_2d, int32, int32, int32, u16_4d, u16_4d, u16_4d, u16_4d) + _PREFILL_TAIL,
+    (f32_3d, f32_2d, i32_2d, int32, int32, int32, i8_4d, i8_4d, u16_4d, u16_4d) + _PREFILL_TAIL,
+    fastmath=True,
+)(_prefill_kernel)
+
+
+def attention_prefill(q, qkgv, page_tables, lane, kv_start, count, k_pool, v_pool, k_scale, v_scale, out, *, heads,
+                      kv_heads, head_dim, stream):
+    """Rows 0..count-1 of one lane: query i sits at KV index kv_start+i and sees keys 0..kv_start+i (already
+    appended by attention_prepare). out[i, h*D:(h+1)*D] = attention * sigmoid(gate). One launch."""
+    _check_dims(heads, kv_heads, head_dim)
+    if count <= 0:
+        return
+    quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
+    prefill_kernel[(-(-count // PF_Q), heads), PF_THREADS, stream](
+        q, qkgv, page_tables, *_i32(lane, kv_start, count), k_pool, v_pool, ks, vs, out,
+        *_i32(heads, kv_heads, head_dim, quant))
+
+
+def attention_prefill_reference(q, qkgv, page_tables, lane, kv_start, count, k_pool, v_pool, k_scale, v_scale, out,
+                                *, heads, kv_heads, head_dim, stream=None):
+    """NumPy twin: causal attention of `count` queries starting at KV index kv_start; writes and returns out."""
+    length = kv_start + count
+    k, v = _gather_kv(page_tables, int(lane), length, k_pool, v_pool, k_scale, v_scale)
+    att = ops.causal_gqa_attention(q[:count], k, v, kv_start, 1.0 / np.sqrt(head_dim))
+    out[:count] = att.reshape(count, -1) * _gate(qkgv, slice(0, count), heads, kv_heads, head_dim)
+    return out

@@ -1,0 +1,306 @@
+"""Small per-layer kernels: embedding gather, RMSNorm (plain and fused with the residual add), SwiGLU's silu(g) * u,
+fp32 -> bf16 conversion and the MoE shared-expert sigmoid gate.
+
+Every launcher takes numba device arrays (C-contiguous, row-major `[rows, width]`) and a keyword `stream`; it never
+synchronises nor allocates, so it can be captured into a CUDA graph. Each output row depends only on its own input
+row (fixed per-row reduction order: thread-strided partial sums, a warp butterfly, then the block's warps summed in
+warp order), so results are batch invariant. The `<launcher>_reference` twins compute the same functions in NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import float32, int32, uint16, uint32, uint64
+
+from ninfer.backends.cpu import ops
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
+from ninfer.kernels_numba.common import FULL_MASK, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32, warp_sum
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+
+ROW_THREADS = 256  # threads of a one-block-per-row kernel (8 warps)
+ROW_WARPS = ROW_THREADS // 32
+TILE = 256  # threads of the 2-D elementwise kernels (grid: column tiles x rows)
+
+F32_2D = float32[:, ::1]
+F32_1D = float32[::1]
+
+
+@device_function
+def block_sum(value, buf):
+    """Sum of `value` over a ROW_THREADS block, the same in every thread, in a fixed order (buf: shared [ROW_WARPS])."""
+    value = warp_sum(value)
+    t = cuda.threadIdx.x
+    if (t & 31) == 0:
+        buf[t >> 5] = value
+    cuda.syncthreads()
+    total = float32(0.0)
+    for w in range(ROW_WARPS):
+        total += buf[w]
+    cuda.syncthreads()  # buf may be reused right after
+    return total
+
+
+
+
+# ---------------------------------------------------------------------------------------------------- embed_rows
+
+
+@kernel((uint64[:, ::1], int32[::1], F32_2D), fastmath=False)
+def _embed_rows_u64(table, ids, out):
+    r = cuda.blockIdx.x
+    row = ids[r]
+    j = cuda.threadIdx.x
+    while j < table.shape[1]:
+        w = table[row, j]
+        lo = uint32(w & uint64(0xFFFFFFFF))
+        hi = uint32(w >> uint64(32))
+        c = 4 * j
+        out[r, c] = bf16_to_f32(lo & uint32(0xFFFF))
+        out[r, c + 1] = bf16_to_f32(lo >> uint32(16))
+        out[r, c + 2] = bf16_to_f32(hi & uint32(0xFFFF))
+        out[r, c + 3] = bf16_to_f32(hi >> uint32(16))
+        j += cuda.blockDim.x
+
+
+@kernel((uint16[:, ::1], int32[::1], F32_2D), fastmath=False)
+def _embed_rows_u16(table, ids, out):
+    r = cuda.blockIdx.x
+    row = ids[r]
+    j = cuda.threadIdx.x
+    while j < table.shape[1]:
+        out[r, j] = bf16_to_f32(table[row, j])
+        j += cuda.blockDim.x
+
+
+def embed_rows(table, ids, out, *, stream):
+    """out[r] = bf16 table[ids[r]] as fp32. table uint16 [V, H]; ids int32 [R]; out fp32 [R, H]. Ids must be < V."""
+    rows = ids.shape[0]
+    if rows == 0:
+        return
+    if table.shape[1] % 4 == 0:
+        _embed_rows_u64[rows, ROW_THREADS, stream](table.view(np.uint64), ids, out)
+    else:
+        _embed_rows_u16[rows, ROW_THREADS, stream](table, ids, out)
+
+
+def embed_rows_reference(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(table[np.asarray(ids, dtype=np.int64)])
+
+
+# ---------------------------------------------------------------------------------------------------- rms_norm
+# One block per row; the block size depends only on the width (so a row's reduction order never depends on the
+# number of rows); each thread handles NORM_UNROLL columns per step with independent loads in flight.
+
+NORM_UNROLL = 4
+
+
+def norm_threads(width: int) -> int:
+    return int(min(1024, max(32, 32 * -(-width // (32 * NORM_UNROLL)))))
+
+
+@device_function
+def block_sum_dyn(value, buf):
+    """block_sum for any block size that is a multiple of 32 (buf: shared [32]); fixed order."""
+    value = warp_sum(value)
+    t = cuda.threadIdx.x
+    if (t & 31) == 0:
+        buf[t >> 5] = value
+    cuda.syncthreads()
+    total = float32(0.0)
+    for w in range(cuda.blockDim.x >> 5):
+        total += buf[w]
+    cuda.syncthreads()
+    return total
+
+
+@kernel((F32_2D, F32_1D, F32_2D, float32, int32), fastmath=False)
+def _rms_norm_kernel(x, weight, out, eps, offset):
+    buf = cuda.shared.array(32, float32)
+    r = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    step = cuda.blockDim.x
+    width = x.shape[1]
+    acc = float32(0.0)
+    base = t
+    while base < width:
+        for k in range(NORM_UNROLL):
+            i = base + k * step
+            if i < width:
+                v = x[r, i]
+                acc += v * v
+        base += NORM_UNROLL * step
+    total = block_sum_dyn(acc, buf)
+    inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
+    base = t
+    while base < width:
+        for k in range(NORM_UNROLL):
+            i = base + k * step
+            if i < width:
+                w = weight[i]
+                if offset != 0:
+                    w = float32(1.0) + w
+                out[r, i] = (x[r, i] * inv) * w
+        base += NORM_UNROLL * step
+
+
+@kernel((F32_2D, F32_2D, F32_1D, F32_2D, float32, int32), fastmath=False)
+def _add_rms_norm_kernel(residual, delta, weight, out, eps, offset):
+    buf = cuda.shared.array(32, float32)
+    r = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    step = cuda.blockDim.x
+    width = residual.shape[1]
+    acc = float32(0.0)
+    base = t
+    while base < width:
+        for k in range(NORM_UNROLL):
+            i = base + k * step
+            if i < width:
+                v = residual[r, i] + delta[r, i]
+                residual[r, i] = v
+                acc += v * v
+        base += NORM_UNROLL * step
+    total = block_sum_dyn(acc, buf)
+    inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
+    base = t
+    while base < width:  # the same thread reads back the elements it wrote
+        for k in range(NORM_UNROLL):
+            i = base + k * step
+            if i < width:
+                w = weight[i]
+                if offset != 0:
+                    w = float32(1.0) + w
+                out[r, i] = (residual[r, i] * inv) * w
+        base += NORM_UNROLL * step
+
+
+def rms_norm_rows(x, weight, out, *, eps, offset, stream):
+    """out = ops.rms_norm(x, weight, eps, offset=offset). x, out fp32 [R, H] (may alias); weight fp32 [H]."""
+    rows = x.shape[0]
+    if rows:
+        _rms_norm_kernel[rows, norm_threads(x.shape[1]), stream](x, weight, out, np.float32(eps),
+                                                                 np.int32(bool(offset)))
+
+
+def rms_norm_rows_reference(x, weight, *, eps, offset):
+    return ops.rms_norm(x, weight, eps, offset=offset)
+
+
+def add_rms_norm_rows(residual, delta, weight, out, *, eps, offset, stream):
+    """residual += delta (in place), then out = rms_norm(residual). All fp32 [R, H]; weight fp32 [H]."""
+    rows = residual.shape[0]
+    if rows:
+        _add_rms_norm_kernel[rows, norm_threads(residual.shape[1]), stream](residual, delta, weight, out,
+                                                                            np.float32(eps), np.int32(bool(offset)))
+
+
+def add_rms_norm_rows_reference(residual, delta, weight, *, eps, offset):
+    """Returns (new residual, normed)."""
+    new = (residual.astype(np.float32) + delta.astype(np.float32)).astype(np.float32)
+    return new, ops.rms_norm(new, weight, eps, offset=offset)
+
+
+# ---------------------------------------------------------------------------------------------------- silu_mul
+
+
+@kernel((F32_2D, F32_2D), fastmath=False)
+def _silu_mul_kernel(gate_up, out):
+    c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    inter = out.shape[1]
+    if c < inter:
+        g = gate_up[r, c]
+        out[r, c] = (g * sigmoid_f32(g)) * gate_up[r, inter + c]
+
+
+def silu_mul_rows(gate_up, out, *, stream):
+    """out = silu(gate) * up: gate_up fp32 [R, 2I] = [gate | up] -> out fp32 [R, I]; also [R, S, 2I] -> [R, S, I]."""
+    if gate_up.ndim == 3:
+        silu_mul_slots(gate_up, out, stream=stream)
+        return
+    rows, inter = out.shape
+    if rows and inter:
+        _silu_mul_kernel[(rows, blocks_for(inter, TILE)), TILE, stream](gate_up, out)
+
+
+def silu_mul_slots(gate_up, out, *, stream):
+    """[R, S, 2I] -> [R, S, I] (each slot's gate | up halves)."""
+    rows, slots, inter = out.shape
+    if rows * slots and inter:
+        g2 = gate_up.reshape(rows * slots, 2 * inter)
+        o2 = out.reshape(rows * slots, inter)
+        _silu_mul_kernel[(rows * slots, blocks_for(inter, TILE)), TILE, stream](g2, o2)
+
+
+def silu_mul_rows_reference(gate_up: np.ndarray) -> np.ndarray:
+    inter = gate_up.shape[-1] // 2
+    g = gate_up[..., :inter].astype(np.float32)
+    return ops.silu(g) * gate_up[..., inter:].astype(np.float32)
+
+
+silu_mul_slots_reference = silu_mul_rows_reference
+
+
+# ---------------------------------------------------------------------------------------------------- to_bf16
+
+
+@kernel((F32_2D, uint32[:, ::1]), fastmath=False)
+def _to_bf16_pairs(x, out):
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if j < out.shape[1]:
+        lo = f32_to_bf16(x[r, 2 * j])
+        hi = f32_to_bf16(x[r, 2 * j + 1])
+        out[r, j] = lo | (hi << uint32(16))
+
+
+@kernel((F32_2D, uint16[:, ::1]), fastmath=False)
+def _to_bf16_single(x, out):
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if j < out.shape[1]:
+        out[r, j] = uint16(f32_to_bf16(x[r, j]))
+
+
+def to_bf16_rows(x, out, *, stream):
+    """out = bf16 bits of x (round to nearest even, as codec.f32_to_bf16_bits). x fp32 [R, K]; out uint16 [R, K]."""
+    rows, width = x.shape
+    if not rows or not width:
+        return
+    if width % 2 == 0:
+        _to_bf16_pairs[(rows, blocks_for(width // 2, TILE)), TILE, stream](x, out.view(np.uint32))
+    else:
+        _to_bf16_single[(rows, blocks_for(width, TILE)), TILE, stream](x, out)
+
+
+def to_bf16_rows_reference(x: np.ndarray) -> np.ndarray:
+    return f32_to_bf16_bits(x)
+
+
+# ---------------------------------------------------------------------------------------------------- sigmoid gate
+
+
+@kernel((F32_2D, F32_2D, F32_2D), (F32_2D, F32_2D, float32[:, :]), fastmath=False)
+def _sigmoid_gate_add_kernel(residual, delta, gate_logit):
+    c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if c < residual.shape[1]:
+        residual[r, c] += sigmoid_f32(gate_logit[r, 0]) * delta[r, c]
+
+
+def sigmoid_gate_add(residual, delta, gate_logit, *, stream):
+    """residual[r] += sigmoid(gate_logit[r, 0]) * delta[r]. residual, delta fp32 [R, H]; gate_logit fp32 [R, >=1]."""
+    rows, width = residual.shape
+    if rows and width:
+        _sigmoid_gate_add_kernel[(rows, blocks_for(width, TILE)), TILE, stream](residual, delta, gate_logit)
+
+
+def sigmoid_gate_add_reference(residual, delta, gate_logit):
+    g = ops.sigmoid(np.ascontiguousarray(gate_logit[:, :1], dtype=np.float32))
+    return (residual.astype(np.float32) + g * delta.astype(np.float32)).astype(np.float32)
+
+
+__all__ = ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "silu_mul_rows", "silu_mul_slots", "to_bf16_rows",
+           "sigmoid_gate_add", "block_sum", "sigmoid_f32", "FULL_MASK"]

@@ -1,0 +1,526 @@
+"""Gated DeltaNet kernels (ninfer-facts §3.5): causal conv + state, q/k L2 norm + gates, the gated delta rule
+recurrence, and the gated output RMSNorm. All math fp32; the CPU backend (`ninfer.backends.cpu.gdn`, `ops`) is the
+reference, and each launcher has a NumPy twin `<launcher>_reference` computing the same function in place.
+
+Work is organised by SEGMENTS: a segment is `seg_count[s]` consecutive rows starting at `seg_row[s]` that belong to
+lane `seg_lane[s]` (decode: 1 row; MTP verify: k+1 rows; prefill: up to 8192 rows). A lane appears in at most one
+segment per launch (its state is read at the start and written at the end of the launch). `seg_record[s] == 1` asks
+for the state after every row of the segment in the column buffers (`conv_columns[lane, t]`, `ssm_columns[lane, t]`,
+t = row index inside the segment); max_cols >= any recording segment's count. Rows not covered by a segment are not
+written.
+
+Batch invariance: every output element is computed by one thread (or one fixed group of lanes) with a fixed order of
+operations that depends only on its own segment, never on the number of rows/segments in the launch or the grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import float32, int32, uint64  # noqa: F401 (uint64: templates)
+
+from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rule
+from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softplus
+from ninfer.kernels_numba.common import FULL_MASK, WARP, blocks_for, sigmoid_f32, warp_sum  # noqa: F401 (FULL_MASK: templates)
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+
+F32 = np.float32
+
+L2_EPS = 1e-6  # l2_normalize's eps (a sum, not a mean)
+SOFTPLUS_THRESHOLD = 20.0
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared device helpers
+
+
+
+
+@device_function
+def _softplus(x):
+    if x > float32(SOFTPLUS_THRESHOLD):
+        return x
+    return float32(math.log1p(math.exp(x)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. causal conv + SiLU, carried state, recorded histories
+
+CONV_TAPS = 4  # Qwen3.6's conv kernel (every model, the tiny test models too)
+CONV_THREADS = 128  # channels per block (threadIdx.x)
+CONV_ROWS = 4  # threads per block along rows (threadIdx.y)
+CONV_FAST_ROWS = 8  # rows per thread in big launches
+CONV_FAST_LOADS = CONV_FAST_ROWS + 3
+CONV_FAST_MIN_ROWS = 256  # launches with at least this many rows use CONV_FAST_ROWS rows per thread
+
+_CONV_SIG = (float32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int32[::1], int32[::1],
+             int32[::1], int32[::1], float32[:, ::1], int32, int32)
+
+
+@device_function
+def _conv_silu(w0, w1, w2, w3, e0, e1, e2, e3):
+    """`causal_conv`'s order (w0*e0, then + w_j*e_j), then SiLU."""
+    acc = w0 * e0
+    acc = acc + w1 * e1
+    acc = acc + w2 * e2
+    acc = acc + w3 * e3
+    return acc * sigmoid_f32(acc)
+
+
+@device_function
+def _conv_one_row(projected, w0, w1, w2, w3, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,
+                  r, c):
+    """Row r, channel c. Rows t >= 3 of a segment read their 4 inputs from `projected`; the thread of row 0 computes
+    rows 0..2 (they read the old state) and then rewrites the state, so nothing else reads it."""
+    s = -1
+    for i in range(seg_lane.shape[0]):
+        first = seg_row[i]
+        if first <= r and r < first + seg_count[i]:
+            s = i
+    if s < 0:
+        return
+    start = seg_row[s]
+    t = r - start
+    if t == 1 or t == 2:
+        return
+    lane = seg_lane[s]
+    record = seg_record[s]
+    if t >= 3:
+        e0 = projected[r - 3, c]
+        e1 = projected[r - 2, c]
+        e2 = projected[r - 1, c]
+        e3 = projected[r, c]
+        out[r, c] = _conv_silu(w0, w1, w2, w3, e0, e1, e2, e3)
+        if record != 0:
+            conv_columns[lane, t, 0, c] = e1
+            conv_columns[lane, t, 1, c] = e2
+            conv_columns[lane, t, 2, c] = e3
+        return
+    # t == 0: extended = old state (3) ++ the first rows (up to 3) ++ (for the new state) the last 3 rows.
+    count = seg_count[s]
+    x0 = conv_state[lane, 0, c]
+    x1 = conv_state[lane, 1, c]
+    x2 = conv_state[lane, 2, c]
+    x3 = projected[start, c]
+    x4 = projected[start + 1, c] if count > 1 else float32(0.0)
+    x5 = projected[start + 2, c] if count > 2 else float32(0.0)
+    out[start, c] = _conv_silu(w0, w1, w2, w3, x0, x1, x2, x3)
+    if count > 1:
+        out[start + 1, c] = _conv_silu(w0, w1, w2, w3, x1, x2, x3, x4)
+    if count > 2:
+        out[start + 2, c] = _conv_silu(w0, w1, w2, w3, x2, x3, x4, x5)
+    if record != 0:
+        conv_columns[lane, 0, 0, c] = x1
+        conv_columns[lane, 0, 1, c] = x2
+        conv_columns[lane, 0, 2, c] = x3
+        if count > 1:
+            conv_columns[lane, 1, 0, c] = x2
+            conv_columns[lane, 1, 1, c] = x3
+            conv_columns[lane, 1, 2, c] = x4
+        if count > 2:
+            conv_columns[lane, 2, 0, c] = x3
+            conv_columns[lane, 2, 1, c] = x4
+            conv_columns[lane, 2, 2, c] = x5
+    if count == 1:
+        conv_state[lane, 0, c] = x1
+        conv_state[lane, 1, c] = x2
+        conv_state[lane, 2, c] = x3
+    elif count == 2:
+        conv_state[lane, 0, c] = x2
+        conv_state[lane, 1, c] = x3
+        conv_state[lane, 2, c] = x4
+    else:
+        end = start + count
+        conv_state[lane, 0, c] = projected[end - 3, c]
+        conv_state[lane, 1, c] = projected[end - 2, c]
+        conv_state[lane, 2, c] = projected[end - 1, c]
+
+
+@kernel(_CONV_SIG)
+def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,
+                     channels, rows_per_thread):
+    """A thread handles `rows_per_thread` consecutive rows of one channel. With CONV_FAST_ROWS rows that all lie in
+    one segment at t >= 3, it loads the 3 + CONV_FAST_ROWS inputs at once; otherwise row by row. Both paths compute
+    each output with the same arithmetic, so the path taken never changes a result."""
+    c = cuda.blockIdx.x * CONV_THREADS + cuda.threadIdx.x
+    r0 = (cuda.blockIdx.y * CONV_ROWS + cuda.threadIdx.y) * rows_per_thread
+    rows = projected.shape[0]
+    if c >= channels or r0 >= rows:
+        return
+    w0 = weight[0, c]
+    w1 = weight[1, c]
+    w2 = weight[2, c]
+    w3 = weight[3, c]
+    if rows_per_thread == CONV_FAST_ROWS and r0 + CONV_FAST_ROWS <= rows:
+        s = -1
+        for i in range(seg_lane.shape[0]):
+            first = seg_row[i]
+            if first + 3 <= r0 and r0 + CONV_FAST_ROWS <= first + seg_count[i]:
+                s = i
+        if s >= 0:
+            e = cuda.local.array(CONV_FAST_LOADS, float32)
+            for j in range(CONV_FAST_LOADS):
+                e[j] = projected[r0 - 3 + j, c]
+            for j in range(CONV_FAST_ROWS):
+                out[r0 + j, c] = _conv_silu(w0, w1, w2, w3, e[j], e[j + 1], e[j + 2], e[j + 3])
+            if seg_record[s] != 0:
+                lane = seg_lane[s]
+                t0 = r0 - seg_row[s]
+                for j in range(CONV_FAST_ROWS):
+                    conv_columns[lane, t0 + j, 0, c] = e[j + 1]
+                    conv_columns[lane, t0 + j, 1, c] = e[j + 2]
+                    conv_columns[lane, t0 + j, 2, c] = e[j + 3]
+            return
+    for r in range(r0, min(r0 + rows_per_thread, rows)):
+        _conv_one_row(projected, w0, w1, w2, w3, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
+                      out, r, c)
+
+
+def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, *,
+             channels, stream):
+    """out[r, :C] = silu(causal depthwise conv of projected[:, :C] with carried state); updates conv_state in place;
+    records the history after each row of recording segments into conv_columns[lane, t] ([K-1, C]). K must be 4."""
+    if conv_weight.shape[0] != CONV_TAPS:
+        raise ValueError(f"gdn_conv supports a {CONV_TAPS}-tap conv, got {conv_weight.shape[0]}")
+    rows = projected.shape[0]
+    per_thread = CONV_FAST_ROWS if rows >= CONV_FAST_MIN_ROWS else 1
+    grid = (blocks_for(channels, CONV_THREADS), blocks_for(rows, CONV_ROWS * per_thread))
+    _gdn_conv_kernel[grid, (CONV_THREADS, CONV_ROWS), stream](projected, conv_weight, conv_state, conv_columns,
+                                                              seg_lane, seg_row, seg_count, seg_record, out,
+                                                              np.int32(channels), np.int32(per_thread))
+
+
+def gdn_conv_reference(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
+                       out, *, channels):
+    for s in range(len(seg_lane)):
+        lane, start, count = int(seg_lane[s]), int(seg_row[s]), int(seg_count[s])
+        x = projected[start:start + count, :channels]
+        if seg_record[s]:
+            conv_columns[lane, :count] = conv_histories(x, conv_state[lane])
+        y, conv_state[lane] = causal_conv(x, conv_state[lane], conv_weight)
+        out[start:start + count] = silu(y)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. q/k L2 norm (q scaled by 1/sqrt(Dk)) and the gates
+
+GATES_WARPS = 4
+PER_LANE = 4  # head dims up to 4 * 32 = 128 are held in registers, one warp per head
+MAX_HEAD_DIM = PER_LANE * WARP
+
+_GATES_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[:, :, ::1], float32[:, :, ::1],
+              float32[:, ::1], float32[:, ::1], int32, int32, int32)
+
+
+@kernel(_GATES_SIG)
+def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, qk_heads, v_heads, k_dim):
+    row = cuda.blockIdx.x
+    w = cuda.blockIdx.y * GATES_WARPS + cuda.threadIdx.x // WARP
+    lane = cuda.threadIdx.x % WARP
+    if w < 2 * qk_heads:  # warp-uniform branch
+        which = w // qk_heads
+        head = w - which * qk_heads
+        base = (which * qk_heads + head) * k_dim
+        x = cuda.local.array(PER_LANE, float32)
+        total = float32(0.0)
+        for e in range(PER_LANE):
+            j = lane + e * WARP
+            x[e] = mixed[row, base + j] if j < k_dim else float32(0.0)
+        for e in range(PER_LANE):
+            total += x[e] * x[e]
+        total = warp_sum(total)
+        denom = math.sqrt(total + float32(L2_EPS))
+        if which == 0:
+            scale = float32(1.0) / math.sqrt(float32(k_dim))
+            for e in range(PER_LANE):
+                j = lane + e * WARP
+                if j < k_dim:
+                    q_out[row, head, j] = (x[e] / denom) * scale
+        else:
+            for e in range(PER_LANE):
+                j = lane + e * WARP
+                if j < k_dim:
+                    k_out[row, head, j] = x[e] / denom
+    elif w == 2 * qk_heads:
+        for h in range(lane, v_heads, WARP):
+            log_decay[row, h] = neg_a[h] * _softplus(ab[row, h] + dt_bias[h])
+            beta[row, h] = sigmoid_f32(ab[row, v_heads + h])
+
+
+def gdn_gates(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim, stream):
+    """q_out/k_out [R, Hqk, Dk] = l2norm(q|k head) (q * 1/sqrt(Dk)); log_decay = neg_a * softplus(a + dt_bias),
+    beta = sigmoid(b), each [R, Hv], from ab [R, 2*Hv] = a | b."""
+    if k_dim > MAX_HEAD_DIM:
+        raise ValueError(f"gdn_gates supports k_dim <= {MAX_HEAD_DIM}, got {k_dim}")
+    rows = mixed.shape[0]
+    grid = (rows, blocks_for(2 * qk_heads + 1, GATES_WARPS))
+    _gdn_gates_kernel[grid, GATES_WARPS * WARP, stream](mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta,
+                                                       np.int32(qk_heads), np.int32(v_heads), np.int32(k_dim))
+
+
+def gdn_gates_reference(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim):
+    rows = mixed.shape[0]
+    width = qk_heads * k_dim
+    q_out[:] = l2_normalize(mixed[:, :width].reshape(rows, qk_heads, k_dim), L2_EPS) * F32(1.0 / np.sqrt(k_dim))
+    k_out[:] = l2_normalize(mixed[:, width:2 * width].reshape(rows, qk_heads, k_dim), L2_EPS)
+    log_decay[:] = neg_a * softplus(ab[:, :v_heads] + dt_bias)
+    beta[:] = sigmoid(ab[:, v_heads:2 * v_heads])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. the gated delta rule, recurrent form
+#
+# Block = REC_COLS value columns of one v head of one segment, G key groups (G/2 warps). In a warp, lane = g * (32/G)
+# + c: 32/G consecutive columns x G key groups; the thread (g, c) keeps state rows i = ii * G + g (ii < Dk/G) of its
+# column in registers. The reductions over Dk are a fixed in-thread order (two interleaved partial sums) then an
+# xor-butterfly over the G groups. Rows are staged in shared memory REC_CHUNK at a time, double-buffered: the global
+# loads of the next chunk are issued into registers before the current chunk is computed.
+
+REC_COLS = 16  # value columns per block
+REC_CHUNK = 8  # rows staged per shared-memory buffer
+REC_GROUP_CHOICES = (4, 8)
+REC_DEFAULT_GROUPS = 4
+
+_REC_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1],
+            float32[:, :, :, ::1], float32[:, :, :, :, ::1], int32[::1], int32[::1], int32[::1], int32[::1],
+            float32[:, :, ::1], int32, int32, int32, int32)
+
+_REC_LOAD = """
+        for e in range({pf}):
+            idx = tid + e * {threads}
+            r = idx // {k_dim}
+            i = idx - r * {k_dim}
+            if nxt + r < count:
+                pk[e] = k[uint64(start + nxt + r), uint64(hq), uint64(i)]
+                pq[e] = q[uint64(start + nxt + r), uint64(hq), uint64(i)]
+        for e in range({pv}):
+            idx = tid + e * {threads}
+            r = idx // REC_COLS
+            cc = idx - r * REC_COLS
+            if nxt + r < count and col0 + cc < v_dim:
+                pv[e] = mixed[uint64(start + nxt + r), uint64(v_base + cc)]
+        if tid < REC_CHUNK and nxt + tid < count:
+            pg = math.exp(log_decay[start + nxt + tid, h])
+            pb = beta[start + nxt + tid, h]
+"""
+
+_RECURRENT_SOURCE = """
+def gdn_recurrent_kernel_dk{k_dim}_g{groups}(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane,
+                                            seg_row, seg_count, seg_record, out, qk_heads, v_heads, v_dim,
+                                            channels_qk):
+    k_sh = cuda.shared.array({stage2}, float32)
+    q_sh = cuda.shared.array({stage2}, float32)
+    v_sh = cuda.shared.array({vstage2}, float32)
+    g_sh = cuda.shared.array({chunk2}, float32)
+    b_sh = cuda.shared.array({chunk2}, float32)
+    st = cuda.local.array({ni}, float32)
+    kk = cuda.local.array({ni}, float32)
+    pk = cuda.local.array({pf}, float32)
+    pq = cuda.local.array({pf}, float32)
+    pv = cuda.local.array({pv}, float32)
+    pg = float32(0.0)
+    pb = float32(0.0)
+
+    seg = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    col0 = cuda.blockIdx.z * REC_COLS
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    g = lane // {per_warp}
+    c = (tid // WARP) * {per_warp} + lane % {per_warp}
+    col = col0 + c
+    active = col < v_dim
+    slot = seg_lane[seg]
+    start = seg_row[seg]
+    count = seg_count[seg]
+    record = seg_record[seg]
+    hq = h // (v_heads // qk_heads)
+    v_base = channels_qk + h * v_dim + col0
+
+    uslot = uint64(slot)
+    uh = uint64(h)
+    ucol = uint64(col)
+    for ii in range({ni}):
+        st[ii] = ssm_state[uslot, uh, uint64(ii * {groups} + g), ucol] if active else float32(0.0)
+
+    chunks = (count + REC_CHUNK - 1) // REC_CHUNK
+    if chunks > 0:
+        nxt = 0
+{load}
+    for chunk in range(chunks):
+        buf = chunk & 1
+        base = chunk * REC_CHUNK
+        off = buf * {stage}
+        for e in range({pf}):
+            k_sh[uint64(off + tid + e * {threads})] = pk[e]
+            q_sh[uint64(off + tid + e * {threads})] = pq[e]
+        for e in range({pv}):
+            v_sh[uint64(buf * {vstage} + tid + e * {threads})] = pv[e]
+        if tid < REC_CHUNK:
+            g_sh[buf * REC_CHUNK + tid] = pg
+            b_sh[buf * REC_CHUNK + tid] = pb
+        cuda.syncthreads()
+        if chunk + 1 < chunks:
+            nxt = base + REC_CHUNK
+{load}
+        n = min(REC_CHUNK, count - base)
+        for r in range(n):
+            # Unsigned indices: numba adds negative-index wraparound arithmetic to every signed index.
+            decay = g_sh[uint64(buf * REC_CHUNK + r)]
+            kb = uint64(off + r * {k_dim} + g)
+            p0 = float32(0.0)
+            p1 = float32(0.0)
+            for ii in range({half}):
+                k0 = k_sh[kb + uint64((2 * ii) * {groups})]
+                k1 = k_sh[kb + uint64((2 * ii + 1) * {groups})]
+                kk[2 * ii] = k0
+                kk[2 * ii + 1] = k1
+                s0 = st[2 * ii] * decay
+                s1 = st[2 * ii + 1] * decay
+                st[2 * ii] = s0
+                st[2 * ii + 1] = s1
+                p0 += s0 * k0
+                p1 += s1 * k1
+            pred = p0 + p1
+{reduce_pred}
+            u = b_sh[uint64(buf * REC_CHUNK + r)] * (v_sh[uint64(buf * {vstage} + r * REC_COLS + c)] - pred)
+            o0 = float32(0.0)
+            o1 = float32(0.0)
+            for ii in range({half}):
+                s0 = st[2 * ii] + kk[2 * ii] * u
+                s1 = st[2 * ii + 1] + kk[2 * ii + 1] * u
+                st[2 * ii] = s0
+                st[2 * ii + 1] = s1
+                o0 += s0 * q_sh[kb + uint64((2 * ii) * {groups})]
+                o1 += s1 * q_sh[kb + uint64((2 * ii + 1) * {groups})]
+            o = o0 + o1
+{reduce_o}
+            if active:
+                if g == 0:
+                    out[start + base + r, h, col] = o
+                if record != 0:
+                    for ii in range({ni}):
+                        ssm_columns[uslot, uint64(base + r), uh, uint64(ii * {groups} + g), ucol] = st[ii]
+
+    if active:
+        for ii in range({ni}):
+            ssm_state[uslot, uh, uint64(ii * {groups} + g), ucol] = st[ii]
+"""
+
+
+def _make_recurrent_kernel(k_dim: int, groups: int):
+    """One compiled variant per (key dim, key groups): numba needs the register-array and shared-array sizes as
+    literals, so the source is instantiated with them (closure constants are not literal enough for
+    `cuda.shared.array`)."""
+    threads = REC_COLS * groups  # (32 / groups) columns per warp, REC_COLS columns per block
+    per_warp = WARP // groups
+    assert k_dim % (2 * groups) == 0 and (REC_CHUNK * k_dim) % threads == 0
+    assert (REC_CHUNK * REC_COLS) % threads == 0 and REC_CHUNK <= threads
+    ni = k_dim // groups
+    offsets = []
+    step = per_warp
+    while step < WARP:
+        offsets.append(step)
+        step *= 2
+
+    def butterfly(name):
+        return "\n".join(f"            {name} += cuda.shfl_xor_sync(FULL_MASK, {name}, {o})" for o in offsets)
+
+    sizes = dict(k_dim=k_dim, groups=groups, threads=threads, per_warp=per_warp, ni=ni, half=ni // 2,
+                 stage=REC_CHUNK * k_dim, stage2=2 * REC_CHUNK * k_dim, vstage=REC_CHUNK * REC_COLS,
+                 vstage2=2 * REC_CHUNK * REC_COLS, chunk2=2 * REC_CHUNK, pf=REC_CHUNK * k_dim // threads,
+                 pv=REC_CHUNK * REC_COLS // threads)
+    source = _RECURRENT_SOURCE.format(load=_REC_LOAD.format(**sizes), reduce_pred=butterfly("pred"),
+                                      reduce_o=butterfly("o"), **sizes)
+    name = f"gdn_recurrent_kernel_dk{k_dim}_g{groups}"
+    namespace = dict(globals())
+    exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102  (our own template, literal sizes only)
+    function = namespace[name]
+    function.__module__ = __name__
+    return kernel(_REC_SIG)(function), threads
+
+
+# Key dims with a compiled variant: the real models (128) and the tiny test models (16); key groups 4 and 8.
+_RECURRENT_KERNELS = {(dk, g): _make_recurrent_kernel(dk, g) for dk in (16, 32, 64, 128) for g in REC_GROUP_CHOICES}
+
+
+def gdn_recurrent(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record,
+                  out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk, stream, groups=REC_DEFAULT_GROUPS):
+    """Per segment row and v head h (qk head h // (Hv/Hqk), v = mixed[:, channels_qk + h*Dv ...]):
+    S = exp(g) S; u = beta (v - S^T k); S += k u^T; out[r, h] = S^T q. Updates ssm_state [lanes, Hv, Dk, Dv] in
+    place; records S after each row of recording segments into ssm_columns[lane, t]. `groups` (4 or 8) is the number
+    of lanes sharing one value column's Dk reduction; it changes the summation order, so keep it fixed per deployment
+    (batch invariance holds for a fixed `groups`). k_dim must be 16, 32, 64 or 128."""
+    if (k_dim, groups) not in _RECURRENT_KERNELS:
+        raise ValueError(f"gdn_recurrent has no variant for k_dim={k_dim}, groups={groups}")
+    function, threads = _RECURRENT_KERNELS[(k_dim, groups)]
+    segments = seg_lane.shape[0]
+    grid = (segments, v_heads, blocks_for(v_dim, REC_COLS))
+    function[grid, threads, stream](
+        q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record, out,
+        np.int32(qk_heads), np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk))
+
+
+def gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count,
+                            seg_record, out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk):
+    repeat = v_heads // qk_heads
+    for s in range(len(seg_lane)):
+        lane, start, count = int(seg_lane[s]), int(seg_row[s]), int(seg_count[s])
+        rows = slice(start, start + count)
+        v = mixed[rows, channels_qk:channels_qk + v_heads * v_dim].reshape(count, v_heads, v_dim)
+        columns = ssm_columns[lane, :count] if seg_record[s] else None
+        out[rows], ssm_state[lane] = gated_delta_rule(
+            np.repeat(q[rows], repeat, axis=1), np.repeat(k[rows], repeat, axis=1), v, log_decay[rows], beta[rows],
+            ssm_state[lane], column_states=columns)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. gated output norm: rms_norm(o, weight, offset=False) * silu(z)
+
+OUT_WARPS = 4
+
+_OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], int32, int32, int32, float32)
+
+
+@kernel(_OUT_SIG)
+def _gdn_output_kernel(o, z_source, weight, result, v_heads, v_dim, z_offset, eps):
+    item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
+    lane = cuda.threadIdx.x % WARP
+    rows = o.shape[0]
+    if item >= rows * v_heads:
+        return
+    row = item // v_heads
+    h = item - row * v_heads
+    x = cuda.local.array(PER_LANE, float32)
+    z = cuda.local.array(PER_LANE, float32)
+    zb = z_offset + h * v_dim
+    for e in range(PER_LANE):
+        j = lane + e * WARP
+        x[e] = o[row, h, j] if j < v_dim else float32(0.0)
+        z[e] = z_source[row, zb + j] if j < v_dim else float32(0.0)
+    total = float32(0.0)
+    for e in range(PER_LANE):
+        total += x[e] * x[e]
+    total = warp_sum(total)
+    inv = float32(1.0) / math.sqrt(total / float32(v_dim) + eps)
+    for e in range(PER_LANE):
+        j = lane + e * WARP
+        if j < v_dim:
+            result[row, h * v_dim + j] = ((x[e] * inv) * weight[j]) * (z[e] * sigmoid_f32(z[e]))
+
+
+def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps, stream):
+    """result[r, h*Dv + j] = rms_norm(out[r, h], norm_weight, eps, offset=False)[j] * silu(z_source[r, z_offset +
+    h*Dv + j])."""
+    if v_dim > MAX_HEAD_DIM:
+        raise ValueError(f"gdn_output supports v_dim <= {MAX_HEAD_DIM}, got {v_dim}")
+    rows = out.shape[0]
+    grid = blocks_for(rows * v_heads, OUT_WARPS)
+    _gdn_output_kernel[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight, result, np.int32(v_heads),
+                                                      np.int32(v_dim), np.int32(z_offset), np.float32(eps))
+
+
+def gdn_output_reference(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps):
+    rows = out.shape[0]
+    z = z_source[:, z_offset:z_offset + v_heads * v_dim].reshape(rows, v_heads, v_dim)
+    result[:] = (rms_norm(out, norm_weight, eps, offset=False) * silu(z)).reshape(rows, v_heads * v_dim)

@@ -1,0 +1,356 @@
+"""MoE routing and combining (math: `ninfer.backends.cpu.moe`, ninfer-facts §3.6).
+
+Decode route: `route_top_k` (softmax over all experts, top-k with ties to the lower id, renormalised, then the k
+experts SORTED BY ID ascending with their weights), the lead's per-slot expert GEMVs, `silu_mul_slots`, then
+`moe_combine` (residual += sum over slots in ascending slot = ascending expert id order).
+
+Prefill route (grouped GEMMs, one cuBLAS GEMM per expert over its tokens): `moe_group` groups the R*S (row, slot)
+pairs by expert (experts ascending, rows ascending within an expert: a stable permutation) and writes
+`slot_of[p] = r*S + s` and its inverse `position_of[r*S + s] = p`; `moe_gather` makes the bf16 GEMM input
+`out[p] = bf16(x[slot_of[p] // S])`; `moe_scatter_combine` adds `sum_s weights[r, s] * permuted_out[position_of[r*S+s]]`
+to the residual, with exactly the arithmetic of `moe_combine`, so the two routes agree bitwise given equal expert
+outputs.
+
+All launchers are capture-safe (no allocation, no sync, no host copies).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import float32, int32, uint16, uint32, uint64
+
+from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
+from ninfer.artifact.codec import f32_to_bf16_bits
+from ninfer.kernels_numba.common import FULL_MASK, blocks_for, f32_to_bf16, warp_max, warp_sum
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
+
+MAX_EXPERTS = 256  # route_top_k: one warp per row, 8 experts per lane
+MAX_TOP_K = 32
+ROUTE_WARPS = 4  # rows per block of route_top_k
+TILE = 256
+GROUP_THREADS = 256
+GROUP_WARPS = GROUP_THREADS // 32
+
+F32_2D = float32[:, ::1]
+I32_2D = int32[:, ::1]
+
+
+# ---------------------------------------------------------------------------------------------------- route_top_k
+
+
+@kernel((F32_2D, int32, I32_2D, F32_2D), fastmath=False)
+def _route_top_k_kernel(logits, top_k, expert_ids, weights):
+    t = cuda.threadIdx.x
+    lane = t & 31
+    r = cuda.blockIdx.x * ROUTE_WARPS + (t >> 5)
+    if r >= logits.shape[0]:
+        return  # a whole warp leaves together
+    n_exp = logits.shape[1]
+    v = cuda.local.array(8, float32)
+    m = float32(-math.inf)
+    for i in range(8):
+        e = lane + 32 * i
+        x = float32(-math.inf)
+        if e < n_exp:
+            x = logits[r, e]
+        v[i] = x
+        m = max(m, x)
+    m = warp_max(m)
+    s = float32(0.0)
+    for i in range(8):
+        e = lane + 32 * i
+        p = float32(0.0)
+        if e < n_exp:
+            p = math.exp(v[i] - m)
+        v[i] = p
+        s += p
+    s = warp_sum(s)
+    keys = cuda.local.array(8, uint64)
+    best = uint64(0)
+    for i in range(8):
+        e = lane + 32 * i
+        key = uint64(0)  # padding: below every real key
+        if e < n_exp:
+            key = order_key(v[i] / s, e)  # probability descending, then id ascending
+        keys[i] = key
+        if key > best:
+            best = key
+    my_id = int32(0x7FFFFFFF)
+    my_p = float32(0.0)
+    total = float32(0.0)
+    for j in range(top_k):
+        top = warp_max_u64(best)
+        p = key_value(top)
+        if lane == j:
+            my_id = key_id(top)
+            my_p = p
+        total += p  # in selection order (probability descending), as the CPU's sum
+        if best == top:  # the lane that held it moves to its next key
+            nxt = uint64(0)
+            for i in range(8):
+                if keys[i] < top and keys[i] > nxt:
+                    nxt = keys[i]
+            best = nxt
+    rank = 0
+    for src in range(32):
+        other = cuda.shfl_sync(FULL_MASK, my_id, src)
+        if other < my_id:
+            rank += 1
+    if lane < top_k:
+        expert_ids[r, rank] = my_id
+        weights[r, rank] = my_p / total
+
+
+def route_top_k(router_logits, top_k, expert_ids, weights, *, stream):
+    """router_logits fp32 [R, E] (E <= 256) -> expert_ids int32 [R, k] (ascending id), weights fp32 [R, k] (sum 1)."""
+    rows, n_exp = router_logits.shape
+    if not 0 < top_k <= min(n_exp, MAX_TOP_K) or n_exp > MAX_EXPERTS:
+        raise ValueError(f"route_top_k supports E <= {MAX_EXPERTS}, 0 < k <= min(E, 32); got E={n_exp}, k={top_k}")
+    if rows:
+        _route_top_k_kernel[blocks_for(rows, ROUTE_WARPS), 32 * ROUTE_WARPS, stream](
+            router_logits, np.int32(top_k), expert_ids, weights)
+
+
+def route_top_k_reference(router_logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """cpu moe.route_top_k, then each row's experts sorted by id ascending (weights follow)."""
+    ids, w = cpu_route_top_k(np.asarray(router_logits, dtype=np.float32), top_k)
+    order = np.argsort(ids, axis=-1, kind="stable")
+    return (np.take_along_axis(ids, order, axis=-1).astype(np.int32),
+            np.take_along_axis(w, order, axis=-1).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------- combine
+
+
+@kernel((float32[:, :, ::1], F32_2D, F32_2D), fastmath=False)
+def _moe_combine_kernel(expert_out, weights, residual):
+    c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if c < residual.shape[1]:
+        acc = float32(0.0)
+        for s in range(weights.shape[1]):
+            acc += weights[r, s] * expert_out[r, s, c]
+        residual[r, c] += acc
+
+
+def moe_combine(expert_out, weights, residual, *, stream):
+    """residual[r] += sum_s (in slot order) weights[r, s] * expert_out[r, s]. expert_out fp32 [R, S, H]."""
+    rows, width = residual.shape
+    if rows and width:
+        _moe_combine_kernel[(rows, blocks_for(width, TILE)), TILE, stream](expert_out, weights, residual)
+
+
+def moe_combine_reference(expert_out, weights, residual):
+    acc = np.zeros(residual.shape, dtype=np.float32)
+    for s in range(weights.shape[1]):
+        acc = (acc + weights[:, s:s + 1].astype(np.float32) * expert_out[:, s].astype(np.float32)).astype(np.float32)
+    return (residual.astype(np.float32) + acc).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- prefill grouping
+
+
+@device_function
+def _block_sum_int(value, buf):
+    value = warp_sum(value)
+    t = cuda.threadIdx.x
+    if (t & 31) == 0:
+        buf[t >> 5] = value
+    cuda.syncthreads()
+    total = int32(0)
+    for w in range(GROUP_WARPS):
+        total += buf[w]
+    cuda.syncthreads()
+    return total
+
+
+@kernel((I32_2D, int32[::1]), fastmath=False)
+def _moe_count_kernel(expert_ids, counts):
+    buf = cuda.shared.array(GROUP_WARPS, int32)
+    e = cuda.blockIdx.x
+    n = int32(0)
+    r = cuda.threadIdx.x
+    while r < expert_ids.shape[0]:
+        for s in range(expert_ids.shape[1]):
+            if expert_ids[r, s] == e:
+                n += 1
+        r += GROUP_THREADS
+    total = _block_sum_int(n, buf)
+    if cuda.threadIdx.x == 0:
+        counts[e] = total
+
+
+@kernel((I32_2D, int32[::1], int32[::1], int32[::1], int32[::1]), fastmath=False)
+def _moe_place_kernel(expert_ids, counts, offsets, slot_of, position_of):
+    buf = cuda.shared.array(GROUP_WARPS, int32)
+    e = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    lane = t & 31
+    warp = t >> 5
+    part = int32(0)
+    i = t
+    while i < e:
+        part += counts[i]
+        i += GROUP_THREADS
+    base = _block_sum_int(part, buf)
+    if t == 0:
+        offsets[e] = base
+        if e == cuda.gridDim.x - 1:
+            offsets[e + 1] = base + counts[e]
+    rows = expert_ids.shape[0]
+    slots = expert_ids.shape[1]
+    below = (uint32(1) << uint32(lane)) - uint32(1)
+    start = 0
+    while start < rows:
+        r = start + t
+        slot = -1
+        if r < rows:
+            for s in range(slots):
+                if expert_ids[r, s] == e:
+                    slot = s
+        ballot = uint32(cuda.ballot_sync(FULL_MASK, slot >= 0))
+        prefix = cuda.popc(ballot & below)
+        if lane == 0:
+            buf[warp] = cuda.popc(ballot)
+        cuda.syncthreads()
+        before = int32(0)
+        chunk = int32(0)
+        for w in range(GROUP_WARPS):
+            if w < warp:
+                before += buf[w]
+            chunk += buf[w]
+        cuda.syncthreads()
+        if slot >= 0:
+            p = base + before + prefix
+            slot_of[p] = r * slots + slot
+            position_of[r * slots + slot] = p
+        base += chunk
+        start += GROUP_THREADS
+
+
+def moe_group(expert_ids, counts, offsets, slot_of, *, experts, position_of, stream):
+    """Group the R*S (row, slot) pairs of expert_ids int32 [R, S] by expert, stably.
+
+    counts int32 [experts]; offsets int32 [experts + 1] (exclusive prefix sums, offsets[experts] = R*S); slot_of int32
+    [R*S]: permuted position p -> r*S + s (experts ascending, rows ascending within an expert); position_of int32
+    [R*S]: the inverse (r*S + s -> p), which moe_scatter_combine reads. A row must not repeat an expert (top-k
+    ids are distinct). Two launches, grid = experts blocks each.
+    """
+    if expert_ids.shape[0] == 0:
+        return
+    _moe_count_kernel[experts, GROUP_THREADS, stream](expert_ids, counts)
+    _moe_place_kernel[experts, GROUP_THREADS, stream](expert_ids, counts, offsets, slot_of, position_of)
+
+
+def moe_group_reference(expert_ids: np.ndarray, experts: int):
+    """Returns (counts, offsets, slot_of, position_of)."""
+    flat = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+    counts = np.bincount(flat, minlength=experts).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    slot_of = np.argsort(flat, kind="stable").astype(np.int32)
+    position_of = np.empty_like(slot_of)
+    position_of[slot_of] = np.arange(slot_of.size, dtype=np.int32)
+    return counts, offsets, slot_of, position_of
+
+
+@kernel((F32_2D, int32[::1], int32, uint32[:, ::1]), fastmath=False)
+def _moe_gather_pairs(x, slot_of, top_k, out):
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    p = cuda.blockIdx.x
+    if j < out.shape[1]:
+        r = slot_of[p] // top_k
+        lo = f32_to_bf16(x[r, 2 * j])
+        hi = f32_to_bf16(x[r, 2 * j + 1])
+        out[p, j] = lo | (hi << uint32(16))
+
+
+@kernel((F32_2D, int32[::1], int32, uint16[:, ::1]), fastmath=False)
+def _moe_gather_single(x, slot_of, top_k, out):
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    p = cuda.blockIdx.x
+    if j < out.shape[1]:
+        out[p, j] = uint16(f32_to_bf16(x[slot_of[p] // top_k, j]))
+
+
+@kernel((F32_2D, int32[::1], int32, uint32[:, ::1]), fastmath=False)
+def _moe_scatter_rows_pairs(x, position_of, top_k, out):
+    # one x row read once, converted once, written to its top_k permuted positions
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if j < out.shape[1]:
+        word = f32_to_bf16(x[r, 2 * j]) | (f32_to_bf16(x[r, 2 * j + 1]) << uint32(16))
+        for s in range(top_k):
+            out[position_of[r * top_k + s], j] = word
+
+
+def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
+    """out[p] = bf16 bits of x[slot_of[p] // top_k]. x fp32 [R, H]; slot_of int32 [P]; out uint16 [P, H].
+
+    With `position_of` (moe_group's inverse map) and H even, each x row is read once and written to its top_k
+    positions (fewer bytes: the faster form for prefill); the result is the same."""
+    positions, width = out.shape
+    if not positions or not width:
+        return
+    if width % 2 == 0 and position_of is not None:
+        rows = positions // top_k
+        _moe_scatter_rows_pairs[(rows, blocks_for(width // 2, TILE)), TILE, stream](
+            x, position_of, np.int32(top_k), out.view(np.uint32))
+    elif width % 2 == 0:
+        _moe_gather_pairs[(positions, blocks_for(width // 2, TILE)), TILE, stream](
+            x, slot_of, np.int32(top_k), out.view(np.uint32))
+    else:
+        _moe_gather_single[(positions, blocks_for(width, TILE)), TILE, stream](x, slot_of, np.int32(top_k), out)
+
+
+def moe_gather_reference(x, slot_of, top_k):
+    return f32_to_bf16_bits(np.asarray(x, dtype=np.float32)[np.asarray(slot_of) // top_k])
+
+
+COMBINE_COLUMNS = 4  # columns per thread of moe_scatter_combine (independent loads in flight)
+
+
+@kernel((F32_2D, int32[::1], F32_2D, F32_2D), fastmath=False)
+def _moe_scatter_combine_kernel(permuted_out, position_of, weights, residual):
+    # thread columns: c0 + k * TILE for k < COMBINE_COLUMNS; per column the same arithmetic as _moe_combine_kernel
+    c0 = cuda.blockIdx.y * (TILE * COMBINE_COLUMNS) + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    width = residual.shape[1]
+    slots = weights.shape[1]
+    acc = cuda.local.array(COMBINE_COLUMNS, float32)
+    for k in range(COMBINE_COLUMNS):
+        acc[k] = float32(0.0)
+    for s in range(slots):
+        p = position_of[r * slots + s]
+        w = weights[r, s]
+        for k in range(COMBINE_COLUMNS):
+            c = c0 + k * TILE
+            if c < width:
+                acc[k] += w * permuted_out[p, c]
+    for k in range(COMBINE_COLUMNS):
+        c = c0 + k * TILE
+        if c < width:
+            residual[r, c] += acc[k]
+
+
+def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):
+    """residual[r] += sum_s (ascending s) weights[r, s] * permuted_out[position_of[r*S + s]].
+
+    permuted_out fp32 [R*S, H] (rows in moe_group's permuted order); weights fp32 [R, S] with S == top_k;
+    position_of int32 [R*S] from moe_group. slot_of is accepted for symmetry and not read.
+    """
+    rows, width = residual.shape
+    assert weights.shape[1] == top_k
+    if rows and width:
+        _moe_scatter_combine_kernel[(rows, blocks_for(width, TILE * COMBINE_COLUMNS)), TILE, stream](
+            permuted_out, position_of, weights, residual)
+
+
+def moe_scatter_combine_reference(permuted_out, slot_of, weights, top_k, residual):
+    rows = residual.shape[0]
+    position_of = np.empty(len(slot_of), dtype=np.int64)
+    position_of[np.asarray(slot_of)] = np.arange(len(slot_of))
+    expert_out = np.asarray(permuted_out, dtype=np.float32)[position_of].reshape(rows, top_k, -1)
+    return moe_combine_reference(expert_out, weights, residual)

@@ -1,0 +1,202 @@
+"""elementwise.py: NumPy twins vs float64 formulas (CPU), and the kernels vs the twins on a GPU (gpu marker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba.cuda")
+
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
+from ninfer.kernels_numba import elementwise as ew  # noqa: E402
+
+SHAPES = [(1, 64), (3, 64), (5, 96), (8, 5120), (13, 2048)]
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------ CPU: twins
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_embed_reference(rows, width):
+    rng = np.random.default_rng(rows * 7 + width)
+    table = f32_to_bf16_bits(rand(rng, 50, width))
+    ids = rng.integers(0, 50, rows).astype(np.int32)
+    got = ew.embed_rows_reference(table, ids)
+    want = (table[ids].astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_references(rows, width, offset):
+    rng = np.random.default_rng(rows + width)
+    x, d, w = rand(rng, rows, width), rand(rng, rows, width), rand(rng, width, scale=0.1)
+    x64 = x.astype(np.float64)
+    scale = (1.0 + w.astype(np.float64)) if offset else w.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6) * scale
+    assert rel_l2(ew.rms_norm_rows_reference(x, w, eps=1e-6, offset=offset), want) < 1e-6
+    new, normed = ew.add_rms_norm_rows_reference(x, d, w, eps=1e-6, offset=offset)
+    np.testing.assert_array_equal(new, x + d)
+    s64 = (x + d).astype(np.float64)
+    want2 = s64 / np.sqrt(np.mean(s64 * s64, axis=-1, keepdims=True) + 1e-6) * scale
+    assert rel_l2(normed, want2) < 1e-6
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_silu_mul_reference(rows, width):
+    rng = np.random.default_rng(rows)
+    gu = rand(rng, rows, 2 * width, scale=3.0)
+    g, u = gu[:, :width].astype(np.float64), gu[:, width:].astype(np.float64)
+    want = g / (1.0 + np.exp(-g)) * u
+    assert rel_l2(ew.silu_mul_rows_reference(gu), want) < 1e-6
+    gu3 = gu.reshape(rows, 1, 2 * width)
+    np.testing.assert_array_equal(ew.silu_mul_slots_reference(gu3)[:, 0], ew.silu_mul_rows_reference(gu))
+
+
+def test_to_bf16_reference_rounds_to_nearest_even():
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, np.inf, 3.0e38], dtype=np.float32)
+    got = bf16_bits_to_f32(ew.to_bf16_rows_reference(x[None, :]))[0]
+    # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: rounds to even (1); 1 + 3*2^-8 rounds up to 1 + 2^-6
+    np.testing.assert_array_equal(got[:4], np.array([1.0, 1.0, 1.015625, -2.5], dtype=np.float32))
+    assert np.isinf(got[4])
+    assert abs(float(got[5]) - float(x[5])) <= float(x[5]) * 2.0 ** -8
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_sigmoid_gate_add_reference(rows, width):
+    rng = np.random.default_rng(width)
+    res, d, g = rand(rng, rows, width), rand(rng, rows, width), rand(rng, rows, 3, scale=30.0)
+    want = res.astype(np.float64) + d.astype(np.float64) / (1.0 + np.exp(-g[:, :1].astype(np.float64)))
+    assert rel_l2(ew.sigmoid_gate_add_reference(res, d, g), want) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def _cuda():
+    from ninfer.kernels_numba.numba_setup import cuda
+    return cuda
+
+
+def _run(launch, inputs, outputs, stream):
+    """inputs/outputs: host arrays; outputs are poisoned copies; returns host results of every array (in + out)."""
+    cuda = _cuda()
+    dev = [cuda.to_device(a, stream=stream) for a in inputs + outputs]
+    launch(*dev, stream=stream)
+    host = [d.copy_to_host(stream=stream) for d in dev]
+    stream.synchronize()
+    return host
+
+
+def _nan(shape):
+    return np.full(shape, np.nan, dtype=np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", SHAPES + [(4, 6)])
+def test_gpu_embed_rows(rows, width):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(1)
+    table = f32_to_bf16_bits(rand(rng, 300, width))
+    ids = rng.integers(0, 300, rows).astype(np.int32)
+    *_, out = _run(lambda t, i, o, stream: ew.embed_rows(t, i, o, stream=stream), [table, ids], [_nan((rows, width))],
+                   stream)
+    np.testing.assert_array_equal(out, ew.embed_rows_reference(table, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", SHAPES + [(48, 5120), (7, 100)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_gpu_rms_norm_rows(rows, width, offset):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(2)
+    x, w = rand(rng, rows, width, scale=3.0), rand(rng, width, scale=0.2)
+
+    def launch(x, w, o, stream):
+        ew.rms_norm_rows(x, w, o, eps=1e-6, offset=offset, stream=stream)
+
+    *_, out = _run(launch, [x, w], [_nan((rows, width))], stream)
+    assert not np.isnan(out).any()
+    assert rel_l2(out, ew.rms_norm_rows_reference(x, w, eps=1e-6, offset=offset)) < 1e-5
+    for r in {0, rows - 1, rows // 2}:  # batch invariance, bitwise
+        *_, one = _run(launch, [x[r:r + 1].copy(), w], [_nan((1, width))], stream)
+        np.testing.assert_array_equal(one[0], out[r])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", SHAPES + [(48, 5120)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_gpu_add_rms_norm_rows(rows, width, offset):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(3)
+    res, d, w = rand(rng, rows, width), rand(rng, rows, width), rand(rng, width, scale=0.2)
+
+    def launch(res, d, w, o, stream):
+        ew.add_rms_norm_rows(res, d, w, o, eps=1e-6, offset=offset, stream=stream)
+
+    new, _, _, out = _run(launch, [res, d, w], [_nan((rows, width))], stream)
+    want_new, want = ew.add_rms_norm_rows_reference(res, d, w, eps=1e-6, offset=offset)
+    np.testing.assert_array_equal(new, want_new)
+    assert not np.isnan(out).any()
+    assert rel_l2(out, want) < 1e-5
+    for r in {0, rows - 1}:
+        _, _, _, one = _run(launch, [res[r:r + 1].copy(), d[r:r + 1].copy(), w], [_nan((1, width))], stream)
+        np.testing.assert_array_equal(one[0], out[r])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", SHAPES + [(48, 17408), (9, 33)])
+def test_gpu_silu_mul(rows, width):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(4)
+    gu = rand(rng, rows, 2 * width, scale=4.0)
+    _, out = _run(lambda g, o, stream: ew.silu_mul_rows(g, o, stream=stream), [gu], [_nan((rows, width))], stream)
+    assert not np.isnan(out).any()
+    assert rel_l2(out, ew.silu_mul_rows_reference(gu)) < 1e-5
+    _, one = _run(lambda g, o, stream: ew.silu_mul_rows(g, o, stream=stream), [gu[-1:].copy()], [_nan((1, width))],
+                  stream)
+    np.testing.assert_array_equal(one[0], out[-1])
+    gu3 = rand(rng, rows, 3, 2 * width)
+    _, out3 = _run(lambda g, o, stream: ew.silu_mul_slots(g, o, stream=stream), [gu3], [_nan((rows, 3, width))],
+                   stream)
+    assert not np.isnan(out3).any()
+    assert rel_l2(out3, ew.silu_mul_slots_reference(gu3)) < 1e-5
+    _, out3b = _run(lambda g, o, stream: ew.silu_mul_rows(g, o, stream=stream), [gu3], [_nan((rows, 3, width))],
+                    stream)
+    np.testing.assert_array_equal(out3b, out3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", SHAPES + [(3, 7)])
+def test_gpu_to_bf16_rows(rows, width):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(5)
+    x = rand(rng, rows, width, scale=100.0)
+    x.flat[0] = np.nan
+    x.flat[-1] = np.float32(1.00390625)  # a tie
+    poison = np.full((rows, width), 0xFFFF, dtype=np.uint16)
+    _, out = _run(lambda x, o, stream: ew.to_bf16_rows(x, o, stream=stream), [x], [poison], stream)
+    np.testing.assert_array_equal(out, ew.to_bf16_rows_reference(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_gpu_sigmoid_gate_add(rows, width):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(6)
+    res, d, g = rand(rng, rows, width), rand(rng, rows, width), rand(rng, rows, 2, scale=20.0)
+    new, _, _ = _run(lambda r, d, g, stream: ew.sigmoid_gate_add(r, d, g, stream=stream), [res, d, g], [], stream)
+    assert rel_l2(new, ew.sigmoid_gate_add_reference(res, d, g)) < 1e-5
+    one, _, _ = _run(lambda r, d, g, stream: ew.sigmoid_gate_add(r, d, g, stream=stream),
+                     [res[-1:].copy(), d[-1:].copy(), g[-1:].copy()], [], stream)
+    np.testing.assert_array_equal(one[0], new[-1])

@@ -1,0 +1,218 @@
+"""moe.py: twins vs cpu/moe.py (route_top_k, the sparse_moe composition), grouping twins, GPU parity (gpu marker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba.cuda")
+
+from ninfer.artifact.codec import f32_to_bf16_bits  # noqa: E402
+from ninfer.backends.cpu import moe as cpu_moe  # noqa: E402
+from ninfer.backends.cpu.ops import linear  # noqa: E402
+from ninfer.kernels_numba import elementwise as ew  # noqa: E402
+from ninfer.kernels_numba import moe  # noqa: E402
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+ROUTE_CASES = [(1, 8, 2), (5, 8, 2), (8, 256, 8), (48, 256, 8), (3, 200, 8), (7, 64, 4), (2, 40, 32)]
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("rows,experts,k", ROUTE_CASES)
+def test_route_reference_is_cpu_route_sorted_by_id(rows, experts, k):
+    rng = np.random.default_rng(rows * experts)
+    logits = rand(rng, rows, experts, scale=2.0)
+    ids, w = moe.route_top_k_reference(logits, k)
+    cids, cw = cpu_moe.route_top_k(logits, k)
+    assert np.all(np.diff(ids, axis=1) > 0)
+    for r in range(rows):
+        np.testing.assert_array_equal(ids[r], np.sort(cids[r]))
+        np.testing.assert_array_equal(w[r], cw[r][np.argsort(cids[r])])
+    np.testing.assert_allclose(w.sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_route_reference_ties_go_to_lower_ids():
+    logits = np.zeros((2, 16), dtype=np.float32)
+    logits[1, [3, 9, 12]] = 1.0
+    ids, w = moe.route_top_k_reference(logits, 4)
+    np.testing.assert_array_equal(ids[0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(ids[1], [0, 3, 9, 12])
+    np.testing.assert_allclose(w[0], 0.25)
+
+
+def _moe_weights(rng, hidden, experts, inter, shared_inter):
+    return cpu_moe.MoeWeights(
+        router=rand(rng, experts, hidden, scale=0.3), shared_gate=rand(rng, hidden, scale=0.2),
+        routed_gate_up=rand(rng, experts, 2 * inter, hidden, scale=0.2),
+        routed_down=rand(rng, experts, hidden, inter, scale=0.2),
+        shared_gate_up=rand(rng, 2 * shared_inter, hidden, scale=0.2),
+        shared_down=rand(rng, hidden, shared_inter, scale=0.2))
+
+
+def _twin_moe(x, w, k):
+    """sparse_moe composed from the twins, both routes: decode (per-slot, moe_combine) and prefill (grouped)."""
+    rows, hidden = x.shape
+    experts = w.router.shape[0]
+    ids, weights = moe.route_top_k_reference(linear(x, w.router), k)
+    # decode route: per-slot experts
+    gate_up = np.stack([np.stack([linear(x[r:r + 1], w.routed_gate_up[ids[r, s]])[0] for s in range(k)])
+                        for r in range(rows)])
+    hid = ew.silu_mul_slots_reference(gate_up)
+    down = np.stack([np.stack([linear(hid[r, s][None], w.routed_down[ids[r, s]])[0] for s in range(k)])
+                     for r in range(rows)])
+    shared_inter = w.shared_gate_up.shape[0] // 2
+    sh = linear(ew.silu_mul_rows_reference(linear(x, w.shared_gate_up)), w.shared_down)
+    gate = linear(x, w.shared_gate[None, :])
+    zero = np.zeros_like(x)
+    decode = moe.moe_combine_reference(down, weights, ew.sigmoid_gate_add_reference(zero, sh, gate))
+    # prefill route: grouped by expert
+    counts, offsets, slot_of, position_of = moe.moe_group_reference(ids, experts)
+    xs = x[slot_of // k]
+    permuted = np.zeros((rows * k, hidden), dtype=np.float32)
+    for e in range(experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            permuted[lo:hi] = linear(ew.silu_mul_rows_reference(linear(xs[lo:hi], w.routed_gate_up[e])),
+                                     w.routed_down[e])
+    prefill = moe.moe_scatter_combine_reference(permuted, slot_of, weights, k,
+                                                ew.sigmoid_gate_add_reference(zero, sh, gate))
+    assert shared_inter
+    return decode, prefill
+
+
+@pytest.mark.parametrize("rows,hidden,experts,k", [(1, 64, 8, 2), (7, 64, 8, 2), (5, 48, 16, 4)])
+def test_twin_composition_matches_cpu_sparse_moe(rows, hidden, experts, k):
+    rng = np.random.default_rng(rows + experts)
+    w = _moe_weights(rng, hidden, experts, 32, 32)
+    x = rand(rng, rows, hidden)
+    want = cpu_moe.sparse_moe(x, w, k)
+    decode, prefill = _twin_moe(x, w, k)
+    assert rel_l2(decode, want) < 1e-5
+    np.testing.assert_array_equal(prefill, decode)
+
+
+@pytest.mark.parametrize("rows,experts,k", [(1, 8, 2), (9, 8, 2), (100, 256, 8)])
+def test_group_reference(rows, experts, k):
+    rng = np.random.default_rng(rows)
+    ids = np.sort(np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
+    counts, offsets, slot_of, position_of = moe.moe_group_reference(ids, experts)
+    assert offsets[-1] == rows * k and np.all(np.diff(offsets) == counts)
+    flat = ids.reshape(-1)
+    for e in range(experts):
+        seg = slot_of[offsets[e]:offsets[e + 1]]
+        assert np.all(flat[seg] == e) and np.all(np.diff(seg) > 0)
+    np.testing.assert_array_equal(slot_of[position_of], np.arange(rows * k))
+    x = rand(rng, rows, 10)
+    np.testing.assert_array_equal(moe.moe_gather_reference(x, slot_of, k), f32_to_bf16_bits(x[slot_of // k]))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def _cuda():
+    from ninfer.kernels_numba.numba_setup import cuda
+    return cuda
+
+
+def _route_gpu(logits, k, stream):
+    cuda = _cuda()
+    rows = logits.shape[0]
+    d_ids = cuda.to_device(np.full((rows, k), -7, dtype=np.int32), stream=stream)
+    d_w = cuda.to_device(np.full((rows, k), np.nan, dtype=np.float32), stream=stream)
+    moe.route_top_k(cuda.to_device(logits, stream=stream), k, d_ids, d_w, stream=stream)
+    ids, w = d_ids.copy_to_host(stream=stream), d_w.copy_to_host(stream=stream)
+    stream.synchronize()
+    return ids, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,experts,k", ROUTE_CASES)
+def test_gpu_route_top_k(rows, experts, k):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(11)
+    logits = rand(rng, rows, experts, scale=2.0)
+    logits[0, : min(experts, 12)] = 0.5  # ties
+    ids, w = _route_gpu(logits, k, stream)
+    want_ids, want_w = moe.route_top_k_reference(logits, k)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert rel_l2(w, want_w) < 1e-5
+    for r in {0, rows - 1}:
+        one_ids, one_w = _route_gpu(logits[r:r + 1].copy(), k, stream)
+        np.testing.assert_array_equal(one_ids[0], ids[r])
+        np.testing.assert_array_equal(one_w[0], w[r])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,slots,hidden", [(1, 2, 64), (8, 8, 2048), (13, 8, 2048), (3, 2, 7)])
+def test_gpu_moe_combine_and_scatter_combine(rows, slots, hidden):
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(12)
+    experts = 16
+    ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
+    eo, w, res = rand(rng, rows, slots, hidden), rand(rng, rows, slots), rand(rng, rows, hidden)
+    d_res = cuda.to_device(res, stream=stream)
+    moe.moe_combine(cuda.to_device(eo, stream=stream), cuda.to_device(w, stream=stream), d_res, stream=stream)
+    got = d_res.copy_to_host(stream=stream)
+    stream.synchronize()
+    assert rel_l2(got, moe.moe_combine_reference(eo, w, res)) < 1e-5
+    # the prefill route gives the same bits
+    counts, offsets, slot_of, position_of = moe.moe_group_reference(ids, experts)
+    permuted = eo.reshape(rows * slots, hidden)[slot_of].copy()
+    d_res2 = cuda.to_device(res, stream=stream)
+    moe.moe_scatter_combine(cuda.to_device(permuted, stream=stream), cuda.to_device(slot_of, stream=stream),
+                            cuda.to_device(w, stream=stream), slots, d_res2,
+                            position_of=cuda.to_device(position_of, stream=stream), stream=stream)
+    got2 = d_res2.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(got2, got)
+    # batch invariance
+    d_one = cuda.to_device(res[-1:].copy(), stream=stream)
+    moe.moe_combine(cuda.to_device(eo[-1:].copy(), stream=stream), cuda.to_device(w[-1:].copy(), stream=stream),
+                    d_one, stream=stream)
+    one = d_one.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(one[0], got[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,experts,k,hidden", [(1, 8, 2, 64), (9, 8, 2, 64), (300, 256, 8, 2048),
+                                                   (8192, 256, 8, 64), (5, 16, 4, 5)])
+def test_gpu_moe_group_and_gather(rows, experts, k, hidden):
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(13)
+    ids = np.sort(np.argsort(rng.random((rows, experts)), axis=1)[:, :k], axis=1).astype(np.int32)
+    ids[: rows // 2, :] = np.arange(k, dtype=np.int32)  # a crowded expert
+    n = rows * k
+    d = [cuda.to_device(a, stream=stream) for a in (ids, np.full(experts, -1, np.int32),
+                                                      np.full(experts + 1, -1, np.int32), np.full(n, -1, np.int32),
+                                                      np.full(n, -1, np.int32))]
+    moe.moe_group(d[0], d[1], d[2], d[3], experts=experts, position_of=d[4], stream=stream)
+    got = [a.copy_to_host(stream=stream) for a in d[1:]]
+    stream.synchronize()
+    for g, want in zip(got, moe.moe_group_reference(ids, experts)):
+        np.testing.assert_array_equal(g, want)
+    x = rand(rng, rows, hidden)
+    d_out = cuda.to_device(np.full((n, hidden), 0xFFFF, np.uint16), stream=stream)
+    moe.moe_gather(cuda.to_device(x, stream=stream), d[3], k, d_out, stream=stream)
+    out = d_out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(out, moe.moe_gather_reference(x, got[2], k))
+    d_out2 = cuda.to_device(np.full((n, hidden), 0xFFFF, np.uint16), stream=stream)
+    moe.moe_gather(cuda.to_device(x, stream=stream), d[3], k, d_out2, position_of=d[4], stream=stream)
+    out2 = d_out2.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(out2, out)

@@ -1,0 +1,167 @@
+"""sampling.py: twins vs engine/sampler.py (argmax ties, candidates with ties and penalties), GPU parity (gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba.cuda")
+
+from ninfer.engine.sampler import TOP_K_CAP, Sampler, SamplingParams  # noqa: E402
+from ninfer.kernels_numba import sampling  # noqa: E402
+
+VOCAB_IDS, WIDTH = 248077, 248320
+
+
+def _logits(rng, rows, width, *, ties=True):
+    x = (rng.standard_normal((rows, width)) * 3).astype(np.float32)
+    if ties:
+        x = np.round(x * 4) / 4  # many exact ties
+        x[:, 5] = x.max() + 1  # ... and among the very best
+        x[:, 17] = x.max()
+        x[:, min(100, width - 1)] = x.max()
+    return x.astype(np.float32)
+
+
+def _counts(rng, lanes, width):
+    counts = np.zeros((lanes, width), dtype=np.int32)
+    hot = rng.integers(0, width, (lanes, 60))
+    for lane in range(lanes):
+        np.add.at(counts[lane], hot[lane], rng.integers(1, 4, 60))
+    counts[:, 5] = 3  # penalise a best one
+    return counts
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("rows,width,vocab", [(1, 64, 50), (3, 1000, 1000), (2, 5000, 4097)])
+def test_argmax_reference_matches_sampler(rows, width, vocab):
+    rng = np.random.default_rng(rows)
+    x = _logits(rng, rows, width)
+    x[0, vocab:] = 1e9  # beyond vocab_ids: ignored
+    sampler = Sampler(SamplingParams.greedy(), vocab)
+    got = sampling.argmax_rows_reference(x, vocab)
+    assert [int(v) for v in got] == [sampler.argmax(x[r]) for r in range(rows)]
+
+
+@pytest.mark.parametrize("presence,frequency", [(0.0, 0.0), (1.5, 0.0), (0.0, 0.7), (-1.0, 0.3), (0.25, -2.0)])
+def test_top_candidates_reference_matches_sampler(presence, frequency):
+    rng = np.random.default_rng(7)
+    rows, width, vocab = 3, 3000, 2900
+    x = _logits(rng, rows, width)
+    counts = _counts(rng, 2, vocab)
+    row_lane = np.array([1, 0, 1], dtype=np.int32)
+    pres = np.full(rows, presence, dtype=np.float32)
+    freq = np.full(rows, frequency, dtype=np.float32)
+    ids, values = sampling.top_candidates_rows_reference(x, vocab, counts, row_lane, pres, freq)
+    for r in range(rows):
+        s = Sampler(SamplingParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0, presence_penalty=presence,
+                                   frequency_penalty=frequency), vocab)
+        s._counts[:] = counts[row_lane[r]]
+        want_ids, _ = s.candidates(x[r])
+        np.testing.assert_array_equal(ids[r], want_ids)
+        pen = sampling.penalised_row(x[r, :vocab], counts[row_lane[r]], presence, frequency)
+        np.testing.assert_array_equal(values[r], pen[want_ids])
+        assert np.all(np.diff(values[r]) <= 0)
+
+
+def test_top_candidates_reference_small_vocab():
+    x = np.arange(12, dtype=np.float32)[None, :]
+    ids, values = sampling.top_candidates_rows_reference(x, 7, np.zeros((1, 7), np.int32), np.zeros(1, np.int32),
+                                                         np.zeros(1, np.float32), np.zeros(1, np.float32))
+    np.testing.assert_array_equal(ids[0, :7], np.arange(6, -1, -1))
+    assert np.all(ids[0, 7:] == -1) and np.all(np.isneginf(values[0, 7:]))
+
+
+def test_count_tokens_reference():
+    counts = np.zeros((3, 10), dtype=np.int32)
+    out = sampling.count_tokens_reference(counts, [0, 2, 2, 1], [4, 9, 9, 1], [1, 1, 1, 0])
+    assert out[0, 4] == 1 and out[2, 9] == 2 and out.sum() == 3
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def _cuda():
+    from ninfer.kernels_numba.numba_setup import cuda
+    return cuda
+
+
+def _argmax_gpu(x, vocab, stream):
+    cuda = _cuda()
+    d_out = cuda.to_device(np.full(x.shape[0], -5, np.int32), stream=stream)
+    sampling.argmax_rows(cuda.to_device(x, stream=stream), vocab, d_out, stream=stream,
+                         scratch=sampling.sampling_scratch(x.shape[0], vocab))
+    out = d_out.copy_to_host(stream=stream)
+    stream.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,vocab", [(1, WIDTH, VOCAB_IDS), (8, WIDTH, VOCAB_IDS), (48, 4096, 4096),
+                                              (3, 1000, 999), (5, 64, 13)])
+def test_gpu_argmax_rows(rows, width, vocab):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(21)
+    x = _logits(rng, rows, width)
+    x[:, vocab:] = 1e30
+    if rows > 2:
+        x[1, :] = -np.inf
+        x[2, vocab - 1] = 1e20
+    out = _argmax_gpu(x, vocab, stream)
+    np.testing.assert_array_equal(out, sampling.argmax_rows_reference(x, vocab))
+    for r in {0, rows - 1}:
+        np.testing.assert_array_equal(_argmax_gpu(x[r:r + 1].copy(), vocab, stream)[0], out[r])
+
+
+def _top_gpu(x, vocab, counts, row_lane, pres, freq, stream, scratch=None):
+    cuda = _cuda()
+    rows = x.shape[0]
+    d_ids = cuda.to_device(np.full((rows, TOP_K_CAP), -5, np.int32), stream=stream)
+    d_val = cuda.to_device(np.full((rows, TOP_K_CAP), np.nan, np.float32), stream=stream)
+    sampling.top_candidates_rows(*[cuda.to_device(a, stream=stream) for a in (x,)], vocab,
+                                 *[cuda.to_device(a, stream=stream) for a in (counts, row_lane, pres, freq)],
+                                 d_ids, d_val, stream=stream, scratch=scratch)
+    ids, vals = d_ids.copy_to_host(stream=stream), d_val.copy_to_host(stream=stream)
+    stream.synchronize()
+    return ids, vals
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,vocab", [(1, WIDTH, VOCAB_IDS), (8, WIDTH, VOCAB_IDS), (48, 5000, 4999),
+                                              (3, 64, 13)])
+def test_gpu_top_candidates_rows(rows, width, vocab):
+    stream = _cuda().stream()
+    rng = np.random.default_rng(22)
+    x = _logits(rng, rows, width)
+    counts = _counts(rng, 4, vocab)
+    row_lane = rng.integers(0, 4, rows).astype(np.int32)
+    pres = rng.choice([0.0, 1.0, -0.5, 1.5], rows).astype(np.float32)
+    freq = rng.choice([0.0, 0.3, -1.0], rows).astype(np.float32)
+    ids, vals = _top_gpu(x, vocab, counts, row_lane, pres, freq, stream)  # default (cached) scratch
+    want_ids, want_vals = sampling.top_candidates_rows_reference(x, vocab, counts, row_lane, pres, freq)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(vals, want_vals)
+    for r in {0, rows - 1}:
+        one = _top_gpu(x[r:r + 1].copy(), vocab, counts, row_lane[r:r + 1].copy(), pres[r:r + 1].copy(),
+                       freq[r:r + 1].copy(), stream, scratch=sampling.sampling_scratch(1, vocab))
+        np.testing.assert_array_equal(one[0][0], ids[r])
+        np.testing.assert_array_equal(one[1][0], vals[r])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("valid_dtype", [np.int32, np.uint8])
+def test_gpu_count_tokens(valid_dtype):
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(23)
+    counts = rng.integers(0, 3, (4, 1000)).astype(np.int32)
+    lanes = rng.integers(0, 4, 300).astype(np.int32)
+    tokens = rng.integers(0, 20, 300).astype(np.int32)  # many duplicates
+    valid = (rng.random(300) < 0.7).astype(valid_dtype)
+    d = cuda.to_device(counts, stream=stream)
+    sampling.count_tokens(d, *[cuda.to_device(a, stream=stream) for a in (lanes, tokens, valid)], stream=stream)
+    got = d.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(got, sampling.count_tokens_reference(counts, lanes, tokens, valid))
