@@ -40,14 +40,15 @@ def tiny_qwen_dims(*, moe: bool = False, vocab: int = 512, vocab_ids: int | None
 
 
 def tiny_qwen(*, moe: bool = False, vocab: int = 512, vocab_ids: int | None = None, seed: int = 0,
-              predictable: bool = False) -> Qwen36Model:
+              predictable: bool = False, dims: QwenDims | None = None) -> Qwen36Model:
     """A random tiny Qwen3.6 model with every tensor the converter would write (MTP and draft head included).
 
     `predictable` scales every mixer and FFN output down and makes the MTP head read the next token's embedding,
     so the target is nearly a bigram model that the MTP head predicts well: speculative rounds accept most drafts
-    without accepting all of them.
+    without accepting all of them. `dims` replaces the default tiny dimensions (the CUDA tests need widths that
+    are multiples of 64).
     """
-    dims = tiny_qwen_dims(moe=moe, vocab=vocab, vocab_ids=vocab_ids)
+    dims = dims or tiny_qwen_dims(moe=moe, vocab=vocab, vocab_ids=vocab_ids)
     rng = np.random.default_rng(seed)
     tensors = {}
     for spec in plan_qwen_tensor_specs(dims):

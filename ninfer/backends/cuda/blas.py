@@ -1,0 +1,48 @@
+"""cuBLAS through nvmath-python's bindings, on raw device pointers: the prefill GEMMs.
+
+Row-major `y[M, N] = x[M, K] @ w[N, K]^T` is the column-major product `y^T = w . x^T`, i.e. gemm(T, N) with w as A.
+Operands are bf16 bit arrays, the output fp32, accumulation fp32 (CUBLAS_COMPUTE_32F).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ninfer.backends.cuda.device import device_pointer
+
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+WORKSPACE_BYTES = 32 << 20
+
+
+class Blas:
+    def __init__(self, device: Any) -> None:
+        from nvmath.bindings import cublas
+
+        self._cublas = cublas
+        self._handle = cublas.create()
+        cublas.set_stream(self._handle, device.stream_handle)
+        # A fixed workspace keeps cuBLAS from allocating during graph capture.
+        self._workspace = device.empty(WORKSPACE_BYTES, np.uint8, "workspace")
+        cublas.set_workspace(self._handle, device_pointer(self._workspace), WORKSPACE_BYTES)
+        cublas.set_pointer_mode(self._handle, cublas.PointerMode.HOST)
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+
+    def gemm_bf16(self, x: Any, w: Any, y: Any, *, accumulate: bool = False) -> None:
+        """y (fp32 [M, N]) (+)= x (bf16 [M, K]) @ w (bf16 [N, K])^T."""
+        m, k = x.shape
+        n, k2 = w.shape
+        if k != k2 or y.shape != (m, n):
+            raise ValueError(f"gemm shapes x{tuple(x.shape)} w{tuple(w.shape)} y{tuple(y.shape)}")
+        cublas = self._cublas
+        beta = self._one if accumulate else self._zero
+        cublas.gemm_ex(self._handle, cublas.Operation.T, cublas.Operation.N, n, m, k, self._one.ctypes.data,
+                       device_pointer(w), CUDA_R_16BF, k, device_pointer(x), CUDA_R_16BF, k, beta.ctypes.data,
+                       device_pointer(y), CUDA_R_32F, n, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+
+    def close(self) -> None:
+        if self._handle:
+            self._cublas.destroy(self._handle)
+            self._handle = 0

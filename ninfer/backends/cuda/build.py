@@ -1,0 +1,99 @@
+"""Build the CUDA runner for an artifact and an engine configuration, and size the KV pool from what is left.
+
+Order matters for `--kv-capacity auto`: the weights, the per-lane state, the workspace and the inputs are allocated
+first (the complete runtime layout except the pool), then the pool takes the free device memory that remains minus
+the CUDA-graph allowance and 1 GiB of headroom. An explicit capacity is never reduced: if it does not fit, startup
+fails and says by how much. The ledger of every arena goes into the startup report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ninfer.artifact.reader import Artifact
+from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
+from ninfer.backends.cuda.device import GIB, CudaDevice, Device
+from ninfer.backends.cuda.model import PAGE_TOKENS, Capacity, CudaQwen
+from ninfer.backends.cuda.runner import CudaRunner
+from ninfer.backends.cuda.weights import ArtifactDeviceWeights
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES, plan_kv_pool
+from ninfer.models.loader import artifact_dims
+from ninfer.targets.dims import QwenDims
+
+GRAPH_ALLOWANCE_PER_SHAPE = 8 << 20  # device memory one captured decode graph may take (nodes, kernel params)
+
+
+class KvCapacityDoesNotFit(ValueError):
+    """An explicit --kv-capacity needs more device memory than is free after everything else."""
+
+
+@attrs.frozen
+class CudaBuild:
+    device: Device
+    model: CudaQwen
+    runner: CudaRunner
+    ledger: dict[str, int]  # bytes per arena: weights, state, workspace, inputs, kv
+    sizing: dict[str, int | str]  # the KV sizing report (serving.md: policy, capacity, reservation, slack...)
+
+
+def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index: int = 0, cuda_graphs: bool = True,
+                      device: Device | None = None) -> CudaBuild:
+    """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
+    kernels' NumPy twins)."""
+    dims = artifact_dims(artifact)
+    if not isinstance(dims, QwenDims):
+        raise TypeError(f"the CUDA backend serves Qwen3.6 models; {artifact.model_id} is {type(dims).__name__}")
+    device = device if device is not None else CudaDevice(device_index)
+    capacity = Capacity(lanes=config.max_concurrency, max_context=config.max_context, kv_dtype=config.kv_dtype,
+                        prefill_rows=config.prefill_chunk, draft_tokens=config.draft_tokens)
+    model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity)
+    return finish_build(device, model, config, cuda_graphs=cuda_graphs)
+
+
+def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_graphs: bool) -> CudaBuild:
+    """Size and allocate the KV pool on a model whose other arenas are allocated, build the runner and capture its
+    decode graphs. The page count is a direct calculation: free memory after the weights, minus the exact bytes of
+    the rest of the runtime layout (lane state, workspace, inputs: the ledger), the graph allowance and 1 GiB."""
+    dims, capacity = model.dims, model.capacity
+    graph_allowance = GRAPH_ALLOWANCE_PER_SHAPE * capacity.lanes if cuda_graphs else 0
+    reservation = sum(size for purpose, size in device.ledger.items() if purpose not in ("weights", "kv"))
+    attention_layers = sum(kind == "full_attention" for kind in dims.layer_types) + (1 if capacity.mtp else 0)
+    per_token = kv_bytes_per_token(attention_layers, dims.kv_heads, dims.head_dim, capacity.kv_dtype)
+    plan = plan_kv_pool(kv_capacity=config.kv_capacity, max_context=config.max_context, lanes=capacity.lanes,
+                        bytes_per_token=per_token, memory_budget=model.free_after_weights,
+                        reserved_bytes=reservation + graph_allowance)
+    pool_bytes = plan.pages * PAGE_TOKENS * per_token
+    available = model.free_after_weights - reservation - graph_allowance
+    if pool_bytes > available:
+        raise KvCapacityDoesNotFit(
+            f"a KV pool of {plan.pages * PAGE_TOKENS} tokens needs {pool_bytes / GIB:.2f} GiB, but only "
+            f"{available / GIB:.2f} GiB are free on the GPU after the weights, lane state and workspace")
+    model.allocate_kv(plan.pages)
+    runner = CudaRunner(model, draft_tokens=config.draft_tokens, lm_head_draft=config.lm_head_draft,
+                        cuda_graphs=cuda_graphs)
+    device.synchronize()
+    before_graphs = device.info.free_bytes
+    if cuda_graphs:
+        runner.capture_decode_graphs()
+    device.synchronize()
+    free_after = device.info.free_bytes
+    return CudaBuild(device=device, model=model, runner=runner, ledger=dict(device.ledger),
+                     sizing={"policy": plan.policy, "pages": plan.pages, "capacity_tokens": plan.pages * PAGE_TOKENS,
+                             "bytes_per_token": per_token, "pool_bytes": pool_bytes,
+                             "free_after_weights_bytes": model.free_after_weights,
+                             "runtime_reservation_bytes": reservation, "graph_allowance_bytes": graph_allowance,
+                             "headroom_bytes": AUTO_HEADROOM_BYTES if plan.policy == "auto" else 0,
+                             "planned_slack_bytes": available - pool_bytes,
+                             "free_after_startup_bytes": free_after,
+                             "observed_graph_bytes": max(0, before_graphs - free_after)})
+
+
+def describe(build: CudaBuild) -> dict[str, Any]:
+    """The sizing ledger for the startup line and the server_start record."""
+    info = build.device.info
+    return {"device": {"index": info.index, "name": info.name, "total_bytes": info.total_bytes,
+                       "multiprocessors": info.multiprocessors},
+            "arenas_bytes": build.ledger, "kv_sizing": build.sizing}

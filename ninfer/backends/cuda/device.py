@@ -1,0 +1,178 @@
+"""The GPU a runner owns: its context, one stream, and a ledger of every device allocation by purpose.
+
+Everything is allocated once at startup with plain device allocations (cudaMalloc through numba); nothing is
+allocated while serving, so graph replays always see the same addresses.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+
+from ninfer.kernels_numba.numba_setup import cuda
+
+GIB = 1 << 30
+
+
+class Device(Protocol):
+    """What the model and runner need from a device: `CudaDevice`, or `HostDevice` (NumPy twins, no GPU)."""
+
+    stream: Any
+    stream_handle: int
+    ledger: collections.Counter[str]
+
+    @property
+    def info(self) -> "DeviceInfo": ...
+
+    @property
+    def kernels(self) -> Any: ...
+
+    def empty(self, shape: Any, dtype: Any, purpose: str) -> Any: ...
+
+    def zeros(self, shape: Any, dtype: Any, purpose: str) -> Any: ...
+
+    def upload(self, host: np.ndarray, purpose: str) -> Any: ...
+
+    def synchronize(self) -> None: ...
+
+    def write(self, destination: Any, host: np.ndarray) -> None: ...
+
+    def read(self, source: Any) -> np.ndarray: ...
+
+    def clear(self, array: Any) -> None: ...
+
+    def copy(self, destination: Any, source: Any) -> None: ...
+
+    def blas(self) -> Any: ...
+
+    def capture(self, record: Any) -> Any: ...
+
+
+class CudaUnavailableError(RuntimeError):
+    """No usable NVIDIA GPU (or the requested index does not exist)."""
+
+
+@attrs.frozen
+class DeviceInfo:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    multiprocessors: int
+
+
+class CudaDevice:
+    """One GPU: context, the serving stream (a cuda-python stream seen by numba as an external stream), allocations."""
+
+    def __init__(self, index: int = 0) -> None:
+        if not cuda.is_available():
+            raise CudaUnavailableError("no NVIDIA GPU is available to this process")
+        count = len(cuda.gpus)
+        if not 0 <= index < count:
+            raise CudaUnavailableError(f"--device {index}: this machine has {count} GPU(s)")
+        cuda.select_device(index)
+        self.index = index
+        self._context = cuda.current_context()
+        from cuda.bindings import driver
+
+        self._driver = driver
+        err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        check(err, "cuStreamCreate")
+        self.stream_handle = int(handle)
+        self._stream_object = handle
+        self.stream = cuda.external_stream(self.stream_handle)
+        self.ledger: collections.Counter[str] = collections.Counter()
+
+    @property
+    def info(self) -> DeviceInfo:
+        device = cuda.get_current_device()
+        free, total = self._context.get_memory_info()
+        return DeviceInfo(self.index, device.name.decode() if isinstance(device.name, bytes) else str(device.name),
+                          int(total), int(free), int(device.MULTIPROCESSOR_COUNT))
+
+    def empty(self, shape: Any, dtype: Any, purpose: str) -> Any:
+        """A new device array (uninitialised), charged to `purpose` in the ledger."""
+        array = cuda.device_array(shape, dtype=np.dtype(dtype), stream=self.stream)
+        self.ledger[purpose] += int(array.nbytes)
+        return array
+
+    def zeros(self, shape: Any, dtype: Any, purpose: str) -> Any:
+        array = self.empty(shape, dtype, purpose)
+        memset(array, self.stream_handle)
+        return array
+
+    def upload(self, host: np.ndarray, purpose: str) -> Any:
+        array = cuda.to_device(np.ascontiguousarray(host), stream=self.stream)
+        self.ledger[purpose] += int(array.nbytes)
+        return array
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # The operations the model and runner use, shared with `HostDevice` (the NumPy stand-in).
+
+    @property
+    def kernels(self) -> Any:
+        from ninfer.backends.cuda import kernels
+
+        return kernels
+
+    def write(self, destination: Any, host: np.ndarray) -> None:
+        """Copy host values into a device array, in stream order."""
+        destination.copy_to_device(np.ascontiguousarray(host, dtype=destination.dtype), stream=self.stream)
+
+    def read(self, source: Any) -> np.ndarray:
+        """A device array's values on the host, after everything queued before on the stream."""
+        host = source.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def clear(self, array: Any) -> None:
+        memset(array, self.stream_handle)
+
+    def copy(self, destination: Any, source: Any) -> None:
+        copy_device(destination, source, self.stream_handle)
+
+    def blas(self) -> Any:
+        from ninfer.backends.cuda.blas import Blas
+
+        return Blas(self)
+
+    def capture(self, record: Any) -> Any:
+        from ninfer.backends.cuda.graphs import capture
+
+        return capture(self.stream_handle, record)
+
+
+def check(result: Any, what: str) -> None:
+    """Raise on a cuda-python error code (`CUresult` or a tuple starting with one)."""
+    code = result[0] if isinstance(result, tuple) else result
+    if int(code) != 0:
+        raise RuntimeError(f"{what} failed: {code!r}")
+
+
+def device_pointer(array: Any) -> int:
+    return int(array.device_ctypes_pointer.value or 0)
+
+
+def memset(array: Any, stream_handle: int, value: int = 0) -> None:
+    """Fill a contiguous device array's bytes with `value`, asynchronously on the stream (capture-safe)."""
+    from cuda.bindings import driver
+
+    if array.nbytes:
+        check(driver.cuMemsetD8Async(device_pointer(array), value, int(array.nbytes), stream_handle),
+              "cuMemsetD8Async")
+
+
+def copy_device(destination: Any, source: Any, stream_handle: int) -> None:
+    """Device-to-device copy of equal-sized contiguous arrays on the stream (capture-safe)."""
+    from cuda.bindings import driver
+
+    if destination.nbytes != source.nbytes:
+        raise ValueError(f"copy of {source.nbytes} bytes into {destination.nbytes}")
+    if source.nbytes:
+        check(driver.cuMemcpyDtoDAsync(device_pointer(destination), device_pointer(source), int(source.nbytes),
+                                       stream_handle), "cuMemcpyDtoDAsync")

@@ -1,0 +1,99 @@
+"""`HostDevice`: the CUDA backend's device interface over host memory and the kernels' NumPy twins.
+
+It lets `CudaQwen` and `CudaRunner` run unchanged without a GPU: arrays are NumPy arrays (new float arrays are
+poisoned with NaN, so a read of anything no launch wrote shows up), launches are their twins, cuBLAS is a float32
+matmul, and a "graph" replays the recorded Python calls.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import numpy as np
+
+from ninfer.artifact.codec import bf16_bits_to_f32
+from ninfer.backends.cuda.device import DeviceInfo
+
+HOST_BYTES = 64 << 30  # the memory a HostDevice reports (KV auto-sizing needs a number)
+
+
+class HostDevice:
+    index = 0
+    stream = None
+    stream_handle = 0
+
+    def __init__(self) -> None:
+        self.ledger: collections.Counter[str] = collections.Counter()
+
+    @property
+    def info(self) -> DeviceInfo:
+        used = sum(self.ledger.values())
+        return DeviceInfo(0, "host (NumPy twins)", HOST_BYTES, HOST_BYTES - used, 0)
+
+    @property
+    def kernels(self) -> Any:
+        from ninfer.backends.cuda import host_kernels
+
+        return host_kernels
+
+    def empty(self, shape: Any, dtype: Any, purpose: str) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        array = np.full(shape, np.nan, dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+        self.ledger[purpose] += int(array.nbytes)
+        return array
+
+    def zeros(self, shape: Any, dtype: Any, purpose: str) -> np.ndarray:
+        array = np.zeros(shape, np.dtype(dtype))
+        self.ledger[purpose] += int(array.nbytes)
+        return array
+
+    def upload(self, host: np.ndarray, purpose: str) -> np.ndarray:
+        array = np.array(host, copy=True)
+        self.ledger[purpose] += int(array.nbytes)
+        return array
+
+    def synchronize(self) -> None:
+        pass
+
+    def write(self, destination: np.ndarray, host: np.ndarray) -> None:
+        destination[...] = np.asarray(host).reshape(destination.shape)
+
+    def read(self, source: np.ndarray) -> np.ndarray:
+        return np.array(source, copy=True)
+
+    def clear(self, array: np.ndarray) -> None:
+        array[...] = 0
+
+    def copy(self, destination: np.ndarray, source: np.ndarray) -> None:
+        if destination.nbytes != source.nbytes:
+            raise ValueError(f"copy of {source.nbytes} bytes into {destination.nbytes}")
+        destination[...] = source.reshape(destination.shape)
+
+    def blas(self) -> "HostBlas":
+        return HostBlas()
+
+    def capture(self, record: Callable[[], None]) -> "HostGraph":
+        return HostGraph(record)
+
+
+class HostBlas:
+    def gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, *, accumulate: bool = False) -> None:
+        product = (bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T).astype(np.float32)
+        y[...] = (y + product) if accumulate else product
+
+    def close(self) -> None:
+        pass
+
+
+class HostGraph:
+    """A 'captured' step: replaying calls the recorded function again (the buffers it reads are fixed)."""
+
+    def __init__(self, record: Callable[[], None]) -> None:
+        self._record = record
+
+    def replay(self, stream_handle: int) -> None:
+        self._record()
+
+    def close(self) -> None:
+        pass

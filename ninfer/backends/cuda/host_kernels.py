@@ -1,0 +1,163 @@
+"""The CUDA model's launchers over the kernels' NumPy twins, on host arrays (same names, same arguments).
+
+`HostDevice` runs `CudaQwen` and `CudaRunner` with these, so the backend's host logic (row and segment bookkeeping,
+checkpoints, verify columns, MTP bridging and drafting, graph replay order) is exercised in CI without a GPU; the GPU
+tests then only have to show the kernels equal their twins.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from ninfer.artifact import codec
+from ninfer.backends.cpu.ops import linear as row_linear
+from ninfer.kernels_numba import attention as _attention
+from ninfer.kernels_numba import elementwise as _elementwise
+from ninfer.kernels_numba import gdn as _gdn
+from ninfer.kernels_numba import layout as _layout
+from ninfer.kernels_numba import linear as _linear
+from ninfer.kernels_numba import moe as _moe
+from ninfer.kernels_numba import sampling as _sampling
+from ninfer.backends.cuda import kernels as _device_kernels
+from ninfer.kernels_numba.fill import fill_uniform_reference
+
+
+__all__ = list(_device_kernels.__all__)  # the same launchers as the device set
+
+# Pure-Python sizing helpers are shared with the device set.
+decode_partials_shape = _attention.decode_partials_shape
+scratch_columns = _sampling.scratch_columns
+
+
+@attrs.define(eq=False)
+class QuantWeight:
+    """A quantized matrix kept as its artifact payload, decoded once to fp32 for the twins."""
+
+    fmt: str
+    shape: tuple[int, int]
+    payload: np.ndarray
+    nbytes: int
+    dense: np.ndarray | None = None
+
+    def decoded(self) -> np.ndarray:
+        if self.dense is None:
+            self.dense = codec.decode(self.payload, self.fmt, self.shape)
+        return self.dense
+
+
+def upload_quant_weight(fmt, shape, payload, *, stream=0) -> QuantWeight:
+    payload = np.asarray(payload, dtype=np.uint8).copy()
+    return QuantWeight(fmt, tuple(shape), payload, int(payload.nbytes))
+
+
+def embed_rows(table, ids, out, *, stream):
+    out[...] = _elementwise.embed_rows_reference(table, ids)
+
+
+def rms_norm_rows(x, weight, out, *, eps, offset, stream):
+    out[...] = _elementwise.rms_norm_rows_reference(x, weight, eps=eps, offset=offset)
+
+
+def silu_mul_rows(gate_up, out, *, stream):
+    out[...] = _elementwise.silu_mul_rows_reference(gate_up)
+
+
+silu_mul_slots = silu_mul_rows  # the twin works on any leading shape
+
+
+def to_bf16_rows(x, out, *, stream):
+    out[...] = _elementwise.to_bf16_rows_reference(x)
+
+
+def sigmoid_gate_add(residual, delta, gate_logit, *, stream):
+    residual[...] = _elementwise.sigmoid_gate_add_reference(residual, delta, gate_logit)
+
+
+def attention_prepare(qkgv, q_norm, k_norm, inv_freq, positions, *args, stream, **kwargs):
+    # The device kernel reads only the first R columns of a (possibly wider) positions buffer.
+    _attention.attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions[:, : qkgv.shape[0]], *args,
+                                           **kwargs)
+
+
+def attention_decode(*args, stream, **kwargs):
+    _attention.attention_decode_reference(*args, **kwargs)
+
+
+def attention_prefill(*args, stream, **kwargs):
+    _attention.attention_prefill_reference(*args, **kwargs)
+
+
+def gdn_conv(*args, stream, **kwargs):
+    _gdn.gdn_conv_reference(*args, **kwargs)
+
+
+def gdn_gates(*args, stream, **kwargs):
+    _gdn.gdn_gates_reference(*args, **kwargs)
+
+
+def gdn_recurrent(*args, stream, **kwargs):
+    _gdn.gdn_recurrent_reference(*args, **kwargs)
+
+
+def gdn_output(*args, stream, **kwargs):
+    _gdn.gdn_output_reference(*args, **kwargs)
+
+
+def route_top_k(router_logits, top_k, expert_ids, weights, *, stream):
+    expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits, top_k)
+
+
+def moe_combine(expert_out, weights, residual, *, stream):
+    residual[...] = _moe.moe_combine_reference(expert_out, weights, residual)
+
+
+def moe_group(expert_ids, counts, offsets, slot_of, *, experts, position_of, stream):
+    counts[...], offsets[...], slot_of[...], position_of[...] = _moe.moe_group_reference(expert_ids, experts)
+
+
+def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
+    out[...] = _moe.moe_gather_reference(x, slot_of, top_k)
+
+
+def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):
+    residual[...] = _moe.moe_scatter_combine_reference(permuted_out, slot_of, weights, top_k, residual)
+
+
+def linear_bf16(x, w, y, *, stream, accumulate=False):
+    y[...] = _linear.linear_bf16_reference(x, w, y, accumulate=accumulate)
+
+
+def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert, x_per_slot, stream):
+    y[...] = _linear.linear_bf16_gathered_reference(x, w, expert_ids, rows_per_expert=rows_per_expert,
+                                                    x_per_slot=x_per_slot)
+
+
+def linear_quant(x, qw, y, *, stream, accumulate=False):
+    out = row_linear(np.asarray(x, np.float32), qw.decoded())
+    y[...] = (y + out) if accumulate else out
+
+
+def linear_quant_gathered(x, qw, expert_ids, y, *, rows_per_expert, x_per_slot, stream):
+    y[...] = _linear.gathered_reference(x, qw.decoded(), expert_ids, rows_per_expert=rows_per_expert,
+                                        x_per_slot=x_per_slot)
+
+
+def dequantize_bf16(qw, out, *, stream):
+    out[...] = codec.f32_to_bf16_bits(qw.decoded())
+
+
+def argmax_rows(logits, vocab_ids, out, *, stream, scratch=None):
+    out[...] = _sampling.argmax_rows_reference(logits, vocab_ids)
+
+
+def concat_columns(left, right, out, *, stream):
+    out[...] = _layout.concat_columns_reference(left, right)
+
+
+def gather_rows(source, index, out, *, stream):
+    out[...] = _layout.gather_rows_reference(source, index)
+
+
+def fill_uniform(out, *, seed, scale, stream):
+    out.reshape(-1)[...] = fill_uniform_reference(out.size, out.dtype, seed=seed, scale=scale)

@@ -1,0 +1,50 @@
+"""The launchers the CUDA model calls, in one namespace. `host_kernels` provides the same names over the kernels'
+NumPy twins, so the model and runner glue also runs (and is tested) without a GPU."""
+
+from ninfer.kernels_numba.attention import (attention_decode, attention_prefill, attention_prepare,
+                                            decode_partials_shape)
+from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_rows,
+                                              silu_mul_slots, to_bf16_rows)
+from ninfer.kernels_numba.fill import fill_uniform
+from ninfer.kernels_numba.gdn import gdn_conv, gdn_gates, gdn_output, gdn_recurrent
+from ninfer.kernels_numba.layout import concat_columns, gather_rows
+from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
+from ninfer.kernels_numba.moe import (moe_combine, moe_gather, moe_group, moe_scatter_combine,
+                                      route_top_k)
+from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
+                                               linear_quant_gathered, upload_quant_weight)
+from ninfer.kernels_numba.sampling import argmax_rows, scratch_columns
+
+__all__ = [
+    "QuantWeight",
+    "argmax_rows",
+    "attention_decode",
+    "attention_prefill",
+    "attention_prepare",
+    "concat_columns",
+    "decode_partials_shape",
+    "dequantize_bf16",
+    "embed_rows",
+    "fill_uniform",
+    "gather_rows",
+    "gdn_conv",
+    "gdn_gates",
+    "gdn_output",
+    "gdn_recurrent",
+    "linear_bf16",
+    "linear_bf16_gathered",
+    "linear_quant",
+    "linear_quant_gathered",
+    "moe_combine",
+    "moe_gather",
+    "moe_group",
+    "moe_scatter_combine",
+    "rms_norm_rows",
+    "route_top_k",
+    "scratch_columns",
+    "sigmoid_gate_add",
+    "silu_mul_rows",
+    "silu_mul_slots",
+    "to_bf16_rows",
+    "upload_quant_weight",
+]

@@ -1,0 +1,666 @@
+"""Qwen3.6 on the GPU: the layer math of `ninfer.models.qwen3_6` as kernel launches on device buffers.
+
+`CudaQwen` holds the weights, the per-layer state (paged KV pools, Gated DeltaNet lane states, their checkpoint
+slots and verify-column copies) and a workspace sized for the largest call. `forward` runs the decoder over the rows
+whose inputs the caller put in `inputs` (token ids, rope positions, per-row lane and KV index, per-lane segments):
+
+* decode and verify rounds (`prefill=None`): every row attends through its lane's page table; all launches read
+  their sizes from Python ints fixed per graph shape, so the whole call is captured once per shape and replayed;
+* a prefill chunk of one lane (`prefill=PrefillSpan`): tiled causal attention, and cuBLAS GEMMs beyond
+  `SKINNY_ROWS` rows.
+
+Numerics: fp32 activations; linear layers read bf16 or quantized weights with fp32 accumulation. Up to SKINNY_ROWS
+rows use the skinny kernels, whose per-row results do not depend on the row count (greedy output is the same alone or
+batched); longer prefill chunks round activations to bf16 for cuBLAS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ninfer.backends.cpu.ops import rope_inv_freq
+from ninfer.backends.cuda.device import Device
+from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
+from ninfer.targets.dims import QwenDims
+
+SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
+PAGE_TOKENS = 64
+DECODE_SPLIT_PAGES = 4  # flash-decoding: pages per split of a row's key range
+
+
+@attrs.frozen
+class PrefillSpan:
+    """A prefill chunk: rows 0..count-1 are tokens kv_start.. of `lane`."""
+
+    lane: int
+    kv_start: int
+
+
+@attrs.frozen
+class Capacity:
+    """Everything that sizes the runtime layout except the KV pool's page count (sized last, from what is left)."""
+
+    lanes: int
+    max_context: int
+    kv_dtype: str  # "bf16" | "int8"
+    prefill_rows: int  # most rows of a prefill chunk
+    draft_tokens: int  # k of MTP speculative decoding, 0 when off
+
+    @property
+    def mtp(self) -> bool:
+        return self.draft_tokens > 0
+
+    @property
+    def verify_columns(self) -> int:
+        return self.draft_tokens + 1 if self.draft_tokens else 0
+
+    @property
+    def decode_rows(self) -> int:
+        return self.lanes * (self.draft_tokens + 1)
+
+    @property
+    def max_rows(self) -> int:
+        # +1: a final prefill chunk's MTP rows add the bridge column
+        return max(self.decode_rows, self.prefill_rows + 1)
+
+    @property
+    def max_pages_per_lane(self) -> int:
+        return -(-self.max_context // PAGE_TOKENS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weights
+
+
+@attrs.frozen
+class AttentionWeights:
+    in_proj: Matrix  # rows q | k | gate | v
+    query_norm: Any
+    key_norm: Any
+    output: Matrix
+
+
+@attrs.frozen
+class GdnWeights:
+    in_proj: Matrix  # rows q | k | v | z
+    ab_proj: Matrix  # rows a | b
+    conv: Any  # fp32 [K, C]
+    neg_a: Any  # fp32 [Hv]: -exp(a_log)
+    dt_bias: Any
+    norm: Any
+
+
+@attrs.frozen
+class GdnOutput:
+    output: Matrix
+
+
+@attrs.frozen
+class DenseFfn:
+    gate_up: Matrix
+    down: Matrix
+
+
+@attrs.frozen
+class MoeFfn:
+    router: Bf16Matrix  # [E, H]
+    shared_gate: Bf16Matrix  # [1, H]
+    routed_gate_up: Matrix  # [E * 2I, H]
+    routed_down: Matrix  # [E * H, I]
+    shared_gate_up: Matrix
+    shared_down: Matrix
+
+
+@attrs.frozen
+class LayerWeights:
+    input_norm: Any
+    post_attention_norm: Any
+    attention: AttentionWeights | None
+    gdn: GdnWeights | None
+    gdn_output: Matrix | None
+    ffn: DenseFfn | MoeFfn
+
+
+@attrs.frozen
+class MtpWeights:
+    input_projection: Matrix  # [H, 2H]
+    embedding_norm: Any
+    hidden_norm: Any
+    layer: LayerWeights
+    final_norm: Any
+
+
+def _attention_weights(w: DeviceWeights, prefix: str, fused: bool) -> AttentionWeights:
+    names = (prefix + "query_key_gate_value",) if fused else (prefix + "query_key", prefix + "gate_value")
+    return AttentionWeights(w.matrix(*names), w.vector(prefix + "query_norm"), w.vector(prefix + "key_norm"),
+                            w.matrix(prefix + "output"))
+
+
+def _gdn_weights(w: DeviceWeights, device: Device, prefix: str, fused: bool) -> GdnWeights:
+    if fused:
+        in_proj, ab = w.matrix(prefix + "query_key_value_z"), w.matrix(prefix + "a_b_projection")
+    else:
+        in_proj = w.matrix(prefix + "query_key", prefix + "value_z")
+        ab = w.matrix(prefix + "a_projection", prefix + "b_projection")
+    neg_a = -np.exp(w.host(prefix + "a_log").astype(np.float32)).astype(np.float32)
+    return GdnWeights(in_proj, ab, w.vector(prefix + "convolution"), device.upload(neg_a, "weights"),
+                      w.vector(prefix + "dt_bias"),
+                      w.vector(prefix + "norm"))
+
+
+def _ffn_weights(w: DeviceWeights, dims: QwenDims, prefix: str) -> DenseFfn | MoeFfn:
+    if not dims.is_moe:
+        return DenseFfn(w.matrix(prefix + "mlp/gate_up"), w.matrix(prefix + "mlp/down"))
+    p = prefix + "moe/"
+    router_shared_gate = w.matrix(p + "router_shared_gate")
+    if is_quantized(router_shared_gate):
+        raise ValueError(f"{p}router_shared_gate must be stored as BF16")
+    e = dims.moe_experts
+    return MoeFfn(router_shared_gate.rows(0, e), router_shared_gate.rows(e, 1), w.matrix(p + "routed_gate_up"),
+                  w.matrix(p + "routed_down"), w.matrix(p + "shared_gate_up"), w.matrix(p + "shared_down"))
+
+
+def _layer_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str, kind: str,
+                   fused: bool) -> LayerWeights:
+    attention = gdn_weights = gdn_output = None
+    if kind == "full_attention":
+        attention = _attention_weights(w, prefix + "attention/", fused)
+    else:
+        gdn_weights = _gdn_weights(w, device, prefix + "gdn/", fused)
+        gdn_output = w.matrix(prefix + "gdn/output")
+    return LayerWeights(w.vector(prefix + "input_norm"), w.vector(prefix + "post_attention_norm"), attention,
+                        gdn_weights, gdn_output, _ffn_weights(w, dims, prefix))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# State
+
+
+@attrs.frozen
+class KvPool:
+    k: Any
+    v: Any
+    k_scale: Any  # None for bf16 pools
+    v_scale: Any
+
+
+@attrs.frozen
+class GdnLayerState:
+    conv: Any  # [lanes, K-1, C]
+    ssm: Any  # [lanes, Hv, Dk, Dv]
+    conv_checkpoints: Any  # [lanes, slots, K-1, C]
+    ssm_checkpoints: Any  # [lanes, slots, Hv, Dk, Dv]
+    conv_columns: Any  # [lanes, max(1, columns), K-1, C]
+    ssm_columns: Any  # [lanes, max(1, columns), Hv, Dk, Dv]
+
+
+def _kv_pool(device: Device, dims: QwenDims, kv_dtype: str, pages: int) -> KvPool:
+    shape = (pages, PAGE_TOKENS, dims.kv_heads, dims.head_dim)
+    if kv_dtype == "bf16":
+        return KvPool(device.zeros(shape, np.uint16, "kv"), device.zeros(shape, np.uint16, "kv"), None, None)
+    group = min(64, dims.head_dim)
+    scale_shape = shape[:-1] + (dims.head_dim // group,)
+    return KvPool(device.zeros(shape, np.int8, "kv"), device.zeros(shape, np.int8, "kv"),
+                  device.zeros(scale_shape, np.uint16, "kv"), device.zeros(scale_shape, np.uint16, "kv"))
+
+
+def _gdn_state(device: Device, dims: QwenDims, cap: Capacity, slots: int) -> GdnLayerState:
+    conv = (dims.conv_kernel - 1, dims.gdn_conv_channels)
+    ssm = (dims.gdn_v_heads, dims.gdn_k_dim, dims.gdn_v_dim)
+    columns = max(1, cap.verify_columns)
+    return GdnLayerState(
+        device.zeros((cap.lanes,) + conv, np.float32, "state"), device.zeros((cap.lanes,) + ssm, np.float32, "state"),
+        device.zeros((cap.lanes, slots) + conv, np.float32, "state"),
+        device.zeros((cap.lanes, slots) + ssm, np.float32, "state"),
+        device.zeros((cap.lanes, columns) + conv, np.float32, "state"),
+        device.zeros((cap.lanes, columns) + ssm, np.float32, "state"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-call inputs and workspace
+
+
+class StepInputs:
+    """Fixed device buffers a call reads its per-row and per-segment inputs from (filled before a replay)."""
+
+    def __init__(self, device: Device, rows: int, lanes: int, pages: int) -> None:
+        self._device = device
+        self.token_ids = device.zeros(rows, np.int32, "inputs")
+        self.next_ids = device.zeros(rows, np.int32, "inputs")  # MTP: the token after each row's token
+        self.positions = device.zeros((3, rows), np.int32, "inputs")
+        self.row_lane = device.zeros(rows, np.int32, "inputs")
+        self.row_pos = device.zeros(rows, np.int32, "inputs")
+        self.seg_lane = device.zeros(rows, np.int32, "inputs")
+        self.seg_row = device.zeros(rows, np.int32, "inputs")
+        self.seg_count = device.zeros(rows, np.int32, "inputs")
+        self.seg_record = device.zeros(rows, np.int32, "inputs")
+        self.page_tables = device.zeros((lanes, pages), np.int32, "inputs")
+        self.host_page_tables = np.zeros((lanes, pages), np.int32)
+
+    def fill(self, *, token_ids: Any, positions: np.ndarray, row_lane: Any, row_pos: Any, seg_lane: Any,
+             seg_row: Any, seg_count: Any, seg_record: Any, next_ids: Any = None) -> None:
+        """Per-row inputs (rows = len(token_ids)) and per-segment inputs (segments = len(seg_lane))."""
+        if len(token_ids) > len(self.token_ids):
+            raise ValueError(f"{len(token_ids)} rows exceed the {len(self.token_ids)} this model was sized for")
+        write = self._device.write
+        for target, values in ((self.token_ids, token_ids), (self.row_lane, row_lane), (self.row_pos, row_pos),
+                               (self.seg_lane, seg_lane), (self.seg_row, seg_row), (self.seg_count, seg_count),
+                               (self.seg_record, seg_record), (self.next_ids, next_ids)):
+            if values is not None and len(values):
+                write(target[: len(values)], np.asarray(values, dtype=np.int32))
+        rows = len(token_ids)
+        if rows:
+            host = np.zeros((3, self.positions.shape[1]), np.int32)
+            host[:, :rows] = positions
+            write(self.positions, host)
+
+    def set_page_table(self, lane: int, table: np.ndarray) -> None:
+        pages = self.host_page_tables.shape[1]
+        if len(table) > pages:
+            raise ValueError(f"lane {lane}: {len(table)} pages exceed the {pages} a lane can address")
+        row = np.zeros(pages, np.int32)
+        row[: len(table)] = table
+        self.host_page_tables[lane] = row
+        self._device.write(self.page_tables[lane], row)
+
+
+class Workspace:
+    """Activation buffers for up to `rows` rows, allocated once."""
+
+    def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
+                 decode_rows: int, max_pages: int) -> None:
+        d, f32 = dims, np.float32
+
+        def buf(*shape: int, dtype: Any = f32) -> Any:
+            return device.empty(shape, dtype, "workspace")
+
+        h = d.hidden
+        self.x = buf(rows, h)
+        self.h = buf(rows, h)
+        self.final = buf(rows, h)
+        self.qkgv = buf(rows, 2 * d.q_width + 2 * d.kv_width)
+        self.q = buf(rows, d.attn_heads, d.head_dim)
+        self.attended = buf(rows, d.q_width)
+        self.partials = buf(*device.kernels.decode_partials_shape(decode_rows, d.attn_heads, d.head_dim, max_pages,
+                                                        DECODE_SPLIT_PAGES))
+        channels = d.gdn_conv_channels
+        self.projected = buf(rows, channels + d.gdn_v_width)
+        self.ab = buf(rows, 2 * d.gdn_v_heads)
+        self.mixed = buf(rows, channels)
+        self.gdn_q = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
+        self.gdn_k = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
+        self.log_decay = buf(rows, d.gdn_v_heads)
+        self.beta = buf(rows, d.gdn_v_heads)
+        self.gdn_out = buf(rows, d.gdn_v_heads, d.gdn_v_dim)
+        self.gdn_normed = buf(rows, d.gdn_v_width)
+        # Split projections (27B ninfer-v2): q|k and gate|v of attention, q|k and v|z of Gated DeltaNet.
+        split = max(d.q_width + d.kv_width, 2 * d.gdn_qk_width, 2 * d.gdn_v_width)
+        self.split_a, self.split_b = buf(rows * split), buf(rows * split)
+        widths = [h, d.q_width, d.gdn_v_width, 2 * h if mtp else h]
+        if d.is_moe:
+            s, e = d.moe_top_k, d.moe_experts
+            self.router_logits = buf(rows, e)
+            self.gate_logit = buf(rows, 1)
+            self.expert_ids = buf(rows, s, dtype=np.int32)
+            self.expert_weights = buf(rows, s)
+            slot_rows = min(rows, SKINNY_ROWS)  # the per-row expert route runs for up to SKINNY_ROWS rows
+            self.slot_gate_up = buf(slot_rows, s, 2 * d.moe_intermediate)
+            self.slot_act = buf(slot_rows, s, d.moe_intermediate)
+            self.slot_out = buf(slot_rows, s, h)
+            self.shared_gate_up = buf(rows, 2 * d.shared_intermediate)
+            self.shared_act = buf(rows, d.shared_intermediate)
+            self.shared_out = buf(rows, h)
+            widths += [d.moe_intermediate, d.shared_intermediate]
+            self.moe_counts = buf(e, dtype=np.int32)
+            self.moe_offsets = buf(e + 1, dtype=np.int32)
+            self.moe_slot_of = buf(rows * s, dtype=np.int32)
+            self.moe_position_of = buf(rows * s, dtype=np.int32)
+            if rows > SKINNY_ROWS:
+                self.perm_in = buf(rows * s, h, dtype=np.uint16)
+                self.perm_gate_up = buf(rows * s, 2 * d.moe_intermediate)
+                self.perm_act = buf(rows * s, d.moe_intermediate)
+                self.perm_act_bf16 = buf(rows * s, d.moe_intermediate, dtype=np.uint16)
+                self.perm_out = buf(rows * s, h)
+        else:
+            self.gate_up = buf(rows, 2 * d.intermediate)
+            self.act = buf(rows, d.intermediate)
+            widths.append(d.intermediate)
+        self.mtp_in = buf(rows, 2 * h) if mtp else None
+        self.mtp_embedded = buf(rows, h) if mtp else None
+        self.mtp_carried = buf(rows, h) if mtp else None
+        self.x_bf16 = buf(rows, max(widths), dtype=np.uint16) if rows > SKINNY_ROWS else None
+        self.w_bf16 = buf(dequant_elements, dtype=np.uint16) if dequant_elements else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class Linear:
+    """y (+)= x @ W^T for any stored format: skinny kernels up to SKINNY_ROWS rows, cuBLAS on bf16 beyond."""
+
+    def __init__(self, device: Device, workspace: Workspace) -> None:
+        self._device, self._blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
+
+    def __call__(self, x: Any, w: Matrix, y: Any, *, accumulate: bool = False) -> None:
+        stream, k = self._device.stream, self._k
+        rows = x.shape[0]
+        if isinstance(w, SplitMatrix):
+            self._split(x, w, y, accumulate)
+            return
+        if rows <= SKINNY_ROWS:
+            if is_quantized(w):
+                k.linear_quant(x, w, y, stream=stream, accumulate=accumulate)
+            else:
+                k.linear_bf16(x, w.data, y, stream=stream, accumulate=accumulate)
+            return
+        n, width = w.shape
+        x_bf16 = self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
+        k.to_bf16_rows(x, x_bf16, stream=stream)
+        self._blas.gemm_bf16(x_bf16, self.bf16_weight(w), y, accumulate=accumulate)
+
+    def _split(self, x: Any, w: SplitMatrix, y: Any, accumulate: bool) -> None:
+        """Both row blocks into scratch rows, then joined side by side into y (two blocks: every fused projection
+        of the 27B inventory has exactly two)."""
+        if accumulate or len(w.parts) != 2:
+            raise ValueError("a split projection must have two blocks and overwrite its output")
+        rows, outputs = x.shape[0], []
+        for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
+            out = scratch[: rows * part.shape[0]].reshape(rows, part.shape[0])
+            self(x, part, out)
+            outputs.append(out)
+        self._k.concat_columns(outputs[0], outputs[1], y, stream=self._device.stream)
+
+    def gemm(self, x_bf16: Any, w_bf16: Any, y: Any) -> None:
+        """cuBLAS on operands already in bf16 (the grouped MoE prefill)."""
+        self._blas.gemm_bf16(x_bf16, w_bf16, y)
+
+    def bf16_weight(self, w: Matrix) -> Any:
+        """A bf16 [N, K] view of the weight: itself, or its dequantization into the shared scratch."""
+        if not is_quantized(w):
+            return w.data
+        n, k = w.shape
+        scratch = self._ws.w_bf16[: n * k].reshape(n, k)
+        self._k.dequantize_bf16(w, scratch, stream=self._device.stream)
+        return scratch
+
+
+class CudaQwen:
+    def __init__(self, dims: QwenDims, weights: DeviceWeights, device: Device, capacity: Capacity) -> None:
+        self.dims, self.device, self.capacity, self.k = dims, device, capacity, device.kernels
+        fused = dims.is_moe
+        self.embedding = weights.table("text/token_embedding")
+        self.layers = [_layer_weights(weights, device, dims, f"text/layers/{i}/", kind, fused)
+                       for i, kind in enumerate(dims.layer_types)]
+        self.final_norm = weights.vector("text/final_norm")
+        self.head = weights.matrix("text/output_head")
+        self.mtp: MtpWeights | None = None
+        if capacity.mtp:
+            mtp_layer = LayerWeights(weights.vector("mtp/layer/input_norm"),
+                                     weights.vector("mtp/layer/post_attention_norm"),
+                                     _attention_weights(weights, "mtp/layer/attention/", True), None, None,
+                                     _ffn_weights(weights, dims, "mtp/layer/"))
+            self.mtp = MtpWeights(weights.matrix("mtp/input_projection"), weights.vector("mtp/embedding_norm"),
+                                  weights.vector("mtp/hidden_norm"), mtp_layer, weights.vector("mtp/final_norm"))
+        self.inv_freq = device.upload(rope_inv_freq(dims.rotary_dim, dims.rope_theta), "weights")
+        device.synchronize()
+        self.free_after_weights = device.info.free_bytes  # what --kv-capacity auto sizes from
+
+        self.pages = 0
+        self.kv: dict[int, KvPool] = {}
+        self.mtp_kv: KvPool | None = None
+        self.gdn = {i: _gdn_state(device, dims, capacity, CHECKPOINT_SLOTS)
+                    for i, kind in enumerate(dims.layer_types) if kind != "full_attention"}
+
+        rows = capacity.max_rows
+        self.inputs = StepInputs(device, rows, capacity.lanes, capacity.max_pages_per_lane)
+        self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
+                                   dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
+                                   decode_rows=capacity.decode_rows, max_pages=capacity.max_pages_per_lane)
+        self.tails = device.zeros((capacity.lanes, dims.hidden), np.float32, "state")
+        self.tail_checkpoints = device.zeros((capacity.lanes, CHECKPOINT_SLOTS, dims.hidden), np.float32, "state")
+        self.verify_hidden = device.zeros((capacity.lanes, max(1, capacity.verify_columns), dims.hidden), np.float32,
+                                          "state")
+        self.logits = device.empty((max(capacity.decode_rows, 1), dims.vocab_rows), np.float32, "workspace")
+        self.argmax = device.empty(max(capacity.decode_rows, 1), np.int32, "workspace")
+        self.sampling_scratch = device.empty((max(capacity.decode_rows, 1),
+                                              device.kernels.scratch_columns(dims.vocab_ids)),
+                                             np.uint64, "workspace")
+        self.linear = Linear(device, self.workspace)
+
+    def allocate_kv(self, pages: int) -> None:
+        """The shared paged KV pools (every attention layer, and the MTP layer with speculative decoding)."""
+        dims, kv_dtype = self.dims, self.capacity.kv_dtype
+        self.kv = {i: _kv_pool(self.device, dims, kv_dtype, pages) for i, kind in enumerate(dims.layer_types)
+                   if kind == "full_attention"}
+        self.mtp_kv = _kv_pool(self.device, dims, kv_dtype, pages) if self.capacity.mtp else None
+        self.pages = pages
+
+    def _dequant_elements(self) -> int:
+        """The largest quantized matrix a prefill GEMM dequantizes (the head runs on the last row only)."""
+        return max([m.shape[0] * m.shape[1] for m in self._matrices() if is_quantized(m)], default=0)
+
+    def _matrices(self):
+        layers = self.layers + ([self.mtp.layer] if self.mtp else [])
+        found = []
+        for layer in layers:
+            for part in (layer.attention, layer.gdn, layer.ffn):
+                if part is not None:
+                    found += [v for v in attrs.astuple(part, recurse=False) if _is_matrix(v)]
+            if layer.gdn_output is not None:
+                found.append(layer.gdn_output)
+        if self.mtp:
+            found.append(self.mtp.input_projection)
+        for matrix in found:
+            yield from (matrix.parts if isinstance(matrix, SplitMatrix) else (matrix,))
+
+    # ---- the decoder ----
+
+    def forward(self, rows: int, segments: int, prefill: PrefillSpan | None = None) -> Any:
+        """Run the target decoder over `rows` rows of `inputs`; returns the final-norm hidden rows [rows, H]."""
+        ws, stream, d = self.workspace, self.device.stream, self.dims
+        x = ws.x[:rows]
+        self._embed(self.inputs.token_ids[:rows], x)
+        for index, layer in enumerate(self.layers):
+            self._layer(layer, index, rows, segments, prefill, self.kv.get(index))
+        final = ws.final[:rows]
+        self.k.rms_norm_rows(x, self.final_norm, final, eps=d.rms_eps, offset=True, stream=stream)
+        return final
+
+    def mtp_forward(self, hidden: Any, rows: int, prefill: PrefillSpan | None = None) -> Any:
+        """The MTP head over `rows` rows: target hidden rows `hidden` [rows, H] fused with the embedding of
+        `inputs.next_ids`, at `inputs.positions` / `row_pos` (the MTP KV index of each row). Returns d [rows, H]."""
+        ws, stream, d, mtp = self.workspace, self.device.stream, self.dims, self.mtp
+        embedded, x = ws.mtp_embedded[:rows], ws.x[:rows]
+        self._embed(self.inputs.next_ids[:rows], ws.h[:rows])
+        self.k.rms_norm_rows(ws.h[:rows], mtp.embedding_norm, embedded, eps=d.rms_eps, offset=True, stream=stream)
+        carried = ws.mtp_carried[:rows]  # not `final`: the caller's hidden rows may live there
+        self.k.rms_norm_rows(hidden, mtp.hidden_norm, carried, eps=d.rms_eps, offset=True, stream=stream)
+        self.k.concat_columns(embedded, carried, ws.mtp_in[:rows], stream=stream)
+        self.linear(ws.mtp_in[:rows], mtp.input_projection, x)
+        self._layer(mtp.layer, -1, rows, rows, prefill, self.mtp_kv)
+        out = ws.final[:rows]
+        self.k.rms_norm_rows(x, mtp.final_norm, out, eps=d.rms_eps, offset=True, stream=stream)
+        return out
+
+    def _embed(self, ids: Any, out: Any) -> None:
+        if self.embedding.dtype == np.uint16:
+            self.k.embed_rows(self.embedding, ids, out, stream=self.device.stream)
+        else:
+            self.k.gather_rows(self.embedding, ids, out, stream=self.device.stream)
+
+    def head_logits(self, hidden: Any) -> Any:
+        rows = hidden.shape[0]
+        logits = self.logits[:rows]
+        self.linear(hidden, self.head, logits)
+        return logits
+
+    def greedy(self, logits: Any) -> Any:
+        out = self.argmax[: logits.shape[0]]
+        self.k.argmax_rows(logits, self.dims.vocab_ids, out, stream=self.device.stream, scratch=self.sampling_scratch)
+        return out
+
+    # ---- one decoder layer ----
+
+    def _layer(self, layer: LayerWeights, index: int, rows: int, segments: int, prefill: PrefillSpan | None,
+               kv: KvPool | None) -> None:
+        ws, stream, d = self.workspace, self.device.stream, self.dims
+        x, h = ws.x[:rows], ws.h[:rows]
+        self.k.rms_norm_rows(x, layer.input_norm, h, eps=d.rms_eps, offset=True, stream=stream)
+        if layer.attention is not None:
+            self._attention(layer.attention, rows, prefill, kv)
+        else:
+            self._gdn(layer, self.gdn[index], rows, segments)
+        self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream)
+        if isinstance(layer.ffn, DenseFfn):
+            gate_up, act = ws.gate_up[:rows], ws.act[:rows]
+            self.linear(h, layer.ffn.gate_up, gate_up)
+            self.k.silu_mul_rows(gate_up, act, stream=stream)
+            self.linear(act, layer.ffn.down, x, accumulate=True)
+        else:
+            self._moe(layer.ffn, rows)
+
+    def _attention(self, w: AttentionWeights, rows: int, prefill: PrefillSpan | None, kv: KvPool) -> None:
+        ws, stream, d, inputs = self.workspace, self.device.stream, self.dims, self.inputs
+        qkgv, q, out = ws.qkgv[:rows], ws.q[:rows], ws.attended[:rows]
+        self.linear(ws.h[:rows], w.in_proj, qkgv)
+        self.k.attention_prepare(qkgv, w.query_norm, w.key_norm, self.inv_freq, inputs.positions,
+                               inputs.row_lane[:rows], inputs.row_pos[:rows], inputs.page_tables, kv.k, kv.v,
+                               kv.k_scale, kv.v_scale, q, heads=d.attn_heads, kv_heads=d.kv_heads,
+                               head_dim=d.head_dim, rotary_dim=d.rotary_dim, sections=tuple(d.mrope_section),
+                               eps=d.rms_eps, stream=stream)
+        if prefill is None:
+            self.k.attention_decode(q, qkgv, inputs.page_tables, inputs.row_lane[:rows], inputs.row_pos[:rows], kv.k,
+                                  kv.v, kv.k_scale, kv.v_scale, out, ws.partials, heads=d.attn_heads,
+                                  kv_heads=d.kv_heads, head_dim=d.head_dim, split_pages=DECODE_SPLIT_PAGES,
+                                  stream=stream)
+        else:
+            self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
+                                   kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
+                                   head_dim=d.head_dim, stream=stream)
+        self.linear(out, w.output, ws.x[:rows], accumulate=True)
+
+    def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int) -> None:
+        ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
+        h, projected, ab, mixed = ws.h[:rows], ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
+        self.linear(h, w.in_proj, projected)
+        self.linear(h, w.ab_proj, ab)
+        seg = (inputs.seg_lane[:segments], inputs.seg_row[:segments], inputs.seg_count[:segments],
+               inputs.seg_record[:segments])
+        self.k.gdn_conv(projected, w.conv, state.conv, state.conv_columns, *seg, mixed,
+                     channels=d.gdn_conv_channels, stream=stream)
+        q, k, log_decay, beta = ws.gdn_q[:rows], ws.gdn_k[:rows], ws.log_decay[:rows], ws.beta[:rows]
+        self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
+                      v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream)
+        out = ws.gdn_out[:rows]
+        self.k.gdn_recurrent(q, k, mixed, log_decay, beta, state.ssm, state.ssm_columns, *seg, out,
+                          qk_heads=d.gdn_qk_heads, v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, v_dim=d.gdn_v_dim,
+                          channels_qk=2 * d.gdn_qk_width, stream=stream)
+        normed = ws.gdn_normed[:rows]
+        self.k.gdn_output(out, projected, w.norm, normed, v_heads=d.gdn_v_heads, v_dim=d.gdn_v_dim,
+                       z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream)
+        self.linear(normed, layer.gdn_output, ws.x[:rows], accumulate=True)
+
+    def _moe(self, w: MoeFfn, rows: int) -> None:
+        ws, stream, d = self.workspace, self.device.stream, self.dims
+        h, x = ws.h[:rows], ws.x[:rows]
+        router_logits, gate_logit = ws.router_logits[:rows], ws.gate_logit[:rows]
+        self.linear(h, w.router, router_logits)
+        self.linear(h, w.shared_gate, gate_logit)
+        ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
+        self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream)
+        inter = d.moe_intermediate
+        if rows <= SKINNY_ROWS:
+            gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
+            gathered = self._gathered(w.routed_gate_up)
+            gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False, stream=stream)
+            self.k.silu_mul_slots(gate_up, act, stream=stream)
+            gathered = self._gathered(w.routed_down)
+            gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True, stream=stream)
+            self.k.moe_combine(out, weights, x, stream=stream)
+        else:
+            self._moe_grouped(w, rows)
+        shared_gate_up, shared_act, shared_out = ws.shared_gate_up[:rows], ws.shared_act[:rows], ws.shared_out[:rows]
+        self.linear(h, w.shared_gate_up, shared_gate_up)
+        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream)
+        self.linear(shared_act, w.shared_down, shared_out)
+        self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
+
+    def _gathered(self, w: Matrix) -> Any:
+        """The MoE decode launcher for a stacked expert matrix's format."""
+        if is_quantized(w):
+            return self.k.linear_quant_gathered
+
+        def bf16(x: Any, matrix: Bf16Matrix, *args: Any, **kwargs: Any) -> None:
+            self.k.linear_bf16_gathered(x, matrix.data, *args, **kwargs)
+
+        return bf16
+
+    def _moe_grouped(self, w: MoeFfn, rows: int) -> None:
+        """Prefill MoE: tokens grouped by expert, one cuBLAS GEMM per expert that has tokens (not captured)."""
+        ws, stream, d = self.workspace, self.device.stream, self.dims
+        s, e, inter, hidden = d.moe_top_k, d.moe_experts, d.moe_intermediate, d.hidden
+        ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
+        slot_of = ws.moe_slot_of[: rows * s]
+        position_of = ws.moe_position_of[: rows * s]
+        self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
+        permuted = ws.perm_in[: rows * s]
+        self.k.moe_gather(ws.h[:rows], slot_of, s, permuted, stream=stream)
+        offsets = self.device.read(ws.moe_offsets)
+        gate_up_all = self.linear.bf16_weight(w.routed_gate_up)
+        gate_up = ws.perm_gate_up[: rows * s]
+        for expert in range(e):
+            start, stop = int(offsets[expert]), int(offsets[expert + 1])
+            if stop > start:
+                self.linear.gemm(permuted[start:stop], gate_up_all[expert * 2 * inter:(expert + 1) * 2 * inter],
+                                            gate_up[start:stop])
+        act, act_bf16 = ws.perm_act[: rows * s], ws.perm_act_bf16[: rows * s]
+        self.k.silu_mul_rows(gate_up, act, stream=stream)
+        self.k.to_bf16_rows(act, act_bf16, stream=stream)
+        down_all = self.linear.bf16_weight(w.routed_down)
+        out = ws.perm_out[: rows * s]
+        for expert in range(e):
+            start, stop = int(offsets[expert]), int(offsets[expert + 1])
+            if stop > start:
+                self.linear.gemm(act_bf16[start:stop], down_all[expert * hidden:(expert + 1) * hidden],
+                                            out[start:stop])
+        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=position_of, stream=stream)
+
+    # ---- state operations ----
+
+    def reset_lane(self, lane: int) -> None:
+        """Zero the lane's running recurrent state and tail (a sequence that starts at token 0)."""
+        for state in self.gdn.values():
+            self.device.clear(state.conv[lane])
+            self.device.clear(state.ssm[lane])
+        self.device.clear(self.tails[lane])
+
+    def copy_lane_state(self, lane: int, *, to_slot: int | None = None, from_slot: int | None = None,
+                        from_column: int | None = None) -> None:
+        """Checkpoint save (`to_slot`), restore (`from_slot`) or verify-column selection (`from_column`) of every
+        recurrent layer's lane state and the tail row."""
+        copy = self.device.copy
+        for state in self.gdn.values():
+            if to_slot is not None:
+                copy(state.conv_checkpoints[lane, to_slot], state.conv[lane])
+                copy(state.ssm_checkpoints[lane, to_slot], state.ssm[lane])
+            elif from_slot is not None:
+                copy(state.conv[lane], state.conv_checkpoints[lane, from_slot])
+                copy(state.ssm[lane], state.ssm_checkpoints[lane, from_slot])
+            else:
+                copy(state.conv[lane], state.conv_columns[lane, from_column])
+                copy(state.ssm[lane], state.ssm_columns[lane, from_column])
+        if to_slot is not None:
+            copy(self.tail_checkpoints[lane, to_slot], self.tails[lane])
+        elif from_slot is not None:
+            copy(self.tails[lane], self.tail_checkpoints[lane, from_slot])
+
+
+CHECKPOINT_SLOTS = 2
+
+
+def _is_matrix(value: Any) -> bool:
+    return isinstance(value, (Bf16Matrix, SplitMatrix)) or is_quantized(value)

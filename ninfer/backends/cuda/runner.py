@@ -1,0 +1,343 @@
+"""The CUDA model runner: `ninfer.engine.runner.ModelRunner` over `CudaQwen`.
+
+Every decode-time step replays a captured CUDA graph keyed by its exact shape: a decode or verify round by (rows,
+lanes) (ordinary rows are one column, speculative rows k+1; all per-row facts live in the input buffers, so any mix
+with the same counts shares a graph), the MTP head over a round's produced columns by its row count, and each draft
+step by its lane count. The first call of a shape runs eagerly (compiling the kernels) and captures the graph for
+the next one; ordinary decode graphs are captured at startup. Prefill chunks run eagerly. The host keeps only what the engine contract needs per lane: the page table, the sampler, the
+drafts and the shape of the last verify round; all tensors stay on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, CudaQwen, PrefillSpan
+from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
+from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
+                                  StateSource)
+from ninfer.engine.sampler import Purpose, Sampler
+from ninfer.engine.speculative import verify_drafts
+
+
+@attrs.define
+class _Lane:
+    pages: int = 0
+    has_tail: bool = False
+    sampler: Sampler | None = None
+    drafts: np.ndarray | None = None
+    verified: bool = False  # the last round was a speculative one (rewind may select another column)
+
+
+@attrs.frozen
+class _MtpRows:
+    lane: int
+    first: int  # MTP KV index of the first row
+    next_ids: np.ndarray
+    positions: np.ndarray  # [3, n]
+
+
+class CudaRunner:
+    def __init__(self, model: CudaQwen, *, draft_tokens: int = 0, lm_head_draft: bool = False,
+                 cuda_graphs: bool = True) -> None:
+        cap, dims = model.capacity, model.dims
+        if draft_tokens and model.mtp is None:
+            raise ValueError("speculative decoding needs the model built with its MTP head")
+        if lm_head_draft:
+            raise ValueError("--lm-head-draft is not implemented on the CUDA backend yet")
+        self._model, self._k, self._graphs_on = model, draft_tokens, cuda_graphs
+        attention_layers = sum(kind == "full_attention" for kind in dims.layer_types) + (1 if draft_tokens else 0)
+        if not model.pages:
+            raise ValueError("the model's KV pool is not allocated (CudaQwen.allocate_kv)")
+        if draft_tokens != cap.draft_tokens:
+            raise ValueError(f"the model was sized for {cap.draft_tokens} draft tokens, not {draft_tokens}")
+        self.info = RunnerInfo(lanes=cap.lanes, pages=model.pages, page_tokens=64, checkpoint_slots=CHECKPOINT_SLOTS,
+                               vocab_ids=dims.vocab_ids, draft_tokens=draft_tokens,
+                               kv_bytes_per_token=kv_bytes_per_token(attention_layers, dims.kv_heads, dims.head_dim,
+                                                                     cap.kv_dtype))
+        self._lanes = [_Lane() for _ in range(cap.lanes)]
+        self._graphs: dict[tuple, Any] = {}  # step shape -> captured graph
+        device = model.device
+        rows = cap.max_rows + 1
+        self._mtp_hidden = device.empty((rows, dims.hidden), np.float32, "workspace") if draft_tokens else None
+        self._gather_index = device.empty(rows, np.int32, "inputs")
+        self._last_row = device.empty((1, dims.hidden), np.float32, "workspace")
+
+    # ---- state operations ----
+
+    def assign_pages(self, lane: int, page_table: np.ndarray) -> None:
+        table = np.asarray(page_table, dtype=np.int32)
+        self._model.inputs.set_page_table(lane, table)
+        self._lanes[lane].pages = len(table)
+
+    def begin_sequence(self, lane: int, start: SequenceStart) -> None:
+        state, model = self._lanes[lane], self._model
+        if start.source is StateSource.RESET:
+            model.reset_lane(lane)
+            state.has_tail = False
+        elif start.source is StateSource.CHECKPOINT:
+            model.copy_lane_state(lane, from_slot=start.checkpoint_slot)
+            state.has_tail = True
+        state.sampler = Sampler(start.sampling, self.info.vocab_ids)
+        state.drafts, state.verified = None, False
+
+    def save_checkpoint(self, lane: int, slot: int) -> None:
+        if not self._lanes[lane].has_tail:
+            raise ValueError(f"lane {lane} has no materialized token to checkpoint")
+        self._model.copy_lane_state(lane, to_slot=slot)
+
+    def rewind(self, lane: int, kept: int) -> None:
+        state = self._lanes[lane]
+        if not state.verified:
+            if kept != 1:
+                raise ValueError(f"lane {lane}: an ordinary round produced one token, cannot keep {kept}")
+            return
+        self._select_column(lane, kept - 1)
+        state.drafts = None
+
+    def release(self, lane: int) -> None:
+        self._lanes[lane] = _Lane()
+
+    # ---- model calls ----
+
+    def prefill(self, chunk: PrefillChunk) -> PrefillResult:
+        model, lane = self._model, chunk.lane
+        state = self._lanes[lane]
+        count, start = len(chunk.token_ids), chunk.kv_length
+        if count > model.capacity.prefill_rows:
+            raise ValueError(f"prefill chunk of {count} tokens exceeds the runner's {model.capacity.prefill_rows}")
+        if count:
+            model.inputs.fill(token_ids=chunk.token_ids, positions=chunk.positions,
+                              row_lane=np.full(count, lane), row_pos=start + np.arange(count),
+                              seg_lane=[lane], seg_row=[0], seg_count=[count], seg_record=[0])
+            final = model.forward(count, 1, PrefillSpan(lane, start))
+            # The chunk's last row becomes the tail only after the MTP bridge column has read the old tail.
+            model.device.copy(self._last_row, final[count - 1 :])
+        elif chunk.final and not state.has_tail:
+            raise ValueError(f"lane {lane}: nothing to sample from (empty chunk without a tail)")
+        token = -1
+        if chunk.final:
+            row = self._last_row if count else model.tails[lane : lane + 1]
+            token = self._sample_rows(row, [state.sampler], [start + count], Purpose.PREFILL)[0]
+        drafts_ready = False
+        if self._k:
+            rows = self._prefill_mtp_rows(chunk, token)
+            if rows is not None:
+                n = len(rows.next_ids)
+                hidden_rows = [("tail", lane)] if start > 0 else []
+                hidden_rows += [("final", i) for i in range(n - len(hidden_rows))]
+                d = self._run_mtp([rows], hidden_rows, prefill=count > 0)
+                if chunk.final and self._affords_a_round(chunk.remaining - 1):
+                    self._prepare_drafts([(lane, n - 1, rows.first + n - 1, int(rows.positions[0, -1]))], d)
+                    drafts_ready = True
+        if count:
+            model.device.copy(model.tails[lane : lane + 1], self._last_row)
+        state.has_tail = state.has_tail or count > 0
+        state.verified = False
+        return PrefillResult(token=token, drafts_ready=drafts_ready)
+
+    def decode(self, batch: DecodeBatch) -> DecodeResult:
+        model, k = self._model, self._k
+        size = batch.size
+        lanes = [int(lane) for lane in batch.lanes]
+        columns = [1 + (k if batch.speculative[b] else 0) for b in range(size)]
+        ids, row_lane, row_pos, positions, seg_row = [], [], [], [], []
+        for b, lane in enumerate(lanes):
+            state = self._lanes[lane]
+            tokens = [int(batch.input_tokens[b])]
+            if batch.speculative[b]:
+                if state.drafts is None or batch.remaining[b] < k + 1:
+                    raise ValueError(f"lane {lane} cannot verify: no drafts or too little output budget")
+                tokens += [int(t) for t in state.drafts]
+            n = len(tokens)
+            seg_row.append(len(ids))
+            ids += tokens
+            row_lane += [lane] * n
+            row_pos += list(int(batch.kv_lengths[b]) + np.arange(n))
+            positions += list(int(batch.positions[b]) + np.arange(n))
+        rows = len(ids)
+        positions = np.broadcast_to(np.asarray(positions, np.int32), (3, rows))
+        model.inputs.fill(token_ids=ids, positions=positions, row_lane=row_lane,
+                          row_pos=row_pos, seg_lane=lanes, seg_row=seg_row, seg_count=columns,
+                          seg_record=[int(c > 1) for c in columns])
+        self._step(("decode", rows, size), lambda: self._decode_step(rows, size))
+        final = model.workspace.final[:rows]
+        argmax = model.device.read(model.argmax[:rows])
+        sampled_rows = [r for b, lane in enumerate(lanes) if not self._lanes[lane].sampler.params.is_greedy
+                        for r in range(seg_row[b], seg_row[b] + columns[b])]
+        host_logits = self._host_logits(sampled_rows)
+
+        tokens, counts = np.zeros((size, k + 1), np.int32), np.zeros(size, np.int32)
+        accepted, drafts_ready = np.zeros(size, np.int32), np.zeros(size, bool)
+        mtp_rows, mtp_hidden = [], []
+        for b, lane in enumerate(lanes):
+            state, first, start = self._lanes[lane], seg_row[b], int(batch.kv_lengths[b])
+            sampler = state.sampler
+            if batch.speculative[b]:
+                if sampler.params.is_greedy:
+                    accepted[b], produced = _verify_greedy(argmax[first : first + k + 1], state.drafts)
+                else:
+                    logits = np.stack([host_logits[r] for r in range(first, first + k + 1)])
+                    accepted[b], produced = verify_drafts(logits, state.drafts, sampler, start)
+                state.verified = True
+                model.device.copy(model.verify_hidden[lane], final[first : first + k + 1])
+                self._select_column(lane, int(accepted[b]))
+            else:
+                if sampler.params.is_greedy:
+                    produced = [int(argmax[first])]
+                else:
+                    produced = [sampler.sample(host_logits[first], start, Purpose.DECODE)]
+                state.verified = False
+                model.device.copy(model.tails[lane], final[first])
+            state.drafts = None
+            n = len(produced)
+            tokens[b, :n], counts[b] = produced, n
+            state.has_tail = True
+            if k:
+                mtp_rows.append(_MtpRows(lane, start, np.array(produced, np.int32),
+                                         np.broadcast_to(int(batch.positions[b]) + np.arange(n), (3, n))))
+                mtp_hidden += [("final", first + j) for j in range(n)]
+        if mtp_rows:
+            d = self._run_mtp(mtp_rows, mtp_hidden, prefill=False)
+            wanted, row = [], 0
+            for b, rows_b in enumerate(mtp_rows):
+                row += counts[b]
+                if batch.speculative[b] and self._affords_a_round(batch.remaining[b] - counts[b]):
+                    wanted.append((rows_b.lane, row - 1, rows_b.first + counts[b] - 1, int(rows_b.positions[0, -1])))
+                    drafts_ready[b] = True
+            if wanted:
+                self._prepare_drafts(wanted, d)
+        return DecodeResult(tokens=tokens, counts=counts, accepted=accepted, drafts_ready=drafts_ready)
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the ordinary decode graph of every batch size now (startup), so serving never pays for it. Each
+        shape runs once on whatever the buffers hold: lane state is reset before any sequence uses it."""
+        for size in range(1, self.info.lanes + 1):
+            if ("decode", size, size) not in self._graphs:
+                self._step(("decode", size, size), lambda size=size: self._decode_step(size, size))
+
+    # ---- internals ----
+
+    def _step(self, key: tuple, body: Any) -> None:
+        """Run a decode-time step: replay its graph, or run it eagerly once (that call's real work, which also
+        compiles its kernels) and capture it for the next call. Capturing records without executing."""
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay(self._model.device.stream_handle)
+            return
+        body()
+        if self._graphs_on:
+            self._graphs[key] = self._model.device.capture(body)
+
+    def _decode_step(self, rows: int, segments: int) -> None:
+        """A decode or verify round: decoder, head, argmax."""
+        model = self._model
+        final = model.forward(rows, segments)
+        model.greedy(model.head_logits(final))
+
+    def _host_logits(self, rows: list[int]) -> dict[int, np.ndarray]:
+        if not rows:
+            return {}
+        logits = self._model.device.read(self._model.logits[: max(rows) + 1])
+        return {r: logits[r] for r in rows}
+
+    def _sample_rows(self, hidden: Any, samplers: list[Sampler], positions: list[int], purpose: Purpose) -> list[int]:
+        model = self._model
+        logits = model.head_logits(hidden)
+        argmax = model.device.read(model.greedy(logits))
+        out = []
+        for r, (sampler, position) in enumerate(zip(samplers, positions)):
+            if sampler.params.is_greedy:
+                out.append(int(argmax[r]))
+            else:
+                out.append(sampler.sample(model.device.read(logits[r]), position, purpose))
+        return out
+
+    def _select_column(self, lane: int, column: int) -> None:
+        model = self._model
+        model.copy_lane_state(lane, from_column=column)
+        model.device.copy(model.tails[lane], model.verify_hidden[lane, column])
+
+    def _affords_a_round(self, remaining: int) -> bool:
+        return remaining >= self._k + 1
+
+    def _prefill_mtp_rows(self, chunk: PrefillChunk, token: int) -> _MtpRows | None:
+        """Mirror of the CPU runner: one column behind the target, starting with the bridge column E-1."""
+        start = chunk.kv_length
+        next_ids = np.append(chunk.token_ids, token) if chunk.final else chunk.token_ids
+        positions = chunk.positions
+        if start > 0:
+            positions = np.concatenate([chunk.tail_position[:, None], positions], axis=1)
+        else:
+            next_ids = next_ids[1:]
+        n = len(next_ids)
+        if n == 0:
+            return None
+        return _MtpRows(chunk.lane, start - 1 if start > 0 else 0, np.asarray(next_ids, np.int32),
+                        positions[:, :n])
+
+    def _run_mtp(self, items: list[_MtpRows], hidden_rows: list[tuple[str, int]], *, prefill: bool) -> Any:
+        """The MTP head over the items' rows; `hidden_rows` names each row's target hidden row (a lane's tail, or a
+        row of the last forward's final-norm output). Returns d [rows, H] (valid until the next forward)."""
+        model = self._model
+        rows = len(hidden_rows)
+        hidden = self._mtp_hidden[:rows]
+        for r, (where, index) in enumerate(hidden_rows):
+            source = model.tails[index] if where == "tail" else model.workspace.final[index]
+            model.device.copy(hidden[r], source)
+        next_ids = np.concatenate([item.next_ids for item in items])
+        positions = np.concatenate([item.positions for item in items], axis=1)
+        row_lane = np.concatenate([np.full(len(item.next_ids), item.lane) for item in items])
+        row_pos = np.concatenate([item.first + np.arange(len(item.next_ids)) for item in items])
+        model.inputs.fill(token_ids=next_ids, next_ids=next_ids, positions=positions, row_lane=row_lane,
+                          row_pos=row_pos, seg_lane=[], seg_row=[], seg_count=[], seg_record=[])
+        if prefill and len(items) == 1 and rows > 1:  # a prefill chunk's columns: tiled attention, eager
+            return model.mtp_forward(hidden, rows, PrefillSpan(items[0].lane, items[0].first))
+        self._step(("mtp", rows), lambda: model.mtp_forward(hidden, rows))
+        return model.workspace.final[:rows]
+
+    def _prepare_drafts(self, wanted: list[tuple[int, int, int, int]], d: Any) -> None:
+        """k greedy proposals per lane from the MTP output row `row` of its last aligned column (MTP KV index
+        `column`, rope position `position`): draft 0 from that row, then k-1 autoregressive MTP steps (§3.8)."""
+        model, k = self._model, self._k
+        n = len(wanted)
+        index = np.array([row for _, row, _, _ in wanted], np.int32)
+        model.device.write(self._gather_index[:n], index)
+        current = self._mtp_hidden[n : 2 * n]
+        model.k.gather_rows(d, self._gather_index[:n], current, stream=model.device.stream)
+        drafts = np.zeros((n, k), np.int32)
+        hidden = self._mtp_hidden[:n]
+
+        def propose() -> None:
+            model.greedy(model.head_logits(current))
+
+        def advance() -> None:
+            model.device.copy(current, model.mtp_forward(hidden, n))
+
+        for step in range(k):
+            self._step(("propose", n), propose)
+            drafts[:, step] = model.device.read(model.argmax[:n])
+            if step == k - 1:
+                break
+            model.device.copy(hidden, current)
+            positions = np.broadcast_to(np.array([p + step + 1 for *_, p in wanted], np.int32), (3, n))
+            model.inputs.fill(token_ids=drafts[:, step], next_ids=drafts[:, step],
+                              positions=positions, row_lane=[lane for lane, *_ in wanted],
+                              row_pos=[column + step + 1 for _, _, column, _ in wanted], seg_lane=[], seg_row=[],
+                              seg_count=[], seg_record=[])
+            self._step(("advance", n), advance)
+        for (lane, *_), row in zip(wanted, drafts):
+            self._lanes[lane].drafts = row
+
+
+def _verify_greedy(argmax: np.ndarray, drafts: np.ndarray) -> tuple[int, list[int]]:
+    """§4.7 under greedy sampling from the verify columns' argmaxes: accept drafts while they equal the argmax."""
+    produced: list[int] = []
+    for i, draft in enumerate(drafts):
+        if int(argmax[i]) != int(draft):
+            return i, produced + [int(argmax[i])]
+        produced.append(int(draft))
+    return len(drafts), produced + [int(argmax[len(drafts)])]

@@ -1,0 +1,98 @@
+"""The CUDA backend's plumbing on a real GPU: allocations and the ledger, cuBLAS through nvmath on raw pointers, and
+graph capture of numba launches together with cuBLAS calls."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def device():
+    from ninfer.backends.cuda.device import CudaDevice
+
+    return CudaDevice(0)
+
+
+def test_allocations_are_charged_to_their_purpose(device):
+    before = device.ledger["test"]
+    zeros = device.zeros((3, 5), np.float32, "test")
+    assert device.ledger["test"] - before == 60
+    assert not zeros.copy_to_host().any()
+    assert device.info.total_bytes > device.info.free_bytes > 0
+
+
+def test_a_missing_device_index_is_a_clear_error():
+    from ninfer.backends.cuda.device import CudaDevice, CudaUnavailableError
+
+    with pytest.raises(CudaUnavailableError, match="GPU"):
+        CudaDevice(99)
+
+
+def test_memset_and_device_copies(device):
+    from ninfer.backends.cuda.device import copy_device, memset
+
+    a = device.upload(np.arange(10, dtype=np.float32), "test")
+    b = device.empty(10, np.float32, "test")
+    copy_device(b, a, device.stream_handle)
+    memset(a[:5], device.stream_handle)
+    device.synchronize()
+    assert b.copy_to_host().tolist() == list(range(10))
+    assert a.copy_to_host().tolist() == [0] * 5 + [5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (130, 200, 192), (512, 1024, 320)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_bf16_matches_numpy(device, m, n, k, accumulate):
+    from ninfer.backends.cuda.blas import Blas
+
+    rng = np.random.default_rng(m + n)
+    x, w = f32_to_bf16_bits(rng.standard_normal((m, k))), f32_to_bf16_bits(rng.standard_normal((n, k)) * 0.1)
+    y0 = rng.standard_normal((m, n)).astype(np.float32)
+    y = device.upload(y0, "test")
+    blas = Blas(device)
+    blas.gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, accumulate=accumulate)
+    device.synchronize()
+    want = bf16_bits_to_f32(x).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
+    if accumulate:
+        want += y0
+    got = y.copy_to_host()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    blas.close()
+
+
+def test_a_captured_graph_replays_numba_launches_and_cublas_together(device):
+    from ninfer.backends.cuda.blas import Blas
+    from ninfer.backends.cuda.graphs import capture
+    from ninfer.kernels_numba.fill import fill_uniform, fill_uniform_reference
+    from ninfer.kernels_numba.elementwise import to_bf16_rows
+
+    blas = Blas(device)
+    w_host = f32_to_bf16_bits(np.random.default_rng(1).standard_normal((96, 128)) * 0.1)
+    w = device.upload(w_host, "test")
+    x = device.empty((4, 128), np.float32, "test")
+    x_bf16 = device.empty((4, 128), np.uint16, "test")
+    y = device.empty((4, 96), np.float32, "test")
+    seed = [5]
+
+    def step():
+        fill_uniform(x, seed=seed[0], scale=1.0, stream=device.stream)
+        to_bf16_rows(x, x_bf16, stream=device.stream)
+        blas.gemm_bf16(x_bf16, w, y)
+
+    step()
+    device.synchronize()
+    graph = capture(device.stream_handle, step)
+    y.copy_to_device(np.full((4, 96), np.nan, np.float32))
+    graph.replay(device.stream_handle)
+    device.synchronize()
+    x_want = bf16_bits_to_f32(f32_to_bf16_bits(fill_uniform_reference(4 * 128, np.float32, seed=5, scale=1.0)))
+    want = x_want.reshape(4, 128).astype(np.float64) @ bf16_bits_to_f32(w_host).astype(np.float64).T
+    got = y.copy_to_host()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    graph.close()
+    blas.close()

@@ -1,0 +1,211 @@
+"""The CUDA runner against the CPU reference runner on tiny random Qwen models.
+
+Every test runs twice: on the GPU (`gpu` marker), and on `HostDevice`, where the same model and runner code drives
+the kernels' NumPy twins (so CI checks the backend's host logic without a GPU). Both backends load the same
+`.ninfer` file. Up to 64 rows the CUDA linear layers are fp32-accumulating skinny
+kernels, so logits agree to float32 rounding and greedy tokens agree exactly, except where two logits are closer
+than that rounding (a near-tie): the comparison reports the margin at the first difference and accepts only those.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ninfer.artifact.reader import Artifact
+from ninfer.backends.cpu.runner import CpuRunner
+from ninfer.engine.config import EngineConfig
+from ninfer.models.loader import load_model
+from tests.support.cuda_models import write_tiny_qwen_artifact
+from tests.test_runner_cpu import GREEDY, SAMPLED, Lane, decode_round, prompt, text_positions
+
+
+
+@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device_kind(request) -> str:
+    return request.param
+
+
+def make_device(kind: str):
+    if kind == "host":
+        from ninfer.backends.cuda.host import HostDevice
+
+        return HostDevice()
+    from ninfer.backends.cuda.device import CudaDevice
+
+    return CudaDevice(0)
+
+CASES = [("dense", "bf16"), ("moe", "bf16"), ("dense", "ninfer-v2"), ("moe", "ninfer-v2")]
+NEAR_TIE = 2e-3  # logit gap below which float32 summation order may pick either token
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    folder = tmp_path_factory.mktemp("cuda-models")
+    out = {(kind, recipe): write_tiny_qwen_artifact(folder / f"{kind}-{recipe}.ninfer", moe=kind == "moe",
+                                                    recipe=recipe) for kind, recipe in CASES}
+    out[("dense", "predictable")] = write_tiny_qwen_artifact(folder / "predictable.ninfer", moe=False,
+                                                            recipe="bf16", predictable=True)
+    return out
+
+
+def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
+               graphs: bool = True, prefill_chunk: int = 128):
+    from ninfer.backends.cuda.build import build_cuda_runner
+
+    config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
+                          kv_capacity=lanes * 256, kv_dtype=kv_dtype, spec="mtp" if draft_tokens else None,
+                          draft_tokens=draft_tokens)
+    return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs, device=make_device(kind))
+
+
+def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
+    return CpuRunner(load_model(path), lanes=lanes, pages=lanes * 4, kv_dtype=kv_dtype, draft_tokens=draft_tokens)
+
+
+def run_lanes(runner, prompts: list[np.ndarray], budget: int, *, sampling=GREEDY, chunk: int = 1000) -> list[list[int]]:
+    lanes = [Lane(runner, i, p, sampling=sampling, budget=budget) for i, p in enumerate(prompts)]
+    for lane in lanes:
+        lane.prefill(chunk)
+    while not all(lane.done for lane in lanes):
+        decode_round(runner, [lane for lane in lanes if not lane.done])
+    return [lane.tokens for lane in lanes]
+
+
+def prompt_logits(model, cpu_model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Last-row logits of a prompt on the CUDA model (lane 0, pages 0..3) and on the CPU model over the same paged
+    bf16 KV storage (the per-sequence CPU cache keeps fp32 K/V, which a bf16 pool rounds)."""
+    from ninfer.backends.cpu.ops import ATTENTION, Segment
+    from ninfer.backends.cpu.paged_kv import PagedKVView, PagedLayerKV
+    from ninfer.backends.cuda.model import PrefillSpan
+
+    model.reset_lane(0)
+    model.inputs.set_page_table(0, np.arange(4, dtype=np.int32))
+    count = len(ids)
+    positions = text_positions(0, count)
+    model.inputs.fill(token_ids=ids, positions=positions, row_lane=np.zeros(count),
+                      row_pos=np.arange(count), seg_lane=[0], seg_row=[0], seg_count=[count], seg_record=[0])
+    final = model.forward(count, 1, PrefillSpan(0, 0))
+    logits = model.device.read(model.head_logits(final[count - 1 :]))
+    d = cpu_model.dims
+    stores = [PagedKVView(PagedLayerKV(4, 64, d.kv_heads, d.head_dim, "bf16"), np.arange(4, dtype=np.int32), 0)
+              if kind == ATTENTION else cpu_model.new_recurrent_state(i) for i, kind in enumerate(cpu_model.mixer_kinds)]
+    hidden = cpu_model.forward_batch(np.asarray(ids, np.int32), positions, [Segment(slice(0, count), stores)])
+    return logits[0], cpu_model.logits(hidden[-1:])[0]
+
+
+def assert_same_or_near_tie(got: list[int], want: list[int], reference_model, prompt_ids: np.ndarray) -> None:
+    if got == want:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    state = reference_model.new_state()
+    logits = reference_model.forward(state, np.concatenate([prompt_ids, want[:first]]).astype(np.int32)).logits[-1]
+    gap = abs(float(logits[got[first]] - logits[want[first]]))
+    assert gap < NEAR_TIE, f"tokens differ at {first} ({got[first]} vs {want[first]}) with a logit gap of {gap}"
+
+
+@pytest.mark.parametrize("kind,recipe", CASES)
+def test_prompt_logits_match_the_cpu_model(device_kind, artifacts, kind, recipe):
+    path = artifacts[(kind, recipe)]
+    build = cuda_build(device_kind, path)
+    cpu = load_model(path)
+    for length in (1, 7, 64, 65, 128):  # 65+ rows run the cuBLAS prefill path (bf16-rounded activations)
+        ids = prompt(length, length)
+        got, want = prompt_logits(build.model, cpu, ids)
+        error = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert error < (1e-4 if length <= 64 else 2e-2), (length, error)
+
+
+@pytest.mark.parametrize("kind,recipe", CASES)
+def test_batched_greedy_generation_matches_the_cpu_runner(device_kind, artifacts, kind, recipe):
+    path = artifacts[(kind, recipe)]
+    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
+    got = run_lanes(cuda_build(device_kind, path).runner, prompts, 24)
+    want = run_lanes(cpu_runner(path), prompts, 24)
+    model = load_model(path)
+    for g, w, p in zip(got, want, prompts):
+        assert_same_or_near_tie(g, w, model, p)
+
+
+def test_graph_replay_equals_eager_decode_and_batching_changes_nothing(device_kind, artifacts):
+    path = artifacts[("moe", "ninfer-v2")]
+    prompts = [prompt(4, 9), prompt(5, 31), prompt(6, 17)]
+    graphs = run_lanes(cuda_build(device_kind, path).runner, prompts, 20)
+    eager = run_lanes(cuda_build(device_kind, path, graphs=False).runner, prompts, 20)
+    alone = [run_lanes(cuda_build(device_kind, path, lanes=1).runner, [p], 20)[0] for p in prompts]
+    assert graphs == eager == alone
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_int8_kv_matches_the_cpu_runner(device_kind, artifacts, kind):
+    path = artifacts[(kind, "bf16")]
+    prompts = [prompt(7, 40), prompt(8, 3)]
+    got = run_lanes(cuda_build(device_kind, path, lanes=2, kv_dtype="int8").runner, prompts, 16)
+    want = run_lanes(cpu_runner(path, lanes=2, kv_dtype="int8"), prompts, 16)
+    model = load_model(path)
+    for g, w, p in zip(got, want, prompts):
+        assert_same_or_near_tie(g, w, model, p)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_mtp_is_token_identical_to_greedy(device_kind, artifacts, k):
+    path = artifacts[("dense", "predictable")]
+    prompts = [prompt(9, 12), prompt(10, 40)]
+    plain = run_lanes(cuda_build(device_kind, path, lanes=2).runner, prompts, 30)
+    build = cuda_build(device_kind, path, lanes=2, draft_tokens=k)
+    speculative = run_lanes(build.runner, prompts, 30)
+    assert speculative == plain
+
+
+def test_sampled_generation_matches_the_cpu_runner(device_kind, artifacts):
+    path = artifacts[("dense", "bf16")]
+    prompts = [prompt(11, 20), prompt(12, 8)]
+    got = run_lanes(cuda_build(device_kind, path, lanes=2).runner, prompts, 12, sampling=SAMPLED)
+    want = run_lanes(cpu_runner(path, lanes=2), prompts, 12, sampling=SAMPLED)
+    assert got == want  # same seeds, same candidates unless a near-tie reorders the top 20 (none here)
+
+
+def test_checkpoint_restores_the_state_it_saved(device_kind, artifacts):
+    path = artifacts[("dense", "bf16")]
+    runner = cuda_build(device_kind, path, lanes=1).runner
+    ids = prompt(13, 30)
+    first = Lane(runner, 0, ids, budget=1)
+    first.prefill(1000)
+    runner.save_checkpoint(0, 1)
+    continued = run_lanes_from(runner, first, 10)
+    again = Lane(runner, 0, ids, budget=1, checkpoint=(1, len(ids)))
+    again.tokens = list(first.tokens[:1])
+    assert run_lanes_from(runner, again, 10) == continued
+
+
+def run_lanes_from(runner, lane: Lane, extra: int) -> list[int]:
+    lane.budget = len(lane.tokens) + extra
+    while not lane.done:
+        decode_round(runner, [lane])
+    return lane.tokens
+
+
+def test_the_engine_serves_batched_requests_on_the_cuda_runner(device_kind, artifacts):
+    """Continuous batching on the CUDA runner: 10 requests, greedy and sampled, 8 lanes; each request's tokens
+    equal the same request served alone (graphs of every batch size get replayed)."""
+    from ninfer.backends.cuda.build import build_cuda_runner
+    from ninfer.engine.engine import Engine
+    from ninfer.targets.registry import QWEN_27B_PRESETS
+    from tests.test_engine_batching import requests
+
+    path, work = artifacts[("moe", "bf16")], requests(10)
+
+    def run_all(concurrency: int, items) -> list[tuple[int, ...]]:
+        config = EngineConfig(max_concurrency=concurrency, max_context=512, prefill_chunk=128,
+                              kv_capacity=concurrency * 512)
+        runner = build_cuda_runner(Artifact.open(path), config, device=make_device(device_kind)).runner
+        with Engine(runner, config, QWEN_27B_PRESETS) as engine:
+            handles = [engine.submit(prompt, options) for prompt, options in items]
+            return [handle.result(timeout=300).tokens for handle in handles]
+
+    batched = run_all(8, work)
+    alone = [run_all(1, [item])[0] for item in work]
+    assert batched == alone
+    assert [len(tokens) for tokens in batched] == [options.max_tokens for _, options in work]
