@@ -35,13 +35,17 @@ class StartupError(RuntimeError):
 
 
 def unsupported_options(options: ServeOptions) -> list[str]:
-    """Options the parser accepts but this build (the CPU backend) cannot honour, each with what is missing.
-    --no-cuda-graph needs nothing (the CPU backend has no graphs), and the default cold tier is simply inactive
-    without secondary GPUs (serving.md: the tier is best-effort)."""
+    """Options the parser accepts but this machine or build cannot honour, each with what is missing.
+    --no-cuda-graph needs nothing on the CPU backend (it has no graphs), and the default cold tier is simply
+    inactive without secondary GPUs (serving.md: the tier is best-effort)."""
+    from ninfer.backends.cuda_probe import cuda_device_count
+
     problems = []
-    if options.device != 0:
-        problems.append(f"--device {options.device} needs the CUDA backend, which this build does not have "
-                        f"(the CPU backend stands in for device 0 only)")
+    devices = cuda_device_count()
+    if options.device != 0 and options.device >= devices:
+        problems.append(f"--device {options.device} needs the CUDA backend on a machine with at least "
+                        f"{options.device + 1} NVIDIA GPUs; this one has {devices} usable (the CPU backend stands in "
+                        f"for device 0 only)")
     if options.vision:
         problems.append("--vision needs the Vision runtime (media input), which this build does not have")
     if options.spec == "dflash":
@@ -67,7 +71,7 @@ class ModelStack:
     artifact: Artifact
     target: Target
     model: Any
-    runner: Any  # the CPU runner the engine drives
+    runner: Any  # the runner the engine drives (CPU or CUDA)
     engine: Engine  # not started
     prompt_builder: PromptBuilder
     stop_ids: frozenset[int]
@@ -75,30 +79,47 @@ class ModelStack:
     weights_bytes: int
     memory_budget: int | None  # what --kv-capacity auto sized the KV pool from (None otherwise)
     load_seconds: float
+    cuda: dict[str, Any] | None = None  # the CUDA build's device, arenas and KV sizing report (None on the CPU)
 
 
 def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
-    """Open the artifact and build everything that serves it (blocking; run it off the trio thread)."""
-    from ninfer.backends.cpu.runner import build_cpu_runner
-    from ninfer.models.loader import build_model
+    """Open the artifact and build everything that serves it (blocking; run it off the trio thread). Qwen artifacts
+    run on the CUDA backend when an NVIDIA GPU is usable; everything else (and a machine without one) on the CPU."""
+    from ninfer.backends.cuda_probe import cuda_device_count
+    from ninfer.models.loader import artifact_dims
+    from ninfer.targets.dims import QwenDims
 
     began = time.perf_counter()
     try:
         artifact = Artifact.open(artifact_path)
         target = lookup_target(artifact.model_id)
-        model = build_model(artifact)
         builder = PromptBuilder.from_artifact(artifact)
         config = options.engine_config()
-        weights = weights_bytes(artifact)
-        budget = available_memory_bytes() - weights if options.kv_capacity == "auto" else None
-        runner = build_cpu_runner(model, config, memory_budget=budget)
+        if isinstance(artifact_dims(artifact), QwenDims) and cuda_device_count() > options.device:
+            from ninfer.backends.cuda.build import build_cuda_runner, describe
+
+            build = build_cuda_runner(artifact, config, device_index=options.device,
+                                      cuda_graphs=not options.no_cuda_graph)
+            model, runner, cuda = build.model, build.runner, describe(build)
+            weights, budget = build.ledger["weights"], int(build.sizing["free_after_weights_bytes"])
+            log.info("CUDA %s: weights %.2f GiB, KV pool %s tokens (%s), free after startup %.2f GiB",
+                     cuda["device"]["name"], weights / 2**30, build.sizing["capacity_tokens"],
+                     build.sizing["policy"], int(build.sizing["free_after_startup_bytes"]) / 2**30)
+        else:
+            from ninfer.backends.cpu.runner import build_cpu_runner
+            from ninfer.models.loader import build_model
+
+            model, cuda = build_model(artifact), None
+            weights = weights_bytes(artifact)
+            budget = available_memory_bytes() - weights if options.kv_capacity == "auto" else None
+            runner = build_cpu_runner(model, config, memory_budget=budget)
         engine = Engine(runner, config, target.sampling)
-    except (OSError, ValueError, LookupError, TypeError) as exc:  # artifact, target, template, KV-sizing errors
+    except (OSError, ValueError, LookupError, TypeError, RuntimeError) as exc:  # artifact, target, sizing, device
         raise StartupError(f"cannot serve {artifact_path}: {exc}") from exc
     return ModelStack(artifact_path=artifact_path, artifact=artifact, target=target, model=model, runner=runner,
                       engine=engine, prompt_builder=builder, stop_ids=model_stop_ids(artifact),
                       public_model_id=options.model_id or artifact.model_id, weights_bytes=weights,
-                      memory_budget=budget, load_seconds=time.perf_counter() - began)
+                      memory_budget=budget, load_seconds=time.perf_counter() - began, cuda=cuda)
 
 
 async def warm_up(stack: ModelStack, options: ServeOptions) -> float | None:
@@ -131,33 +152,50 @@ def _kv_policy(options: ServeOptions) -> str:
 
 def server_start_record(options: ServeOptions, stack: ModelStack, warm_up_seconds: float | None) -> dict[str, Any]:
     """The request log's server_start event: what is served, how, and on what."""
-    from ninfer.backends.cpu.runner import runner_state_bytes
     from ninfer.observability.request_log import redact_argv
 
     config = stack.engine.config
     info = stack.runner.info
     kv_pool_bytes = info.pages * info.page_tokens * info.kv_bytes_per_token
-    sequence_bytes = runner_state_bytes(stack.model, config.max_concurrency, config.draft_tokens)
     presets = stack.target.sampling
+    kv_sizing = {"policy": _kv_policy(options), "pages": info.pages, "page_tokens": info.page_tokens,
+                 "capacity_tokens": info.pages * info.page_tokens, "bytes_per_token": info.kv_bytes_per_token,
+                 "pool_bytes": kv_pool_bytes, "memory_budget_bytes": stack.memory_budget}
+    if stack.cuda is None:
+        from ninfer.backends.cpu.runner import runner_state_bytes
+
+        backend = "cpu"
+        arenas = {"weights": stack.weights_bytes,
+                  "sequence_state": runner_state_bytes(stack.model, config.max_concurrency, config.draft_tokens),
+                  "kv_pool": kv_pool_bytes, "workspace": 0, "request_transient": 0}
+        graphs = {"enabled": False, "observed_bytes": 0, "allowance_bytes": 0}  # the CPU backend has none
+        environment = {"backend": "cpu", "cuda": None, "gpus": []}
+        cold_reason = "no secondary GPU (CPU backend)"
+    else:
+        backend, ledger = "cuda", stack.cuda["arenas_bytes"]
+        arenas = {"weights": ledger.get("weights", 0), "sequence_state": ledger.get("state", 0),
+                  "kv_pool": ledger.get("kv", 0), "workspace": ledger.get("workspace", 0) + ledger.get("inputs", 0),
+                  "request_transient": 0}
+        kv_sizing.update(stack.cuda["kv_sizing"])
+        graphs = {"enabled": not options.no_cuda_graph, "observed_bytes": kv_sizing.get("observed_graph_bytes", 0),
+                  "allowance_bytes": kv_sizing.get("graph_allowance_bytes", 0)}
+        environment = {"backend": "cuda", "cuda": stack.cuda["device"], "gpus": [stack.cuda["device"]["name"]]}
+        cold_reason = "the cold tier is not implemented yet"
     return {
         "target": {"model_id": stack.target.model_id, "family": stack.target.family,
                    "description": stack.target.description},
         "weights": {"artifact": str(stack.artifact_path), "artifact_bytes": stack.artifact.file_size,
                     "model_id": stack.artifact.model_id, "public_model_id": stack.public_model_id},
-        "engine": {"backend": "cpu", **attrs.asdict(config, recurse=True)},
+        "engine": {"backend": backend, **attrs.asdict(config, recurse=True)},
         "sampling": {"thinking": attrs.asdict(presets.thinking), "non_thinking": attrs.asdict(presets.non_thinking),
                      "process_overrides": attrs.asdict(config.sampling), "greedy": config.greedy},
         "thinking_defaults": {"thinking": options.default_thinking, "preserve_thinking": options.preserve_thinking},
-        "arenas_bytes": {"weights": stack.weights_bytes, "sequence_state": sequence_bytes, "kv_pool": kv_pool_bytes,
-                         "workspace": 0, "request_transient": 0},
-        "kv_sizing": {"policy": _kv_policy(options), "pages": info.pages, "page_tokens": info.page_tokens,
-                      "capacity_tokens": info.pages * info.page_tokens, "bytes_per_token": info.kv_bytes_per_token,
-                      "pool_bytes": kv_pool_bytes, "memory_budget_bytes": stack.memory_budget},
-        "cuda_graph": {"enabled": False, "observed_bytes": 0, "allowance_bytes": 0},  # the CPU backend has none
-        "cold_tier": {"active": False, "reason": "no secondary GPU (CPU backend)" if not options.no_cold_tier
-                      else "--no-cold-tier"},
-        "environment": {"backend": "cpu", "cuda": None, "gpus": [], "python": platform.python_version(),
-                        "numpy": np.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "arenas_bytes": arenas,
+        "kv_sizing": kv_sizing,
+        "cuda_graph": graphs,
+        "cold_tier": {"active": False, "reason": cold_reason if not options.no_cold_tier else "--no-cold-tier"},
+        "environment": {**environment, "python": platform.python_version(), "numpy": np.__version__,
+                        "platform": platform.platform(), "cpu_count": os.cpu_count()},
         "admission": {"max_concurrency": options.max_concurrency,
                       "max_pending_requests": options.max_pending_requests,
                       "pending_timeout_ms": options.pending_timeout_ms, "max_request_mib": options.max_request_mib},
