@@ -1,0 +1,318 @@
+"""CUDA backend at the real Qwen3.6 shapes, random weights generated on the GPU (no files).
+
+Per model (27B, 35B-A3B), recipe (bf16, ninfer-v2) and KV dtype it reports:
+* decode step time at batch 1, 2, 4, 8 (MTP off, captured graph replay: decoder + head + argmax), tok/s, and the
+  ratio to the bandwidth roofline (compulsory bytes per step / measured device copy bandwidth);
+* prefill of 8,192 prompt tokens in one chunk (eager), tok/s, and the ratio to the GEMM roofline (linear-layer FLOPs /
+  measured cuBLAS bf16 rate);
+* the MTP round (verify k+1 columns + MTP head over the produced columns + k-1 draft steps, each with its argmax over
+  the full head) for k = 1..3 at batch 1, through the runner's own code path.
+
+Run on the GPU machine: `python bench/cuda_model.py [--models 27b,35b] [--recipes bf16,ninfer-v2]`; JSON goes to
+`$OUT/cuda_model.json` (or `bench/results/cuda_model.json` without OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (numpy shim first)
+
+from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
+from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: E402
+from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
+from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
+from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402
+
+MODELS = {"27b": QWEN36_27B_DIMS, "35b": QWEN36_35B_A3B_DIMS}
+CONTEXT = 1024  # tokens already in each lane's KV during decode timing
+PREFILL = 8192
+
+
+def event_time(stream, run, repeats: int) -> list[float]:
+    """Per-call seconds of `run()` on `stream`, each call timed with its own pair of events (wall-clock on a
+    HostDevice, whose stream is None: the CPU smoke test of this script)."""
+    out = []
+    for _ in range(repeats):
+        if stream is None:
+            began = time.perf_counter()
+            run()
+            out.append(time.perf_counter() - began)
+            continue
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        run()
+        end.record(stream)
+        end.synchronize()
+        out.append(cuda.event_elapsed_time(start, end) / 1e3)
+    return out
+
+
+def copy_bandwidth(device: CudaDevice) -> float:
+    size = 4 << 30
+    a = device.empty(size // 4, np.float32, "bench")
+    b = device.empty(size // 4, np.float32, "bench")
+    from ninfer.backends.cuda.device import copy_device
+
+    times = event_time(device.stream, lambda: copy_device(b, a, device.stream_handle), 10)
+    return 2 * size / float(np.median(times))  # bytes read + written
+
+
+def gemm_rate(device: CudaDevice) -> float:
+    from ninfer.backends.cuda.blas import Blas
+    from ninfer.kernels_numba.fill import fill_uniform
+
+    m, n, k = 8192, 17408, 5120
+    x = device.empty((m, k), np.uint16, "bench")
+    w = device.empty((n, k), np.uint16, "bench")
+    y = device.empty((m, n), np.float32, "bench")
+    fill_uniform(x, seed=1, scale=1.0, stream=device.stream)
+    fill_uniform(w, seed=2, scale=0.02, stream=device.stream)
+    blas = Blas(device)
+    times = event_time(device.stream, lambda: blas.gemm_bf16(x, w, y), 10)
+    blas.close()
+    return 2 * m * n * k / float(np.median(times[2:]))
+
+
+def layer_matrices(model: CudaQwen):
+    """(name, matrix) for every weight matrix of the decoder layers (split projections as their parts)."""
+    from ninfer.backends.cuda.weights import SplitMatrix
+
+    for layer in model.layers:
+        for part in (layer.attention, layer.gdn, layer.ffn):
+            if part is None:
+                continue
+            for name in ("in_proj", "ab_proj", "output", "gate_up", "down", "router", "shared_gate",
+                         "shared_gate_up", "shared_down", "routed_gate_up", "routed_down"):
+                value = getattr(part, name, None)
+                if value is not None:
+                    yield from ((name, p) for p in (value.parts if isinstance(value, SplitMatrix) else (value,)))
+        if layer.gdn_output is not None:
+            yield "output", layer.gdn_output
+
+
+def matrix_bytes(model: CudaQwen) -> tuple[int, int]:
+    """(bytes every decode step reads regardless of routing, bytes of one routed expert's two matrices in a layer)."""
+    fixed, routed = model.head.nbytes, 0
+    for name, matrix in layer_matrices(model):
+        if name.startswith("routed_"):
+            routed += matrix.nbytes
+        else:
+            fixed += matrix.nbytes
+    moe_layers = len(model.layers) if model.dims.is_moe else 1
+    return fixed, routed // max(1, model.dims.moe_experts) // moe_layers
+
+
+def decode_bytes(model: CudaQwen, batch: int, context: int) -> int:
+    dims = model.dims
+    fixed, expert = matrix_bytes(model)
+    if dims.is_moe:  # expected distinct experts among batch x top_k uniform picks, per MoE layer
+        unique = dims.moe_experts * (1 - (1 - dims.moe_top_k / dims.moe_experts) ** batch)
+        fixed += int(unique * expert * len(model.layers))
+    attention_layers = sum(kind == "full_attention" for kind in dims.layer_types)
+    per_token = 2 * dims.kv_heads * dims.head_dim * (2 if model.capacity.kv_dtype == "bf16" else 1)
+    kv = batch * attention_layers * context * per_token
+    state = batch * len(model.gdn) * 2 * 4 * (dims.gdn_v_heads * dims.gdn_k_dim * dims.gdn_v_dim +
+                                             (dims.conv_kernel - 1) * dims.gdn_conv_channels)
+    return fixed + kv + state
+
+
+def prefill_flops(model: CudaQwen, tokens: int) -> float:
+    """Linear-layer FLOPs (routed experts at top_k of E) plus causal attention FLOPs of one prefill."""
+    dims = model.dims
+    params = 0.0
+    for name, matrix in layer_matrices(model):
+        share = dims.moe_top_k / dims.moe_experts if name.startswith("routed_") else 1.0
+        params += matrix.shape[0] * matrix.shape[1] * share
+    attention_layers = sum(kind == "full_attention" for kind in dims.layer_types)
+    attention = attention_layers * 4 * dims.attn_heads * dims.head_dim * tokens * tokens / 2
+    return 2.0 * params * tokens + attention
+
+
+def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
+    """Page tables for `batch` lanes holding `context` tokens each, and one decode row per lane."""
+    pages_per_lane = model.capacity.max_pages_per_lane
+    for lane in range(batch):
+        table = np.arange(lane * pages_per_lane, (lane + 1) * pages_per_lane, dtype=np.int32)
+        model.inputs.set_page_table(lane, table)
+    lanes = np.arange(batch)
+    model.inputs.fill(token_ids=np.arange(batch) + 100, positions=np.full((3, batch), context),
+                      row_lane=lanes, row_pos=np.full(batch, context), seg_lane=lanes, seg_row=lanes,
+                      seg_count=np.ones(batch), seg_record=np.zeros(batch))
+
+
+def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
+                 dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30) -> dict:
+    """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
+    and a tiny model); the GPU run uses the defaults."""
+    dims = dims or MODELS[dims_name]
+    device = device or CudaDevice(0)
+    specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
+    capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
+                        prefill_rows=prefill_tokens, draft_tokens=3)
+    began = time.perf_counter()
+    model = CudaQwen(dims, RandomDeviceWeights(specs, recipe, device), device, capacity)
+    model.allocate_kv(8 * capacity.max_pages_per_lane)
+    device.synchronize()
+    result = {"model": dims_name, "recipe": recipe, "kv_dtype": kv_dtype, "build_seconds": time.perf_counter() - began,
+              "ledger_bytes": dict(device.ledger)}
+    print(f"[{dims_name} {recipe} kv={kv_dtype}] built in {result['build_seconds']:.1f}s, "
+          f"weights {device.ledger['weights'] / 2**30:.1f} GiB", flush=True)
+
+    decode = []
+    for batch in (1, 2, 4, 8):
+        setup_lanes(model, batch, context)
+
+        def step():
+            final = model.forward(batch, batch)
+            model.greedy(model.head_logits(final))
+
+        step()
+        device.synchronize()
+        graph = device.capture(step)
+        times = event_time(device.stream, lambda: graph.replay(device.stream_handle), repeats)
+        seconds = float(np.median(times[3:]))
+        nbytes = decode_bytes(model, batch, context)
+        roofline = nbytes / bandwidth
+        decode.append({"batch": batch, "step_ms": seconds * 1e3, "tok_s": batch / seconds, "bytes": nbytes,
+                       "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds})
+        print(f"  decode B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
+              f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}", flush=True)
+        graph.close()
+    result["decode"] = decode
+
+    # Prefill: one lane, 8192 tokens from position 0, eager.
+    stream = device.stream
+    table = np.arange(capacity.max_pages_per_lane, dtype=np.int32)
+    model.inputs.set_page_table(0, table)
+    ids = np.random.default_rng(0).integers(0, dims.vocab_ids, prefill_tokens)
+    model.inputs.fill(token_ids=ids, positions=np.tile(np.arange(prefill_tokens), (3, 1)),
+                      row_lane=np.zeros(prefill_tokens), row_pos=np.arange(prefill_tokens), seg_lane=[0],
+                      seg_row=[0], seg_count=[prefill_tokens], seg_record=[0])
+
+    def prefill():
+        final = model.forward(prefill_tokens, 1, PrefillSpan(0, 0))
+        model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
+
+    prefill()
+    device.synchronize()
+    times = event_time(stream, prefill, 3)
+    seconds = float(np.median(times))
+    flops = prefill_flops(model, prefill_tokens)
+    result["prefill"] = {"tokens": prefill_tokens, "seconds": seconds, "tok_s": prefill_tokens / seconds,
+                         "flops": flops,
+                         "ratio_to_gemm_peak": flops / seconds / gemm}
+    print(f"  prefill {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} tok/s  "
+          f"{flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}", flush=True)
+
+    result["mtp_round"] = mtp_rounds(model, dims, context)
+    return result
+
+
+def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
+    """Batch-1 MTP round at `context` tokens, as the runner runs it: the verify graph (k+1 rows, decoder + head +
+    argmax), a read of the argmaxes, the MTP-head graph over the k+1 columns, then k proposals (head + argmax graph,
+    a read) with k-1 MTP steps between them. Wall-clock per round, host work and reads included."""
+    out = []
+    device = model.device
+    for k in (1, 2, 3):
+        rows = k + 1
+        positions = np.tile(np.arange(context, context + rows), (3, 1))
+        hidden = device.empty((rows, dims.hidden), np.float32, "bench")
+
+        def verify():
+            model.greedy(model.head_logits(model.forward(rows, 1)))
+
+        def mtp():
+            model.mtp_forward(hidden, rows)
+
+        def propose():
+            model.greedy(model.head_logits(model.workspace.final[rows - 1 : rows]))
+
+        def advance():
+            model.mtp_forward(hidden[:1], 1)
+
+        graphs = {}
+        for name, body in (("verify", verify), ("mtp", mtp), ("propose", propose), ("advance", advance)):
+            model.inputs.fill(token_ids=np.arange(rows) + 5, next_ids=np.arange(rows) + 6, positions=positions,
+                              row_lane=np.zeros(rows), row_pos=context + np.arange(rows), seg_lane=[0],
+                              seg_row=[0], seg_count=[rows], seg_record=[1])
+            body()
+            device.synchronize()
+            graphs[name] = device.capture(body)
+
+        def round_():
+            model.inputs.fill(token_ids=np.arange(rows) + 5, next_ids=np.arange(rows) + 6, positions=positions,
+                              row_lane=np.zeros(rows), row_pos=context + np.arange(rows), seg_lane=[0],
+                              seg_row=[0], seg_count=[rows], seg_record=[1])
+            graphs["verify"].replay(device.stream_handle)
+            device.read(model.argmax[:rows])
+            device.copy(hidden, model.workspace.final[:rows])
+            graphs["mtp"].replay(device.stream_handle)
+            for step in range(k):
+                graphs["propose"].replay(device.stream_handle)
+                device.read(model.argmax[:1])
+                if step < k - 1:
+                    graphs["advance"].replay(device.stream_handle)
+
+        for _ in range(3):
+            round_()
+        times = []
+        for _ in range(20):
+            began = time.perf_counter()
+            round_()
+            device.synchronize()
+            times.append(time.perf_counter() - began)
+        seconds = float(np.median(times))
+        for graph in graphs.values():
+            graph.close()
+        out.append({"k": k, "round_ms": seconds * 1e3,
+                    "tok_s_at_tokens_per_round": {str(t): t / seconds for t in (1.0 + 0.8 * k, float(k + 1))}})
+        print(f"  MTP k={k}: round {seconds * 1e3:7.2f} ms (graphs; host reads included)", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="27b,35b")
+    parser.add_argument("--recipes", default="bf16,ninfer-v2")
+    parser.add_argument("--kv", default="bf16")
+    args = parser.parse_args()
+    device = CudaDevice(0)
+    bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
+    print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
+          flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"device": device.info.name, "commit": commit, "copy_bandwidth_bytes_s": bandwidth,
+              "gemm_bf16_flop_s": gemm, "decode_context": CONTEXT, "configs": []}
+    del device
+    for name in args.models.split(","):
+        for recipe in args.recipes.split(","):
+            for kv in args.kv.split(","):
+                try:
+                    report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm))
+                    gc.collect()  # the configuration's device arrays go with its model
+                    cuda.current_context().deallocations.clear()
+                except Exception as exc:  # keep the other configurations' numbers
+                    import traceback
+
+                    traceback.print_exc()
+                    report["configs"].append({"model": name, "recipe": recipe, "kv_dtype": kv, "error": repr(exc)})
+    out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "cuda_model.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""bench/cuda_model.py's measurement code runs end to end on a HostDevice with a tiny model (CPU), so the GPU run
+spends its minutes measuring, not finding bugs in the script."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.support.cuda_models import cuda_tiny_dims
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "cuda_model.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cuda_model", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
+def test_every_measurement_runs_on_the_host_device(bench, moe, recipe):
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", recipe, "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=moe),
+                                context=70, prefill_tokens=128, repeats=4)
+    assert [row["batch"] for row in result["decode"]] == [1, 2, 4, 8]
+    assert all(row["bytes"] > 0 and row["step_ms"] > 0 for row in result["decode"])
+    assert result["prefill"]["tokens"] == 128 and result["prefill"]["flops"] > 0
+    assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]
