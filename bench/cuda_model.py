@@ -2,7 +2,8 @@
 
 Per model (27B, 35B-A3B), recipe (bf16, ninfer-v2) and KV dtype it reports:
 * decode step time at batch 1, 2, 4, 8 (MTP off, captured graph replay: decoder + head + argmax), tok/s, and the
-  ratio to the bandwidth roofline (compulsory bytes per step / measured device copy bandwidth);
+  ratio to the bandwidth roofline (compulsory bytes per step / measured device copy bandwidth), with the skinny
+  kernels and, for bf16, with cuBLAS for every linear layer (the comparison point);
 * prefill of 8,192 prompt tokens in one chunk (eager), tok/s, and the ratio to the GEMM roofline (linear-layer FLOPs /
   measured cuBLAS bf16 rate);
 * the MTP round (verify k+1 columns + MTP head over the produced columns + k-1 draft steps, each with its argmax over
@@ -153,7 +154,8 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 
 
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
-                 dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30) -> dict:
+                 dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
+                 decode_linears: tuple[str, ...] = ("kernels",)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -171,25 +173,28 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
           f"weights {device.ledger['weights'] / 2**30:.1f} GiB", flush=True)
 
     decode = []
-    for batch in (1, 2, 4, 8):
-        setup_lanes(model, batch, context)
+    for linear in decode_linears:
+        model.linear.cublas_decode = linear == "cublas"
+        for batch in (1, 2, 4, 8):
+            setup_lanes(model, batch, context)
 
-        def step():
-            final = model.forward(batch, batch)
-            model.greedy(model.head_logits(final))
+            def step():
+                final = model.forward(batch, batch)
+                model.greedy(model.head_logits(final))
 
-        step()
-        device.synchronize()
-        graph = device.capture(step)
-        times = event_time(device.stream, lambda: graph.replay(device.stream_handle), repeats)
-        seconds = float(np.median(times[3:]))
-        nbytes = decode_bytes(model, batch, context)
-        roofline = nbytes / bandwidth
-        decode.append({"batch": batch, "step_ms": seconds * 1e3, "tok_s": batch / seconds, "bytes": nbytes,
-                       "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds})
-        print(f"  decode B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
-              f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}", flush=True)
-        graph.close()
+            step()
+            device.synchronize()
+            graph = device.capture(step)
+            times = event_time(device.stream, lambda: graph.replay(device.stream_handle), repeats)
+            seconds = float(np.median(times[3:]))
+            nbytes = decode_bytes(model, batch, context)
+            roofline = nbytes / bandwidth
+            decode.append({"linear": linear, "batch": batch, "step_ms": seconds * 1e3, "tok_s": batch / seconds,
+                           "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds})
+            print(f"  decode [{linear}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
+                  f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}", flush=True)
+            graph.close()
+    model.linear.cublas_decode = False
     result["decode"] = decode
 
     # Prefill: one lane, 8192 tokens from position 0, eager.
@@ -288,6 +293,8 @@ def main() -> None:
     parser.add_argument("--models", default="27b,35b")
     parser.add_argument("--recipes", default="bf16,ninfer-v2")
     parser.add_argument("--kv", default="bf16")
+    parser.add_argument("--decode-linear", default="kernels,cublas",
+                        help="decode linear paths to time: the skinny kernels and/or cuBLAS (bf16 matrices only)")
     args = parser.parse_args()
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
@@ -301,7 +308,9 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for kv in args.kv.split(","):
                 try:
-                    report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm))
+                    linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("kernels",)
+                    report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
+                                                          decode_linears=linears))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

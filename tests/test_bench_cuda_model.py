@@ -27,8 +27,9 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe):
     from ninfer.backends.cuda.host import HostDevice
 
     result = bench.bench_config("tiny", recipe, "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=moe),
-                                context=70, prefill_tokens=128, repeats=4)
-    assert [row["batch"] for row in result["decode"]] == [1, 2, 4, 8]
+                                context=70, prefill_tokens=128, repeats=4, decode_linears=("kernels", "cublas"))
+    assert [(row["linear"], row["batch"]) for row in result["decode"]] == [
+        (linear, batch) for linear in ("kernels", "cublas") for batch in (1, 2, 4, 8)]
     assert all(row["bytes"] > 0 and row["step_ms"] > 0 for row in result["decode"])
     assert result["prefill"]["tokens"] == 128 and result["prefill"]["flops"] > 0
     assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]

@@ -331,7 +331,7 @@ class Workspace:
         self.mtp_in = buf(rows, 2 * h) if mtp else None
         self.mtp_embedded = buf(rows, h) if mtp else None
         self.mtp_carried = buf(rows, h) if mtp else None
-        self.x_bf16 = buf(rows, max(widths), dtype=np.uint16) if rows > SKINNY_ROWS else None
+        self.x_bf16 = buf(rows, max(widths), dtype=np.uint16)  # activations rounded for cuBLAS
         self.w_bf16 = buf(dequant_elements, dtype=np.uint16) if dequant_elements else None
 
 
@@ -340,10 +340,15 @@ class Workspace:
 
 
 class Linear:
-    """y (+)= x @ W^T for any stored format: skinny kernels up to SKINNY_ROWS rows, cuBLAS on bf16 beyond."""
+    """y (+)= x @ W^T for any stored format: skinny kernels up to SKINNY_ROWS rows, cuBLAS on bf16 beyond.
+
+    `cublas_decode` sends bf16 matrices to cuBLAS at every row count (activations rounded to bf16, and cuBLAS may
+    pick a different algorithm per row count, so batch invariance is not promised): the benchmark's comparison
+    point for the skinny kernels."""
 
     def __init__(self, device: Device, workspace: Workspace) -> None:
         self._device, self._blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
+        self.cublas_decode = False
 
     def __call__(self, x: Any, w: Matrix, y: Any, *, accumulate: bool = False) -> None:
         stream, k = self._device.stream, self._k
@@ -351,7 +356,7 @@ class Linear:
         if isinstance(w, SplitMatrix):
             self._split(x, w, y, accumulate)
             return
-        if rows <= SKINNY_ROWS:
+        if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if is_quantized(w):
                 k.linear_quant(x, w, y, stream=stream, accumulate=accumulate)
             else:
