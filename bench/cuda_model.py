@@ -4,8 +4,8 @@ Per model (27B, 35B-A3B), recipe (bf16, ninfer-v2) and KV dtype it reports:
 * decode step time at batch 1, 2, 4, 8 (MTP off, captured graph replay: decoder + head + argmax), tok/s, and the
   ratio to the bandwidth roofline (compulsory bytes per step / measured device copy bandwidth), with the skinny
   kernels and, for bf16, with cuBLAS for every linear layer (the comparison point);
-* prefill of 8,192 prompt tokens in one chunk (eager), tok/s, and the ratio to the GEMM roofline (linear-layer FLOPs /
-  measured cuBLAS bf16 rate);
+* prefill of 8,192 prompt tokens in one chunk (eager), tok/s, and the ratio to the GEMM roofline (linear-layer and
+  attention FLOPs / measured cuBLAS bf16 rate), with the numba attention kernel and with tensor-core attention;
 * the MTP round (verify k+1 columns + MTP head over the produced columns + k-1 draft steps, each with its argmax over
   the full head) for k = 1..3 at batch 1, through the runner's own code path.
 
@@ -198,7 +198,6 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     result["decode"] = decode
 
     # Prefill: one lane, 8192 tokens from position 0, eager.
-    stream = device.stream
     table = np.arange(capacity.max_pages_per_lane, dtype=np.int32)
     model.inputs.set_page_table(0, table)
     ids = np.random.default_rng(0).integers(0, dims.vocab_ids, prefill_tokens)
@@ -210,16 +209,20 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         final = model.forward(prefill_tokens, 1, PrefillSpan(0, 0))
         model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
 
-    prefill()
-    device.synchronize()
-    times = event_time(stream, prefill, 3)
-    seconds = float(np.median(times))
-    flops = prefill_flops(model, prefill_tokens)
-    result["prefill"] = {"tokens": prefill_tokens, "seconds": seconds, "tok_s": prefill_tokens / seconds,
-                         "flops": flops,
-                         "ratio_to_gemm_peak": flops / seconds / gemm}
-    print(f"  prefill {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} tok/s  "
-          f"{flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}", flush=True)
+    result["prefill"] = []
+    for attention in ("kernel", "gemm"):
+        model.prefill_attention = attention
+        prefill()
+        device.synchronize()
+        times = event_time(device.stream, prefill, 3)
+        seconds = float(np.median(times))
+        flops = prefill_flops(model, prefill_tokens)
+        result["prefill"].append({"attention": attention, "tokens": prefill_tokens, "seconds": seconds,
+                                  "tok_s": prefill_tokens / seconds, "flops": flops,
+                                  "ratio_to_gemm_peak": flops / seconds / gemm})
+        print(f"  prefill [{attention}] {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} "
+              f"tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}", flush=True)
+    model.prefill_attention = "kernel"
 
     result["mtp_round"] = mtp_rounds(model, dims, context)
     return result

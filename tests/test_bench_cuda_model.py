@@ -31,5 +31,6 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe):
     assert [(row["linear"], row["batch"]) for row in result["decode"]] == [
         (linear, batch) for linear in ("kernels", "cublas") for batch in (1, 2, 4, 8)]
     assert all(row["bytes"] > 0 and row["step_ms"] > 0 for row in result["decode"])
-    assert result["prefill"]["tokens"] == 128 and result["prefill"]["flops"] > 0
+    assert [row["attention"] for row in result["prefill"]] == ["kernel", "gemm"]
+    assert all(row["tokens"] == 128 and row["flops"] > 0 for row in result["prefill"])
     assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]

@@ -118,6 +118,18 @@ def test_prompt_logits_match_the_cpu_model(device_kind, artifacts, kind, recipe)
         assert error < (1e-4 if length <= 64 else 2e-2), (length, error)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifacts, kind):
+    """prefill_attention="gemm": bf16 queries and probabilities through cuBLAS, within bf16 tolerance."""
+    path = artifacts[(kind, "bf16")]
+    build = cuda_build(device_kind, path)
+    build.model.prefill_attention = "gemm"
+    cpu = load_model(path)
+    for length in (1, 7, 65, 128):
+        got, want = prompt_logits(build.model, cpu, prompt(length, length))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
+
+
 @pytest.mark.parametrize("kind,recipe", CASES)
 def test_batched_greedy_generation_matches_the_cpu_runner(device_kind, artifacts, kind, recipe):
     path = artifacts[(kind, recipe)]

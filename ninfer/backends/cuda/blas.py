@@ -42,6 +42,29 @@ class Blas:
                        device_pointer(w), CUDA_R_16BF, k, device_pointer(x), CUDA_R_16BF, k, beta.ctypes.data,
                        device_pointer(y), CUDA_R_32F, n, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
 
+    def batched_scores(self, q: Any, k: Any, keys: int, scores: Any) -> None:
+        """scores[b] (fp32 [M, keys]) = q[b] (bf16 [M, D]) @ k[b, :keys]^T (k bf16 [B, S >= keys, D])."""
+        batch, m, d = q.shape
+        stride_k = k.shape[1] * d
+        cublas = self._cublas
+        cublas.gemm_strided_batched_ex(
+            self._handle, cublas.Operation.T, cublas.Operation.N, keys, m, d, self._one.ctypes.data,
+            device_pointer(k), CUDA_R_16BF, d, stride_k, device_pointer(q), CUDA_R_16BF, d, m * d,
+            self._zero.ctypes.data, device_pointer(scores), CUDA_R_32F, keys, m * keys, batch,
+            cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+
+    def batched_values(self, probs: Any, v: Any, keys: int, out: Any) -> None:
+        """out[b] (fp32 [M, D]) = probs[b] (bf16 [M, keys]) @ v[b, :keys] (v bf16 [B, S >= keys, D])."""
+        batch, m, _ = probs.shape
+        d = v.shape[2]
+        stride_v = v.shape[1] * d
+        cublas = self._cublas
+        cublas.gemm_strided_batched_ex(
+            self._handle, cublas.Operation.N, cublas.Operation.N, d, m, keys, self._one.ctypes.data,
+            device_pointer(v), CUDA_R_16BF, d, stride_v, device_pointer(probs), CUDA_R_16BF, keys, m * keys,
+            self._zero.ctypes.data, device_pointer(out), CUDA_R_32F, d, m * d, batch,
+            cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+
     def close(self) -> None:
         if self._handle:
             self._cublas.destroy(self._handle)

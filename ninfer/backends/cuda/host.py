@@ -82,6 +82,12 @@ class HostBlas:
         product = (bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T).astype(np.float32)
         y[...] = (y + product) if accumulate else product
 
+    def batched_scores(self, q: np.ndarray, k: np.ndarray, keys: int, scores: np.ndarray) -> None:
+        scores[...] = np.matmul(bf16_bits_to_f32(q), bf16_bits_to_f32(k[:, :keys]).transpose(0, 2, 1))
+
+    def batched_values(self, probs: np.ndarray, v: np.ndarray, keys: int, out: np.ndarray) -> None:
+        out[...] = np.matmul(bf16_bits_to_f32(probs), bf16_bits_to_f32(v[:, :keys]))
+
     def close(self) -> None:
         pass
 

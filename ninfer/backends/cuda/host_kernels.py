@@ -13,6 +13,7 @@ import numpy as np
 from ninfer.artifact import codec
 from ninfer.backends.cpu.ops import linear as row_linear
 from ninfer.kernels_numba import attention as _attention
+from ninfer.kernels_numba import attention_gemm as _attention_gemm
 from ninfer.kernels_numba import elementwise as _elementwise
 from ninfer.kernels_numba import gdn as _gdn
 from ninfer.kernels_numba import layout as _layout
@@ -161,3 +162,20 @@ def gather_rows(source, index, out, *, stream):
 
 def fill_uniform(out, *, seed, scale, stream):
     out.reshape(-1)[...] = fill_uniform_reference(out.size, out.dtype, seed=seed, scale=scale)
+
+
+def pack_queries(q, out, *, first, rows, group, scale, stream):
+    out[...] = _attention_gemm.pack_queries_reference(q, first=first, rows=rows, group=group, scale=scale,
+                                                      kv_heads=out.shape[0])
+
+
+def gather_kv(page_tables, lane, length, pool, scales, out, *, stream):
+    out[:, :length] = _attention_gemm.gather_kv_reference(page_tables, lane, length, pool, scales)
+
+
+def causal_softmax(scores, probs, *, rows, first_position, stream):
+    probs[...] = _attention_gemm.causal_softmax_reference(scores, rows=rows, first_position=first_position)
+
+
+def unpack_gated(o, qkgv, out, *, first, rows, group, stream):
+    _attention_gemm.unpack_gated_reference(o, qkgv, out, first=first, rows=rows, group=group)

@@ -3,6 +3,7 @@ NumPy twins, so the model and runner glue also runs (and is tested) without a GP
 
 from ninfer.kernels_numba.attention import (attention_decode, attention_prefill, attention_prepare,
                                             decode_partials_shape)
+from ninfer.kernels_numba.attention_gemm import causal_softmax, gather_kv, pack_queries, unpack_gated
 from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_rows,
                                               silu_mul_slots, to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
@@ -16,6 +17,10 @@ from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, lin
 from ninfer.kernels_numba.sampling import argmax_rows, scratch_columns
 
 __all__ = [
+    "causal_softmax",
+    "gather_kv",
+    "pack_queries",
+    "unpack_gated",
     "QuantWeight",
     "argmax_rows",
     "attention_decode",

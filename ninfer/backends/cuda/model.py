@@ -29,6 +29,7 @@ from ninfer.targets.dims import QwenDims
 SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
 PAGE_TOKENS = 64
 DECODE_SPLIT_PAGES = 4  # flash-decoding: pages per split of a row's key range
+SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
 
 
 @attrs.frozen
@@ -271,7 +272,7 @@ class Workspace:
     """Activation buffers for up to `rows` rows, allocated once."""
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_rows: int, max_pages: int) -> None:
+                 decode_rows: int, max_pages: int, max_context: int) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -332,6 +333,15 @@ class Workspace:
         self.mtp_embedded = buf(rows, h) if mtp else None
         self.mtp_carried = buf(rows, h) if mtp else None
         self.x_bf16 = buf(rows, max(widths), dtype=np.uint16)  # activations rounded for cuBLAS
+        # Tensor-core prefill attention (`prefill_attention="gemm"`): the lane's K/V as contiguous bf16, a block of
+        # packed queries, and the score / probability scratch (at most SCORE_BYTES of fp32 scores).
+        self.gemm_keys = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
+        self.gemm_values = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
+        self.gemm_queries = buf(rows * d.q_width, dtype=np.uint16)
+        self.gemm_out = buf(rows * d.q_width)
+        scores = min(SCORE_BYTES // 4, d.attn_heads * rows * max_context)
+        self.gemm_scores = buf(scores)
+        self.gemm_probs = buf(scores, dtype=np.uint16)
         self.w_bf16 = buf(dequant_elements, dtype=np.uint16) if dequant_elements else None
 
 
@@ -347,7 +357,7 @@ class Linear:
     point for the skinny kernels."""
 
     def __init__(self, device: Device, workspace: Workspace) -> None:
-        self._device, self._blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
+        self._device, self.blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
         self.cublas_decode = False
 
     def __call__(self, x: Any, w: Matrix, y: Any, *, accumulate: bool = False) -> None:
@@ -365,7 +375,7 @@ class Linear:
         n, width = w.shape
         x_bf16 = self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
         k.to_bf16_rows(x, x_bf16, stream=stream)
-        self._blas.gemm_bf16(x_bf16, self.bf16_weight(w), y, accumulate=accumulate)
+        self.blas.gemm_bf16(x_bf16, self.bf16_weight(w), y, accumulate=accumulate)
 
     def _split(self, x: Any, w: SplitMatrix, y: Any, accumulate: bool) -> None:
         """Both row blocks into scratch rows, then joined side by side into y (two blocks: every fused projection
@@ -381,7 +391,7 @@ class Linear:
 
     def gemm(self, x_bf16: Any, w_bf16: Any, y: Any) -> None:
         """cuBLAS on operands already in bf16 (the grouped MoE prefill)."""
-        self._blas.gemm_bf16(x_bf16, w_bf16, y)
+        self.blas.gemm_bf16(x_bf16, w_bf16, y)
 
     def bf16_weight(self, w: Matrix) -> Any:
         """A bf16 [N, K] view of the weight: itself, or its dequantization into the shared scratch."""
@@ -396,6 +406,8 @@ class Linear:
 class CudaQwen:
     def __init__(self, dims: QwenDims, weights: DeviceWeights, device: Device, capacity: Capacity) -> None:
         self.dims, self.device, self.capacity, self.k = dims, device, capacity, device.kernels
+        # Prefill attention: "kernel" (the tiled numba kernel, fp32 math) or "gemm" (bf16 tensor cores via cuBLAS).
+        self.prefill_attention = "kernel"
         fused = dims.is_moe
         self.embedding = weights.table("text/token_embedding")
         self.layers = [_layer_weights(weights, device, dims, f"text/layers/{i}/", kind, fused)
@@ -424,7 +436,8 @@ class CudaQwen:
         self.inputs = StepInputs(device, rows, capacity.lanes, capacity.max_pages_per_lane)
         self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
-                                   decode_rows=capacity.decode_rows, max_pages=capacity.max_pages_per_lane)
+                                   decode_rows=capacity.decode_rows, max_pages=capacity.max_pages_per_lane,
+                                   max_context=capacity.max_pages_per_lane * PAGE_TOKENS)
         self.tails = device.zeros((capacity.lanes, dims.hidden), np.float32, "state")
         self.tail_checkpoints = device.zeros((capacity.lanes, CHECKPOINT_SLOTS, dims.hidden), np.float32, "state")
         self.verify_hidden = device.zeros((capacity.lanes, max(1, capacity.verify_columns), dims.hidden), np.float32,
@@ -542,11 +555,40 @@ class CudaQwen:
                                   kv.v, kv.k_scale, kv.v_scale, out, ws.partials, heads=d.attn_heads,
                                   kv_heads=d.kv_heads, head_dim=d.head_dim, split_pages=DECODE_SPLIT_PAGES,
                                   stream=stream)
+        elif self.prefill_attention == "gemm":
+            self._prefill_attention_gemm(kv, prefill, rows)
         else:
             self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
                                    kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
                                    head_dim=d.head_dim, stream=stream)
         self.linear(out, w.output, ws.x[:rows], accumulate=True)
+
+    def _prefill_attention_gemm(self, kv: KvPool, prefill: PrefillSpan, rows: int) -> None:
+        """Prefill attention on the tensor cores (`attention_gemm`): K/V of the lane gathered once into contiguous
+        bf16, then per block of queries two strided-batched cuBLAS GEMMs around a causal softmax. A block holds as
+        many queries as the score scratch allows at the block's key count."""
+        ws, stream, d, k = self.workspace, self.device.stream, self.dims, self.k
+        heads, kv_heads, head_dim = d.attn_heads, d.kv_heads, d.head_dim
+        group, length = heads // kv_heads, prefill.kv_start + rows
+        keys_bf16 = ws.gemm_keys[: kv_heads * length * head_dim].reshape(kv_heads, length, head_dim)
+        values_bf16 = ws.gemm_values[: kv_heads * length * head_dim].reshape(kv_heads, length, head_dim)
+        k.gather_kv(self.inputs.page_tables, prefill.lane, length, kv.k, kv.k_scale, keys_bf16, stream=stream)
+        k.gather_kv(self.inputs.page_tables, prefill.lane, length, kv.v, kv.v_scale, values_bf16, stream=stream)
+        block = max(1, min(rows, ws.gemm_scores.size // (heads * length)))
+        blas, q, qkgv, out = self.linear.blas, ws.q[:rows], ws.qkgv[:rows], ws.attended[:rows]
+        for first in range(0, rows, block):
+            count = min(block, rows - first)
+            keys, m = prefill.kv_start + first + count, group * count  # the block's last query sees `keys` keys
+            packed = ws.gemm_queries[: kv_heads * m * head_dim].reshape(kv_heads, m, head_dim)
+            k.pack_queries(q, packed, first=first, rows=count, group=group, scale=1.0 / np.sqrt(head_dim),
+                           stream=stream)
+            scores = ws.gemm_scores[: kv_heads * m * keys].reshape(kv_heads, m, keys)
+            blas.batched_scores(packed, keys_bf16, keys, scores)
+            probs = ws.gemm_probs[: kv_heads * m * keys].reshape(kv_heads, m, keys)
+            k.causal_softmax(scores, probs, rows=count, first_position=prefill.kv_start + first, stream=stream)
+            attended = ws.gemm_out[: kv_heads * m * head_dim].reshape(kv_heads, m, head_dim)
+            blas.batched_values(probs, values_bf16, keys, attended)
+            k.unpack_gated(attended, qkgv, out, first=first, rows=count, group=group, stream=stream)
 
     def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int) -> None:
         ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
