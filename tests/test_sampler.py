@@ -105,3 +105,26 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
 def test_out_of_range_parameters_are_rejected_by_name(field, value):
     with pytest.raises(SamplingParamsError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 20, 50])
+def test_sampling_from_the_top_twenty_equals_sampling_from_the_logits(top_k):
+    """The CUDA runner hands the sampler the 20 best penalised candidates; every draw must equal the full path."""
+    from ninfer.engine.sampler import TOP_K_CAP, top_candidates
+
+    rng = np.random.default_rng(top_k)
+    for trial in range(40):
+        params = SamplingParams(temperature=float(rng.uniform(0.2, 1.5)), top_k=top_k,
+                                top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])),
+                                presence_penalty=float(rng.choice([0.0, 0.7])),
+                                frequency_penalty=float(rng.choice([0.0, 0.3])), seed=trial)
+        full, top = Sampler(params, 300), Sampler(params, 300)
+        for position in range(6):
+            logits = rng.standard_normal(310).astype(np.float32) * 3
+            logits[rng.integers(0, 300, 5)] = logits[:300].max()  # ties at the top
+            x = logits[:300] - np.float32(params.presence_penalty) * (top._counts > 0) \
+                - np.float32(params.frequency_penalty) * top._counts
+            x = x.astype(np.float32)
+            ids = top_candidates(x, TOP_K_CAP)
+            want = full.sample(logits, position, Purpose.DECODE)
+            assert top.sample_top(ids, x[ids], position, Purpose.DECODE) == want

@@ -149,9 +149,31 @@ class Sampler:
         if p.penalties_active:
             x = x - np.float32(p.presence_penalty) * (self._counts > 0) - np.float32(p.frequency_penalty) * self._counts
             x = x.astype(np.float32)
-        k = TOP_K_CAP if p.top_k <= 0 or p.top_k >= TOP_K_CAP else p.top_k
-        ids = top_candidates(x, k)
-        weights = np.exp((x[ids] - x[ids[0]]) / np.float32(p.temperature)).astype(np.float32)
+        ids = top_candidates(x, self._top_k())
+        return self._kept(ids, x[ids])
+
+    def sample_top(self, ids: np.ndarray, values: np.ndarray, position: int, purpose: Purpose) -> int:
+        """`sample` from the TOP_K_CAP best penalised candidates computed elsewhere (the CUDA runner's device kernel:
+        ids by value descending and id ascending, their penalised values; ids < 0 pad a vocabulary under 20)."""
+        if self.params.is_greedy:
+            raise ValueError("a greedy request takes the argmax, not candidates")
+        ids, values = np.asarray(ids), np.asarray(values, dtype=np.float32)
+        real = ids >= 0
+        k = self._top_k()
+        ids, weights = self._kept(ids[real][:k], values[real][:k])
+        chosen = draw(ids, weights, uniform(self.params.seed, position, purpose))
+        self.count(chosen)
+        return chosen
+
+    def _top_k(self) -> int:
+        top_k = self.params.top_k
+        return TOP_K_CAP if top_k <= 0 or top_k >= TOP_K_CAP else top_k
+
+    def _kept(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 4-6 over the top-k candidates (best first) and their penalised logits: temperature weights
+        relative to the best, then min_p and top_p cuts (at least one candidate stays)."""
+        p = self.params
+        weights = np.exp((values - values[0]) / np.float32(p.temperature)).astype(np.float32)
         keep = len(ids)
         if p.min_p > 0.0:
             below = np.flatnonzero(weights < np.float32(p.min_p))  # w_0 == 1, so the threshold is min_p itself

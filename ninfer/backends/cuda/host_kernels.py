@@ -179,3 +179,13 @@ def causal_softmax(scores, probs, *, rows, first_position, stream):
 
 def unpack_gated(o, qkgv, out, *, first, rows, group, stream):
     _attention_gemm.unpack_gated_reference(o, qkgv, out, first=first, rows=rows, group=group)
+
+
+def top_candidates_rows(logits, vocab_ids, counts, row_lane, presence, frequency, out_ids, out_values, *, stream,
+                        scratch=None):
+    out_ids[...], out_values[...] = _sampling.top_candidates_rows_reference(logits, vocab_ids, counts, row_lane,
+                                                                            presence, frequency)
+
+
+def count_tokens(counts, lanes, tokens, valid, *, stream):
+    counts[...] = _sampling.count_tokens_reference(counts, lanes, tokens, valid)

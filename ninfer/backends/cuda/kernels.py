@@ -14,7 +14,7 @@ from ninfer.kernels_numba.moe import (moe_combine, moe_gather, moe_group, moe_sc
                                       route_top_k)
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
                                                linear_quant_gathered, upload_quant_weight)
-from ninfer.kernels_numba.sampling import argmax_rows, scratch_columns
+from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
 
 __all__ = [
     "causal_softmax",
@@ -27,6 +27,7 @@ __all__ = [
     "attention_prefill",
     "attention_prepare",
     "concat_columns",
+    "count_tokens",
     "decode_partials_shape",
     "dequantize_bf16",
     "embed_rows",
@@ -51,5 +52,6 @@ __all__ = [
     "silu_mul_rows",
     "silu_mul_slots",
     "to_bf16_rows",
+    "top_candidates_rows",
     "upload_quant_weight",
 ]

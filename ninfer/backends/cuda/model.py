@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 
 from ninfer.backends.cpu.ops import rope_inv_freq
+from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.backends.cuda.device import Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
 from ninfer.targets.dims import QwenDims
@@ -447,6 +448,16 @@ class CudaQwen:
         self.sampling_scratch = device.empty((max(capacity.decode_rows, 1),
                                               device.kernels.scratch_columns(dims.vocab_ids)),
                                              np.uint64, "workspace")
+        # Sampling on the device: penalty counts per lane, per-row penalties, the 20 best penalised candidates.
+        decode_rows = max(capacity.decode_rows, 1)
+        self.penalty_counts = device.zeros((capacity.lanes, dims.vocab_ids), np.int32, "state")
+        self.presence = device.zeros(decode_rows, np.float32, "inputs")
+        self.frequency = device.zeros(decode_rows, np.float32, "inputs")
+        self.candidate_ids = device.empty((decode_rows, TOP_K_CAP), np.int32, "workspace")
+        self.candidate_values = device.empty((decode_rows, TOP_K_CAP), np.float32, "workspace")
+        self.count_lanes = device.zeros(decode_rows, np.int32, "inputs")
+        self.count_ids = device.zeros(decode_rows, np.int32, "inputs")
+        self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
         self.linear = Linear(device, self.workspace)
 
     def allocate_kv(self, pages: int) -> None:
@@ -515,6 +526,26 @@ class CudaQwen:
         logits = self.logits[:rows]
         self.linear(hidden, self.head, logits)
         return logits
+
+    def candidates(self, logits: Any) -> None:
+        """The TOP_K_CAP best penalised candidates of each row (row r of lane row_lane[r], penalties presence[r] and
+        frequency[r]) into candidate_ids / candidate_values: §4.8 steps 2-3 on the device."""
+        rows = logits.shape[0]
+        self.k.top_candidates_rows(logits, self.dims.vocab_ids, self.penalty_counts, self.inputs.row_lane[:rows],
+                                   self.presence[:rows], self.frequency[:rows], self.candidate_ids[:rows],
+                                   self.candidate_values[:rows], stream=self.device.stream,
+                                   scratch=self.sampling_scratch)
+
+    def count_generated(self, lanes: list[int], tokens: list[int]) -> None:
+        """Step 8 on the device: these generated tokens now count toward their lanes' penalties."""
+        n = len(tokens)
+        if not n:
+            return
+        self.device.write(self.count_lanes[:n], np.asarray(lanes, np.int32))
+        self.device.write(self.count_ids[:n], np.asarray(tokens, np.int32))
+        self.device.write(self.count_valid[:n], np.ones(n, np.int32))
+        self.k.count_tokens(self.penalty_counts, self.count_lanes[:n], self.count_ids[:n], self.count_valid[:n],
+                            stream=self.device.stream)
 
     def greedy(self, logits: Any) -> Any:
         out = self.argmax[: logits.shape[0]]

@@ -82,6 +82,7 @@ class CudaRunner:
             model.copy_lane_state(lane, from_slot=start.checkpoint_slot)
             state.has_tail = True
         state.sampler = Sampler(start.sampling, self.info.vocab_ids)
+        model.device.clear(model.penalty_counts[lane])  # the device mirror of the sampler's (empty) counts
         state.drafts, state.verified = None, False
 
     def save_checkpoint(self, lane: int, slot: int) -> None:
@@ -122,6 +123,8 @@ class CudaRunner:
         if chunk.final:
             row = self._last_row if count else model.tails[lane : lane + 1]
             token = self._sample_rows(row, [state.sampler], [start + count], Purpose.PREFILL)[0]
+            if state.sampler.params.penalties_active and not state.sampler.params.is_greedy:
+                model.count_generated([lane], [token])
         drafts_ready = False
         if self._k:
             rows = self._prefill_mtp_rows(chunk, token)
@@ -163,16 +166,31 @@ class CudaRunner:
         model.inputs.fill(token_ids=ids, positions=positions, row_lane=row_lane,
                           row_pos=row_pos, seg_lane=lanes, seg_row=seg_row, seg_count=columns,
                           seg_record=[int(c > 1) for c in columns])
-        self._step(("decode", rows, size), lambda: self._decode_step(rows, size))
+        samplers = [self._lanes[lane].sampler for lane in lanes]
+        # Ordinary sampled rows draw from the device's 20 best penalised candidates; speculative sampled rows need
+        # per-column penalties inside the round, so they read their logits (exact, and rarer).
+        sampled = [b for b in range(size) if not samplers[b].params.is_greedy and not batch.speculative[b]]
+        if sampled:
+            presence, frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+            for b in sampled:
+                params = samplers[b].params
+                presence[seg_row[b]], frequency[seg_row[b]] = params.presence_penalty, params.frequency_penalty
+            model.device.write(model.presence[:rows], presence)
+            model.device.write(model.frequency[:rows], frequency)
+        self._step(("decode", rows, size, bool(sampled)), lambda: self._decode_step(rows, size, bool(sampled)))
         final = model.workspace.final[:rows]
         argmax = model.device.read(model.argmax[:rows])
-        sampled_rows = [r for b, lane in enumerate(lanes) if not self._lanes[lane].sampler.params.is_greedy
-                        for r in range(seg_row[b], seg_row[b] + columns[b])]
-        host_logits = self._host_logits(sampled_rows)
+        if sampled:
+            candidate_ids = model.device.read(model.candidate_ids[:rows])
+            candidate_values = model.device.read(model.candidate_values[:rows])
+        host_logits = self._host_logits([r for b, lane in enumerate(lanes) if batch.speculative[b]
+                                         and not samplers[b].params.is_greedy
+                                         for r in range(seg_row[b], seg_row[b] + columns[b])])
 
         tokens, counts = np.zeros((size, k + 1), np.int32), np.zeros(size, np.int32)
         accepted, drafts_ready = np.zeros(size, np.int32), np.zeros(size, bool)
         mtp_rows, mtp_hidden = [], []
+        counted_lanes, counted = [], []  # generated tokens the device's penalty counts must see
         for b, lane in enumerate(lanes):
             state, first, start = self._lanes[lane], seg_row[b], int(batch.kv_lengths[b])
             sampler = state.sampler
@@ -189,17 +207,22 @@ class CudaRunner:
                 if sampler.params.is_greedy:
                     produced = [int(argmax[first])]
                 else:
-                    produced = [sampler.sample(host_logits[first], start, Purpose.DECODE)]
+                    produced = [sampler.sample_top(candidate_ids[first], candidate_values[first], start,
+                                                   Purpose.DECODE)]
                 state.verified = False
                 model.device.copy(model.tails[lane], final[first])
             state.drafts = None
             n = len(produced)
             tokens[b, :n], counts[b] = produced, n
+            if sampler.params.penalties_active and not sampler.params.is_greedy:
+                counted_lanes += [lane] * n
+                counted += produced
             state.has_tail = True
             if k:
                 mtp_rows.append(_MtpRows(lane, start, np.array(produced, np.int32),
                                          np.broadcast_to(int(batch.positions[b]) + np.arange(n), (3, n))))
                 mtp_hidden += [("final", first + j) for j in range(n)]
+        model.count_generated(counted_lanes, counted)
         if mtp_rows:
             d = self._run_mtp(mtp_rows, mtp_hidden, prefill=False)
             wanted, row = [], 0
@@ -216,8 +239,8 @@ class CudaRunner:
         """Capture the ordinary decode graph of every batch size now (startup), so serving never pays for it. Each
         shape runs once on whatever the buffers hold: lane state is reset before any sequence uses it."""
         for size in range(1, self.info.lanes + 1):
-            if ("decode", size, size) not in self._graphs:
-                self._step(("decode", size, size), lambda size=size: self._decode_step(size, size))
+            if ("decode", size, size, False) not in self._graphs:
+                self._step(("decode", size, size, False), lambda size=size: self._decode_step(size, size))
 
     # ---- internals ----
 
@@ -232,11 +255,13 @@ class CudaRunner:
         if self._graphs_on:
             self._graphs[key] = self._model.device.capture(body)
 
-    def _decode_step(self, rows: int, segments: int) -> None:
-        """A decode or verify round: decoder, head, argmax."""
+    def _decode_step(self, rows: int, segments: int, sampled: bool = False) -> None:
+        """A decode or verify round: decoder, head, argmax, and the penalised top candidates when a row samples."""
         model = self._model
-        final = model.forward(rows, segments)
-        model.greedy(model.head_logits(final))
+        logits = model.head_logits(model.forward(rows, segments))
+        model.greedy(logits)
+        if sampled:
+            model.candidates(logits)
 
     def _host_logits(self, rows: list[int]) -> dict[int, np.ndarray]:
         if not rows:
