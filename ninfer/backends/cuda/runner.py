@@ -237,8 +237,13 @@ class CudaRunner:
 
     def capture_decode_graphs(self) -> None:
         """Capture the ordinary decode graph of every batch size now (startup), so serving never pays for it. Each
-        shape runs once on whatever the buffers hold: lane state is reset before any sequence uses it."""
+        shape first runs once on placeholder rows (token 0 at position 0 of each lane, one segment per lane): lane
+        state is reset before any sequence uses it."""
         for size in range(1, self.info.lanes + 1):
+            lanes = np.arange(size)
+            self._model.inputs.fill(token_ids=np.zeros(size), positions=np.zeros((3, size), np.int32),
+                                    row_lane=lanes, row_pos=np.zeros(size), seg_lane=lanes, seg_row=lanes,
+                                    seg_count=np.ones(size), seg_record=np.zeros(size))
             if ("decode", size, size, False) not in self._graphs:
                 self._step(("decode", size, size, False), lambda size=size: self._decode_step(size, size))
 
