@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# One device call that checks and measures the CUDA backend: GPU tests first (correctness), then the benchmarks.
-# Usage (device run, carry .whl): bash tools/device_check.sh [TEST_SECONDS] [BENCH_ARGS...]
-# Logs and JSON land in $OUT (or ./device-out without it).
+# The CUDA backend's checks on the GPU machine, one device call each (carry .whl; run tools/device_wheels.sh here
+# first). Logs and JSON land in $OUT (./device-out without it).
+#   bash tools/device_check.sh tests [SECONDS]      GPU tests: device plumbing, every kernel vs its twin, the runner
+#   bash tools/device_check.sh bench [BENCH ARGS]   bench/cuda_model.py (e.g. --models 27b --recipes bf16 --kv int8)
+#   bash tools/device_check.sh peers                bench/transformers_side_by_side.py
+# numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
+# process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/device_setup.sh || exit 1
 OUT="${OUT:-$PWD/device-out}"; mkdir -p "$OUT"
-TEST_SECONDS="${1:-300}"; shift || true
+what="${1:-tests}"; shift || true
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout "$TEST_SECONDS" python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --timeout 240 \
-  tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py 2>&1 | tee "$OUT/gpu_tests.log" \
-  | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40
-timeout "${BENCH_SECONDS:-300}" python3 bench/cuda_model.py "$@" 2>&1 | tee "$OUT/cuda_model.log" | grep -v "^\s*$" | tail -40
+case "$what" in
+  tests)
+    timeout "${1:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra" --timeout 300 \
+      tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -40 ;;
+  bench)
+    python3 bench/cuda_model.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cuda_model.log" | tail -60 ;;
+  peers)
+    python3 bench/transformers_side_by_side.py 2>&1 | grep -v -i "warn" | tee "$OUT/side_by_side.log" | tail -20 ;;
+  *) echo "usage: $0 tests|bench|peers [args]" >&2; exit 2 ;;
+esac

@@ -110,10 +110,15 @@ def upload_quant_weight(fmt: str, shape: tuple[int, int], payload: np.ndarray, *
     N, K = int(shape[0]), int(shape[1])
     if K % SEGMENT:
         raise ValueError(f"quantized linear kernels need K % 32 == 0, got {K}")
-    planes = repack_quant(fmt, (N, K), payload)
+    return upload_quant_planes(fmt, (N, K), repack_quant(fmt, (N, K), payload), stream=stream)
+
+
+def upload_quant_planes(fmt: str, shape: tuple[int, int], planes: dict[str, np.ndarray], *, stream=0) -> QuantWeight:
+    """Copy already repacked host planes (`repack_quant`) to the device: benchmarks that upload the same random
+    payload for many tensors repack it once."""
     arrays = {name: cuda.to_device(value, stream=stream) for name, value in planes.items()}
     nbytes = sum(int(value.nbytes) for value in planes.values())
-    return QuantWeight(fmt, (N, K), arrays["base"], arrays["high"], arrays["scales"], nbytes)
+    return QuantWeight(fmt, tuple(shape), arrays["base"], arrays["high"], arrays["scales"], nbytes)
 
 
 # ---- device code --------------------------------------------------------------------------------------------------

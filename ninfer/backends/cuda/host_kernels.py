@@ -52,6 +52,15 @@ def upload_quant_weight(fmt, shape, payload, *, stream=0) -> QuantWeight:
     return QuantWeight(fmt, tuple(shape), payload, int(payload.nbytes))
 
 
+def repack_quant(fmt, shape, payload) -> dict[str, np.ndarray]:
+    """The host set keeps the artifact payload itself as its one 'plane'."""
+    return {"payload": np.asarray(payload, dtype=np.uint8)}
+
+
+def upload_quant_planes(fmt, shape, planes, *, stream=0) -> QuantWeight:
+    return upload_quant_weight(fmt, shape, planes["payload"])
+
+
 def embed_rows(table, ids, out, *, stream):
     out[...] = _elementwise.embed_rows_reference(table, ids)
 

@@ -13,7 +13,8 @@ from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
 from ninfer.kernels_numba.moe import (moe_combine, moe_gather, moe_group, moe_scatter_combine,
                                       route_top_k)
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
-                                               linear_quant_gathered, upload_quant_weight)
+                                               linear_quant_gathered, repack_quant, upload_quant_planes,
+                                               upload_quant_weight)
 from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "moe_gather",
     "moe_group",
     "moe_scatter_combine",
+    "repack_quant",
     "rms_norm_rows",
     "route_top_k",
     "scratch_columns",
@@ -53,5 +55,6 @@ __all__ = [
     "silu_mul_slots",
     "to_bf16_rows",
     "top_candidates_rows",
+    "upload_quant_planes",
     "upload_quant_weight",
 ]

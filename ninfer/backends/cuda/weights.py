@@ -118,7 +118,7 @@ class RandomDeviceWeights:
     """Every tensor of a Qwen inventory, uniform random, generated on the GPU in its recipe's format.
 
     bf16 matrices are filled on the device. Quantized matrices get random code planes and small positive scales:
-    one host payload per distinct (format, shape), uploaded once per tensor (distinct device copies, so timing reads
+    one host payload per distinct (format, shape), repacked once and uploaded per tensor (distinct device copies, so timing reads
     real HBM traffic, not cache). Values keep activations bounded (norm weights near 0 for offset norms)."""
 
     def __init__(self, specs: list[Any], recipe: str, device: Device, *, seed: int = 0) -> None:
@@ -127,7 +127,7 @@ class RandomDeviceWeights:
         self._specs = {spec.name: spec for spec in specs}
         self._format = {spec.name: recipe_format(recipe, spec.v2_format) for spec in specs}
         self._device, self._seed = device, seed
-        self._payloads: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+        self._planes: dict[tuple[str, tuple[int, ...]], dict[str, np.ndarray]] = {}
 
     def has(self, name: str) -> bool:
         return name in self._specs
@@ -143,7 +143,7 @@ class RandomDeviceWeights:
         fmt = self._format[names[0]]
         shape = (sum(s[0] for s in shapes), shapes[0][1])
         if fmt in QUANT_FORMATS:
-            weight = self._device.kernels.upload_quant_weight(fmt, shape, self._random_payload(fmt, shape))
+            weight = self._device.kernels.upload_quant_planes(fmt, shape, self._random_planes(fmt, shape))
             self._device.ledger["weights"] += weight.nbytes
             return weight
         data = self._device.empty(shape, np.uint16, "weights")
@@ -172,19 +172,20 @@ class RandomDeviceWeights:
             return rng.uniform(-0.3, 0.3, spec.shape).astype(np.float32)
         return rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
 
-    def _random_payload(self, fmt: str, shape: tuple[int, int]) -> np.ndarray:
+    def _random_planes(self, fmt: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+        """A random payload per distinct (format, shape), repacked once into the kernels' planes."""
         key = (fmt, shape)
-        if key not in self._payloads:
+        if key not in self._planes:
             g = row_split_geometry(fmt, shape)
-            rng = np.random.default_rng(len(self._payloads) + 1)
+            rng = np.random.default_rng(len(self._planes) + 1)
             payload = rng.integers(0, 256, g.total_bytes, dtype=np.uint8)
             if fmt == "W8G32_F16S":  # 0x80 (-128) is not a legal W8 code
                 base = payload[: shape[0] * g.base_row_bytes]
                 base[base == 0x80] = 0x81
             scales = rng.uniform(0.5e-3, 2e-3, shape[0] * g.groups_per_row).astype(np.float16)
             payload[g.scale_offset : g.total_bytes] = scales.view(np.uint8)
-            self._payloads[key] = payload
-        return self._payloads[key]
+            self._planes[key] = self._device.kernels.repack_quant(fmt, shape, payload)
+        return self._planes[key]
 
 
 def is_quantized(matrix: Any) -> bool:
