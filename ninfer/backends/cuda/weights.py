@@ -118,8 +118,9 @@ class RandomDeviceWeights:
     """Every tensor of a Qwen inventory, uniform random, generated on the GPU in its recipe's format.
 
     bf16 matrices are filled on the device. Quantized matrices get random code planes and small positive scales:
-    one host payload per distinct (format, shape), repacked once and uploaded per tensor (distinct device copies, so timing reads
-    real HBM traffic, not cache). Values keep activations bounded (norm weights near 0 for offset norms)."""
+    one host payload per distinct (format, shape), repacked once and uploaded per tensor (distinct device copies,
+    so timing reads real HBM traffic, not cache). Values keep activations bounded (norm weights near 0 for offset
+    norms)."""
 
     def __init__(self, specs: list[Any], recipe: str, device: Device, *, seed: int = 0) -> None:
         from ninfer.convert.plan import recipe_format
