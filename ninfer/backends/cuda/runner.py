@@ -4,8 +4,9 @@ Every decode-time step replays a captured CUDA graph keyed by its exact shape: a
 lanes) (ordinary rows are one column, speculative rows k+1; all per-row facts live in the input buffers, so any mix
 with the same counts shares a graph), the MTP head over a round's produced columns by its row count, and each draft
 step by its lane count. The first call of a shape runs eagerly (compiling the kernels) and captures the graph for
-the next one; ordinary decode graphs are captured at startup. Prefill chunks run eagerly. The host keeps only what the engine contract needs per lane: the page table, the sampler, the
-drafts and the shape of the last verify round; all tensors stay on the device.
+the next one; ordinary decode graphs are captured at startup. Prefill chunks run eagerly. The host keeps only what
+the engine contract needs per lane: the page table, the sampler, the drafts and whether the last round verified;
+all tensors stay on the device.
 """
 
 from __future__ import annotations
