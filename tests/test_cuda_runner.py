@@ -52,12 +52,12 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
-               graphs: bool = True, prefill_chunk: int = 128):
+               graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
                           kv_capacity=lanes * 256, kv_dtype=kv_dtype, spec="mtp" if draft_tokens else None,
-                          draft_tokens=draft_tokens)
+                          draft_tokens=draft_tokens, lm_head_draft=lm_head_draft)
     return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs, device=make_device(kind))
 
 
@@ -90,8 +90,9 @@ def prompt_logits(model, cpu_model, ids: np.ndarray) -> tuple[np.ndarray, np.nda
     final = model.forward(count, 1, PrefillSpan(0, 0))
     logits = model.device.read(model.head_logits(final[count - 1 :]))
     d = cpu_model.dims
-    stores = [PagedKVView(PagedLayerKV(4, 64, d.kv_heads, d.head_dim, "bf16"), np.arange(4, dtype=np.int32), 0)
-              if kind == ATTENTION else cpu_model.new_recurrent_state(i) for i, kind in enumerate(cpu_model.mixer_kinds)]
+    pages = np.arange(4, dtype=np.int32)
+    stores = [PagedKVView(PagedLayerKV(4, 64, d.kv_heads, d.head_dim, "bf16"), pages, 0) if kind == ATTENTION
+              else cpu_model.new_recurrent_state(i) for i, kind in enumerate(cpu_model.mixer_kinds)]
     hidden = cpu_model.forward_batch(np.asarray(ids, np.int32), positions, [Segment(slice(0, count), stores)])
     return logits[0], cpu_model.logits(hidden[-1:])[0]
 
@@ -169,6 +170,18 @@ def test_greedy_mtp_is_token_identical_to_greedy(device_kind, artifacts, k):
     build = cuda_build(device_kind, path, lanes=2, draft_tokens=k)
     speculative = run_lanes(build.runner, prompts, 30)
     assert speculative == plain
+
+
+def test_lm_head_draft_proposes_from_the_shortlist_and_keeps_greedy_output(device_kind, artifacts):
+    path = artifacts[("dense", "predictable")]  # its shortlist holds the even ids only
+    prompts = [prompt(9, 12), prompt(10, 40)]
+    plain = run_lanes(cuda_build(device_kind, path, lanes=2).runner, prompts, 30)
+    runner = cuda_build(device_kind, path, lanes=2, draft_tokens=3, lm_head_draft=True).runner
+    lane = Lane(runner, 0, prompts[0], budget=30)
+    lane.prefill(1000)
+    assert runner._lanes[0].drafts is not None and np.all(runner._lanes[0].drafts % 2 == 0)
+    runner = cuda_build(device_kind, path, lanes=2, draft_tokens=3, lm_head_draft=True).runner
+    assert run_lanes(runner, prompts, 30) == plain
 
 
 def test_sampled_generation_matches_the_cpu_runner(device_kind, artifacts):

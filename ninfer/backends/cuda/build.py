@@ -48,7 +48,8 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
         raise TypeError(f"the CUDA backend serves Qwen3.6 models; {artifact.model_id} is {type(dims).__name__}")
     device = device if device is not None else CudaDevice(device_index)
     capacity = Capacity(lanes=config.max_concurrency, max_context=config.max_context, kv_dtype=config.kv_dtype,
-                        prefill_rows=config.prefill_chunk, draft_tokens=config.draft_tokens)
+                        prefill_rows=config.prefill_chunk, draft_tokens=config.draft_tokens,
+                        draft_head=config.lm_head_draft)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity)
     return finish_build(device, model, config, cuda_graphs=cuda_graphs)
 

@@ -50,6 +50,7 @@ class Capacity:
     kv_dtype: str  # "bf16" | "int8"
     prefill_rows: int  # most rows of a prefill chunk
     draft_tokens: int  # k of MTP speculative decoding, 0 when off
+    draft_head: bool = False  # --lm-head-draft: proposals from the artifact's shortlist head, when it has one
 
     @property
     def mtp(self) -> bool:
@@ -423,6 +424,12 @@ class CudaQwen:
                                      _ffn_weights(weights, dims, "mtp/layer/"))
             self.mtp = MtpWeights(weights.matrix("mtp/input_projection"), weights.vector("mtp/embedding_norm"),
                                   weights.vector("mtp/hidden_norm"), mtp_layer, weights.vector("mtp/final_norm"))
+        # The optimized proposal head (§3.9): a shortlist of head rows and the token id of each.
+        self.draft_head = self.draft_head_ids = None
+        if capacity.mtp and capacity.draft_head and weights.has("text/draft_head") \
+                and weights.has("text/draft_head_token_ids"):
+            self.draft_head = weights.matrix("text/draft_head")
+            self.draft_head_ids = weights.host("text/draft_head_token_ids").astype(np.int32)
         self.inv_freq = device.upload(rope_inv_freq(dims.rotary_dim, dims.rope_theta), "weights")
         device.synchronize()
         self.free_after_weights = device.info.free_bytes  # what --kv-capacity auto sizes from
@@ -444,6 +451,8 @@ class CudaQwen:
         self.verify_hidden = device.zeros((capacity.lanes, max(1, capacity.verify_columns), dims.hidden), np.float32,
                                           "state")
         self.logits = device.empty((max(capacity.decode_rows, 1), dims.vocab_rows), np.float32, "workspace")
+        if self.draft_head is not None:
+            self.draft_logits = device.empty((capacity.lanes, self.draft_head.shape[0]), np.float32, "workspace")
         self.argmax = device.empty(max(capacity.decode_rows, 1), np.int32, "workspace")
         self.sampling_scratch = device.empty((max(capacity.decode_rows, 1),
                                               device.kernels.scratch_columns(dims.vocab_ids)),
@@ -513,6 +522,18 @@ class CudaQwen:
         self._layer(mtp.layer, -1, rows, rows, prefill, self.mtp_kv)
         out = ws.final[:rows]
         self.k.rms_norm_rows(x, mtp.final_norm, out, eps=d.rms_eps, offset=True, stream=stream)
+        return out
+
+    def propose(self, d: Any) -> Any:
+        """Greedy MTP proposals for MTP outputs d [n, H] into argmax[:n]: over the full head's token rows, or over
+        the shortlist head's rows (indices into draft_head_ids) when the model loaded one."""
+        if self.draft_head is None:
+            return self.greedy(self.head_logits(d))
+        rows = d.shape[0]
+        logits = self.draft_logits[:rows]
+        self.linear(d, self.draft_head, logits)
+        out = self.argmax[:rows]
+        self.k.argmax_rows(logits, logits.shape[1], out, stream=self.device.stream, scratch=self.sampling_scratch)
         return out
 
     def _embed(self, ids: Any, out: Any) -> None:

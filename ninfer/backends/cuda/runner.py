@@ -47,8 +47,8 @@ class CudaRunner:
         cap, dims = model.capacity, model.dims
         if draft_tokens and model.mtp is None:
             raise ValueError("speculative decoding needs the model built with its MTP head")
-        if lm_head_draft:
-            raise ValueError("--lm-head-draft is not implemented on the CUDA backend yet")
+        if lm_head_draft and not cap.draft_head:
+            raise ValueError("--lm-head-draft needs the model built with its shortlist head (Capacity.draft_head)")
         self._model, self._k, self._graphs_on = model, draft_tokens, cuda_graphs
         attention_layers = sum(kind == "full_attention" for kind in dims.layer_types) + (1 if draft_tokens else 0)
         if not model.pages:
@@ -343,14 +343,15 @@ class CudaRunner:
         hidden = self._mtp_hidden[:n]
 
         def propose() -> None:
-            model.greedy(model.head_logits(current))
+            model.propose(current)
 
         def advance() -> None:
             model.device.copy(current, model.mtp_forward(hidden, n))
 
         for step in range(k):
             self._step(("propose", n), propose)
-            drafts[:, step] = model.device.read(model.argmax[:n])
+            chosen = model.device.read(model.argmax[:n])
+            drafts[:, step] = chosen if model.draft_head_ids is None else model.draft_head_ids[chosen]
             if step == k - 1:
                 break
             model.device.copy(hidden, current)
