@@ -23,11 +23,10 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import float32, int32, int64, types, uint32, uint64
-from numba.cuda import libdevice
 from numba.cuda.extending import intrinsic
 
 from ninfer.backends.cpu.ops import linear as cpu_linear
-from ninfer.kernels_numba.common import FULL_MASK
+from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_to_f32, warp_sum
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 WARPS = 8  # warps per block
@@ -87,24 +86,6 @@ def store4(typingctx, array, index, a, b, c, d):
 
 STAGE_UNROLL = 4
 STAGE_VALUES = 8 * STAGE_UNROLL  # 8-column pieces each thread loads before storing (loads in flight while staging x)
-
-
-@device_function
-def lo_bf16(word):
-    """The bf16 in the low half of a uint32 as float32."""
-    return libdevice.int_as_float(int32(uint32(word) << uint32(16)))
-
-
-@device_function
-def hi_bf16(word):
-    return libdevice.int_as_float(int32(uint32(word) & uint32(0xFFFF0000)))
-
-
-@device_function
-def warp_sum_fixed(value):
-    for offset in (16, 8, 4, 2, 1):
-        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
-    return value
 
 
 @device_function
@@ -219,21 +200,21 @@ def make_linear_bf16_kernel(R: int, MT: int = ROW_TILE, max_registers: int | Non
                                     u2 = uint32(cb[r] & uint64(0xFFFFFFFF))
                                     u3 = uint32(cb[r] >> uint64(32))
                                     s = acc[m * R + r]
-                                    s += lo_bf16(u0) * x0
-                                    s += hi_bf16(u0) * x1
-                                    s += lo_bf16(u1) * x2
-                                    s += hi_bf16(u1) * x3
-                                    s += lo_bf16(u2) * x4
-                                    s += hi_bf16(u2) * x5
-                                    s += lo_bf16(u3) * x6
-                                    s += hi_bf16(u3) * x7
+                                    s += bf16_to_f32(u0) * x0
+                                    s += bf16_hi_to_f32(u0) * x1
+                                    s += bf16_to_f32(u1) * x2
+                                    s += bf16_hi_to_f32(u1) * x3
+                                    s += bf16_to_f32(u2) * x4
+                                    s += bf16_hi_to_f32(u2) * x5
+                                    s += bf16_to_f32(u3) * x6
+                                    s += bf16_hi_to_f32(u3) * x7
                                     acc[m * R + r] = s
                         c = cn
             if n0 < N:
                 for m in range(MT):
                     if m < mt:
                         for r in range(R):
-                            total = warp_sum_fixed(acc[m * R + r])
+                            total = warp_sum(acc[m * R + r])
                             n = n0 + r
                             if lane == 0 and n < N:
                                 if accumulate != 0:
@@ -294,19 +275,19 @@ def make_linear_bf16_gathered_kernel(R: int):
                         u2 = uint32(cb[r] & uint64(0xFFFFFFFF))
                         u3 = uint32(cb[r] >> uint64(32))
                         s = acc[r]
-                        s += lo_bf16(u0) * x0
-                        s += hi_bf16(u0) * x1
-                        s += lo_bf16(u1) * x2
-                        s += hi_bf16(u1) * x3
-                        s += lo_bf16(u2) * x4
-                        s += hi_bf16(u2) * x5
-                        s += lo_bf16(u3) * x6
-                        s += hi_bf16(u3) * x7
+                        s += bf16_to_f32(u0) * x0
+                        s += bf16_hi_to_f32(u0) * x1
+                        s += bf16_to_f32(u1) * x2
+                        s += bf16_hi_to_f32(u1) * x3
+                        s += bf16_to_f32(u2) * x4
+                        s += bf16_hi_to_f32(u2) * x5
+                        s += bf16_to_f32(u3) * x6
+                        s += bf16_hi_to_f32(u3) * x7
                         acc[r] = s
                     c = cn
         if n0 < rpe:
             for r in range(R):
-                total = warp_sum_fixed(acc[r])
+                total = warp_sum(acc[r])
                 n = n0 + r
                 if lane == 0 and n < rpe:
                     y[j, n] = total

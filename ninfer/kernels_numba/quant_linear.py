@@ -31,10 +31,9 @@ from numba.cuda import libdevice
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geometry
 from ninfer.backends.cpu.ops import linear as cpu_linear
-from ninfer.kernels_numba.common import f32_to_bf16
+from ninfer.kernels_numba.common import f32_to_bf16, warp_sum
 from ninfer.kernels_numba.linear import (
     ROW_TILE, WARPS, _register_options, chunk_columns, gathered_reference, load2, load4, stage_x, store4,
-    warp_sum_fixed,
 )
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -347,7 +346,7 @@ def make_linear_quant_kernel(bits: int, R: int, MT: int = ROW_TILE, max_register
                 for m in range(MT):
                     if m < mt:
                         for r in range(R):
-                            total = warp_sum_fixed(acc[m * R + r])
+                            total = warp_sum(acc[m * R + r])
                             n = n0 + r
                             if lane == 0 and n < N:
                                 if accumulate != 0:
@@ -439,7 +438,7 @@ def make_linear_quant_gathered_kernel(bits: int, R: int):
                     seg = sn
         if n0 < rpe:
             for r in range(R):
-                total = warp_sum_fixed(acc[r])
+                total = warp_sum(acc[r])
                 n = n0 + r
                 if lane == 0 and n < rpe:
                     y[j, n] = total
