@@ -8,7 +8,7 @@ image, or one temporal slice of a video) gets T=current, H=current+y, W=current+
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -124,3 +124,52 @@ def assign_positions(
         raise PositionError("fewer media runs than grids")
     rope_delta = int(positions.max()) + 1 - n
     return positions, rope_delta
+
+
+def video_placeholder_ids(
+    grid: Sequence[int],
+    timestamps: Sequence[float],
+    encode_text: Callable[[str], list[int]],
+    merge_size: int = MERGE_SIZE,
+) -> list[int]:
+    """What replaces a video's single ``<|video_pad|>``: per temporal pair, the tokens of ``<{ts:.1f} seconds>``
+    (``encode_text``: the text tokenizer, no special tokens added), ``<|vision_start|>``, ``<|video_pad|>`` x
+    (h*w/merge^2), ``<|vision_end|>`` (facts §5.5; the template's outer start/end tokens stay around it)."""
+    t = int(grid[0])
+    per_frame = _merged_tokens((1, grid[1], grid[2]), merge_size)
+    if t <= 0 or len(timestamps) != t:
+        raise PositionError(f"video grid {tuple(grid)} needs {t} timestamps, got {len(timestamps)}")
+    out: list[int] = []
+    for ts in timestamps:
+        out.extend(int(x) for x in encode_text(f"<{ts:.1f} seconds>"))
+        out.append(VISION_START_ID)
+        out.extend([VIDEO_PAD_ID] * per_frame)
+        out.append(VISION_END_ID)
+    return out
+
+
+def expand_video_placeholders(
+    token_ids: Iterable[int],
+    videos: Sequence[tuple[Sequence[int], Sequence[float]]],
+    encode_text: Callable[[str], list[int]],
+    merge_size: int = MERGE_SIZE,
+) -> list[int]:
+    """Replace the i-th single ``<|video_pad|>`` (inside ``<|vision_start|>``...``<|vision_end|>``) with
+    ``video_placeholder_ids(*videos[i])``; ``videos`` holds (grid, per-pair timestamps) in prompt order."""
+    ids = list(token_ids)
+    out: list[int] = []
+    n = 0
+    for i, tok in enumerate(ids):
+        if tok != VIDEO_PAD_ID:
+            out.append(tok)
+            continue
+        if n >= len(videos):
+            raise PositionError(f"more <|video_pad|> placeholders than videos ({len(videos)})")
+        if i == 0 or ids[i - 1] != VISION_START_ID or i + 1 >= len(ids) or ids[i + 1] != VISION_END_ID:
+            raise PositionError("<|video_pad|> placeholder must sit between <|vision_start|> and <|vision_end|>")
+        grid, timestamps = videos[n]
+        out.extend(video_placeholder_ids(grid, timestamps, encode_text, merge_size))
+        n += 1
+    if n != len(videos):
+        raise PositionError(f"{len(videos)} videos but {n} <|video_pad|> placeholders")
+    return out
