@@ -13,7 +13,6 @@ from typing import Any
 import attrs
 
 from ninfer.artifact.reader import Artifact
-from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
 from ninfer.backends.cuda.device import GIB, CudaDevice, Device
 from ninfer.backends.cuda.model import PAGE_TOKENS, Capacity, CudaQwen
 from ninfer.backends.cuda.runner import CudaRunner
@@ -58,11 +57,10 @@ def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_
     """Size and allocate the KV pool on a model whose other arenas are allocated, build the runner and capture its
     decode graphs. The page count is a direct calculation: free memory after the weights, minus the exact bytes of
     the rest of the runtime layout (lane state, workspace, inputs: the ledger), the graph allowance and 1 GiB."""
-    dims, capacity = model.dims, model.capacity
+    capacity = model.capacity
     graph_allowance = GRAPH_ALLOWANCE_PER_SHAPE * capacity.lanes if cuda_graphs else 0
     reservation = sum(size for purpose, size in device.ledger.items() if purpose not in ("weights", "kv"))
-    attention_layers = sum(kind == "full_attention" for kind in dims.layer_types) + (1 if capacity.mtp else 0)
-    per_token = kv_bytes_per_token(attention_layers, dims.kv_heads, dims.head_dim, capacity.kv_dtype)
+    per_token = model.kv_bytes_per_token
     plan = plan_kv_pool(kv_capacity=config.kv_capacity, max_context=config.max_context, lanes=capacity.lanes,
                         bytes_per_token=per_token, memory_budget=model.free_after_weights,
                         reserved_bytes=reservation + graph_allowance)

@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 
 from ninfer.backends.cpu.ops import rope_inv_freq
+from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.backends.cuda.device import Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
@@ -468,6 +469,12 @@ class CudaQwen:
         self.count_ids = device.zeros(decode_rows, np.int32, "inputs")
         self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
         self.linear = Linear(device, self.workspace)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Shared-pool bytes one token takes: every attention layer, and the MTP layer with speculative decoding."""
+        layers = sum(kind == "full_attention" for kind in self.dims.layer_types) + (1 if self.capacity.mtp else 0)
+        return kv_bytes_per_token(layers, self.dims.kv_heads, self.dims.head_dim, self.capacity.kv_dtype)
 
     def allocate_kv(self, pages: int) -> None:
         """The shared paged KV pools (every attention layer, and the MTP layer with speculative decoding)."""

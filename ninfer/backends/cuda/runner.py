@@ -16,8 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, CudaQwen, PrefillSpan
-from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
+from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, PAGE_TOKENS, CudaQwen, PrefillSpan
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
                                   StateSource)
 from ninfer.engine.sampler import Purpose, Sampler
@@ -26,7 +25,6 @@ from ninfer.engine.speculative import verify_drafts
 
 @attrs.define
 class _Lane:
-    pages: int = 0
     has_tail: bool = False
     sampler: Sampler | None = None
     drafts: np.ndarray | None = None
@@ -50,15 +48,14 @@ class CudaRunner:
         if lm_head_draft and not cap.draft_head:
             raise ValueError("--lm-head-draft needs the model built with its shortlist head (Capacity.draft_head)")
         self._model, self._k, self._graphs_on = model, draft_tokens, cuda_graphs
-        attention_layers = sum(kind == "full_attention" for kind in dims.layer_types) + (1 if draft_tokens else 0)
         if not model.pages:
             raise ValueError("the model's KV pool is not allocated (CudaQwen.allocate_kv)")
         if draft_tokens != cap.draft_tokens:
             raise ValueError(f"the model was sized for {cap.draft_tokens} draft tokens, not {draft_tokens}")
-        self.info = RunnerInfo(lanes=cap.lanes, pages=model.pages, page_tokens=64, checkpoint_slots=CHECKPOINT_SLOTS,
+        self.info = RunnerInfo(lanes=cap.lanes, pages=model.pages, page_tokens=PAGE_TOKENS,
+                               checkpoint_slots=CHECKPOINT_SLOTS,
                                vocab_ids=dims.vocab_ids, draft_tokens=draft_tokens,
-                               kv_bytes_per_token=kv_bytes_per_token(attention_layers, dims.kv_heads, dims.head_dim,
-                                                                     cap.kv_dtype))
+                               kv_bytes_per_token=model.kv_bytes_per_token)
         self._lanes = [_Lane() for _ in range(cap.lanes)]
         self._graphs: dict[tuple, Any] = {}  # step shape -> captured graph
         device = model.device
@@ -70,9 +67,7 @@ class CudaRunner:
     # ---- state operations ----
 
     def assign_pages(self, lane: int, page_table: np.ndarray) -> None:
-        table = np.asarray(page_table, dtype=np.int32)
-        self._model.inputs.set_page_table(lane, table)
-        self._lanes[lane].pages = len(table)
+        self._model.inputs.set_page_table(lane, np.asarray(page_table, dtype=np.int32))
 
     def begin_sequence(self, lane: int, start: SequenceStart) -> None:
         state, model = self._lanes[lane], self._model
