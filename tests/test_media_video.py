@@ -63,7 +63,7 @@ from ninfer.media.positions import (  # noqa: E402
 )
 from ninfer.media.video import (  # noqa: E402
     DecodedVideo,
-    MediaBudgetError,
+    MediaBudgetExceeded,
     VideoBudget,
     VideoDecodeError,
     VideoPreprocessConfig,
@@ -306,16 +306,16 @@ def test_budgets(config):
     data = _make_video(12, 32, 48, 4)
     for budget in (VideoBudget(max_source_frames=11), VideoBudget(max_duration_s=2.9),
                    VideoBudget(max_decoded_pixels=6 * 32 * 48 - 1), VideoBudget(max_aspect_ratio=1.4)):
-        with pytest.raises(MediaBudgetError) as e:
+        with pytest.raises(MediaBudgetExceeded) as e:
             decode_video(data, config, budget)
         assert e.value.code == "media_budget_exceeded" and isinstance(e.value, MediaError)
     assert len(decode_video(data, config, VideoBudget(max_decoded_pixels=6 * 32 * 48)).frames) == 6
     # defaults: > 600 s of video (1 fps, 601 frames, tiny frames)
     long = _make_video(601, 16, 16, 1, codec="mpeg4")
-    with pytest.raises(MediaBudgetError):
+    with pytest.raises(MediaBudgetExceeded):
         decode_video(long, config)
     wide = _make_video(4, 16, 3232, 4, codec="mpeg4")  # aspect 202 > 200
-    with pytest.raises(MediaBudgetError):
+    with pytest.raises(MediaBudgetExceeded):
         decode_video(wide, config)
 
 

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ninfer.media.image import MediaError
+from ninfer.media.errors import MediaBudgetExceeded, MediaError
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_REDIRECTS = 5
@@ -63,27 +63,10 @@ _MESSAGE_URL_CHARS = 200  # URLs echoed into error messages are shortened to thi
 
 
 class MediaAcquireError(MediaError):
-    """A media URL could not be turned into bytes. ``status`` / ``code`` / ``type`` / ``message`` / ``param``
-    mirror ``ninfer.server.context.ApiError``; ``param`` is ``None`` until the caller names the request field."""
+    """A media URL could not be turned into bytes (status, code, message and param as every MediaError)."""
 
     status: int = 400
     code: str = "invalid_media_url"
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-    @property
-    def type(self) -> str:
-        return "invalid_request_error" if self.status < 500 else "server_error"
-
-    def to_api_error(self, param: str | None = None) -> Any:
-        """The equivalent ``ApiError`` (imported lazily: the media package does not depend on the server)."""
-        from ninfer.server.context import ApiError
-
-        return ApiError(self.status, self.code, self.message, param=param if param is not None else self.param,
-                        type=self.type)
 
 
 class InvalidMediaUrl(MediaAcquireError):
@@ -92,10 +75,6 @@ class InvalidMediaUrl(MediaAcquireError):
 
 class MediaUrlForbidden(MediaAcquireError):
     status, code = 400, "media_url_forbidden"
-
-
-class MediaBudgetExceeded(MediaAcquireError):
-    status, code = 400, "media_budget_exceeded"
 
 
 class MediaFetchFailed(MediaAcquireError):
@@ -435,7 +414,7 @@ def _connect(src: MediaSource, infos: list[tuple[Any, ...]], limits: AcquireLimi
                 clock.watch(tls)
                 return tls
             return sock
-        except MediaAcquireError:
+        except MediaError:  # typed media errors (budget ones too) pass through as they are
             sock.close()
             raise
         except ssl.SSLCertVerificationError as exc:
@@ -510,7 +489,7 @@ def _fetch_once(src: MediaSource, limits: AcquireLimits, clock: _Deadline, ssl_c
             raise MediaFetchFailed(f"media at {_short(src.url)} ended early ({total} bytes received, "
                                    f"{resp.length} more expected)")
         return status, None, b"".join(chunks), resp.getheader("Content-Type")
-    except MediaAcquireError:
+    except MediaError:
         raise
     except (socket.timeout, TimeoutError):
         raise MediaFetchTimeout(timeout_msg) from None

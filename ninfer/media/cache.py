@@ -55,7 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from ninfer.media.image import MediaError
+from ninfer.media.errors import MediaBudgetExceeded
 
 MODALITIES = ("image", "video")
 MIB = 1 << 20
@@ -78,18 +78,6 @@ __all__ = [
 
 
 # --- errors -----------------------------------------------------------------------------------------------------------
-
-
-class MediaBudgetExceeded(MediaError):
-    """A media preprocessing resource rejection: HTTP 400 ``media_budget_exceeded``."""
-
-    code = "media_budget_exceeded"
-    status = 400
-    param: str | None = None
-
-    def __init__(self, message: str, *, needed: int | None = None, limit: int | None = None) -> None:
-        super().__init__(message)
-        self.message, self.needed, self.limit = message, needed, limit
 
 
 class MediaWaitTimeout(TimeoutError):

@@ -25,6 +25,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ninfer.media.errors import MediaError
+
 try:  # Pillow is needed only for decoding/resizing.
     from PIL import Image, ImageOps
 except ImportError:  # pragma: no cover - exercised only without pillow
@@ -38,10 +40,6 @@ MIN_PIXELS = 65_536
 MAX_PIXELS = 16_777_216
 MAX_ASPECT_RATIO = 200
 RESCALE_FACTOR = 1.0 / 255.0
-
-
-class MediaError(ValueError):
-    """Base class of media preprocessing errors (client errors: bad input)."""
 
 
 class ImageDecodeError(MediaError):

@@ -16,7 +16,7 @@ plus ``Qwen3VLProcessor.replace_video_token``:
   pair's rows in merge-block order (same as images).  Grid ``(ceil(n/2), h'/16, w'/16)``.
 * Timestamp of pair t: ``(idx[2t]/fps + idx[2t+1]/fps) / 2`` (the padded index list), rendered ``<{ts:.1f} seconds>``.
 
-Budgets (facts §4.2) raise :class:`MediaBudgetError` (``code == "media_budget_exceeded"``).
+Budgets (facts §4.2) raise :class:`MediaBudgetExceeded` (``code == "media_budget_exceeded"``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from ninfer.media.image import (
     RESCALE_FACTOR,
     TEMPORAL_PATCH_SIZE,
     AspectRatioError,
-    MediaError,
 )
+from ninfer.media.errors import MediaBudgetExceeded, MediaError
 
 VIDEO_MIN_PIXELS = 4096
 VIDEO_MAX_PIXELS = 25_165_824
@@ -51,12 +51,6 @@ MAX_SOURCE_FRAMES = 100_000
 MAX_DURATION_S = 600.0
 MAX_DECODED_PIXELS = 128 * 1024 * 1024
 DEFAULT_FPS_FALLBACK = 24.0  # transformers' default when a stream reports no frame rate
-
-
-class MediaBudgetError(MediaError):
-    """A media item exceeds a processor budget (HTTP ``media_budget_exceeded``)."""
-
-    code = "media_budget_exceeded"
 
 
 class VideoDecodeError(MediaError):
@@ -382,15 +376,15 @@ def _normalize(frames_u8: np.ndarray, cfg: VideoPreprocessConfig) -> np.ndarray:
 
 def _check_source_budget(total: int, fps: float, height: int, width: int, budget: VideoBudget) -> None:
     if total > budget.max_source_frames:
-        raise MediaBudgetError(f"video has {total} frames, more than {budget.max_source_frames}")
+        raise MediaBudgetExceeded(f"video has {total} frames, more than {budget.max_source_frames}")
     duration = total / fps if fps else 0.0
     if duration > budget.max_duration_s:
-        raise MediaBudgetError(f"video lasts {duration:.1f} s, more than {budget.max_duration_s:g} s")
+        raise MediaBudgetExceeded(f"video lasts {duration:.1f} s, more than {budget.max_duration_s:g} s")
     if height <= 0 or width <= 0:
         raise VideoDecodeError(f"video has invalid dimensions {width}x{height}")
     if max(height, width) / min(height, width) > budget.max_aspect_ratio:
         ratio = max(height, width) / min(height, width)
-        raise MediaBudgetError(f"video aspect ratio {ratio:.1f} exceeds {budget.max_aspect_ratio:g}")
+        raise MediaBudgetExceeded(f"video aspect ratio {ratio:.1f} exceeds {budget.max_aspect_ratio:g}")
 
 
 def _open(data: bytes):
@@ -413,7 +407,7 @@ def _count_frames(data: bytes, budget: VideoBudget) -> int:
         for _ in container.decode(video=0):
             n += 1
             if n > budget.max_source_frames:
-                raise MediaBudgetError(f"video has more than {budget.max_source_frames} frames")
+                raise MediaBudgetExceeded(f"video has more than {budget.max_source_frames} frames")
         return n
     except MediaError:
         raise
@@ -421,6 +415,33 @@ def _count_frames(data: bytes, budget: VideoBudget) -> int:
         raise VideoDecodeError(f"cannot decode video: {type(e).__name__}: {e}") from e
     finally:
         container.close()
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What the container says before any frame is decoded."""
+
+    total_frames: int  # 0 when the header has no count (Matroska/WebM, raw streams)
+    fps: float
+    height: int
+    width: int
+    declared_s: float  # the container's duration, 0 when unknown
+
+
+def read_header(data: bytes | bytearray | memoryview) -> VideoHeader:
+    container = _open(bytes(data))
+    try:
+        stream = container.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate
+        fps = float(rate) if rate else DEFAULT_FPS_FALLBACK
+        total = int(stream.frames or 0)
+        height, width = int(stream.codec_context.height), int(stream.codec_context.width)
+        declared_s = container.duration / 1_000_000 if container.duration else 0.0  # AV_TIME_BASE units
+    finally:
+        container.close()
+    if fps <= 0 or not math.isfinite(fps):
+        fps = DEFAULT_FPS_FALLBACK
+    return VideoHeader(total, fps, height, width, declared_s)
 
 
 def decode_video(
@@ -437,23 +458,14 @@ def decode_video(
     cfg = config or VideoPreprocessConfig()
     bud = budget or VideoBudget()
     raw = bytes(data)
-    container = _open(raw)
-    try:
-        stream = container.streams.video[0]
-        rate = stream.average_rate or stream.guessed_rate
-        fps = float(rate) if rate else DEFAULT_FPS_FALLBACK
-        total = int(stream.frames or 0)
-        height, width = int(stream.codec_context.height), int(stream.codec_context.width)
-        declared_s = container.duration / 1_000_000 if container.duration else 0.0  # AV_TIME_BASE units
-    finally:
-        container.close()
-    if fps <= 0 or not math.isfinite(fps):
-        fps = DEFAULT_FPS_FALLBACK
+    header = read_header(raw)
+    total, fps, height, width, declared_s = (header.total_frames, header.fps, header.height, header.width,
+                                             header.declared_s)
     if total > bud.max_source_frames:
-        raise MediaBudgetError(f"video has {total} frames, more than {bud.max_source_frames}")
+        raise MediaBudgetExceeded(f"video has {total} frames, more than {bud.max_source_frames}")
     if total <= 0:  # no frame count in the header (Matroska/WebM, raw streams): count by decoding
         if declared_s > bud.max_duration_s:
-            raise MediaBudgetError(f"video lasts {declared_s:.1f} s, more than {bud.max_duration_s:g} s")
+            raise MediaBudgetExceeded(f"video lasts {declared_s:.1f} s, more than {bud.max_duration_s:g} s")
         total = _count_frames(raw, bud)
     for _attempt in range(2):
         if total <= 0:
@@ -461,7 +473,7 @@ def decode_video(
         _check_source_budget(total, fps, height, width, bud)
         indices = sample_frame_indices(total, fps, cfg) if sample else np.arange(total, dtype=np.int64)
         if len(indices) * height * width > bud.max_decoded_pixels:
-            raise MediaBudgetError(
+            raise MediaBudgetExceeded(
                 f"decoded video would hold {len(indices) * height * width} pixels, more than {bud.max_decoded_pixels}"
             )
         wanted = {int(i): k for k, i in enumerate(indices.tolist())}
@@ -477,7 +489,7 @@ def decode_video(
                         height, width = int(frame.height), int(frame.width)
                         _check_source_budget(total, fps, height, width, bud)
                         if len(indices) * height * width > bud.max_decoded_pixels:
-                            raise MediaBudgetError("decoded video exceeds the pixel budget")
+                            raise MediaBudgetExceeded("decoded video exceeds the pixel budget")
                     frames[wanted[i]] = frame.to_ndarray(format="rgb24")
                 if i >= last:
                     break
