@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -34,9 +35,9 @@ from ninfer.media.image import (
     MAX_ASPECT_RATIO,
     MERGE_SIZE,
     PATCH_SIZE,
-    RESCALE_FACTOR,
     TEMPORAL_PATCH_SIZE,
     AspectRatioError,
+    ImagePreprocessConfig,
 )
 from ninfer.media.errors import MediaBudgetExceeded, MediaError
 
@@ -60,47 +61,29 @@ class VideoDecodeError(MediaError):
 
 
 @dataclass(frozen=True)
-class VideoPreprocessConfig:
-    patch_size: int = PATCH_SIZE
-    temporal_patch_size: int = TEMPORAL_PATCH_SIZE
-    merge_size: int = MERGE_SIZE
+class VideoPreprocessConfig(ImagePreprocessConfig):
+    """The image processor's fields (patching, normalisation) plus video sampling; pixel limits apply to the whole
+    frames x height x width volume."""
+
     min_pixels: int = VIDEO_MIN_PIXELS  # size.shortest_edge: minimum pixels of the whole volume
     max_pixels: int = VIDEO_MAX_PIXELS  # size.longest_edge: maximum pixels of the whole volume
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    rescale_factor: float = RESCALE_FACTOR
     fps: float = VIDEO_FPS
     min_frames: int = MIN_FRAMES
     max_frames: int = MAX_FRAMES
     cap_pixels_per_frame: bool = False  # transformers 5.x default (None -> False)
     max_video_tokens: int = MAX_VIDEO_TOKENS
 
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def row_size(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
-
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "VideoPreprocessConfig":
+        # The patching and normalisation fields read as the image processor's; the pixel limits prefer `size`.
+        fields = dataclasses.asdict(ImagePreprocessConfig.from_dict(d))
         size = d.get("size") or {}
-        return cls(
-            patch_size=int(d.get("patch_size", PATCH_SIZE)),
-            temporal_patch_size=int(d.get("temporal_patch_size", TEMPORAL_PATCH_SIZE)),
-            merge_size=int(d.get("merge_size", MERGE_SIZE)),
-            min_pixels=int(size.get("shortest_edge", d.get("min_pixels", VIDEO_MIN_PIXELS))),
-            max_pixels=int(size.get("longest_edge", d.get("max_pixels", VIDEO_MAX_PIXELS))),
-            image_mean=tuple(float(x) for x in d.get("image_mean", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
-            image_std=tuple(float(x) for x in d.get("image_std", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
-            rescale_factor=float(d.get("rescale_factor", RESCALE_FACTOR)),
-            fps=float(d.get("fps", VIDEO_FPS)),
-            min_frames=int(d.get("min_frames", MIN_FRAMES)),
-            max_frames=int(d.get("max_frames", MAX_FRAMES)),
-            cap_pixels_per_frame=bool(d.get("cap_pixels_per_frame") or False),
-            max_video_tokens=int(d.get("max_video_tokens", MAX_VIDEO_TOKENS)),
-        )
+        fields.update(min_pixels=int(size.get("shortest_edge", d.get("min_pixels", VIDEO_MIN_PIXELS))),
+                      max_pixels=int(size.get("longest_edge", d.get("max_pixels", VIDEO_MAX_PIXELS))))
+        return cls(**fields, fps=float(d.get("fps", VIDEO_FPS)), min_frames=int(d.get("min_frames", MIN_FRAMES)),
+                   max_frames=int(d.get("max_frames", MAX_FRAMES)),
+                   cap_pixels_per_frame=bool(d.get("cap_pixels_per_frame") or False),
+                   max_video_tokens=int(d.get("max_video_tokens", MAX_VIDEO_TOKENS)))
 
     @classmethod
     def from_json(cls, source: "str | os.PathLike[str] | Mapping[str, Any]") -> "VideoPreprocessConfig":
