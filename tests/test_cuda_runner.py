@@ -234,3 +234,37 @@ def test_the_engine_serves_batched_requests_on_the_cuda_runner(device_kind, arti
     alone = [run_all(1, [item])[0] for item in work]
     assert batched == alone
     assert [len(tokens) for tokens in batched] == [options.max_tokens for _, options in work]
+
+
+def test_kv_capacity_auto_is_sized_from_the_free_memory_after_the_whole_layout(artifacts):
+    """On HostDevice (64 GiB reported): auto takes what the weights, lane state, workspace, inputs, graph allowance
+    and 1 GiB leave, capped at what the lanes can use; an explicit capacity is kept exactly or refused."""
+    from ninfer.backends.cuda.build import KvCapacityDoesNotFit, build_cuda_runner
+    from ninfer.backends.cuda.host import HostDevice
+    from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES
+
+    path = artifacts[("dense", "bf16")]
+
+    def build(capacity, max_context=256, device_bytes=64 << 30):
+        config = EngineConfig(max_concurrency=2, max_context=max_context, prefill_chunk=128, kv_capacity=capacity)
+        return build_cuda_runner(Artifact.open(path), config, device=HostDevice(device_bytes))
+
+    auto = build("auto")
+    sizing = auto.sizing
+    assert sizing["policy"] == "auto" and sizing["pages"] == 2 * 4  # all the 2 lanes x 256 tokens can use
+    reserved = sum(size for purpose, size in auto.ledger.items() if purpose not in ("weights", "kv"))
+    assert sizing["runtime_reservation_bytes"] == reserved > 0
+    assert sizing["headroom_bytes"] == AUTO_HEADROOM_BYTES
+    assert auto.ledger["kv"] == sizing["pool_bytes"] == sizing["pages"] * 64 * sizing["bytes_per_token"]
+    assert sizing["free_after_startup_bytes"] <= sizing["free_after_weights_bytes"] - reserved - sizing["pool_bytes"]
+    explicit = build(300)
+    assert explicit.sizing["policy"] == "explicit" and explicit.sizing["capacity_tokens"] == 320  # whole pages
+    with pytest.raises(KvCapacityDoesNotFit, match="GiB"):  # 256 MiB of KV, never silently reduced
+        build(2 * 65536, max_context=65536, device_bytes=200 << 20)
+    roomy = build("auto", max_context=65536).sizing
+    assert roomy["pages"] == 2 * 1024
+    layout = (64 << 30) - roomy["free_after_weights_bytes"] + roomy["runtime_reservation_bytes"] \
+        + roomy["graph_allowance_bytes"]
+    sequence = 1024 * 64 * roomy["bytes_per_token"]
+    tight = build("auto", max_context=65536, device_bytes=layout + AUTO_HEADROOM_BYTES + sequence * 3 // 2).sizing
+    assert tight["pages"] == 1024 * 3 // 2  # what the memory holds, not what the lanes could use

@@ -15,7 +15,7 @@ import numpy as np
 from ninfer.artifact.codec import bf16_bits_to_f32
 from ninfer.backends.cuda.device import DeviceInfo
 
-HOST_BYTES = 64 << 30  # the memory a HostDevice reports (KV auto-sizing needs a number)
+HOST_BYTES = 64 << 30  # the memory a HostDevice reports by default (KV auto-sizing needs a number)
 
 
 class HostDevice:
@@ -23,13 +23,14 @@ class HostDevice:
     stream = None
     stream_handle = 0
 
-    def __init__(self) -> None:
+    def __init__(self, total_bytes: int = HOST_BYTES) -> None:
         self.ledger: collections.Counter[str] = collections.Counter()
+        self._total = total_bytes
 
     @property
     def info(self) -> DeviceInfo:
         used = sum(self.ledger.values())
-        return DeviceInfo(0, "host (NumPy twins)", HOST_BYTES, HOST_BYTES - used, 0)
+        return DeviceInfo(0, "host (NumPy twins)", self._total, self._total - used, 0)
 
     @property
     def kernels(self) -> Any:

@@ -447,6 +447,10 @@ class CudaQwen:
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
                                    decode_rows=capacity.decode_rows, max_pages=capacity.max_pages_per_lane,
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS)
+        # Runner glue: MTP hidden rows gathered per round, a row index, a prefill chunk's last row.
+        self.mtp_hidden = device.empty((rows + 1, dims.hidden), np.float32, "workspace") if capacity.mtp else None
+        self.gather_index = device.empty(rows + 1, np.int32, "inputs")
+        self.last_row = device.empty((1, dims.hidden), np.float32, "workspace")
         self.tails = device.zeros((capacity.lanes, dims.hidden), np.float32, "state")
         self.tail_checkpoints = device.zeros((capacity.lanes, CHECKPOINT_SLOTS, dims.hidden), np.float32, "state")
         self.verify_hidden = device.zeros((capacity.lanes, max(1, capacity.verify_columns), dims.hidden), np.float32,

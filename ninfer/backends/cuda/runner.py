@@ -58,11 +58,6 @@ class CudaRunner:
                                kv_bytes_per_token=model.kv_bytes_per_token)
         self._lanes = [_Lane() for _ in range(cap.lanes)]
         self._graphs: dict[tuple, Any] = {}  # step shape -> captured graph
-        device = model.device
-        rows = cap.max_rows + 1
-        self._mtp_hidden = device.empty((rows, dims.hidden), np.float32, "workspace") if draft_tokens else None
-        self._gather_index = device.empty(rows, np.int32, "inputs")
-        self._last_row = device.empty((1, dims.hidden), np.float32, "workspace")
 
     # ---- state operations ----
 
@@ -112,12 +107,12 @@ class CudaRunner:
                               seg_lane=[lane], seg_row=[0], seg_count=[count], seg_record=[0])
             final = model.forward(count, 1, PrefillSpan(lane, start))
             # The chunk's last row becomes the tail only after the MTP bridge column has read the old tail.
-            model.device.copy(self._last_row, final[count - 1 :])
+            model.device.copy(self._model.last_row, final[count - 1 :])
         elif chunk.final and not state.has_tail:
             raise ValueError(f"lane {lane}: nothing to sample from (empty chunk without a tail)")
         token = -1
         if chunk.final:
-            row = self._last_row if count else model.tails[lane : lane + 1]
+            row = self._model.last_row if count else model.tails[lane : lane + 1]
             token = self._sample_rows(row, [state.sampler], [start + count], Purpose.PREFILL)[0]
             if state.sampler.params.penalties_active and not state.sampler.params.is_greedy:
                 model.count_generated([lane], [token])
@@ -133,7 +128,7 @@ class CudaRunner:
                     self._prepare_drafts([(lane, n - 1, rows.first + n - 1, int(rows.positions[0, -1]))], d)
                     drafts_ready = True
         if count:
-            model.device.copy(model.tails[lane : lane + 1], self._last_row)
+            model.device.copy(model.tails[lane : lane + 1], self._model.last_row)
         state.has_tail = state.has_tail or count > 0
         state.verified = False
         return PrefillResult(token=token, drafts_ready=drafts_ready)
@@ -310,7 +305,7 @@ class CudaRunner:
         row of the last forward's final-norm output). Returns d [rows, H] (valid until the next forward)."""
         model = self._model
         rows = len(hidden_rows)
-        hidden = self._mtp_hidden[:rows]
+        hidden = self._model.mtp_hidden[:rows]
         for r, (where, index) in enumerate(hidden_rows):
             source = model.tails[index] if where == "tail" else model.workspace.final[index]
             model.device.copy(hidden[r], source)
@@ -331,11 +326,11 @@ class CudaRunner:
         model, k = self._model, self._k
         n = len(wanted)
         index = np.array([row for _, row, _, _ in wanted], np.int32)
-        model.device.write(self._gather_index[:n], index)
-        current = self._mtp_hidden[n : 2 * n]
-        model.k.gather_rows(d, self._gather_index[:n], current, stream=model.device.stream)
+        model.device.write(self._model.gather_index[:n], index)
+        current = self._model.mtp_hidden[n : 2 * n]
+        model.k.gather_rows(d, self._model.gather_index[:n], current, stream=model.device.stream)
         drafts = np.zeros((n, k), np.int32)
-        hidden = self._mtp_hidden[:n]
+        hidden = self._model.mtp_hidden[:n]
 
         def propose() -> None:
             model.propose(current)
