@@ -162,7 +162,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     device = device or CudaDevice(0)
     specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
     capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
-                        prefill_rows=prefill_tokens, draft_tokens=3)
+                        prefill_rows=prefill_tokens, draft_tokens=3, tensor_core_attention=True)
     began = time.perf_counter()
     model = CudaQwen(dims, RandomDeviceWeights(specs, recipe, device), device, capacity)
     model.allocate_kv(8 * capacity.max_pages_per_lane)

@@ -52,13 +52,15 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
-               graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False):
+               graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
+               tensor_core_attention: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
                           kv_capacity=lanes * 256, kv_dtype=kv_dtype, spec="mtp" if draft_tokens else None,
                           draft_tokens=draft_tokens, lm_head_draft=lm_head_draft)
-    return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs, device=make_device(kind))
+    return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs, device=make_device(kind),
+                             tensor_core_attention=tensor_core_attention)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -123,8 +125,8 @@ def test_prompt_logits_match_the_cpu_model(device_kind, artifacts, kind, recipe)
 def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifacts, kind):
     """prefill_attention="gemm": bf16 queries and probabilities through cuBLAS, within bf16 tolerance."""
     path = artifacts[(kind, "bf16")]
-    build = cuda_build(device_kind, path)
-    build.model.prefill_attention = "gemm"
+    build = cuda_build(device_kind, path, tensor_core_attention=True)
+    assert build.model.prefill_attention == "gemm"
     cpu = load_model(path)
     for length in (1, 7, 65, 128):
         got, want = prompt_logits(build.model, cpu, prompt(length, length))
@@ -259,8 +261,8 @@ def test_kv_capacity_auto_is_sized_from_the_free_memory_after_the_whole_layout(a
     assert sizing["free_after_startup_bytes"] <= sizing["free_after_weights_bytes"] - reserved - sizing["pool_bytes"]
     explicit = build(300)
     assert explicit.sizing["policy"] == "explicit" and explicit.sizing["capacity_tokens"] == 320  # whole pages
-    with pytest.raises(KvCapacityDoesNotFit, match="GiB"):  # 256 MiB of KV, never silently reduced
-        build(2 * 65536, max_context=65536, device_bytes=200 << 20)
+    with pytest.raises(KvCapacityDoesNotFit, match="GiB"):  # 64 MiB of KV on a 48 MiB device: never reduced
+        build(2 * 65536, max_context=65536, device_bytes=48 << 20)
     roomy = build("auto", max_context=65536).sizing
     assert roomy["pages"] == 2 * 1024
     layout = (64 << 30) - roomy["free_after_weights_bytes"] + roomy["runtime_reservation_bytes"] \

@@ -52,6 +52,7 @@ class Capacity:
     prefill_rows: int  # most rows of a prefill chunk
     draft_tokens: int  # k of MTP speculative decoding, 0 when off
     draft_head: bool = False  # --lm-head-draft: proposals from the artifact's shortlist head, when it has one
+    tensor_core_attention: bool = False  # allocate the scratch of the cuBLAS prefill attention (and use it)
 
     @property
     def mtp(self) -> bool:
@@ -275,7 +276,7 @@ class Workspace:
     """Activation buffers for up to `rows` rows, allocated once."""
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_rows: int, max_pages: int, max_context: int) -> None:
+                 decode_rows: int, max_pages: int, max_context: int, tensor_core_attention: bool) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -336,15 +337,19 @@ class Workspace:
         self.mtp_embedded = buf(rows, h) if mtp else None
         self.mtp_carried = buf(rows, h) if mtp else None
         self.x_bf16 = buf(rows, max(widths), dtype=np.uint16)  # activations rounded for cuBLAS
-        # Tensor-core prefill attention (`prefill_attention="gemm"`): the lane's K/V as contiguous bf16, a block of
-        # packed queries, and the score / probability scratch (at most SCORE_BYTES of fp32 scores).
-        self.gemm_keys = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
-        self.gemm_values = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
-        self.gemm_queries = buf(rows * d.q_width, dtype=np.uint16)
-        self.gemm_out = buf(rows * d.q_width)
-        scores = min(SCORE_BYTES // 4, d.attn_heads * rows * max_context)
-        self.gemm_scores = buf(scores)
-        self.gemm_probs = buf(scores, dtype=np.uint16)
+        # Tensor-core prefill attention (`prefill_attention="gemm"`), only when asked for (up to ~1.5 GiB): the
+        # lane's K/V as contiguous bf16, a block of packed queries, and the score / probability scratch (at most
+        # SCORE_BYTES of fp32 scores).
+        self.gemm_keys = self.gemm_values = self.gemm_queries = self.gemm_out = None
+        self.gemm_scores = self.gemm_probs = None
+        if tensor_core_attention:
+            self.gemm_keys = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
+            self.gemm_values = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
+            self.gemm_queries = buf(rows * d.q_width, dtype=np.uint16)
+            self.gemm_out = buf(rows * d.q_width)
+            scores = min(SCORE_BYTES // 4, d.attn_heads * rows * max_context)
+            self.gemm_scores = buf(scores)
+            self.gemm_probs = buf(scores, dtype=np.uint16)
         self.w_bf16 = buf(dequant_elements, dtype=np.uint16) if dequant_elements else None
 
 
@@ -409,8 +414,9 @@ class Linear:
 class CudaQwen:
     def __init__(self, dims: QwenDims, weights: DeviceWeights, device: Device, capacity: Capacity) -> None:
         self.dims, self.device, self.capacity, self.k = dims, device, capacity, device.kernels
-        # Prefill attention: "kernel" (the tiled numba kernel, fp32 math) or "gemm" (bf16 tensor cores via cuBLAS).
-        self.prefill_attention = "kernel"
+        # Prefill attention: "kernel" (the tiled numba kernel, fp32 math) or "gemm" (bf16 tensor cores via cuBLAS,
+        # which needs the model built with Capacity.tensor_core_attention for its scratch).
+        self.prefill_attention = "gemm" if capacity.tensor_core_attention else "kernel"
         fused = dims.is_moe
         self.embedding = weights.table("text/token_embedding")
         self.layers = [_layer_weights(weights, device, dims, f"text/layers/{i}/", kind, fused)
@@ -446,7 +452,8 @@ class CudaQwen:
         self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
                                    decode_rows=capacity.decode_rows, max_pages=capacity.max_pages_per_lane,
-                                   max_context=capacity.max_pages_per_lane * PAGE_TOKENS)
+                                   max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
+                                   tensor_core_attention=capacity.tensor_core_attention)
         # Runner glue: MTP hidden rows gathered per round, a row index, a prefill chunk's last row.
         self.mtp_hidden = device.empty((rows + 1, dims.hidden), np.float32, "workspace") if capacity.mtp else None
         self.gather_index = device.empty(rows + 1, np.int32, "inputs")
@@ -631,6 +638,8 @@ class CudaQwen:
         bf16, then per block of queries two strided-batched cuBLAS GEMMs around a causal softmax. A block holds as
         many queries as the score scratch allows at the block's key count."""
         ws, stream, d, k = self.workspace, self.device.stream, self.dims, self.k
+        if ws.gemm_scores is None:
+            raise ValueError("tensor-core prefill attention needs the model built with Capacity.tensor_core_attention")
         heads, kv_heads, head_dim = d.attn_heads, d.kv_heads, d.head_dim
         group, length = heads // kv_heads, prefill.kv_start + rows
         keys_bf16 = ws.gemm_keys[: kv_heads * length * head_dim].reshape(kv_heads, length, head_dim)
