@@ -39,6 +39,35 @@ def _optional_positions(value: Any) -> np.ndarray | None:
     return None if value is None else _int32_array(value)
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class PromptMedia:
+    """One image or video of a prompt: its prepared vision input and the placeholder columns its embeddings fill.
+
+    digest: SHA-256 (hex) of the acquired bytes; with modality and grid it is the item's identity for prefix reuse.
+    grid: (t, h, w) in patch units, as the preprocessor produced it.
+    patches: uint16 bf16 bits `[t*h*w, patch_row]`, the vision tower's input (immutable, shared with the cache).
+    columns: int32 prompt indices of the item's placeholder tokens (`<|image_pad|>` / `<|video_pad|>`), ascending,
+        one per merged vision token: the tower's output row i replaces the embedding of column columns[i]. A video's
+        columns are not contiguous (timestamps and frame delimiters sit between its temporal slices).
+    """
+
+    modality: str
+    digest: str
+    grid: tuple[int, int, int] = attrs.field(converter=lambda g: tuple(int(v) for v in g))
+    patches: np.ndarray = attrs.field(repr=False)
+    columns: np.ndarray = attrs.field(converter=_int32_array, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.modality not in ("image", "video"):
+            raise PromptError(f"media modality must be image or video, got {self.modality!r}")
+        if self.columns.ndim != 1 or self.columns.size == 0 or np.any(np.diff(self.columns) <= 0):
+            raise PromptError("media columns must be a non-empty ascending 1-D sequence")
+
+    @property
+    def identity(self) -> tuple[str, str, tuple[int, int, int]]:
+        return (self.modality, self.digest, self.grid)
+
+
 @attrs.frozen(kw_only=True)
 class PreparedPrompt:
     """A tokenized prompt as the frontend prepared it.
@@ -51,6 +80,7 @@ class PreparedPrompt:
         thinking block when thinking is off) - the prompt length for a generation prompt (the response checkpoint).
     preserve_thinking: the request keeps closed-turn reasoning, so its next turn re-renders this response: the
         engine then checkpoints at the prologue end instead of the assistant boundary.
+    media: the prompt's images and videos in prompt order (empty for text); their columns never overlap.
     """
 
     token_ids: np.ndarray = attrs.field(converter=_int32_array, eq=False)
@@ -59,9 +89,15 @@ class PreparedPrompt:
     assistant_boundary: int | None = None
     prologue_end: int | None = None
     preserve_thinking: bool = False
+    media: tuple[PromptMedia, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         count = len(self)
+        previous_end = -1
+        for item in self.media:
+            if item.columns[0] <= previous_end or item.columns[-1] >= count:
+                raise PromptError("media columns must lie inside the prompt, in prompt order, without overlap")
+            previous_end = int(item.columns[-1])
         if self.token_ids.ndim != 1 or count == 0 or self.token_ids.min() < 0:
             raise PromptError("a prompt needs at least one non-negative token id, as a 1-D sequence")
         if self.positions is not None and self.positions.shape != (3, count):
