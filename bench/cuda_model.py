@@ -155,7 +155,7 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
-                 decode_linears: tuple[str, ...] = ("kernels",)) -> dict:
+                 decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -174,13 +174,16 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     for linear in decode_linears:
-        model.linear.cublas_decode = linear == "cublas"
+        # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
+        # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
+        model.linear.cublas_decode = linear.startswith("cublas")
+        model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else capacity.decode_rows
         for batch in (1, 2, 4, 8):
             setup_lanes(model, batch, context)
 
             def step():
-                final = model.forward(batch, batch)
-                model.greedy(model.head_logits(final))
+                model.forward(batch, batch)
+                model.greedy(model.head_logits(model.workspace.final, batch))
 
             step()
             device.synchronize()
@@ -193,8 +196,15 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds})
             print(f"  decode [{linear}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}", flush=True)
+            if profile and batch in (1, 8) and linear in ("cublas", "kernels"):
+                from bench.kernel_profile import print_profile, profile_replays
+
+                kernels = profile_replays(lambda: graph.replay(device.stream_handle), device.synchronize)
+                print_profile(f"{linear} B={batch}", kernels)
+                decode[-1]["profile"] = kernels
             graph.close()
-    model.linear.cublas_decode = False
+    model.linear.cublas_decode = capacity.decode_linear == "cublas"
+    model.linear.pad_rows = capacity.decode_rows
     result["decode"] = decode
 
     # Prefill: one lane, 8192 tokens from position 0, eager.
@@ -240,7 +250,8 @@ def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
         hidden = device.empty((rows, dims.hidden), np.float32, "bench")
 
         def verify():
-            model.greedy(model.head_logits(model.forward(rows, 1)))
+            model.forward(rows, 1)
+            model.greedy(model.head_logits(model.workspace.final, rows))
 
         def mtp():
             model.mtp_forward(hidden, rows)
@@ -296,8 +307,11 @@ def main() -> None:
     parser.add_argument("--models", default="27b,35b")
     parser.add_argument("--recipes", default="bf16,ninfer-v2")
     parser.add_argument("--kv", default="bf16")
-    parser.add_argument("--decode-linear", default="kernels,cublas",
-                        help="decode linear paths to time: the skinny kernels and/or cuBLAS (bf16 matrices only)")
+    parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas",
+                        help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
+                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel GPU time of the B=1 and B=8 decode graphs (CUPTI through torch.profiler)")
     args = parser.parse_args()
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
@@ -311,9 +325,9 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for kv in args.kv.split(","):
                 try:
-                    linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("kernels",)
+                    linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("cublas",)
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
-                                                          decode_linears=linears))
+                                                          decode_linears=linears, profile=args.profile))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

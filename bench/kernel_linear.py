@@ -186,7 +186,7 @@ def main() -> None:
     bench_dense(timer, rows, rng, sweep)
     print(f"total {time.time() - t0:.0f} s")
     for name, fn in (("bf16 m1", L.linear_bf16_kernel_m1), ("bf16", L.linear_bf16_kernel),
-                     ("q4 m1", Q.LINEAR_QUANT_KERNELS_M1[4]), ("q4", Q.LINEAR_QUANT_KERNELS[4]),
+                     ("q4 m1", Q.LINEAR_QUANT_KERNELS_M1[4]), ("q4 tile4", Q.LINEAR_QUANT_KERNELS_BY_TILE[4][4]),
                      ("q6 m1", Q.LINEAR_QUANT_KERNELS_M1[6]), ("w8 m1", Q.LINEAR_QUANT_KERNELS_M1[8])):
         try:
             print(name, "regs", {str(k): v for k, v in fn.get_regs_per_thread().items()},

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from numba import float32, int32, uint32
 from numba.cuda import libdevice
 
@@ -64,3 +66,11 @@ def sigmoid_f32(x):
 
 def blocks_for(items: int, per_block: int) -> int:
     return max(1, math.ceil(items / per_block))
+
+
+def bf16_target(out, out_bf16) -> tuple:
+    """(array, flag) for a kernel's optional bf16 copy: without one, `out` viewed as uint16 stands in (never
+    written, and no allocation, which graph capture forbids)."""
+    if out_bf16 is None:
+        return out.reshape(out.shape[0], -1).view(np.uint16), np.int32(0)
+    return out_bf16.reshape(out_bf16.shape[0], -1), np.int32(1)

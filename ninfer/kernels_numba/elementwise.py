@@ -16,7 +16,8 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu import ops
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import FULL_MASK, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32, warp_sum
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_target, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32,
+                                         warp_sum)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 ROW_THREADS = 256  # threads of a one-block-per-row kernel (8 warps)
@@ -115,8 +116,8 @@ def block_sum_dyn(value, buf):
     return total
 
 
-@kernel((F32_2D, F32_1D, F32_2D, float32, int32), fastmath=False)
-def _rms_norm_kernel(x, weight, out, eps, offset):
+@kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, float32, int32), fastmath=False)
+def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, eps, offset):
     buf = cuda.shared.array(32, float32)
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
@@ -141,7 +142,10 @@ def _rms_norm_kernel(x, weight, out, eps, offset):
                 w = weight[i]
                 if offset != 0:
                     w = float32(1.0) + w
-                out[r, i] = (x[r, i] * inv) * w
+                value = (x[r, i] * inv) * w
+                out[r, i] = value
+                if write_bf16 != 0:
+                    out_bf16[r, i] = uint16(f32_to_bf16(value))
         base += NORM_UNROLL * step
 
 
@@ -176,12 +180,14 @@ def _add_rms_norm_kernel(residual, delta, weight, out, eps, offset):
         base += NORM_UNROLL * step
 
 
-def rms_norm_rows(x, weight, out, *, eps, offset, stream):
-    """out = ops.rms_norm(x, weight, eps, offset=offset). x, out fp32 [R, H] (may alias); weight fp32 [H]."""
+def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None):
+    """out = ops.rms_norm(x, weight, eps, offset=offset). x, out fp32 [R, H] (may alias); weight fp32 [H].
+    With `out_bf16` (uint16 [R, H]) the same values rounded to bf16 bits are written there too: the input of the
+    cuBLAS linear layers that follow, without a separate conversion launch."""
     rows = x.shape[0]
     if rows:
-        _rms_norm_kernel[rows, norm_threads(x.shape[1]), stream](x, weight, out, np.float32(eps),
-                                                                 np.int32(bool(offset)))
+        _rms_norm_kernel[rows, norm_threads(x.shape[1]), stream](x, weight, out, *bf16_target(out, out_bf16),
+                                                                 np.float32(eps), np.int32(bool(offset)))
 
 
 def rms_norm_rows_reference(x, weight, *, eps, offset):
@@ -205,24 +211,28 @@ def add_rms_norm_rows_reference(residual, delta, weight, *, eps, offset):
 # ---------------------------------------------------------------------------------------------------- silu_mul
 
 
-@kernel((F32_2D, F32_2D), fastmath=False)
-def _silu_mul_kernel(gate_up, out):
+@kernel((F32_2D, F32_2D, uint16[:, ::1], int32), fastmath=False)
+def _silu_mul_kernel(gate_up, out, out_bf16, write_bf16):
     c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     r = cuda.blockIdx.x
     inter = out.shape[1]
     if c < inter:
         g = gate_up[r, c]
-        out[r, c] = (g * sigmoid_f32(g)) * gate_up[r, inter + c]
+        value = (g * sigmoid_f32(g)) * gate_up[r, inter + c]
+        out[r, c] = value
+        if write_bf16 != 0:
+            out_bf16[r, c] = uint16(f32_to_bf16(value))
 
 
-def silu_mul_rows(gate_up, out, *, stream):
-    """out = silu(gate) * up: gate_up fp32 [R, 2I] = [gate | up] -> out fp32 [R, I]; also [R, S, 2I] -> [R, S, I]."""
+def silu_mul_rows(gate_up, out, *, stream, out_bf16=None):
+    """out = silu(gate) * up: gate_up fp32 [R, 2I] = [gate | up] -> out fp32 [R, I]; also [R, S, 2I] -> [R, S, I].
+    With `out_bf16` (uint16 [R, I]) also the bf16 bits of out (see `rms_norm_rows`)."""
     if gate_up.ndim == 3:
         silu_mul_slots(gate_up, out, stream=stream)
         return
     rows, inter = out.shape
     if rows and inter:
-        _silu_mul_kernel[(rows, blocks_for(inter, TILE)), TILE, stream](gate_up, out)
+        _silu_mul_kernel[(rows, blocks_for(inter, TILE)), TILE, stream](gate_up, out, *bf16_target(out, out_bf16))
 
 
 def silu_mul_slots(gate_up, out, *, stream):
@@ -231,7 +241,7 @@ def silu_mul_slots(gate_up, out, *, stream):
     if rows * slots and inter:
         g2 = gate_up.reshape(rows * slots, 2 * inter)
         o2 = out.reshape(rows * slots, inter)
-        _silu_mul_kernel[(rows * slots, blocks_for(inter, TILE)), TILE, stream](g2, o2)
+        _silu_mul_kernel[(rows * slots, blocks_for(inter, TILE)), TILE, stream](g2, o2, *bf16_target(o2, None))
 
 
 def silu_mul_rows_reference(gate_up: np.ndarray) -> np.ndarray:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int32, uint64  # noqa: F401 (uint64: templates)
+from numba import float32, int32, uint16, uint64  # noqa: F401 (uint64: templates)
 
 from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rule
 from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softplus
-from ninfer.kernels_numba.common import FULL_MASK, WARP, blocks_for, sigmoid_f32, warp_sum  # noqa: F401 (FULL_MASK: templates)
+from ninfer.kernels_numba.common import (FULL_MASK, WARP, bf16_target, blocks_for, f32_to_bf16,  # noqa: F401
+                                         sigmoid_f32, warp_sum)  # (FULL_MASK: templates)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 F32 = np.float32
@@ -479,11 +480,12 @@ def gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns
 
 OUT_WARPS = 4
 
-_OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], int32, int32, int32, float32)
+_OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], uint16[:, ::1], int32, int32, int32,
+            int32, float32)
 
 
 @kernel(_OUT_SIG)
-def _gdn_output_kernel(o, z_source, weight, result, v_heads, v_dim, z_offset, eps):
+def _gdn_output_kernel(o, z_source, weight, result, result_bf16, write_bf16, v_heads, v_dim, z_offset, eps):
     item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
     rows = o.shape[0]
@@ -506,17 +508,21 @@ def _gdn_output_kernel(o, z_source, weight, result, v_heads, v_dim, z_offset, ep
     for e in range(PER_LANE):
         j = lane + e * WARP
         if j < v_dim:
-            result[row, h * v_dim + j] = ((x[e] * inv) * weight[j]) * (z[e] * sigmoid_f32(z[e]))
+            value = ((x[e] * inv) * weight[j]) * (z[e] * sigmoid_f32(z[e]))
+            result[row, h * v_dim + j] = value
+            if write_bf16 != 0:
+                result_bf16[row, h * v_dim + j] = uint16(f32_to_bf16(value))
 
 
-def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps, stream):
+def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps, stream, result_bf16=None):
     """result[r, h*Dv + j] = rms_norm(out[r, h], norm_weight, eps, offset=False)[j] * silu(z_source[r, z_offset +
-    h*Dv + j])."""
+    h*Dv + j]). With `result_bf16` (uint16 [R, Hv*Dv]) also its bf16 bits (see `elementwise.rms_norm_rows`)."""
     if v_dim > MAX_HEAD_DIM:
         raise ValueError(f"gdn_output supports v_dim <= {MAX_HEAD_DIM}, got {v_dim}")
     rows = out.shape[0]
     grid = blocks_for(rows * v_heads, OUT_WARPS)
-    _gdn_output_kernel[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight, result, np.int32(v_heads),
+    _gdn_output_kernel[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight, result,
+                                                      *bf16_target(result, result_bf16), np.int32(v_heads),
                                                       np.int32(v_dim), np.int32(z_offset), np.float32(eps))
 
 

@@ -488,8 +488,17 @@ def make_dequantize_kernel(bits: int):
     return dequantize_kernel
 
 
-LINEAR_QUANT_KERNELS = {bits: make_linear_quant_kernel(bits, QUANT_ROWS_PER_WARP) for bits in (4, 5, 6, 8)}
-LINEAR_QUANT_KERNELS_M1 = {bits: make_linear_quant_kernel(bits, QUANT_ROWS_PER_WARP, 1) for bits in (4, 5, 6, 8)}
+# Row tiles compiled per format: 1 (M == 1), 2 (M == 2) and 4 (M >= 3, in tiles of 4). Wider tiles need more
+# registers than they save in weight reads (the 8-row tile ran 5x slower per launch than the 1-row one on the H200).
+QUANT_TILES = (1, 2, 4)
+LINEAR_QUANT_KERNELS_BY_TILE = {tile: {bits: make_linear_quant_kernel(bits, QUANT_ROWS_PER_WARP, tile)
+                                       for bits in (4, 5, 6, 8)} for tile in QUANT_TILES}
+LINEAR_QUANT_KERNELS_M1 = LINEAR_QUANT_KERNELS_BY_TILE[1]
+
+
+def quant_tile(rows: int) -> int:
+    """The row tile the launcher uses for `rows` x rows."""
+    return next((tile for tile in QUANT_TILES if rows <= tile), QUANT_TILES[-1])
 GATHERED_QUANT_KERNELS = {bits: make_linear_quant_gathered_kernel(bits, QUANT_ROWS_PER_WARP) for bits in (4, 5, 6, 8)}
 DEQUANTIZE_KERNELS = {bits: make_dequantize_kernel(bits) for bits in (4, 5, 6, 8)}
 
@@ -505,10 +514,9 @@ def linear_quant(x, qw: QuantWeight, y, *, stream, accumulate: bool = False,
     assert (N, K) == tuple(qw.shape) and y.shape[0] == M, (x.shape, qw.shape, y.shape)
     if M == 0:
         return
-    rows = min(M, ROW_TILE)
+    rows = quant_tile(M)
     kc = chunk_columns(rows, K, QUANT_SPAN)
-    table = LINEAR_QUANT_KERNELS_M1 if M == 1 else LINEAR_QUANT_KERNELS
-    fn = _kernel if _kernel is not None else table[FORMAT_IDS[qw.fmt]]
+    fn = _kernel if _kernel is not None else LINEAR_QUANT_KERNELS_BY_TILE[rows][FORMAT_IDS[qw.fmt]]
     blocks = math.ceil(N / (warps * rows_per_warp))
     fn[blocks, 32 * warps, stream, rows * kc * 4](x, qw.base, qw.high, qw.scales, y, int32(1 if accumulate else 0),
                                                int32(kc))

@@ -39,16 +39,18 @@ class CudaBuild:
 
 
 def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index: int = 0, cuda_graphs: bool = True,
-                      device: Device | None = None, tensor_core_attention: bool = False) -> CudaBuild:
+                      device: Device | None = None, tensor_core_attention: bool = True,
+                      decode_linear: str = "cublas") -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
-    kernels' NumPy twins)."""
+    kernels' NumPy twins). `tensor_core_attention` and `decode_linear`: see `Capacity`."""
     dims = artifact_dims(artifact)
     if not isinstance(dims, QwenDims):
         raise TypeError(f"the CUDA backend serves Qwen3.6 models; {artifact.model_id} is {type(dims).__name__}")
     device = device if device is not None else CudaDevice(device_index)
     capacity = Capacity(lanes=config.max_concurrency, max_context=config.max_context, kv_dtype=config.kv_dtype,
                         prefill_rows=config.prefill_chunk, draft_tokens=config.draft_tokens,
-                        draft_head=config.lm_head_draft, tensor_core_attention=tensor_core_attention)
+                        draft_head=config.lm_head_draft, tensor_core_attention=tensor_core_attention,
+                        decode_linear=decode_linear)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity)
     return finish_build(device, model, config, cuda_graphs=cuda_graphs)
 

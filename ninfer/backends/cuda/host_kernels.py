@@ -65,12 +65,19 @@ def embed_rows(table, ids, out, *, stream):
     out[...] = _elementwise.embed_rows_reference(table, ids)
 
 
-def rms_norm_rows(x, weight, out, *, eps, offset, stream):
+def _bf16_copy(values, out_bf16) -> None:
+    if out_bf16 is not None:
+        out_bf16.reshape(values.shape)[...] = codec.f32_to_bf16_bits(values)
+
+
+def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None):
     out[...] = _elementwise.rms_norm_rows_reference(x, weight, eps=eps, offset=offset)
+    _bf16_copy(out, out_bf16)
 
 
-def silu_mul_rows(gate_up, out, *, stream):
+def silu_mul_rows(gate_up, out, *, stream, out_bf16=None):
     out[...] = _elementwise.silu_mul_rows_reference(gate_up)
+    _bf16_copy(out, out_bf16)
 
 
 silu_mul_slots = silu_mul_rows  # the twin works on any leading shape
@@ -110,8 +117,9 @@ def gdn_recurrent(*args, stream, **kwargs):
     _gdn.gdn_recurrent_reference(*args, **kwargs)
 
 
-def gdn_output(*args, stream, **kwargs):
-    _gdn.gdn_output_reference(*args, **kwargs)
+def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, **kwargs):
+    _gdn.gdn_output_reference(out, z_source, norm_weight, result, **kwargs)
+    _bf16_copy(result, result_bf16)
 
 
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream):

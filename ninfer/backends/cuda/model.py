@@ -52,7 +52,18 @@ class Capacity:
     prefill_rows: int  # most rows of a prefill chunk
     draft_tokens: int  # k of MTP speculative decoding, 0 when off
     draft_head: bool = False  # --lm-head-draft: proposals from the artifact's shortlist head, when it has one
-    tensor_core_attention: bool = False  # allocate the scratch of the cuBLAS prefill attention (and use it)
+    # Prefill attention on the tensor cores (cuBLAS; 2.5x faster than the numba kernel at 8K on the H200): its
+    # scratch is allocated only with this set.
+    tensor_core_attention: bool = True
+    # bf16 linear layers of up to SKINNY_ROWS rows: "cublas" (activations rounded to bf16; cuBLAS may change its
+    # algorithm with the row count, so bitwise batch invariance is not promised) or "kernels" (the batch-invariant
+    # skinny kernels, fp32 activations; 1.4x slower at 27B batch 1 on the H200). Quantized matrices always use
+    # their kernels.
+    decode_linear: str = "cublas"
+
+    def __attrs_post_init__(self) -> None:
+        if self.decode_linear not in ("cublas", "kernels"):
+            raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
 
     @property
     def mtp(self) -> bool:
@@ -358,44 +369,61 @@ class Workspace:
 
 
 class Linear:
-    """y (+)= x @ W^T for any stored format: skinny kernels up to SKINNY_ROWS rows, cuBLAS on bf16 beyond.
+    """y (+)= x @ W^T for any stored format: up to SKINNY_ROWS rows the quantized kernels, and for bf16 matrices
+    cuBLAS or the skinny kernels (`cublas_decode`, from Capacity.decode_linear); cuBLAS on bf16 beyond.
 
-    `cublas_decode` sends bf16 matrices to cuBLAS at every row count (activations rounded to bf16, and cuBLAS may
-    pick a different algorithm per row count, so batch invariance is not promised): the benchmark's comparison
-    point for the skinny kernels."""
+    Batch invariance with cuBLAS: cuBLAS picks its algorithm (and so the summation order) from the shape, so up to
+    `pad_rows` rows every call computes exactly `pad_rows` rows (one shape, whatever the batch; a row's result never
+    depends on other rows). Callers pass whole workspace buffers and `rows` for that: rows past `rows` of x are
+    stale inputs and of y scratch outputs. cuBLAS takes bf16 activations; a producer kernel that already wrote them
+    (into `bf16_input`'s scratch) passes that copy as `x_bf16` and saves the conversion launch."""
 
-    def __init__(self, device: Device, workspace: Workspace) -> None:
+    def __init__(self, device: Device, workspace: Workspace, *, cublas_decode: bool, pad_rows: int) -> None:
         self._device, self.blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
-        self.cublas_decode = False
+        self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
 
-    def __call__(self, x: Any, w: Matrix, y: Any, *, accumulate: bool = False) -> None:
+    def __call__(self, x: Any, w: Matrix, y: Any, *, rows: int | None = None, accumulate: bool = False,
+                 x_bf16: Any = None) -> None:
         stream, k = self._device.stream, self._k
-        rows = x.shape[0]
+        rows = x.shape[0] if rows is None else rows
         if isinstance(w, SplitMatrix):
-            self._split(x, w, y, accumulate)
+            self._split(x, w, y, rows, accumulate)
             return
         if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if is_quantized(w):
-                k.linear_quant(x, w, y, stream=stream, accumulate=accumulate)
+                k.linear_quant(x[:rows], w, y[:rows], stream=stream, accumulate=accumulate)
             else:
-                k.linear_bf16(x, w.data, y, stream=stream, accumulate=accumulate)
+                k.linear_bf16(x[:rows], w.data, y[:rows], stream=stream, accumulate=accumulate)
             return
-        n, width = w.shape
-        x_bf16 = self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
-        k.to_bf16_rows(x, x_bf16, stream=stream)
-        self.blas.gemm_bf16(x_bf16, self.bf16_weight(w), y, accumulate=accumulate)
+        width = x.shape[1]
+        gemm_rows = self.pad_rows if rows <= self.pad_rows <= min(x.shape[0], y.shape[0]) else rows
+        if x_bf16 is None:
+            k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=stream)
+        self.blas.gemm_bf16(self.bf16_input(gemm_rows, width), self.bf16_weight(w), y[:gemm_rows],
+                            accumulate=accumulate)
 
-    def _split(self, x: Any, w: SplitMatrix, y: Any, accumulate: bool) -> None:
+    def bf16_input(self, rows: int, width: int, *consumers: Matrix) -> Any:
+        """The shared scratch for a [rows, width] bf16 copy of an activation, or None when not every consumer would
+        read it (with consumers given: the producer then skips writing it). The copy is valid until the next linear
+        call that converts its own input."""
+        if consumers and not all(self._reads_bf16(w, rows) for w in consumers):
+            return None
+        return self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
+
+    def _reads_bf16(self, w: Matrix, rows: int) -> bool:
+        return isinstance(w, Bf16Matrix) and (rows > SKINNY_ROWS or self.cublas_decode)
+
+    def _split(self, x: Any, w: SplitMatrix, y: Any, rows: int, accumulate: bool) -> None:
         """Both row blocks into scratch rows, then joined side by side into y (two blocks: every fused projection
         of the 27B inventory has exactly two)."""
         if accumulate or len(w.parts) != 2:
             raise ValueError("a split projection must have two blocks and overwrite its output")
-        rows, outputs = x.shape[0], []
+        capacity, outputs = min(x.shape[0], y.shape[0]), []
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
-            out = scratch[: rows * part.shape[0]].reshape(rows, part.shape[0])
-            self(x, part, out)
-            outputs.append(out)
-        self._k.concat_columns(outputs[0], outputs[1], y, stream=self._device.stream)
+            out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
+            self(x, part, out, rows=rows)
+            outputs.append(out[:rows])
+        self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._device.stream)
 
     def gemm(self, x_bf16: Any, w_bf16: Any, y: Any) -> None:
         """cuBLAS on operands already in bf16 (the grouped MoE prefill)."""
@@ -479,7 +507,8 @@ class CudaQwen:
         self.count_lanes = device.zeros(decode_rows, np.int32, "inputs")
         self.count_ids = device.zeros(decode_rows, np.int32, "inputs")
         self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
-        self.linear = Linear(device, self.workspace)
+        cublas = capacity.decode_linear == "cublas"
+        self.linear = Linear(device, self.workspace, cublas_decode=cublas, pad_rows=capacity.decode_rows if cublas else 0)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -536,7 +565,7 @@ class CudaQwen:
         carried = ws.mtp_carried[:rows]  # not `final`: the caller's hidden rows may live there
         self.k.rms_norm_rows(hidden, mtp.hidden_norm, carried, eps=d.rms_eps, offset=True, stream=stream)
         self.k.concat_columns(embedded, carried, ws.mtp_in[:rows], stream=stream)
-        self.linear(ws.mtp_in[:rows], mtp.input_projection, x)
+        self.linear(ws.mtp_in, mtp.input_projection, ws.x, rows=rows)
         self._layer(mtp.layer, -1, rows, rows, prefill, self.mtp_kv)
         out = ws.final[:rows]
         self.k.rms_norm_rows(x, mtp.final_norm, out, eps=d.rms_eps, offset=True, stream=stream)
@@ -560,11 +589,12 @@ class CudaQwen:
         else:
             self.k.gather_rows(self.embedding, ids, out, stream=self.device.stream)
 
-    def head_logits(self, hidden: Any) -> Any:
-        rows = hidden.shape[0]
-        logits = self.logits[:rows]
-        self.linear(hidden, self.head, logits)
-        return logits
+    def head_logits(self, hidden: Any, rows: int | None = None) -> Any:
+        """Logits of hidden[:rows] (all of `hidden` without `rows`; with it, `hidden` is a whole buffer such as
+        workspace.final, which lets cuBLAS pad to its fixed shape) into logits[:rows]."""
+        rows = hidden.shape[0] if rows is None else rows
+        self.linear(hidden, self.head, self.logits, rows=rows)
+        return self.logits[:rows]
 
     def candidates(self, logits: Any) -> None:
         """The TOP_K_CAP best penalised candidates of each row (row r of lane row_lane[r], penalties presence[r] and
@@ -597,24 +627,32 @@ class CudaQwen:
                kv: KvPool | None) -> None:
         ws, stream, d = self.workspace, self.device.stream, self.dims
         x, h = ws.x[:rows], ws.h[:rows]
-        self.k.rms_norm_rows(x, layer.input_norm, h, eps=d.rms_eps, offset=True, stream=stream)
+        mixer = (layer.attention.in_proj,) if layer.attention is not None else (layer.gdn.in_proj, layer.gdn.ab_proj)
+        h_bf16 = self.linear.bf16_input(rows, d.hidden, *mixer)
+        self.k.rms_norm_rows(x, layer.input_norm, h, eps=d.rms_eps, offset=True, stream=stream, out_bf16=h_bf16)
         if layer.attention is not None:
-            self._attention(layer.attention, rows, prefill, kv)
+            self._attention(layer.attention, rows, prefill, kv, h_bf16)
         else:
-            self._gdn(layer, self.gdn[index], rows, segments)
-        self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream)
-        if isinstance(layer.ffn, DenseFfn):
+            self._gdn(layer, self.gdn[index], rows, segments, h_bf16)
+        ffn = layer.ffn
+        consumers = (ffn.gate_up,) if isinstance(ffn, DenseFfn) else (ffn.router, ffn.shared_gate, ffn.shared_gate_up)
+        h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers)
+        self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream,
+                             out_bf16=h_bf16)
+        if isinstance(ffn, DenseFfn):
             gate_up, act = ws.gate_up[:rows], ws.act[:rows]
-            self.linear(h, layer.ffn.gate_up, gate_up)
-            self.k.silu_mul_rows(gate_up, act, stream=stream)
-            self.linear(act, layer.ffn.down, x, accumulate=True)
+            self.linear(ws.h, ffn.gate_up, ws.gate_up, rows=rows, x_bf16=h_bf16)
+            act_bf16 = self.linear.bf16_input(rows, act.shape[1], ffn.down)
+            self.k.silu_mul_rows(gate_up, act, stream=stream, out_bf16=act_bf16)
+            self.linear(ws.act, ffn.down, ws.x, rows=rows, accumulate=True, x_bf16=act_bf16)
         else:
-            self._moe(layer.ffn, rows)
+            self._moe(ffn, rows, h_bf16)
 
-    def _attention(self, w: AttentionWeights, rows: int, prefill: PrefillSpan | None, kv: KvPool) -> None:
+    def _attention(self, w: AttentionWeights, rows: int, prefill: PrefillSpan | None, kv: KvPool,
+                   h_bf16: Any) -> None:
         ws, stream, d, inputs = self.workspace, self.device.stream, self.dims, self.inputs
         qkgv, q, out = ws.qkgv[:rows], ws.q[:rows], ws.attended[:rows]
-        self.linear(ws.h[:rows], w.in_proj, qkgv)
+        self.linear(ws.h, w.in_proj, ws.qkgv, rows=rows, x_bf16=h_bf16)
         self.k.attention_prepare(qkgv, w.query_norm, w.key_norm, self.inv_freq, inputs.positions,
                                inputs.row_lane[:rows], inputs.row_pos[:rows], inputs.page_tables, kv.k, kv.v,
                                kv.k_scale, kv.v_scale, q, heads=d.attn_heads, kv_heads=d.kv_heads,
@@ -631,7 +669,7 @@ class CudaQwen:
             self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
                                    kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
                                    head_dim=d.head_dim, stream=stream)
-        self.linear(out, w.output, ws.x[:rows], accumulate=True)
+        self.linear(ws.attended, w.output, ws.x, rows=rows, accumulate=True)
 
     def _prefill_attention_gemm(self, kv: KvPool, prefill: PrefillSpan, rows: int) -> None:
         """Prefill attention on the tensor cores (`attention_gemm`): K/V of the lane gathered once into contiguous
@@ -662,11 +700,11 @@ class CudaQwen:
             blas.batched_values(probs, values_bf16, keys, attended)
             k.unpack_gated(attended, qkgv, out, first=first, rows=count, group=group, stream=stream)
 
-    def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int) -> None:
+    def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int, h_bf16: Any) -> None:
         ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
-        h, projected, ab, mixed = ws.h[:rows], ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
-        self.linear(h, w.in_proj, projected)
-        self.linear(h, w.ab_proj, ab)
+        projected, ab, mixed = ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
+        self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16)
+        self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16)
         seg = (inputs.seg_lane[:segments], inputs.seg_row[:segments], inputs.seg_count[:segments],
                inputs.seg_record[:segments])
         self.k.gdn_conv(projected, w.conv, state.conv, state.conv_columns, *seg, mixed,
@@ -679,16 +717,17 @@ class CudaQwen:
                           qk_heads=d.gdn_qk_heads, v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, v_dim=d.gdn_v_dim,
                           channels_qk=2 * d.gdn_qk_width, stream=stream)
         normed = ws.gdn_normed[:rows]
+        normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
         self.k.gdn_output(out, projected, w.norm, normed, v_heads=d.gdn_v_heads, v_dim=d.gdn_v_dim,
-                       z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream)
-        self.linear(normed, layer.gdn_output, ws.x[:rows], accumulate=True)
+                          z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream, result_bf16=normed_bf16)
+        self.linear(ws.gdn_normed, layer.gdn_output, ws.x, rows=rows, accumulate=True, x_bf16=normed_bf16)
 
-    def _moe(self, w: MoeFfn, rows: int) -> None:
+    def _moe(self, w: MoeFfn, rows: int, h_bf16: Any) -> None:
         ws, stream, d = self.workspace, self.device.stream, self.dims
         h, x = ws.h[:rows], ws.x[:rows]
         router_logits, gate_logit = ws.router_logits[:rows], ws.gate_logit[:rows]
-        self.linear(h, w.router, router_logits)
-        self.linear(h, w.shared_gate, gate_logit)
+        self.linear(ws.h, w.router, ws.router_logits, rows=rows, x_bf16=h_bf16)
+        self.linear(ws.h, w.shared_gate, ws.gate_logit, rows=rows, x_bf16=h_bf16)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
         self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream)
         inter = d.moe_intermediate
@@ -703,9 +742,10 @@ class CudaQwen:
         else:
             self._moe_grouped(w, rows)
         shared_gate_up, shared_act, shared_out = ws.shared_gate_up[:rows], ws.shared_act[:rows], ws.shared_out[:rows]
-        self.linear(h, w.shared_gate_up, shared_gate_up)
-        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream)
-        self.linear(shared_act, w.shared_down, shared_out)
+        self.linear(ws.h, w.shared_gate_up, ws.shared_gate_up, rows=rows, x_bf16=h_bf16)
+        act_bf16 = self.linear.bf16_input(rows, shared_act.shape[1], w.shared_down)
+        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream, out_bf16=act_bf16)
+        self.linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16)
         self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
 
     def _gathered(self, w: Matrix) -> Any:

@@ -254,7 +254,8 @@ class CudaRunner:
     def _decode_step(self, rows: int, segments: int, sampled: bool = False) -> None:
         """A decode or verify round: decoder, head, argmax, and the penalised top candidates when a row samples."""
         model = self._model
-        logits = model.head_logits(model.forward(rows, segments))
+        model.forward(rows, segments)
+        logits = model.head_logits(model.workspace.final, rows)
         model.greedy(logits)
         if sampled:
             model.candidates(logits)
