@@ -107,23 +107,22 @@ def bench_decode(rows_out, stream):
                     compulsory = batch * ctx * kv_token_bytes(kv_heads, d, dtype)
                     best = None
                     default_us = None
-                    for split in sorted({1, 2, 4, 8, 16, A.DEFAULT_SPLIT_PAGES}):
-                        partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, max_pages, split),
-                                                     np.float32)
+                    for split in sorted({4, 8, 16, 64, A.DEFAULT_SPLITS}):
+                        partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, split), np.float32)
 
-                        def launch(row_lane, split=split, partials=partials):
+                        def launch(row_lane, partials=partials):
                             A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials, heads=heads,
-                                               kv_heads=kv_heads, head_dim=d, split_pages=split, stream=stream)
+                                               kv_heads=kv_heads, head_dim=d, stream=stream)
 
                         us = timed(launch, row_lanes, stream)
-                        if split == A.DEFAULT_SPLIT_PAGES:
+                        if split == A.DEFAULT_SPLITS:
                             default_us = us
                         if best is None or us < best[1]:
                             best = (split, us)
                     split, us = best
                     bw = compulsory / (us * 1e-6)
                     rows_out.append(dict(kernel="attention_decode", model=model, kv=dtype, ctx=ctx, rows=batch,
-                                         split_pages=split, us=us, gbps=bw / 1e9, of_copy=bw / COPY_BW,
+                                         splits=split, us=us, gbps=bw / 1e9, of_copy=bw / COPY_BW,
                                          us_default_split=default_us))
                     del pools
 
@@ -194,7 +193,7 @@ def main() -> None:
           f"{'of4.3':>6} {'TFLOP/s':>8} {'us@default_split':>16}")
     for r in results:
         print(f"{r['kernel']:18} {r['model']:5} {r['kv']:5} {r.get('ctx', ''):>6} {r['rows']:>5} "
-              f"{r.get('split_pages', ''):>5} {r['us']:10.1f} {r.get('gbps', float('nan')):8.0f} "
+              f"{r.get('splits', ''):>5} {r['us']:10.1f} {r.get('gbps', float('nan')):8.0f} "
               f"{r.get('of_copy', float('nan')):6.2f} {r.get('tflops', float('nan')):8.2f} "
               f"{r.get('us_default_split') or float('nan'):16.1f}")
     for name in ("prepare_kernel", "decode_split_kernel", "decode_fast_kernel", "decode_combine_kernel",

@@ -263,16 +263,28 @@ def attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, row_l
 # 2. decode: flash-decoding over pages + combine with the gate
 
 
-DEFAULT_SPLIT_PAGES = 4  # pages per flash-decoding split; keep ONE value for every batch size (see below)
+# Flash-decoding splits per row: a row's keys are cut into at most this many equal runs (multiples of SPLIT_ALIGN
+# keys), whatever its length, so a short context still spreads over many blocks and a long one needs no more
+# scratch. A row's split boundaries depend on its own length only: batch invariant. (Splits of a fixed 4 pages left
+# 16 blocks busy at 1K context: 175 us per 27B layer on the H200.)
+DEFAULT_SPLITS = 32
+SPLIT_ALIGN = 4  # = FAST_KEYS, the keys of one warp step
 
 
-def decode_partials_shape(rows, heads, head_dim, max_pages, split_pages):
+def decode_partials_shape(rows, heads, head_dim, splits=DEFAULT_SPLITS):
     """Scratch for attention_decode: per (row, q head, split) the running max, the sum and D accumulators."""
-    return (rows, heads, -(-max_pages // split_pages), head_dim + 2)
+    return (rows, heads, splits, head_dim + 2)
+
+
+@device_function
+def split_keys(length, splits):
+    """Keys per split for a row of `length` keys: ceil(length / splits) rounded up to SPLIT_ALIGN."""
+    per = (length + splits - 1) // splits
+    return (per + SPLIT_ALIGN - 1) // SPLIT_ALIGN * SPLIT_ALIGN
 
 
 def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, partials,
-                         heads, kv_heads, head_dim, split_pages, quant):
+                         heads, kv_heads, head_dim, quant):
     """grid (splits, Hkv, R), block DECODE_WARPS warps; a warp per key, lanes split head_dim, G q heads at once."""
     split = cuda.blockIdx.x
     kvh = cuda.blockIdx.y
@@ -281,8 +293,8 @@ def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_sc
     lane = tid % 32
     warp = tid // 32
     page_tokens = k_pool.shape[1]
-    chunk = split_pages * page_tokens
     length = row_pos[r] + 1
+    chunk = split_keys(length, partials.shape[2])
     start = split * chunk
     if start >= length:
         return
@@ -372,7 +384,7 @@ def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_sc
             partials[r, h, split_slot, 1] = total_l
 
 
-_DECODE_TAIL = (int32, int32, int32, int32, int32)
+_DECODE_TAIL = (int32, int32, int32, int32)
 decode_split_kernel = kernel(
     (f32_3d, i32_2d, i32_1d, i32_1d, u16_4d, u16_4d, u16_4d, u16_4d, f32_4d) + _DECODE_TAIL,
     (f32_3d, i32_2d, i32_1d, i32_1d, i8_4d, i8_4d, u16_4d, u16_4d, f32_4d) + _DECODE_TAIL,
@@ -382,7 +394,9 @@ decode_split_kernel = kernel(
 
 FAST_KEYS = 4  # keys per warp iteration
 FAST_MAX_WARPS = 16
-FAST_BLOCK_WARPS = 8  # G x KW warps per block: KW = max(1, 8 // G)
+# G x KW warps per block, KW = max(1, 12 // G). 12 warps (384 threads) is the most the kernel's register count
+# allows: 16 (G = 8, the 35B-A3B) failed to launch on the H200 with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES.
+FAST_BLOCK_WARPS = 12
 
 
 @device_function
@@ -401,7 +415,7 @@ def _bf16_lane(word, i):
 
 
 def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
-                        heads, kv_heads, split_pages, quant):
+                        heads, kv_heads, quant):
     """head_dim == 256 path of the split kernel. Block = G x KW warps (blockDim.x = 32*G*KW): warp w serves q head
     w % G of this kv head over keys start + (w // G)*4 + i*4*KW (4 per step, the G warps of a key step read the
     same K/V lines, shared through L1). Pools as uint64 words (bf16: 64 per head row, int8: 32); lane owns head dims
@@ -417,8 +431,8 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     g = warp % group_heads
     kw_i = warp // group_heads
     page_tokens = k_words.shape[1]
-    chunk = split_pages * page_tokens
     length = row_pos[r] + 1
+    chunk = split_keys(length, partials.shape[2])
     start = split * chunk
     if start >= length:
         return
@@ -532,18 +546,21 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
 
 u64_4d = uint64[:, :, :, ::1]
 decode_fast_kernel = kernel(
-    (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32, int32),
+    (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32),
     fastmath=True,
 )(_decode_fast_kernel)
 
 
-@kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32, int32), fastmath=True)
-def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_dim, chunk):
-    """grid (R, Hq), block head_dim: merge the row's own splits in order, normalise, multiply by sigmoid(gate)."""
+@kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32), fastmath=True)
+def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_dim):
+    """grid (R, Hq), block head_dim: merge the row's own (non-empty) splits in order, normalise, multiply by
+    sigmoid(gate)."""
     r = cuda.blockIdx.x
     h = cuda.blockIdx.y
     d = cuda.threadIdx.x
-    splits = (row_pos[r] + chunk) // chunk
+    length = row_pos[r] + 1
+    chunk = split_keys(length, partials.shape[2])
+    splits = (length + chunk - 1) // chunk
     mx = float32(NEG_INF)
     for s in range(splits):
         mx = max(mx, partials[r, h, s, 0])
@@ -558,12 +575,12 @@ def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_di
 
 
 def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
-                     heads, kv_heads, head_dim, split_pages, stream):
+                     heads, kv_heads, head_dim, stream):
     """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
-    lane page table. Two launches (splits of `split_pages` pages, then combine). `partials` from
-    decode_partials_shape(>= R, heads, head_dim, max_pages, split_pages); grid covers partials.shape[2] splits
-    (blocks past a row's length exit at once). A row's bits depend on its own data and on split_pages only, so use
-    the same split_pages for every batch size / graph to keep batch invariance."""
+    lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, then
+    combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks past a row's last split exit
+    at once. A row's bits depend on its own data and on S only, so keep one S for every batch size / graph (batch
+    invariance)."""
     _check_dims(heads, kv_heads, head_dim)
     rows = q.shape[0]
     if rows == 0:
@@ -574,13 +591,12 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
         group = heads // kv_heads
         decode_fast_kernel[(splits, kv_heads, rows), 32 * group * max(1, FAST_BLOCK_WARPS // group), stream](
             q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
-            *_i32(heads, kv_heads, split_pages, quant))
+            *_i32(heads, kv_heads, quant))
     else:
         decode_split_kernel[(splits, kv_heads, rows), DECODE_WARPS * 32, stream](
             q, page_tables, row_lane, row_pos, k_pool, v_pool, ks, vs, partials,
-            *_i32(heads, kv_heads, head_dim, split_pages, quant))
-    decode_combine_kernel[(rows, heads), head_dim, stream](
-        partials, qkgv, row_pos, out, *_i32(heads, kv_heads, head_dim, split_pages * k_pool.shape[1]))
+            *_i32(heads, kv_heads, head_dim, quant))
+    decode_combine_kernel[(rows, heads), head_dim, stream](partials, qkgv, row_pos, out, *_i32(heads, kv_heads, head_dim))
 
 
 def _gather_kv(page_tables, lane, length, k_pool, v_pool, k_scale, v_scale):
@@ -603,7 +619,7 @@ def _gate(qkgv, rows, heads, kv_heads, head_dim):
 
 
 def attention_decode_reference(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out,
-                               partials=None, *, heads, kv_heads, head_dim, split_pages=1, stream=None):
+                               partials=None, *, heads, kv_heads, head_dim, stream=None):
     """NumPy twin: each row attends causally over its lane's keys 0..row_pos; writes and returns out."""
     for r in range(q.shape[0]):
         length = int(row_pos[r]) + 1

@@ -138,7 +138,8 @@ def test_decode_twin_against_float64_formula():
 
 
 def test_decode_partials_shape():
-    assert A.decode_partials_shape(8, 24, 256, 513, 4) == (8, 24, 129, 258)
+    assert A.decode_partials_shape(8, 24, 256) == (8, 24, A.DEFAULT_SPLITS, 258)
+    assert A.decode_partials_shape(8, 24, 256, 5) == (8, 24, 5, 258)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -153,15 +154,14 @@ def _dev(cuda, *arrays):
     return [None if a is None else cuda.to_device(np.ascontiguousarray(a)) for a in arrays]
 
 
-def _decode_gpu(cuda, q, qkgv, tables, lanes, pos, pools, heads, kv_heads, d, split_pages, max_pages):
+def _decode_gpu(cuda, q, qkgv, tables, lanes, pos, pools, heads, kv_heads, d, splits):
     stream = cuda.stream()
     dq, dg, dt, dl, dp = _dev(cuda, q, qkgv, tables, lanes, pos)
     dk, dv, dks, dvs = _dev(cuda, *pools)
     out = cuda.to_device(np.full((q.shape[0], heads * d), np.nan, F32))
-    partials = cuda.to_device(np.full(A.decode_partials_shape(q.shape[0], heads, d, max_pages, split_pages),
-                                      np.nan, F32))
+    partials = cuda.to_device(np.full(A.decode_partials_shape(q.shape[0], heads, d, splits), np.nan, F32))
     A.attention_decode(dq, dg, dt, dl, dp, dk, dv, dks, dvs, out, partials, heads=heads, kv_heads=kv_heads,
-                       head_dim=d, split_pages=split_pages, stream=stream)
+                       head_dim=d, stream=stream)
     stream.synchronize()
     return out.copy_to_host()
 
@@ -184,14 +184,14 @@ def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype):
     qkgv = rng.standard_normal((rows, 2 * (heads + kv_heads) * d)).astype(F32)
     want = A.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools, np.zeros((rows, heads * d), F32),
                                         heads=heads, kv_heads=kv_heads, head_dim=d)
-    for split_pages in (1, 3):
-        got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, split_pages, max_pages)
+    for splits in (1, 7, A.DEFAULT_SPLITS):
+        got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, splits)
         assert np.isfinite(got).all()
         assert _rel(got, want) < 1e-5, _rel(got, want)
-        # one row alone, and with a bigger page-table capacity: bitwise the same
+        # one row alone: bitwise the same
         for r in (0, 4, 8):
             alone = _decode_gpu(cuda, q[r:r + 1], qkgv[r:r + 1], tables, row_lane[r:r + 1], row_pos[r:r + 1], pools,
-                                heads, kv_heads, d, split_pages, 3 * max_pages)
+                                heads, kv_heads, d, splits)
             np.testing.assert_array_equal(alone[0], got[r])
 
 
@@ -372,10 +372,9 @@ class _GpuPipeline(_TwinPipeline):
         heads, kv_heads, d, _, _ = self.cfg
         dg, dl, dp = _dev(self.cuda, qkgv, row_lane, row_pos)
         out = self.cuda.to_device(np.full((q.shape[0], heads * d), np.nan, F32))
-        partials = self.cuda.device_array(A.decode_partials_shape(q.shape[0], heads, d, self.tables.shape[1],
-                                                                  A.DEFAULT_SPLIT_PAGES), np.float32)
+        partials = self.cuda.device_array(A.decode_partials_shape(q.shape[0], heads, d), np.float32)
         A.attention_decode(q, dg, self.tables, dl, dp, *self.pools, out, partials, heads=heads, kv_heads=kv_heads,
-                           head_dim=d, split_pages=A.DEFAULT_SPLIT_PAGES, stream=self.stream)
+                           head_dim=d, stream=self.stream)
         return out
 
     def prefill(self, state, q, qkgv, kv_start, count):

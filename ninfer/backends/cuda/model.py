@@ -30,7 +30,6 @@ from ninfer.targets.dims import QwenDims
 
 SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
 PAGE_TOKENS = 64
-DECODE_SPLIT_PAGES = 4  # flash-decoding: pages per split of a row's key range
 SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
 
 
@@ -287,7 +286,7 @@ class Workspace:
     """Activation buffers for up to `rows` rows, allocated once."""
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_rows: int, max_pages: int, max_context: int, tensor_core_attention: bool) -> None:
+                 decode_rows: int, max_context: int, tensor_core_attention: bool) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -300,8 +299,7 @@ class Workspace:
         self.qkgv = buf(rows, 2 * d.q_width + 2 * d.kv_width)
         self.q = buf(rows, d.attn_heads, d.head_dim)
         self.attended = buf(rows, d.q_width)
-        self.partials = buf(*device.kernels.decode_partials_shape(decode_rows, d.attn_heads, d.head_dim, max_pages,
-                                                        DECODE_SPLIT_PAGES))
+        self.partials = buf(*device.kernels.decode_partials_shape(decode_rows, d.attn_heads, d.head_dim))
         channels = d.gdn_conv_channels
         self.projected = buf(rows, channels + d.gdn_v_width)
         self.ab = buf(rows, 2 * d.gdn_v_heads)
@@ -479,7 +477,7 @@ class CudaQwen:
         self.inputs = StepInputs(device, rows, capacity.lanes, capacity.max_pages_per_lane)
         self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
-                                   decode_rows=capacity.decode_rows, max_pages=capacity.max_pages_per_lane,
+                                   decode_rows=capacity.decode_rows,
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
                                    tensor_core_attention=capacity.tensor_core_attention)
         # Runner glue: MTP hidden rows gathered per round, a row index, a prefill chunk's last row.
@@ -661,7 +659,7 @@ class CudaQwen:
         if prefill is None:
             self.k.attention_decode(q, qkgv, inputs.page_tables, inputs.row_lane[:rows], inputs.row_pos[:rows], kv.k,
                                   kv.v, kv.k_scale, kv.v_scale, out, ws.partials, heads=d.attn_heads,
-                                  kv_heads=d.kv_heads, head_dim=d.head_dim, split_pages=DECODE_SPLIT_PAGES,
+                                  kv_heads=d.kv_heads, head_dim=d.head_dim,
                                   stream=stream)
         elif self.prefill_attention == "gemm":
             self._prefill_attention_gemm(kv, prefill, rows)
