@@ -100,7 +100,6 @@ def test_help_lists_every_option_of_the_table():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--vision"], "--vision needs the Vision runtime"),
     (["--device", "1"], "--device 1 needs the CUDA backend"),
     (["--spec", "dflash", "--draft-tokens", "7"], "--spec dflash needs the DFlash drafter"),
     (["--cold-tier-device", "1"], "--cold-tier-device 1 needs a secondary CUDA device"),

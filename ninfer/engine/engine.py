@@ -128,6 +128,11 @@ class Engine:
         return self._snapshot
 
     @property
+    def vision(self) -> bool:
+        """The runner has the Vision tower: prompts may carry media (PreparedPrompt.media)."""
+        return bool(self._scheduler.runner.info.vision)
+
+    @property
     def prefix_stats(self) -> PrefixStats:
         return self._scheduler.prefix
 

@@ -14,6 +14,12 @@ tokens alone never authorise a partial hit.
   re-renders that response (preserve_thinking) but its normalized text no longer matches the raw generated tokens:
   only the response and what follows are replayed.
 * full_reset otherwise.
+
+Media (serving.md, ninfer-facts §4.4): placeholder token ids are the same for every image, so a reuse point also
+needs the same media before it: every item that starts before the point has the same identity (modality, digest,
+grid) and the same columns (spans) in both prompts, which with equal ids makes the token types equal too; and no item
+may be split by the point (a frontier never sits inside a Vision item). A changed earlier image therefore makes
+every point at or after its first column invalid, and the plan falls back to an earlier checkpoint or a reset.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Sequence
 import attrs
 import numpy as np
 
-from ninfer.engine.request import PreparedPrompt
+from ninfer.engine.request import PreparedPrompt, PromptMedia
 
 
 class ReusePath(enum.Enum):
@@ -50,13 +56,47 @@ class CheckpointKind(enum.Enum):
             ReusePath.RESTORE_RESPONSE_CHECKPOINT
 
 
+@attrs.frozen(eq=False)
+class MediaSpan:
+    """What the ledger remembers of a prompt's media item: its identity and columns (not its patches)."""
+
+    identity: tuple
+    columns: np.ndarray
+
+    @classmethod
+    def of(cls, item: PromptMedia) -> MediaSpan:
+        return cls(item.identity, item.columns)
+
+    @property
+    def first(self) -> int:
+        return int(self.columns[0])
+
+    @property
+    def last(self) -> int:
+        return int(self.columns[-1])
+
+    def same_as(self, item: PromptMedia) -> bool:
+        return self.identity == item.identity and np.array_equal(self.columns, item.columns)
+
+
+def media_prefix_matches(spans: Sequence[MediaSpan], media: Sequence[PromptMedia], count: int) -> bool:
+    """The media of a ledger (`spans`) and of a prompt agree on the first `count` tokens, and none is split there."""
+    ours = [span for span in spans if span.first < count]
+    theirs = [item for item in media if int(item.columns[0]) < count]
+    if len(ours) != len(theirs) or not all(span.same_as(item) for span, item in zip(ours, theirs)):
+        return False
+    return all(span.last < count for span in ours)
+
+
 class Ledger:
-    """Token ids and `[3, n]` rope positions of a lane's sequence, growing as output is accepted."""
+    """Token ids and `[3, n]` rope positions of a lane's sequence, growing as output is accepted, and the spans of
+    its prompt's media."""
 
     def __init__(self) -> None:
         self._ids = np.zeros(0, np.int32)
         self._positions = np.zeros((3, 0), np.int32)
         self._length = 0
+        self.media: tuple[MediaSpan, ...] = ()
 
     def __len__(self) -> int:
         return self._length
@@ -69,8 +109,9 @@ class Ledger:
     def positions(self) -> np.ndarray:
         return self._positions[:, : self._length]
 
-    def assign(self, ids: np.ndarray, positions: np.ndarray) -> None:
+    def assign(self, ids: np.ndarray, positions: np.ndarray, media: Sequence[PromptMedia] = ()) -> None:
         self._length = 0
+        self.media = tuple(MediaSpan.of(item) for item in media)
         self.append(ids, positions)
 
     def append(self, ids: Sequence[int] | np.ndarray, positions: np.ndarray) -> None:
@@ -86,11 +127,12 @@ class Ledger:
         self._length = end
 
     def matches(self, prompt: PreparedPrompt, count: int) -> bool:
-        """The first `count` tokens of `prompt` have this ledger's ids and positions."""
+        """The first `count` tokens of `prompt` have this ledger's ids, positions and media."""
         if count > min(len(self), len(prompt)):
             return False
         return bool(np.array_equal(self.ids[:count], prompt.token_ids[:count])
-                    and np.array_equal(self.positions[:, :count], prompt.rope_positions[:, :count]))
+                    and np.array_equal(self.positions[:, :count], prompt.rope_positions[:, :count])
+                    and media_prefix_matches(self.media, prompt.media, count))
 
 
 @attrs.define

@@ -181,6 +181,7 @@ class Timings:
     prefill: float  # seconds in this request's prefill chunks (to its first token)
     decode: float  # seconds from the first token to the finish
     total: float
+    vision: float = 0.0  # seconds in the Vision tower (encode_media), not included in prefill
 
 
 @attrs.frozen(kw_only=True)

@@ -23,11 +23,21 @@ Shape of the contract
   and speculative rows together; a CUDA runner may replay one exact-size graph per row kind), plus cheap state
   operations between rounds. Per-round inputs are small int32 arrays (CUDA: copied into fixed device buffers before
   a graph replay); nothing is a Python object per token.
+* Media (Vision). A runner built with the Vision tower (`info.vision`) encodes one prompt image or video at a time:
+  `encode_media(item)` takes a `PromptMedia` (bf16 patch rows and grid) and returns its merged vision tokens, float32
+  `[len(item.columns), hidden]`, row i for prompt column `item.columns[i]`. A prefill chunk carries the rows of the
+  media columns it covers as `embedding_columns` (chunk-relative) and `embedding_rows`: they replace the token
+  embeddings there, in the target model and (for the MTP head, which embeds the NEXT token of each column) in the
+  MTP input, so a placeholder token is never embedded as itself. The engine decides when to encode (once per item
+  per request, only for items the reused prefix does not already cover) and keeps the rows until the item's last
+  column is prefilled. A runner without the tower raises `VisionUnavailable` and the engine rejects media prompts.
 * Sampling runs inside the runner (§4.8 pipeline, counter-based RNG keyed by seed, position and purpose), and so do
   the §4.7 speculative accept rules, so a round returns token ids, never logits.
 
-Determinism: a row's logits must not depend on which other rows share its call (batch, verify block or prefill
-chunk). Greedy output is then identical alone or batched, with or without speculative decoding or prefix reuse.
+Determinism: for a given runner configuration, a row's logits must not depend on which other rows share its call
+(batch, verify block or prefill chunk). Greedy output is then identical alone or batched, with or without speculative
+decoding or prefix reuse. (The CUDA runner's cuBLAS decode keeps one GEMM shape per configuration for that: see
+`backends.cuda.model.Linear`.)
 """
 
 from __future__ import annotations
@@ -38,7 +48,12 @@ from typing import Protocol
 import attrs
 import numpy as np
 
+from ninfer.engine.request import PromptMedia
 from ninfer.engine.sampler import SamplingParams
+
+
+class VisionUnavailable(RuntimeError):
+    """`encode_media` on a runner built without the Vision tower (the server was started without --vision)."""
 
 
 class StateSource(enum.Enum):
@@ -58,6 +73,7 @@ class RunnerInfo:
     vocab_ids: int
     draft_tokens: int  # k of MTP speculative decoding; 0 when off
     kv_bytes_per_token: int  # shared-pool bytes one token takes (all attention layers, MTP included)
+    vision: bool = False  # the Vision tower is built: `encode_media` works and prompts may carry media
 
 
 @attrs.frozen(kw_only=True)
@@ -71,6 +87,11 @@ def _int32(value) -> np.ndarray:
     return np.ascontiguousarray(value, dtype=np.int32)
 
 
+def _rows(value) -> np.ndarray:
+    rows = np.ascontiguousarray(value, dtype=np.float32)
+    return rows.reshape(0, 0) if rows.size == 0 and rows.ndim != 2 else rows
+
+
 @attrs.frozen(kw_only=True)
 class PrefillChunk:
     """Prompt tokens kv_length..kv_length+T-1 of one lane.
@@ -79,6 +100,10 @@ class PrefillChunk:
     column, or from the lane's tail when T == 0 (the whole prompt was reused). A speculative runner also runs the
     MTP head over the chunk, starting one column early (the bridge column kv_length-1 fuses the tail hidden with the
     chunk's first token), and after a final chunk prepares k drafts when `remaining - 1 >= k + 1`.
+
+    `embedding_columns` (int32 [n], ascending chunk-relative indices) and `embedding_rows` (float32 [n, hidden]):
+    input embeddings that replace the token embeddings of those columns (media placeholders: the Vision output rows).
+    The MTP head sees them too, at the column whose next token is a replaced one. Empty for text.
     """
 
     lane: int
@@ -88,6 +113,20 @@ class PrefillChunk:
     tail_position: np.ndarray = attrs.field(converter=_int32, eq=False)  # [3]: position of token E-1
     final: bool
     remaining: int  # output tokens the request may still produce, before this chunk's token
+    embedding_columns: np.ndarray = attrs.field(factory=lambda: np.zeros(0, np.int32), converter=_int32, eq=False)
+    embedding_rows: np.ndarray = attrs.field(factory=lambda: np.zeros((0, 0), np.float32), converter=_rows, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        columns, rows, count = self.embedding_columns, self.embedding_rows, len(self.token_ids)
+        if columns.ndim != 1 or rows.ndim != 2 or rows.shape[0] != columns.shape[0]:
+            raise ValueError(f"embedding overrides need columns [n] and rows [n, hidden], got {columns.shape} "
+                             f"and {rows.shape}")
+        if columns.size and (columns[0] < 0 or columns[-1] >= count or np.any(np.diff(columns) <= 0)):
+            raise ValueError(f"embedding columns must be ascending indices inside the chunk's {count} tokens")
+
+    @property
+    def has_embeddings(self) -> bool:
+        return bool(self.embedding_columns.size)
 
 
 @attrs.frozen
@@ -142,6 +181,10 @@ class ModelRunner(Protocol):
         """Copy the running recurrent state and the tail hidden row into checkpoint `slot` (the lane's state at E)."""
 
     def prefill(self, chunk: PrefillChunk) -> PrefillResult: ...
+
+    def encode_media(self, item: PromptMedia) -> np.ndarray:
+        """The Vision tower over one item: float32 `[len(item.columns), hidden]` merged tokens, row i for the
+        prompt column `item.columns[i]`. Raises VisionUnavailable when the runner was built without the tower."""
 
     def decode(self, batch: DecodeBatch) -> DecodeResult: ...
 

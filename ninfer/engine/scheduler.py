@@ -5,6 +5,11 @@ Single-threaded: the engine thread calls `step()` between round boundaries; requ
 leave through `cancel` or by finishing. A request moves WAITING -> PREFILL -> DECODE -> finished; when it finishes
 its lane keeps the sequence as a retained resident for prefix reuse (unless cancelled or reuse is off), and
 retained residents are evicted, least recently used first, when admission needs their pages.
+
+Media: when a prefill chunk covers placeholder columns of a prompt's image or video, the item is encoded
+(`runner.encode_media`, once per item per request, timed as the request's vision seconds) and the chunk carries the
+rows of its columns as embedding overrides; the rows are dropped once the item's last column is prefilled. Items
+wholly inside the reused prefix are never encoded (prefill starts at the reuse frontier, after them).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from ninfer.engine.sampler import SamplingParams
 from ninfer.engine.speculative import SpeculativeCounters
 
 EventSink = Callable[[RequestEvent], None]
+
+
+class MediaUnsupported(PromptError):
+    """The prompt carries images or videos, but the runner has no Vision tower (the server runs without --vision)."""
 
 
 class OutputPolicyError(RuntimeError):
@@ -63,6 +72,9 @@ class Request:
     admitted: float = 0.0
     first_token: float = 0.0
     prefill_seconds: float = 0.0
+    vision_seconds: float = 0.0
+    media_rows: dict[int, np.ndarray] = attrs.Factory(dict)  # encoded items (prompt.media index) still to prefill
+    media_encoded: int = 0  # encode_media calls made for this request
 
     @property
     def kv_tokens(self) -> int:
@@ -128,6 +140,9 @@ class Scheduler:
             raise ContextLengthExceeded(prompt_tokens, config.max_context)
         if int(prompt.token_ids.max()) >= self.runner.info.vocab_ids:
             raise PromptError(f"token ids must be below {self.runner.info.vocab_ids}")
+        if prompt.media and not self.runner.info.vision:
+            raise MediaUnsupported("the prompt has image or video input, but Vision is disabled (start the server "
+                                   "with --vision)")
         requested = config.default_max_tokens if max_tokens is None else max_tokens
         if requested < 1:
             raise PromptError(f"max_tokens must be at least 1, got {requested}")
@@ -230,7 +245,7 @@ class Scheduler:
             source = StateSource.RESIDENT if plan.checkpoint is None else StateSource.CHECKPOINT
         resident = lane.resident
         resident.forget_checkpoints_after(plan.frontier)
-        resident.ledger.assign(prompt.token_ids, prompt.rope_positions)
+        resident.ledger.assign(prompt.token_ids, prompt.rope_positions, prompt.media)
         resident.frontier = plan.frontier
         runner.assign_pages(lane.index, np.array(lane.pages, np.int32))
         runner.begin_sequence(lane.index, SequenceStart(
@@ -264,12 +279,15 @@ class Scheduler:
             end = request.capture.position  # a chunk ends exactly at the checkpoint
         final = end == len(prompt)
         positions = prompt.rope_positions
+        columns, rows = self._media_overrides(request, start, end)
         began = time.perf_counter()
         result = self.runner.prefill(PrefillChunk(
             lane=lane.index, token_ids=prompt.token_ids[start:end], positions=positions[:, start:end],
             kv_length=start, tail_position=positions[:, start - 1] if start else np.zeros(3, np.int32),
-            final=final, remaining=request.budget))
+            final=final, remaining=request.budget, embedding_columns=columns, embedding_rows=rows))
         request.prefill_seconds += time.perf_counter() - began
+        for index in [i for i in request.media_rows if int(prompt.media[i].columns[-1]) < end]:
+            del request.media_rows[index]  # the item is fully prefilled: its rows are not needed again
         self.throughput.prefill_tokens += end - start
         request.cursor = lane.resident.frontier = end
         if request.capture is not None and request.capture.position == end:
@@ -279,6 +297,35 @@ class Scheduler:
             request.phase = Phase.DECODE
             request.drafts_ready = result.drafts_ready
             self._commit(request, [result.token], decode_round=False)
+
+    def _media_overrides(self, request: Request, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The embedding overrides of prompt tokens start..end-1: the Vision rows of the media columns there
+        (chunk-relative columns), encoding each item the first time a chunk reaches it."""
+        columns: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        for index, item in enumerate(request.prompt.media):
+            if int(item.columns[-1]) < start:
+                continue  # already prefilled, or inside the reused prefix
+            if int(item.columns[0]) >= end:
+                break
+            lo, hi = np.searchsorted(item.columns, [start, end])
+            if lo == hi:
+                continue  # the chunk falls between two of a video's temporal slices
+            embeddings = request.media_rows.get(index)
+            if embeddings is None:
+                began = time.perf_counter()
+                embeddings = np.asarray(self.runner.encode_media(item), dtype=np.float32)
+                request.vision_seconds += time.perf_counter() - began
+                request.media_encoded += 1
+                if embeddings.ndim != 2 or embeddings.shape[0] != len(item.columns):
+                    raise ValueError(f"encode_media returned {embeddings.shape} for an item of "
+                                     f"{len(item.columns)} columns")
+                request.media_rows[index] = embeddings
+            columns.append(item.columns[lo:hi] - start)
+            rows.append(embeddings[lo:hi])
+        if not columns:
+            return np.zeros(0, np.int32), np.zeros((0, 0), np.float32)
+        return np.concatenate(columns), np.concatenate(rows)
 
     # ---- decode ----
 
@@ -329,6 +376,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason, payload, *, error: str | None = None) -> None:
         lane = request.lane
+        request.media_rows.clear()
         self._active.remove(request)
         lane.request = None
         if reason in (FinishReason.CANCELLED, FinishReason.ERROR) or not self.config.prefix_reuse:
@@ -341,7 +389,7 @@ class Scheduler:
         now = time.perf_counter()
         timings = Timings(queued=(request.admitted or now) - request.submitted, prefill=request.prefill_seconds,
                           decode=now - request.first_token if request.first_token else 0.0,
-                          total=now - request.submitted)
+                          total=now - request.submitted, vision=request.vision_seconds)
         usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=request.generated,
                       cached_tokens=request.plan.frontier,
                       prefill_tokens=request.cursor - request.plan.frontier,

@@ -36,13 +36,26 @@ def artifact_dims(artifact: Artifact) -> ModelDims:
     return resolve_dims(artifact.model_id, carried)
 
 
-def build_model(artifact: Artifact) -> CausalLM:
+VISION_PREFIX = "vision/"
+
+
+def has_vision_weights(artifact: Artifact) -> bool:
+    """The artifact carries a Vision tower: Qwen dimensions with a vision record and the `vision/...` objects."""
+    dims = artifact_dims(artifact)
+    return (isinstance(dims, QwenDims) and dims.vision is not None
+            and any(entry.name.startswith(VISION_PREFIX) for entry in artifact.objects))
+
+
+def build_model(artifact: Artifact, *, vision: bool = False) -> CausalLM:
+    """The CPU model; `vision` also builds the Qwen Vision tower (ValueError when the artifact has none)."""
     dims = artifact_dims(artifact)
     weights = ArtifactWeights(artifact)
+    if vision and not has_vision_weights(artifact):
+        raise ValueError(f"{artifact.model_id}: the artifact has no Vision tower (no vision/... weights)")
     if isinstance(dims, QwenDims):
         from ninfer.models.qwen3_6 import Qwen36Model
 
-        return Qwen36Model(dims, weights)
+        return Qwen36Model(dims, weights, vision=vision)
     if isinstance(dims, LlamaDims):
         from ninfer.models.llama import LlamaModel
 

@@ -39,6 +39,7 @@ from ninfer.backends.cpu.ops import (
     swiglu,
 )
 from ninfer.models.base import ForwardResult, LogitsWanted, WeightSource
+from ninfer.models.qwen3_6_vision import VisionTower
 from ninfer.targets.dims import QwenDims
 
 
@@ -266,10 +267,23 @@ class MtpHead:
         self.final_norm = _get(weights, "mtp/final_norm", (h,))
 
 
+def build_vision_tower(dims: QwenDims, weights: WeightSource) -> VisionTower:
+    """The NumPy Vision tower of a Qwen model whose weights carry one (the CPU model's, and the CUDA runner's until
+    it has a device tower)."""
+    if dims.vision is None:
+        raise ValueError("this model has no Vision tower (its dimensions carry no vision record)")
+    if dims.vision.out_hidden != dims.hidden:
+        raise ValueError(f"the Vision tower's out_hidden {dims.vision.out_hidden} differs from the text hidden "
+                         f"size {dims.hidden}")
+    if hasattr(weights, "has") and not weights.has("vision/patch_embedding"):
+        raise ValueError("the weights have no Vision tower (no vision/... tensors)")
+    return VisionTower(dims.vision, weights)
+
+
 class Qwen36Model:
     """The text model and its MTP head; holds weights only, all per-sequence data lives in the state objects."""
 
-    def __init__(self, dims: QwenDims, weights: WeightSource) -> None:
+    def __init__(self, dims: QwenDims, weights: WeightSource, *, vision: bool = False) -> None:
         self.dims = dims
         fused = dims.is_moe
         self.embedding = _get(weights, "text/token_embedding", (dims.vocab_rows, dims.hidden))
@@ -287,6 +301,17 @@ class Qwen36Model:
         self.mtp = MtpHead(dims, weights) if dims.mtp_layers > 0 else None
         self._inv_freq = rope_inv_freq(dims.rotary_dim, dims.rope_theta)
         self._weights = weights  # the draft head is read only when speculative decoding asks for it
+        self.vision_tower = build_vision_tower(dims, weights) if vision else None
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision_tower is not None
+
+    def encode_vision(self, patches: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """The Vision tower over float32 patch rows of items with `grids`: merged tokens `[rows / merge^2, hidden]`."""
+        if self.vision_tower is None:
+            raise ValueError("this model was built without its Vision tower")
+        return self.vision_tower.encode(patches, grids)
 
     # ---- target model ----
 
@@ -319,11 +344,26 @@ class Qwen36Model:
         state.next_position = int(positions.max()) + 1
         return ForwardResult(logits=self._logits(hidden, logits), hidden=hidden)
 
-    def forward_batch(self, token_ids: np.ndarray, positions: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+    def forward_batch(self, token_ids: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], *,
+                      embedding_columns: np.ndarray | None = None,
+                      embedding_rows: np.ndarray | None = None) -> np.ndarray:
         """Several sequences in one traversal (the paged runner's entry point): `token_ids [N]` with MRoPE
         `positions [3, N]`, split into `segments` that each continue one sequence. Returns the hidden rows after the
-        final norm `[N, hidden]`; every row is bitwise what it would be in any other batch or chunk."""
-        return self.forward_segments(self.embed(token_ids), positions, segments)
+        final norm `[N, hidden]`; every row is bitwise what it would be in any other batch or chunk.
+        `embedding_rows [n, hidden]` replace the token embeddings at rows `embedding_columns [n]` (Vision output)."""
+        return self.forward_segments(self._embed_with(token_ids, embedding_columns, embedding_rows), positions,
+                                     segments)
+
+    def _embed_with(self, token_ids: np.ndarray, columns: np.ndarray | None, rows: np.ndarray | None) -> np.ndarray:
+        x = self.embed(token_ids)
+        if columns is not None and len(columns):
+            rows = np.asarray(rows, dtype=F32)
+            if rows.shape != (len(columns), self.dims.hidden):
+                raise ValueError(f"embedding rows {rows.shape} do not match {len(columns)} columns of width "
+                                 f"{self.dims.hidden}")
+            x = np.array(x, dtype=F32)  # embed() may return a view of the table: never write through it
+            x[np.asarray(columns, dtype=np.intp)] = rows
+        return x
 
     def forward_segments(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         angles = mrope_angles(positions, self._inv_freq, self.dims.mrope_section)
@@ -360,10 +400,14 @@ class Qwen36Model:
         return ForwardResult(logits=self._logits(d, logits), hidden=d)
 
     def mtp_forward_batch(self, hidden: np.ndarray, next_ids: np.ndarray, positions: np.ndarray,
-                          segments: Sequence[Segment]) -> np.ndarray:
-        """The MTP layer over a ragged batch; each segment's `layers` is `[its MTP KV store]`. Returns `d [N, hidden]`."""
+                          segments: Sequence[Segment], *, embedding_columns: np.ndarray | None = None,
+                          embedding_rows: np.ndarray | None = None) -> np.ndarray:
+        """The MTP layer over a ragged batch; each segment's `layers` is `[its MTP KV store]`. Returns `d [N, hidden]`.
+        `embedding_rows` replace the next-token embeddings at rows `embedding_columns` (a Vision placeholder next
+        token is embedded as its Vision output, ninfer-facts §3.8)."""
         mtp, eps = self._require_mtp(), self.dims.rms_eps
-        embedded = rms_norm(self.embed(next_ids), mtp.embedding_norm, eps, offset=True)
+        embedded = rms_norm(self._embed_with(next_ids, embedding_columns, embedding_rows), mtp.embedding_norm, eps,
+                            offset=True)
         carried = rms_norm(hidden, mtp.hidden_norm, eps, offset=True)
         u = linear(np.concatenate([embedded, carried], axis=1), mtp.input_projection)
         angles = mrope_angles(positions, self._inv_freq, self.dims.mrope_section)

@@ -128,6 +128,8 @@ async def _run(options: ServeOptions, artifact_path: Path, listener: socket.sock
             log.info("stopped")
         finally:
             stack.engine.close()
+            if stack.media_preparer is not None:
+                stack.media_preparer.close()  # its worker pool; requests are drained by now
         service.cancel_scope.cancel()
     return 0
 

@@ -1,15 +1,18 @@
 """What startup builds before the first request is served: the checks of what this build can do, the model stack
-(artifact -> model -> CPU runner -> Engine, and the prompt builder), and the warm-up generation."""
+(artifact -> model -> CPU runner -> Engine, and the prompt builder; with --vision also the Vision tower and the media
+preparer), and the warm-up generation."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -22,6 +25,9 @@ from ninfer.frontend.prompt import PromptBuilder, PromptOptions
 from ninfer.nursery.engine_bridge import submit
 from ninfer.nursery.options import ServeOptions
 from ninfer.targets.registry import Target, lookup_target
+
+if TYPE_CHECKING:
+    from ninfer.media.prepare import MediaPreparer
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +52,6 @@ def unsupported_options(options: ServeOptions) -> list[str]:
         problems.append(f"--device {options.device} needs the CUDA backend on a machine with at least "
                         f"{options.device + 1} NVIDIA GPUs; this one has {devices} usable (the CPU backend stands in "
                         f"for device 0 only)")
-    if options.vision:
-        problems.append("--vision needs the Vision runtime (media input), which this build does not have")
     if options.spec == "dflash":
         problems.append("--spec dflash needs the DFlash drafter, which this build does not have")
     if options.cold_tier_device >= 0 and not options.no_cold_tier:
@@ -56,9 +60,52 @@ def unsupported_options(options: ServeOptions) -> list[str]:
     return problems
 
 
-def weights_bytes(artifact: Artifact) -> int:
-    """Resident weight bytes once the CPU model has dequantized every tensor."""
-    return sum(math.prod(entry.shape) * FP32_BYTES for entry in artifact.objects if entry.kind == "tensor")
+def weights_bytes(artifact: Artifact, *, vision: bool = True) -> int:
+    """Resident weight bytes once the CPU model has dequantized every tensor (the Vision tower's only with
+    `vision`: without --vision it is never read)."""
+    from ninfer.models.loader import VISION_PREFIX
+
+    return sum(math.prod(entry.shape) * FP32_BYTES for entry in artifact.objects
+               if entry.kind == "tensor" and (vision or not entry.name.startswith(VISION_PREFIX)))
+
+
+IMAGE_PREPROCESSOR_RESOURCE = "frontend/preprocessor_config.json"
+VIDEO_PREPROCESSOR_RESOURCE = "frontend/video_preprocessor_config.json"
+
+
+def _preprocessor_json(artifact: Artifact, name: str) -> dict[str, Any]:
+    if name not in artifact:
+        return {}
+    data = json.loads(artifact.resource(name))
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} is not a JSON object")
+    return data
+
+
+def build_media_preparer(artifact: Artifact, options: ServeOptions, vision: Any) -> Any:
+    """The media preparer --vision serves with: the artifact's image and video preprocessor configs (their patch
+    geometry taken from the model's Vision dimensions, which the tower's input must match), the prepared-media
+    cache sized by --media-cache-mib / --media-live-mib, --media-preprocess-threads workers, and the Vision token
+    budget min(--max-context, 32768)."""
+    from ninfer.media.cache import PreparedMediaCache
+    from ninfer.media.image import ImagePreprocessConfig
+    from ninfer.media.prepare import MediaBudgets, MediaPreparer
+    from ninfer.media.video import VideoPreprocessConfig
+
+    geometry = dict(patch_size=vision.patch, temporal_patch_size=vision.temporal_patch,
+                    merge_size=vision.spatial_merge)
+    image = ImagePreprocessConfig.from_dict(_preprocessor_json(artifact, IMAGE_PREPROCESSOR_RESOURCE))
+    video = VideoPreprocessConfig.from_dict(_preprocessor_json(artifact, VIDEO_PREPROCESSOR_RESOURCE))
+    for name, config in (("image", image), ("video", video)):
+        found = {key: getattr(config, key) for key in geometry}
+        if found != geometry:
+            log.warning("the %s preprocessor config's patch geometry %s differs from the Vision tower's %s; "
+                        "using the tower's", name, found, geometry)
+    cache = PreparedMediaCache.from_mib(options.media_cache_mib, options.media_live_mib)
+    return MediaPreparer(cache, threads=options.media_preprocess_threads,
+                         image_config=dataclasses.replace(image, **geometry),
+                         video_config=dataclasses.replace(video, **geometry),
+                         budgets=MediaBudgets.for_context(options.max_context))
 
 
 def available_memory_bytes() -> int:
@@ -80,26 +127,33 @@ class ModelStack:
     memory_budget: int | None  # what --kv-capacity auto sized the KV pool from (None otherwise)
     load_seconds: float
     cuda: dict[str, Any] | None = None  # the CUDA build's device, arenas and KV sizing report (None on the CPU)
+    media_preparer: MediaPreparer | None = None  # --vision: prepares a request's images and videos (None without)
 
 
 def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
     """Open the artifact and build everything that serves it (blocking; run it off the trio thread). Qwen artifacts
     run on the CUDA backend when an NVIDIA GPU is usable; everything else (and a machine without one) on the CPU."""
     from ninfer.backends.cuda_probe import cuda_device_count
-    from ninfer.models.loader import artifact_dims
+    from ninfer.models.loader import artifact_dims, has_vision_weights
     from ninfer.targets.dims import QwenDims
 
     began = time.perf_counter()
+    media_preparer = None
     try:
         artifact = Artifact.open(artifact_path)
+        dims = artifact_dims(artifact)
+        if options.vision and not has_vision_weights(artifact):
+            raise StartupError(f"cannot serve {artifact_path} with --vision: the artifact ({artifact.model_id}) has "
+                               f"no Vision tower weights (vision/...); convert a checkpoint with its vision tower, "
+                               f"or start without --vision")
         target = lookup_target(artifact.model_id)
         builder = PromptBuilder.from_artifact(artifact)
         config = options.engine_config()
-        if isinstance(artifact_dims(artifact), QwenDims) and cuda_device_count() > options.device:
+        if isinstance(dims, QwenDims) and cuda_device_count() > options.device:
             from ninfer.backends.cuda.build import build_cuda_runner, describe
 
             build = build_cuda_runner(artifact, config, device_index=options.device,
-                                      cuda_graphs=not options.no_cuda_graph)
+                                      cuda_graphs=not options.no_cuda_graph, vision=options.vision)
             model, runner, cuda = build.model, build.runner, describe(build)
             weights, budget = build.ledger["weights"], int(build.sizing["free_after_weights_bytes"])
             log.info("CUDA %s: weights %.2f GiB, KV pool %s tokens (%s), free after startup %.2f GiB",
@@ -109,17 +163,22 @@ def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
             from ninfer.backends.cpu.runner import build_cpu_runner
             from ninfer.models.loader import build_model
 
-            model, cuda = build_model(artifact), None
-            weights = weights_bytes(artifact)
+            model, cuda = build_model(artifact, vision=options.vision), None
+            weights = weights_bytes(artifact, vision=options.vision)
             budget = available_memory_bytes() - weights if options.kv_capacity == "auto" else None
             runner = build_cpu_runner(model, config, memory_budget=budget)
         engine = Engine(runner, config, target.sampling)
+        if options.vision:
+            media_preparer = build_media_preparer(artifact, options, dims.vision)
+    except StartupError:
+        raise
     except (OSError, ValueError, LookupError, TypeError, RuntimeError) as exc:  # artifact, target, sizing, device
         raise StartupError(f"cannot serve {artifact_path}: {exc}") from exc
     return ModelStack(artifact_path=artifact_path, artifact=artifact, target=target, model=model, runner=runner,
                       engine=engine, prompt_builder=builder, stop_ids=model_stop_ids(artifact),
                       public_model_id=options.model_id or artifact.model_id, weights_bytes=weights,
-                      memory_budget=budget, load_seconds=time.perf_counter() - began, cuda=cuda)
+                      memory_budget=budget, load_seconds=time.perf_counter() - began, cuda=cuda,
+                      media_preparer=media_preparer)
 
 
 async def warm_up(stack: ModelStack, options: ServeOptions) -> float | None:

@@ -35,11 +35,12 @@ class RequestClock:
 
 def timings_record(clock: RequestClock, usage: Usage | None) -> dict[str, float | None]:
     """request_done.timings_seconds: prepare (arrival to the engine queue), queue (engine FIFO wait), ttft
-    (arrival to the first token), vision, prefill and decode (the engine's own), and total (arrival to finish)."""
+    (arrival to the first token), vision (the Vision tower), prefill and decode (the engine's own), and total
+    (arrival to finish)."""
     return {"prepare": clock.submitted - clock.arrived,
             "queue": usage.timings.queued if usage is not None else None,
             "ttft": None if clock.first_token is None else clock.first_token - clock.arrived,
-            "vision": 0.0,  # no Vision runtime in this build
+            "vision": usage.timings.vision if usage is not None else None,
             "prefill": usage.timings.prefill if usage is not None else None,
             "decode": usage.timings.decode if usage is not None else None,
             "total": clock.finished - clock.arrived}

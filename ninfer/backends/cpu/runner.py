@@ -3,6 +3,10 @@
 Attention KV lives in shared paged pools (`paged_kv`), recurrent state in per-lane objects. Every call runs the
 model once over a ragged batch (`forward_batch`), whose rows are computed independently of each other, so a lane's
 tokens do not depend on what else shares the call.
+
+Media: a model with a Vision tower (`vision_tower` set, e.g. `Qwen36Model(..., vision=True)`) makes a vision runner;
+`encode_media` converts an item's bf16 patch rows to float32 and runs the tower, and a prefill chunk's embedding
+overrides reach both the target model and the MTP head (shifted to the column whose next token they replace).
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import attrs
 import numpy as np
 
 from ninfer.backends.cpu.ops import ATTENTION, Segment
+from ninfer.artifact.codec import bf16_bits_to_f32
 from ninfer.backends.cpu.paged_kv import PagedKVView, PagedLayerKV, kv_bytes_per_token
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import PAGE_TOKENS, plan_kv_pool
+from ninfer.engine.request import PromptMedia
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
-                                  StateSource)
+                                  StateSource, VisionUnavailable)
 from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_drafts
 
@@ -34,7 +40,9 @@ class RunnerModel(Protocol):
     def new_recurrent_state(self, layer: int) -> Any: ...
 
     def forward_batch(self, token_ids: np.ndarray, positions: np.ndarray,
-                      segments: Sequence[Segment]) -> np.ndarray: ...
+                      segments: Sequence[Segment]) -> np.ndarray:
+        """A vision model (`vision_tower` set) also takes `embedding_columns=` / `embedding_rows=` overrides, and
+        its `mtp_forward_batch` too."""
 
     def logits(self, hidden: np.ndarray) -> np.ndarray: ...
 
@@ -84,6 +92,8 @@ class _MtpRows:
     hidden: np.ndarray  # [n, hidden]
     next_ids: np.ndarray  # [n]
     positions: np.ndarray  # [3, n]
+    embedding_columns: np.ndarray | None = None  # rows (of these n) whose next-token embedding is replaced
+    embedding_rows: np.ndarray | None = None
 
 
 class CpuRunner:
@@ -99,7 +109,8 @@ class CpuRunner:
         self._shortlist = lm_head_draft
         self.info = RunnerInfo(lanes=lanes, pages=pages, page_tokens=PAGE_TOKENS, checkpoint_slots=CHECKPOINT_SLOTS,
                                vocab_ids=dims.vocab_ids, draft_tokens=draft_tokens,
-                               kv_bytes_per_token=runner_kv_bytes_per_token(model, kv_dtype, draft_tokens))
+                               kv_bytes_per_token=runner_kv_bytes_per_token(model, kv_dtype, draft_tokens),
+                               vision=getattr(model, "vision_tower", None) is not None)
         self._lanes = [self._new_lane() for _ in range(lanes)]
 
     # ---- state operations ----
@@ -142,13 +153,29 @@ class CpuRunner:
 
     # ---- model calls ----
 
+    def encode_media(self, item: PromptMedia) -> np.ndarray:
+        model = self._model
+        if not self.info.vision:
+            raise VisionUnavailable("this runner was built without the Vision tower (start the server with --vision)")
+        patches = bf16_bits_to_f32(np.asarray(item.patches, dtype=np.uint16))
+        rows = model.encode_vision(patches, [item.grid])
+        if rows.shape != (len(item.columns), model.dims.hidden):
+            raise ValueError(f"{item.modality} {item.digest[:12]}: the Vision tower made {rows.shape[0]} tokens of "
+                             f"width {rows.shape[1]}, its prompt has {len(item.columns)} placeholder columns of width "
+                             f"{model.dims.hidden}")
+        return rows
+
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
         lane, model = self._lanes[chunk.lane], self._model
         count, start = len(chunk.token_ids), chunk.kv_length
         hidden = np.zeros((0, model.dims.hidden), np.float32)
+        if chunk.has_embeddings and not self.info.vision:
+            raise VisionUnavailable("a prefill chunk carries embedding overrides, but this runner has no Vision tower")
         if count:
             segment = Segment(slice(0, count), self._stores(lane, start))
-            hidden = model.forward_batch(chunk.token_ids, chunk.positions, [segment])
+            overrides = dict(embedding_columns=chunk.embedding_columns,
+                             embedding_rows=chunk.embedding_rows) if chunk.has_embeddings else {}
+            hidden = model.forward_batch(chunk.token_ids, chunk.positions, [segment], **overrides)
         token = -1
         if chunk.final:
             last = hidden[-1] if count else lane.tail
@@ -254,17 +281,28 @@ class CpuRunner:
         n = len(next_ids)
         if n == 0:
             return None
-        return _MtpRows(lane, start - 1 if start > 0 else 0, rows_hidden[:n], next_ids, positions[:, :n])
+        columns = rows = None
+        if chunk.has_embeddings:  # MTP row r's next token is chunk column r (with a bridge row) or r + 1
+            shifted = chunk.embedding_columns - (0 if start > 0 else 1)
+            keep = shifted >= 0
+            columns, rows = shifted[keep], chunk.embedding_rows[keep]
+        return _MtpRows(lane, start - 1 if start > 0 else 0, rows_hidden[:n], next_ids, positions[:, :n],
+                        columns, rows)
 
     def _run_mtp(self, items: list[_MtpRows]) -> list[np.ndarray]:
-        segments, row = [], 0
+        segments, row, columns, rows = [], 0, [], []
         for item in items:
             n = len(item.next_ids)
             segments.append(Segment(slice(row, row + n), [PagedKVView(self._mtp_kv, item.lane.page_table, item.first)]))
+            if item.embedding_columns is not None and len(item.embedding_columns):
+                columns.append(item.embedding_columns + row)
+                rows.append(item.embedding_rows)
             row += n
+        overrides = dict(embedding_columns=np.concatenate(columns),
+                         embedding_rows=np.concatenate(rows)) if columns else {}
         d = self._model.mtp_forward_batch(np.concatenate([i.hidden for i in items]),
                                           np.concatenate([i.next_ids for i in items]),
-                                          np.concatenate([i.positions for i in items], axis=1), segments)
+                                          np.concatenate([i.positions for i in items], axis=1), segments, **overrides)
         return [d[s.rows] for s in segments]
 
     def _prepare_drafts(self, wanted: list[tuple[_Lane, np.ndarray, int, int]]) -> None:

@@ -19,7 +19,9 @@ from ninfer.backends.cuda.runner import CudaRunner
 from ninfer.backends.cuda.weights import ArtifactDeviceWeights
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES, plan_kv_pool
-from ninfer.models.loader import artifact_dims
+from ninfer.models.loader import ArtifactWeights, artifact_dims
+from ninfer.models.qwen3_6 import build_vision_tower
+from ninfer.models.qwen3_6_vision import VisionTower
 from ninfer.targets.dims import QwenDims
 
 GRAPH_ALLOWANCE_PER_SHAPE = 8 << 20  # device memory one captured decode graph may take (nodes, kernel params)
@@ -40,9 +42,10 @@ class CudaBuild:
 
 def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index: int = 0, cuda_graphs: bool = True,
                       device: Device | None = None, tensor_core_attention: bool = True,
-                      decode_linear: str = "cublas") -> CudaBuild:
+                      decode_linear: str = "cublas", vision: bool = False) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
-    kernels' NumPy twins). `tensor_core_attention` and `decode_linear`: see `Capacity`."""
+    kernels' NumPy twins). `tensor_core_attention` and `decode_linear`: see `Capacity`. `vision` builds the Vision
+    tower (on the host for now: see `CudaRunner`)."""
     dims = artifact_dims(artifact)
     if not isinstance(dims, QwenDims):
         raise TypeError(f"the CUDA backend serves Qwen3.6 models; {artifact.model_id} is {type(dims).__name__}")
@@ -52,10 +55,12 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                         draft_head=config.lm_head_draft, tensor_core_attention=tensor_core_attention,
                         decode_linear=decode_linear)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity)
-    return finish_build(device, model, config, cuda_graphs=cuda_graphs)
+    tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
+    return finish_build(device, model, config, cuda_graphs=cuda_graphs, vision_tower=tower)
 
 
-def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_graphs: bool) -> CudaBuild:
+def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_graphs: bool,
+                 vision_tower: VisionTower | None = None) -> CudaBuild:
     """Size and allocate the KV pool on a model whose other arenas are allocated, build the runner and capture its
     decode graphs. The page count is a direct calculation: free memory after the weights, minus the exact bytes of
     the rest of the runtime layout (lane state, workspace, inputs: the ledger), the graph allowance and 1 GiB."""
@@ -74,7 +79,7 @@ def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_
             f"{available / GIB:.2f} GiB are free on the GPU after the weights, lane state and workspace")
     model.allocate_kv(plan.pages)
     runner = CudaRunner(model, draft_tokens=config.draft_tokens, lm_head_draft=config.lm_head_draft,
-                        cuda_graphs=cuda_graphs)
+                        cuda_graphs=cuda_graphs, vision_tower=vision_tower)
     device.synchronize()
     before_graphs = device.info.free_bytes
     if cuda_graphs:

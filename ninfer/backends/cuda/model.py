@@ -542,23 +542,30 @@ class CudaQwen:
 
     # ---- the decoder ----
 
-    def forward(self, rows: int, segments: int, prefill: PrefillSpan | None = None) -> Any:
-        """Run the target decoder over `rows` rows of `inputs`; returns the final-norm hidden rows [rows, H]."""
+    def forward(self, rows: int, segments: int, prefill: PrefillSpan | None = None,
+                embeddings: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        """Run the target decoder over `rows` rows of `inputs`; returns the final-norm hidden rows [rows, H].
+        `embeddings` (columns [n], rows [n, H] on the host: Vision output) replace the token embeddings of those rows
+        (eager calls only: the rows are written from the host)."""
         ws, stream, d = self.workspace, self.device.stream, self.dims
         x = ws.x[:rows]
         self._embed(self.inputs.token_ids[:rows], x)
+        self._replace_rows(x, embeddings)
         for index, layer in enumerate(self.layers):
             self._layer(layer, index, rows, segments, prefill, self.kv.get(index))
         final = ws.final[:rows]
         self.k.rms_norm_rows(x, self.final_norm, final, eps=d.rms_eps, offset=True, stream=stream)
         return final
 
-    def mtp_forward(self, hidden: Any, rows: int, prefill: PrefillSpan | None = None) -> Any:
+    def mtp_forward(self, hidden: Any, rows: int, prefill: PrefillSpan | None = None,
+                    embeddings: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
         """The MTP head over `rows` rows: target hidden rows `hidden` [rows, H] fused with the embedding of
-        `inputs.next_ids`, at `inputs.positions` / `row_pos` (the MTP KV index of each row). Returns d [rows, H]."""
+        `inputs.next_ids`, at `inputs.positions` / `row_pos` (the MTP KV index of each row). Returns d [rows, H].
+        `embeddings` replace next-token embeddings, as in `forward`."""
         ws, stream, d, mtp = self.workspace, self.device.stream, self.dims, self.mtp
         embedded, x = ws.mtp_embedded[:rows], ws.x[:rows]
         self._embed(self.inputs.next_ids[:rows], ws.h[:rows])
+        self._replace_rows(ws.h[:rows], embeddings)
         self.k.rms_norm_rows(ws.h[:rows], mtp.embedding_norm, embedded, eps=d.rms_eps, offset=True, stream=stream)
         carried = ws.mtp_carried[:rows]  # not `final`: the caller's hidden rows may live there
         self.k.rms_norm_rows(hidden, mtp.hidden_norm, carried, eps=d.rms_eps, offset=True, stream=stream)
@@ -580,6 +587,20 @@ class CudaQwen:
         out = self.argmax[:rows]
         self.k.argmax_rows(logits, logits.shape[1], out, stream=self.device.stream, scratch=self.sampling_scratch)
         return out
+
+    def _replace_rows(self, out: Any, embeddings: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """out[columns[i]] = rows[i], one host-to-device copy per run of consecutive columns (an image's columns
+        are one run)."""
+        if embeddings is None or not len(embeddings[0]):
+            return
+        columns, values = np.asarray(embeddings[0], np.int64), np.asarray(embeddings[1], np.float32)
+        if values.shape != (len(columns), self.dims.hidden) or columns[0] < 0 or columns[-1] >= out.shape[0]:
+            raise ValueError(f"embedding rows {values.shape} at columns {columns[0]}..{columns[-1]} do not fit "
+                             f"{out.shape[0]} rows of width {self.dims.hidden}")
+        breaks = np.flatnonzero(np.diff(columns) != 1) + 1
+        for first, stop in zip(np.r_[0, breaks], np.r_[breaks, len(columns)]):
+            column = int(columns[first])
+            self.device.write(out[column : column + stop - first], values[first:stop])
 
     def _embed(self, ids: Any, out: Any) -> None:
         if self.embedding.dtype == np.uint16:

@@ -16,11 +16,14 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ninfer.artifact.codec import bf16_bits_to_f32
 from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, PAGE_TOKENS, CudaQwen, PrefillSpan
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
-                                  StateSource)
+                                  StateSource, VisionUnavailable)
+from ninfer.engine.request import PromptMedia
 from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_drafts
+from ninfer.models.qwen3_6_vision import VisionTower
 
 
 @attrs.define
@@ -41,13 +44,16 @@ class _MtpRows:
 
 class CudaRunner:
     def __init__(self, model: CudaQwen, *, draft_tokens: int = 0, lm_head_draft: bool = False,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, vision_tower: VisionTower | None = None) -> None:
         cap, dims = model.capacity, model.dims
         if draft_tokens and model.mtp is None:
             raise ValueError("speculative decoding needs the model built with its MTP head")
         if lm_head_draft and not cap.draft_head:
             raise ValueError("--lm-head-draft needs the model built with its shortlist head (Capacity.draft_head)")
         self._model, self._k, self._graphs_on = model, draft_tokens, cuda_graphs
+        # The Vision tower runs on the host (NumPy) until the device has one; its output rows reach the device as
+        # embedding overrides of the prefill chunks.
+        self._vision = vision_tower
         if not model.pages:
             raise ValueError("the model's KV pool is not allocated (CudaQwen.allocate_kv)")
         if draft_tokens != cap.draft_tokens:
@@ -55,7 +61,7 @@ class CudaRunner:
         self.info = RunnerInfo(lanes=cap.lanes, pages=model.pages, page_tokens=PAGE_TOKENS,
                                checkpoint_slots=CHECKPOINT_SLOTS,
                                vocab_ids=dims.vocab_ids, draft_tokens=draft_tokens,
-                               kv_bytes_per_token=model.kv_bytes_per_token)
+                               kv_bytes_per_token=model.kv_bytes_per_token, vision=vision_tower is not None)
         self._lanes = [_Lane() for _ in range(cap.lanes)]
         self._graphs: dict[tuple, Any] = {}  # step shape -> captured graph
 
@@ -95,17 +101,30 @@ class CudaRunner:
 
     # ---- model calls ----
 
+    def encode_media(self, item: PromptMedia) -> np.ndarray:
+        if self._vision is None:
+            raise VisionUnavailable("this runner was built without the Vision tower (start the server with --vision)")
+        rows = self._vision.encode(bf16_bits_to_f32(np.asarray(item.patches, dtype=np.uint16)), [item.grid])
+        if rows.shape != (len(item.columns), self._model.dims.hidden):
+            raise ValueError(f"{item.modality} {item.digest[:12]}: the Vision tower made {rows.shape[0]} tokens of "
+                             f"width {rows.shape[1]}, its prompt has {len(item.columns)} placeholder columns of width "
+                             f"{self._model.dims.hidden}")
+        return rows
+
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
         model, lane = self._model, chunk.lane
         state = self._lanes[lane]
         count, start = len(chunk.token_ids), chunk.kv_length
         if count > model.capacity.prefill_rows:
             raise ValueError(f"prefill chunk of {count} tokens exceeds the runner's {model.capacity.prefill_rows}")
+        if chunk.has_embeddings and self._vision is None:
+            raise VisionUnavailable("a prefill chunk carries embedding overrides, but this runner has no Vision tower")
+        embeddings = (chunk.embedding_columns, chunk.embedding_rows) if chunk.has_embeddings else None
         if count:
             model.inputs.fill(token_ids=chunk.token_ids, positions=chunk.positions,
                               row_lane=np.full(count, lane), row_pos=start + np.arange(count),
                               seg_lane=[lane], seg_row=[0], seg_count=[count], seg_record=[0])
-            final = model.forward(count, 1, PrefillSpan(lane, start))
+            final = model.forward(count, 1, PrefillSpan(lane, start), embeddings)
             # The chunk's last row becomes the tail only after the MTP bridge column has read the old tail.
             model.device.copy(self._model.last_row, final[count - 1 :])
         elif chunk.final and not state.has_tail:
@@ -123,7 +142,8 @@ class CudaRunner:
                 n = len(rows.next_ids)
                 hidden_rows = [("tail", lane)] if start > 0 else []
                 hidden_rows += [("final", i) for i in range(n - len(hidden_rows))]
-                d = self._run_mtp([rows], hidden_rows, prefill=count > 0)
+                d = self._run_mtp([rows], hidden_rows, prefill=count > 0,
+                                  embeddings=_mtp_embeddings(embeddings, start, n))
                 if chunk.final and self._affords_a_round(chunk.remaining - 1):
                     self._prepare_drafts([(lane, n - 1, rows.first + n - 1, int(rows.positions[0, -1]))], d)
                     drafts_ready = True
@@ -301,9 +321,11 @@ class CudaRunner:
         return _MtpRows(chunk.lane, start - 1 if start > 0 else 0, np.asarray(next_ids, np.int32),
                         positions[:, :n])
 
-    def _run_mtp(self, items: list[_MtpRows], hidden_rows: list[tuple[str, int]], *, prefill: bool) -> Any:
+    def _run_mtp(self, items: list[_MtpRows], hidden_rows: list[tuple[str, int]], *, prefill: bool,
+                 embeddings: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
         """The MTP head over the items' rows; `hidden_rows` names each row's target hidden row (a lane's tail, or a
-        row of the last forward's final-norm output). Returns d [rows, H] (valid until the next forward)."""
+        row of the last forward's final-norm output). Returns d [rows, H] (valid until the next forward).
+        `embeddings` (next-token overrides of a prefill chunk's rows) make the call eager."""
         model = self._model
         rows = len(hidden_rows)
         hidden = self._model.mtp_hidden[:rows]
@@ -317,7 +339,9 @@ class CudaRunner:
         model.inputs.fill(token_ids=next_ids, next_ids=next_ids, positions=positions, row_lane=row_lane,
                           row_pos=row_pos, seg_lane=[], seg_row=[], seg_count=[], seg_record=[])
         if prefill and len(items) == 1 and rows > 1:  # a prefill chunk's columns: tiled attention, eager
-            return model.mtp_forward(hidden, rows, PrefillSpan(items[0].lane, items[0].first))
+            return model.mtp_forward(hidden, rows, PrefillSpan(items[0].lane, items[0].first), embeddings)
+        if embeddings is not None:
+            return model.mtp_forward(hidden, rows, None, embeddings)
         self._step(("mtp", rows), lambda: model.mtp_forward(hidden, rows))
         return model.workspace.final[:rows]
 
@@ -364,3 +388,14 @@ def _verify_greedy(argmax: np.ndarray, drafts: np.ndarray) -> tuple[int, list[in
             return i, produced + [int(argmax[i])]
         produced.append(int(draft))
     return len(drafts), produced + [int(argmax[len(drafts)])]
+
+
+def _mtp_embeddings(embeddings: tuple[np.ndarray, np.ndarray] | None, start: int,
+                    rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A prefill chunk's overrides as MTP-row overrides: MTP row r embeds the next token of its column, which is
+    chunk column r with a bridge row (start > 0) and r + 1 without one (as the CPU runner)."""
+    if embeddings is None:
+        return None
+    columns = embeddings[0] - (0 if start > 0 else 1)
+    keep = (columns >= 0) & (columns < rows)
+    return (columns[keep], embeddings[1][keep]) if keep.any() else None
