@@ -3,7 +3,9 @@
 Messages are the OpenAI Chat form the protocol adapters lower to: roles system, developer, user, assistant and tool;
 content a string or ordered parts (`text`, `image_url`/`image`, `video_url`/`video`); assistant `reasoning_content`
 (or `reasoning`, as transformers also accepts) and `tool_calls` (arguments a JSON object or its JSON text). Adjacent text parts are joined with "\\n"; each media
-part becomes one `{"type": "image"|"video"}` item, which the template turns into its own placeholder.
+part becomes one `{"type": "image"|"video"}` item, which the template turns into its own placeholder. The media
+parts' sources (`image_url`/`video_url` as a string or `{"url": ...}`, or the `image`/`video` member) are kept, in
+prompt order, as the Prompt's `media`; `ninfer.frontend.media` expands the placeholders once they are prepared.
 
 System-class messages (serving.md): `developer` is a system message. A leading one is the template's system message,
 so the template composes it with its tool and reasoning-effort instructions. Later ones stay at their positions as
@@ -84,10 +86,20 @@ class PromptOptions:
 
 
 @attrs.frozen
+class MediaSource:
+    """One image or video part of the conversation, in the order the template renders them."""
+
+    modality: str  # "image" | "video"
+    url: str | None  # HTTP(S) or data: URL; None when the part gave none (a template-only `{"type": "image"}`)
+    param: str  # where the part is in the request, e.g. messages[0].content[1]
+
+
+@attrs.frozen
 class Prompt:
     text: str
-    ids: tuple[int, ...]
+    ids: tuple[int, ...]  # with one <|image_pad|> / <|video_pad|> per media item (not yet expanded)
     thinking: bool  # the prompt ends inside an open <think>: generation starts in the reasoning channel
+    media: tuple[MediaSource, ...] = ()  # the media parts, in prompt order
 
 
 def resolve_options(
@@ -139,12 +151,19 @@ class PromptBuilder:
 
     def build(self, messages: list[dict[str, Any]], options: PromptOptions = PromptOptions(), *,
               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> Prompt:
-        text = self.render(messages, options, tools=tools, add_generation_prompt=add_generation_prompt)
-        return Prompt(text, tuple(self.tokenizer.encode(text)), opens_thinking(text))
+        media: list[MediaSource] = []
+        text = self.render(messages, options, tools=tools, add_generation_prompt=add_generation_prompt,
+                           media=media)
+        return Prompt(text, tuple(self.tokenizer.encode(text)), opens_thinking(text), tuple(media))
 
     def render(self, messages: list[dict[str, Any]], options: PromptOptions = PromptOptions(), *,
-               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
-        lowered = [_lower_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+               media: list[MediaSource] | None = None) -> str:
+        """The template's text for `messages`; `media` (when given) receives the media parts in prompt order."""
+        found: list[MediaSource] = []
+        lowered = [_lower_message(message, f"messages[{i}]", found) for i, message in enumerate(messages)]
+        if media is not None:
+            media.extend(found)
         variables: dict[str, Any] = {"enable_thinking": options.thinking, "preserve_thinking": options.preserve_thinking}
         if options.reasoning_effort is not None:
             variables["reasoning_effort"] = options.reasoning_effort
@@ -169,7 +188,7 @@ class PromptBuilder:
         return _splice_system_blocks(marked, plain, blocks)
 
 
-def _lower_message(message: Any, param: str) -> dict[str, Any]:
+def _lower_message(message: Any, param: str, media: list[MediaSource]) -> dict[str, Any]:
     """One message in the form the template reads; `developer` becomes `system`."""
     if not isinstance(message, dict):
         raise PromptError("a message must be an object", param=param)
@@ -179,7 +198,7 @@ def _lower_message(message: Any, param: str) -> dict[str, Any]:
                                param=f"{param}.role")
     role = "system" if role == "developer" else role
     lowered: dict[str, Any] = {"role": role,
-                               "content": _lower_content(message.get("content"), f"{param}.content", role)}
+                               "content": _lower_content(message.get("content"), f"{param}.content", role, media)}
     if role == "assistant":
         reasoning = message.get("reasoning_content", message.get("reasoning"))
         if reasoning is not None:
@@ -194,7 +213,7 @@ def _lower_message(message: Any, param: str) -> dict[str, Any]:
     return lowered
 
 
-def _lower_content(content: Any, param: str, role: str) -> str | list[dict[str, str]]:
+def _lower_content(content: Any, param: str, role: str, media: list[MediaSource]) -> str | list[dict[str, str]]:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -216,12 +235,21 @@ def _lower_content(content: Any, param: str, role: str) -> str | list[dict[str, 
             if role == "system":
                 raise SystemMediaError("system and developer messages cannot contain images or videos",
                                        param=f"{param}[{j}]")
-            items.append({"type": "image" if kind in _IMAGE_PARTS else "video"})
+            modality = "image" if kind in _IMAGE_PARTS else "video"
+            items.append({"type": modality})
+            media.append(MediaSource(modality, _media_url(part.get(kind)), f"{param}[{j}]"))
         else:
             raise ContentPartError(f"unsupported content part type {kind!r}", param=f"{param}[{j}].type")
     if all(item["type"] == "text" for item in items):
         return "".join(item["text"] for item in items)  # at most one item: adjacent texts were joined
     return items
+
+
+def _media_url(source: Any) -> str | None:
+    """A media part's URL: the member itself (a string) or its `url`."""
+    if isinstance(source, dict):
+        source = source.get("url")
+    return source if isinstance(source, str) else None
 
 
 def _lower_tool_call(call: Any, param: str) -> dict[str, Any]:

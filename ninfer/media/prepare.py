@@ -87,6 +87,31 @@ class PreparedMedia:
     def vision_tokens(self) -> int:
         return sum(payload.num_tokens for payload in self.payloads)
 
+    @property
+    def digests(self) -> list[str]:
+        """SHA-256 (hex) of each item's acquired bytes, in request order (the items' identity for prefix reuse)."""
+        return [handle.key.digest for handle in self.handles]
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bf16 payload bytes this request references (shared payloads counted once per item)."""
+        return sum(handle.nbytes for handle in self.handles)
+
+    @property
+    def cache_hits(self) -> int:
+        """Items found live in the cache."""
+        return sum(1 for handle in self.handles if handle.hit)
+
+    @property
+    def joined_builds(self) -> int:
+        """Items that shared another request's identical build in flight (single-flight)."""
+        return sum(1 for handle in self.handles if handle.joined and not handle.hit)
+
+    @property
+    def cache_misses(self) -> int:
+        """Items this request built itself."""
+        return sum(1 for handle in self.handles if not handle.hit and not handle.joined)
+
     def release(self) -> None:
         for handle in self.handles:
             if not handle.released:

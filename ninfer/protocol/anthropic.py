@@ -41,10 +41,17 @@ class TextBlock:
     citations: Any = attrs.field(default=None, validator=SupportedOnly("citations_not_supported"))
 
 
+def _image_media_type(_: Any, attribute: attrs.Attribute, value: str) -> None:
+    if not value.lower().startswith("image/"):
+        raise RequestError(f"{value!r} is not an image media type", code="invalid_media", param=attribute.name)
+
+
 @attrs.frozen(kw_only=True)
 class Base64Source:
+    """Base64 image bytes; prepared as the data: URL `data:{media_type};base64,{data}`."""
+
     type: Literal["base64"]
-    media_type: str
+    media_type: str = attrs.field(validator=_image_media_type)
     data: str
 
 

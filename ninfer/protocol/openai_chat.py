@@ -37,20 +37,28 @@ class TextPart:
 @attrs.frozen(kw_only=True)
 class MediaUrl:
     url: str  # HTTP(S) or a data: URL
+    # The image is always prepared at the processor's own resolution: only "auto" means that.
     detail: Literal["auto", "low", "high"] | None = attrs.field(
         default=None, validator=SupportedOnly("image_detail_not_supported", "auto"))
 
 
 @attrs.frozen(kw_only=True)
+class VideoUrl:
+    url: str  # HTTP(S) or a data: URL
+
+
+@attrs.frozen(kw_only=True)
 class ImageUrlPart:
     type: Literal["image_url"]
-    image_url: str | MediaUrl
+    image_url: str | MediaUrl  # the bare string is an extension (OpenAI nests it in an object)
 
 
 @attrs.frozen(kw_only=True)
 class VideoUrlPart:
+    """NInfer's extension: a video as an HTTP(S) or data: URL."""
+
     type: Literal["video_url"]
-    video_url: str | MediaUrl
+    video_url: str | VideoUrl
 
 
 UserContentPart = TextPart | ImageUrlPart | VideoUrlPart

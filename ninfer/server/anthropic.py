@@ -3,7 +3,9 @@
 Lowering to the chat form the prompt builder reads: the top-level `system` becomes the leading system message;
 `system` messages inside `messages` stay where they are; a user message's tool_result blocks become tool messages
 ahead of its remaining content; an assistant message's thinking blocks become its reasoning and its tool_use blocks
-its tool calls (redacted thinking is dropped). Tools become chat-form function definitions.
+its tool calls (redacted thinking is dropped). Image blocks (tool results' included) become `image_url` parts: a
+base64 source as a data: URL, a url source as its URL; they are prepared and expanded with the rest of the prompt,
+so count_tokens counts the expanded image tokens. Tools become chat-form function definitions.
 
 A stream is message_start, then content blocks in output order - thinking (thinking_delta, then a signature_delta
 before its stop), text (text_delta), tool_use (one input_json_delta with the complete arguments) - each with its
@@ -22,12 +24,13 @@ from ninfer.engine.request import PreparedPrompt, RequestOptions
 from ninfer.engine.sampler import SamplingOverrides
 from ninfer.frontend.prompt import PromptOptions
 from ninfer.frontend.tool_calls import TextDelta, ToolCall, ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
+from ninfer.media.prepare import PreparedMedia
 from ninfer.protocol import anthropic as wire
 from ninfer.protocol.anthropic import CONVERTER, CountTokensRequest, MessagesRequest
 from ninfer.protocol.common import to_json
 from ninfer.server.context import HttpRequest, JsonResponse, Response, Route, ServerContext, SseEvent, StreamResponse
 from ninfer.server.generation import (Completed, Finish, Generation, GenerationUsage, Output, ReasoningDelta,
-                                      build_prompt, parse_body, require_vision, resolve_prompt_options,
+                                      build_media_prompt, parse_body, require_vision, resolve_prompt_options,
                                       start_generation)
 
 STOP_REASONS = {Finish.STOP: "end_turn", Finish.STOP_SEQUENCE: "stop_sequence", Finish.LENGTH: "max_tokens",
@@ -49,8 +52,16 @@ def thinking_signature(thinking: str) -> str:
 # --- lowering --------------------------------------------------------------------------------------------------------
 
 
-def _parts(blocks: tuple[wire.TextBlock | wire.ImageBlock, ...]) -> list[dict[str, str]]:
-    return [{"type": "text", "text": b.text} if isinstance(b, wire.TextBlock) else {"type": "image"} for b in blocks]
+def _parts(blocks: tuple[wire.TextBlock | wire.ImageBlock, ...]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": b.text} if isinstance(b, wire.TextBlock)
+            else {"type": "image_url", "image_url": {"url": _image_url(b.source)}} for b in blocks]
+
+
+def _image_url(source: wire.ImageSource) -> str:
+    """An image block's source as the URL media acquisition reads: base64 data as a data: URL."""
+    if isinstance(source, wire.Base64Source):
+        return f"data:{source.media_type};base64,{source.data}"
+    return source.url
 
 
 def _blocks(content: str | tuple[Any, ...]) -> tuple[Any, ...]:
@@ -102,8 +113,8 @@ def _options(ctx: ServerContext, body: CountTokensRequest) -> PromptOptions:
         preserve_thinking=body.preserve_thinking, effort_param="output_config.effort", thinking_param="thinking.type")
 
 
-def _prepare(ctx: ServerContext, body: CountTokensRequest, media: list[str],
-             tools: list[dict[str, Any]], options: PromptOptions | None = None) -> PreparedPrompt:
+async def _prepare(ctx: ServerContext, body: CountTokensRequest, media: list[str], tools: list[dict[str, Any]],
+                   options: PromptOptions | None = None) -> tuple[PreparedPrompt, PreparedMedia | None]:
     if media:
         require_vision(ctx, media[0])
     if options is None:
@@ -111,7 +122,7 @@ def _prepare(ctx: ServerContext, body: CountTokensRequest, media: list[str],
     messages = [{"role": "system", "content": _parts(_blocks(body.system))}] if body.system else []
     for message in body.messages:
         messages += _lower_message(message)
-    return build_prompt(ctx, messages, options, tools=tools)
+    return await build_media_prompt(ctx, messages, options, tools=tools)
 
 
 # --- handlers --------------------------------------------------------------------------------------------------------
@@ -120,7 +131,9 @@ def _prepare(ctx: ServerContext, body: CountTokensRequest, media: list[str],
 async def count_tokens(ctx: ServerContext, request: HttpRequest) -> Response:
     body = parse_body(request, CONVERTER, CountTokensRequest)
     tools = [_tool(tool) for tool in body.rendered_tools]
-    prompt = _prepare(ctx, body, _media_params(body), tools)
+    prompt, prepared = await _prepare(ctx, body, _media_params(body), tools)
+    if prepared is not None:  # counted: the media are not needed any more
+        prepared.release()
     return JsonResponse(CONVERTER.unstructure(wire.TokenCount(input_tokens=len(prompt))))
 
 
@@ -131,11 +144,12 @@ async def create_message(ctx: ServerContext, request: HttpRequest) -> Response:
     options = _options(ctx, body)  # serving.md: an effort the template does not expose fails before preparation
     ctx.begin_preparation(api="messages", shape={"stream": bool(body.stream), "messages": len(body.messages),
                                                  "tools": len(tools), "media_items": len(media)})
-    prompt = _prepare(ctx, body, media, tools, options)
+    prompt, prepared = await _prepare(ctx, body, media, tools, options)
     sampling = SamplingOverrides(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     generation = await start_generation(ctx, prompt, RequestOptions(max_tokens=body.max_tokens, sampling=sampling),
                                         api="messages", stop_strings=body.stop_strings, tools=tools,
-                                        max_tool_name_length=MAX_TOOL_NAME_LENGTH, new_tool_call_id=new_tool_use_id)
+                                        max_tool_name_length=MAX_TOOL_NAME_LENGTH, new_tool_call_id=new_tool_use_id,
+                                        media=prepared)
     message_id = f"msg_{secrets.token_hex(12)}"
     if body.stream:
         return StreamResponse(_events(generation, message_id, body.model, len(prompt)))

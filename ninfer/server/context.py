@@ -94,6 +94,11 @@ class ServerContext(Protocol):
     stop_ids: frozenset[int]  # the model's default stop tokens (generation_config eos ids)
     max_context: int
     started_unix: int  # when the server started serving (the model objects' `created`)
+    # ninfer.media.prepare.MediaPreparer with --vision, else None (media requests are then 400 vision_disabled).
+    # A context may also define `async prepare_media(items) -> PreparedMedia` (the server's does: the request's
+    # pending deadline, its log record, a release when the request ends); ninfer.server.generation.prepare_media
+    # runs the preparer itself for a context without one.
+    media_preparer: Any
 
     def begin_preparation(self, *, api: str, shape: Mapping[str, Any] | None = None) -> None:
         """Call after schema and model validation, just before preparing the prompt. The request takes its

@@ -4,7 +4,12 @@ The APIs differ only in their wire objects. What they share lives here and knows
 
 - `parse_body` / `api_error`: protocol and prompt errors as the ApiError the app renders.
 - `resolve_prompt_options`, `build_prompt`: the request's template options against the server defaults, and the
-  PreparedPrompt with the engine's checkpoint boundaries (`prepare_prompt`).
+  PreparedPrompt with the engine's checkpoint boundaries (`prepare_prompt`). `build_media_prompt` is the same for a
+  conversation that may hold images and videos: it prepares them (`prepare_media`: acquisition, the prepared-media
+  cache, preprocessing, on a worker thread under the request's pending deadline), expands their placeholders and
+  gives the prompt its MRoPE positions and PromptMedia. The PreparedMedia it returns holds cache references until
+  released: `start_generation` hands it to the Generation, which releases it when the request ends (or releases it
+  itself when the request fails to start).
 - `OutputAdapter`: the engine OutputPolicy over the frontend ResponseStream (stop ids, stop strings, tool calls).
   Its payloads are `OutputEvent`s: reasoning text, answer text and tool-call events, whitespace-trimmed.
 - `start_generation` -> `Generation`: `events()` for a stream (ending in `Completed`), `collect()` for one object.
@@ -18,15 +23,19 @@ fresh random seed when neither the request nor `--seed` gives one, so nothing he
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
 import attrs
 import cattrs
+import trio
 
 from ninfer.engine.request import FinishReason as EngineFinish
-from ninfer.engine.request import PreparedPrompt, RequestEvent, RequestOptions, Verdict
+from ninfer.engine.request import PreparedPrompt, PromptMedia, RequestEvent, RequestOptions, Verdict
+from ninfer.frontend.media import expand_media
 from ninfer.frontend.output import THINK_CLOSE, OutputDecoder
 from ninfer.frontend.output import FinishReason as DecoderFinish
 from ninfer.frontend.prompt import Prompt, PromptBuilder, PromptError, PromptOptions, resolve_options
@@ -34,6 +43,10 @@ from ninfer.frontend.stream import ResponseStream, StreamDelta
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.frontend.tool_calls import (TextDelta, ToolCall, ToolCallArgumentsDelta, ToolCallDone, ToolCallParser,
                                         ToolCallStarted, new_call_id)
+from ninfer.media.acquire import MediaFetchTimeout
+from ninfer.media.cache import MediaWaitCancelled, MediaWaitTimeout
+from ninfer.media.errors import MediaError
+from ninfer.media.prepare import MediaItem, PreparedMedia
 from ninfer.protocol.common import RequestError, structure
 from ninfer.server.context import ApiError, HttpRequest, ServerContext
 from ninfer.server.errors import internal_error
@@ -74,42 +87,152 @@ def resolve_prompt_options(ctx: ServerContext, *, reasoning_effort: str | None, 
         raise api_error(exc) from None
 
 
+def vision_disabled(param: str | None) -> ApiError:
+    return ApiError(400, "vision_disabled", "image and video input needs a server started with --vision",
+                    param=param)
+
+
 def require_vision(ctx: ServerContext, param: str) -> None:
-    """A media part needs a server started with --vision (serving.md: 400 vision_disabled). This build refuses
-    --vision at startup, as it has no media preprocessing; a build with one expands the media past this check."""
-    if not ctx.options.vision:
-        raise ApiError(400, "vision_disabled", "image and video input needs a server started with --vision",
-                       param=param)
+    """A media part needs a server started with --vision (serving.md: 400 vision_disabled): one whose model stack
+    has a media preparer."""
+    if getattr(ctx, "media_preparer", None) is None:
+        raise vision_disabled(param)
 
 
 def build_prompt(ctx: ServerContext, messages: list[dict[str, Any]], options: PromptOptions, *,
                  tools: list[dict[str, Any]] | None = None) -> PreparedPrompt:
-    """Chat-form messages (what the protocol adapters lower to) rendered, tokenized and prepared for the engine."""
-    try:
-        prompt = ctx.prompt_builder.build(messages, options, tools=tools or None)
-    except PromptError as exc:
-        raise api_error(exc) from None
+    """Chat-form text messages (what the protocol adapters lower to) rendered, tokenized and prepared for the
+    engine. A conversation with media goes through `build_media_prompt`."""
+    prompt = _render(ctx, messages, options, tools)
+    if prompt.media:
+        require_vision(ctx, prompt.media[0].param)
+        raise RuntimeError("a prompt with media is built by build_media_prompt")
     return prepare_prompt(ctx.prompt_builder, prompt, options)
 
 
-def prepare_prompt(builder: PromptBuilder, prompt: Prompt, options: PromptOptions) -> PreparedPrompt:
+async def build_media_prompt(ctx: ServerContext, messages: list[dict[str, Any]], options: PromptOptions, *,
+                             tools: list[dict[str, Any]] | None = None,
+                             ) -> tuple[PreparedPrompt, PreparedMedia | None]:
+    """`build_prompt` for a conversation that may hold media: the prompt with its media prepared and expanded, and
+    the PreparedMedia (None for text) whose references the caller releases when the request ends (pass it to
+    `start_generation`). Raises ApiError: vision_disabled, a media error's own status and code (invalid_media,
+    media_budget_exceeded, media_fetch_failed 502, media_fetch_timeout 504, ...), 503 request_queue_timeout when
+    the pending deadline passes while the request waits for media."""
+    prompt = _render(ctx, messages, options, tools)
+    if not prompt.media:
+        return prepare_prompt(ctx.prompt_builder, prompt, options), None
+    require_vision(ctx, prompt.media[0].param)
+    for source in prompt.media:
+        if source.url is None:
+            raise ApiError(400, "invalid_media", f"{source.param}: a media part needs a URL", param=source.param)
+    prepared = await prepare_media(ctx, [MediaItem(source.modality, source.url) for source in prompt.media])
+    try:
+        return prepare_prompt(ctx.prompt_builder, prompt, options, prepared), prepared
+    except MediaError as exc:
+        prepared.release()
+        raise exc.to_api_error() from None
+    except BaseException:
+        prepared.release()
+        raise
+
+
+def _render(ctx: ServerContext, messages: list[dict[str, Any]], options: PromptOptions,
+            tools: list[dict[str, Any]] | None) -> Prompt:
+    try:
+        return ctx.prompt_builder.build(messages, options, tools=tools or None)
+    except PromptError as exc:
+        raise api_error(exc) from None
+
+
+def prepare_prompt(builder: PromptBuilder, prompt: Prompt, options: PromptOptions,
+                   media: PreparedMedia | None = None) -> PreparedPrompt:
     """The engine's view of a prompt that ends with the template's generation prompt for `options.thinking`.
 
     prologue_end is the prompt's end (the whole generation prompt is deterministic), assistant_boundary the end of
     the generation prompt's first line (ChatML's `<|im_start|>assistant\\n`). Both need the generation prompt to
     tokenize on its own exactly as it did in place (true after a special token such as `<|im_start|>`); when it does
     not, the engine gets no checkpoint boundaries rather than wrong ones.
+
+    `media`, the prompt's prepared items in prompt order, expands the placeholders (`expand_media`) and gives the
+    prompt its MRoPE positions and one PromptMedia per item (PositionError, a MediaError, when they disagree).
     """
+    ids: tuple[int, ...] = prompt.ids
+    positions = None
+    items: list[PromptMedia] = []
+    if media is not None:
+        payloads = media.payloads
+        expanded = expand_media(prompt.ids, [source.modality for source in prompt.media], payloads,
+                                builder.tokenizer.encode)
+        ids, positions = expanded.ids, expanded.positions
+        items = [PromptMedia(modality=item.modality, digest=digest, grid=payload.grid, patches=payload.patches,
+                             columns=columns)
+                 for item, digest, payload, columns in zip(media.items, media.digests, payloads, expanded.columns)]
     boundary = prologue_end = None
     generation_prompt = builder.capabilities.generation_prompt(options.thinking)
     tail = builder.tokenizer.encode(generation_prompt) if prompt.text.endswith(generation_prompt) else []
-    if tail and list(prompt.ids[-len(tail):]) == tail:
-        prologue_end = len(prompt.ids)
+    if tail and list(ids[-len(tail):]) == tail:
+        prologue_end = len(ids)
         opener = builder.tokenizer.encode(generation_prompt[: generation_prompt.find("\n") + 1])
         if opener and tail[: len(opener)] == opener:
             boundary = prologue_end - len(tail) + len(opener)
-    return PreparedPrompt(token_ids=prompt.ids, thinking=prompt.thinking, assistant_boundary=boundary,
-                          prologue_end=prologue_end, preserve_thinking=options.preserve_thinking)
+    return PreparedPrompt(token_ids=ids, positions=positions, thinking=prompt.thinking, assistant_boundary=boundary,
+                          prologue_end=prologue_end, preserve_thinking=options.preserve_thinking, media=items)
+
+
+# --- media preparation -----------------------------------------------------------------------------------------------
+
+
+async def prepare_media(ctx: ServerContext, items: Sequence[MediaItem]) -> PreparedMedia:
+    """The request's media prepared by the context's media preparer: through `ctx.prepare_media` when the context
+    has one (the server's: the pending deadline, the request log, a release when the request's scope ends), else
+    without a deadline. MediaError and the preparation timeouts come out as ApiError."""
+    own = getattr(ctx, "prepare_media", None)
+    if own is not None:
+        return await own(items)
+    return await run_media_preparation(ctx.media_preparer, items, deadline=None)
+
+
+async def run_media_preparation(preparer: Any, items: Sequence[MediaItem], *, deadline: float | None,
+                                ) -> PreparedMedia:
+    """`preparer.prepare(items, deadline=)` on a worker thread (`deadline` a time.monotonic() value, the request's
+    pending deadline). A cancelled caller (a client that left) abandons the thread, which then releases what it
+    prepared itself, so no cache reference outlives the request. Errors are ApiErrors: a MediaError's own, 503
+    request_queue_timeout for a deadline that passed while waiting for media bytes or fetching them."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"abandoned": False, "result": None}
+
+    def work() -> PreparedMedia | None:
+        prepared = preparer.prepare(list(items), deadline=deadline)
+        with lock:
+            if state["abandoned"]:
+                prepared.release()
+                return None
+            state["result"] = prepared
+        return prepared
+
+    try:
+        try:
+            return await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except BaseException:
+            with lock:
+                state["abandoned"] = True
+                result, state["result"] = state["result"], None
+            if result is not None:
+                result.release()
+            raise
+    except (MediaWaitTimeout, MediaWaitCancelled) as exc:
+        raise queue_timeout(f"the request's media were not prepared before its pending deadline ({exc})") from None
+    except MediaFetchTimeout as exc:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise queue_timeout(f"the request's media were not fetched before its pending deadline ({exc})") \
+                from None
+        raise exc.to_api_error() from None
+    except MediaError as exc:
+        raise exc.to_api_error() from None
+
+
+def queue_timeout(message: str) -> ApiError:
+    return ApiError(503, "request_queue_timeout", message, type="server_error")
 
 
 # --- output events ---------------------------------------------------------------------------------------------------
@@ -268,25 +391,41 @@ class Generation:
     Whoever holds one calls `aclose()` when done with it, however that came about (`collect` does): a stream the
     client left may not have read `events()` to its end, or at all."""
 
-    def __init__(self, events: AsyncIterator[RequestEvent], first: RequestEvent, adapter: OutputAdapter) -> None:
+    def __init__(self, events: AsyncIterator[RequestEvent], first: RequestEvent, adapter: OutputAdapter,
+                 media: PreparedMedia | None = None) -> None:
         self._events, self._first, self._adapter = events, first, adapter
+        self._media = media  # the request's prepared media: released when the request ends
+
+    def _release_media(self) -> None:
+        if self._media is not None:
+            self._media.release()
+            self._media = None
 
     async def events(self) -> AsyncIterator[OutputEvent | Completed]:
         """The output events, then one Completed (once only); the engine iteration is closed when they end. A
         request the engine ended with an error raises ApiError in place of Completed."""
-        async with aclosing(self._events) as remaining:
-            event = self._first
-            while True:
-                for item in event.payload or ():
-                    yield item
-                if event.finish is not None:
-                    yield self._completed(event)
-                    return
-                event = await anext(remaining)
+        try:
+            async with aclosing(self._events) as remaining:
+                event = self._first
+                while True:
+                    if event.finish is not None:
+                        self._release_media()  # the engine is done with the request's media
+                    for item in event.payload or ():
+                        yield item
+                    if event.finish is not None:
+                        yield self._completed(event)
+                        return
+                    event = await anext(remaining)
+        finally:
+            self._release_media()
 
     async def aclose(self) -> None:
-        """Close the engine iteration: a request that has not finished is cancelled (its pages are freed)."""
-        await self._events.aclose()
+        """Close the engine iteration: a request that has not finished is cancelled (its pages are freed), and
+        release its prepared media."""
+        try:
+            await self._events.aclose()
+        finally:
+            self._release_media()
 
     async def collect(self) -> Output:
         segments: list[ReasoningDelta | TextDelta | ToolCall] = []
@@ -329,13 +468,20 @@ class Generation:
 async def start_generation(ctx: ServerContext, prompt: PreparedPrompt, options: RequestOptions, *, api: str,
                            stop_strings: tuple[str, ...] = (), tools: Sequence[dict[str, Any]] | None = None,
                            max_tool_name_length: int = 64,
-                           new_tool_call_id: Callable[[], str] = new_call_id) -> Generation:
+                           new_tool_call_id: Callable[[], str] = new_call_id,
+                           media: PreparedMedia | None = None) -> Generation:
     """Submit the request and wait for its first event, so that the errors ctx.generate raises before any output
     (429 server_overloaded, 503 request_queue_timeout, 400 context_length_exceeded) are ordinary HTTP errors even
-    for a streamed response. `tools` are the ones the prompt rendered: they switch tool-call parsing on."""
-    adapter = OutputAdapter(ctx.prompt_builder.tokenizer, thinking=prompt.thinking, stop_ids=ctx.stop_ids,
-                            stop_strings=stop_strings, tools=tools, max_tool_name_length=max_tool_name_length,
-                            new_tool_call_id=new_tool_call_id)
-    events = ctx.generate(prompt, options, adapter, api=api)
-    first = await anext(events)
-    return Generation(events, first, adapter)
+    for a streamed response. `tools` are the ones the prompt rendered: they switch tool-call parsing on. `media`
+    (from `build_media_prompt`) is released when the Generation ends, or here when the request does not start."""
+    try:
+        adapter = OutputAdapter(ctx.prompt_builder.tokenizer, thinking=prompt.thinking, stop_ids=ctx.stop_ids,
+                                stop_strings=stop_strings, tools=tools, max_tool_name_length=max_tool_name_length,
+                                new_tool_call_id=new_tool_call_id)
+        events = ctx.generate(prompt, options, adapter, api=api)
+        first = await anext(events)
+    except BaseException:
+        if media is not None:
+            media.release()
+        raise
+    return Generation(events, first, adapter, media)

@@ -26,7 +26,7 @@ from ninfer.protocol.openai_chat import (CONVERTER, MEDIA_PARTS, ChatCompletion,
 from ninfer.server.context import (ApiError, HttpRequest, JsonResponse, Response, Route, ServerContext, SseEvent,
                                   StreamResponse)
 from ninfer.server.generation import (Completed, Finish, Generation, GenerationUsage, Output, ReasoningDelta,
-                                      build_prompt, parse_body, require_vision, resolve_prompt_options,
+                                      build_media_prompt, parse_body, require_vision, resolve_prompt_options,
                                       start_generation)
 
 FINISH_REASONS = {Finish.STOP: "stop", Finish.STOP_SEQUENCE: "stop", Finish.LENGTH: "length",
@@ -61,12 +61,13 @@ async def create_chat_completion(ctx: ServerContext, request: HttpRequest) -> Re
                                              "tools": len(tools), "media_items": len(media)})
     if media:
         require_vision(ctx, media[0])
-    prompt = build_prompt(ctx, [CONVERTER.unstructure(message) for message in body.messages], options, tools=tools)
+    prompt, prepared = await build_media_prompt(ctx, [CONVERTER.unstructure(message) for message in body.messages],
+                                                options, tools=tools)
     sampling = SamplingOverrides(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                  seed=body.seed)
     generation = await start_generation(ctx, prompt, RequestOptions(max_tokens=body.output_limit, sampling=sampling),
-                                        api="chat", stop_strings=body.stop_strings, tools=tools)
+                                        api="chat", stop_strings=body.stop_strings, tools=tools, media=prepared)
     identity = _Identity(f"chatcmpl-{secrets.token_hex(8)}", int(time.time()), ctx.public_model_id)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

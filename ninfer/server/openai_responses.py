@@ -28,6 +28,7 @@ from ninfer.engine.request import PreparedPrompt, RequestOptions
 from ninfer.engine.sampler import SamplingOverrides
 from ninfer.frontend.prompt import PromptOptions
 from ninfer.frontend.tool_calls import TextDelta, ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
+from ninfer.media.prepare import PreparedMedia
 from ninfer.protocol.common import CachedTokensDetails, ReasoningTokensDetails, RequestError, structure
 from ninfer.protocol.openai_responses import (CONVERTER, ContentPartAddedEvent, ContentPartDoneEvent,
                                               CreateResponseRequest, DeletedResponse, FunctionCallArgumentsDeltaEvent,
@@ -42,7 +43,7 @@ from ninfer.protocol.openai_responses import (CONVERTER, ContentPartAddedEvent, 
                                               ResponseUsage, StreamEvent, TextConfig, TextFormat)
 from ninfer.server.context import ApiError, HttpRequest, JsonResponse, Route, ServerContext, SseEvent, StreamResponse
 from ninfer.server.generation import (Completed, Finish, Generation, GenerationUsage, ReasoningDelta, api_error,
-                                      build_prompt, parse_body, require_vision, resolve_prompt_options,
+                                      build_media_prompt, parse_body, require_vision, resolve_prompt_options,
                                       start_generation)
 from ninfer.server.response_store import ResponseStore, ResponseStoreFull, StoredResponse
 from ninfer.server.responses_items import chat_messages, chat_tools, media_params, new_id, normalize_input
@@ -74,12 +75,14 @@ def _input_items(items: str | tuple[InputItem, ...]) -> tuple[InputItem, ...]:
         raise api_error(exc) from None
 
 
-def _build_prompt(ctx: ServerContext, items: tuple[InputItem | OutputItem, ...], options: PromptOptions, *,
-                  instructions: str | None = None, tools: list[dict[str, Any]] | None = None) -> PreparedPrompt:
-    """The conversation's prompt. The frontend names chat `messages[i]` in its errors, which a Responses client
-    never sent (its Items, instructions and history lower to other positions): those errors name `input`."""
+async def _build_prompt(ctx: ServerContext, items: tuple[InputItem | OutputItem, ...], options: PromptOptions, *,
+                        instructions: str | None = None, tools: list[dict[str, Any]] | None = None,
+                        ) -> tuple[PreparedPrompt, PreparedMedia | None]:
+    """The conversation's prompt and its prepared media (None for text; media in a stored chain are acquired
+    again from their URLs). The frontend names chat `messages[i]` in its errors, which a Responses client never
+    sent (its Items, instructions and history lower to other positions): those errors name `input`."""
     try:
-        return build_prompt(ctx, chat_messages(items, instructions), options, tools=tools)
+        return await build_media_prompt(ctx, chat_messages(items, instructions), options, tools=tools)
     except ApiError as error:
         if error.param is None or not error.param.startswith("messages"):
             raise
@@ -206,12 +209,15 @@ class _ResponseRun:
         builder = self.builder
         yield builder.event(ResponseCreatedEvent, response=self.base)
         yield builder.event(ResponseInProgressEvent, response=self.base)
-        async for item in self.generation.events():
-            if isinstance(item, Completed):
-                completed = item
-            else:
-                for event in builder.feed(item):
-                    yield event
+        try:
+            async for item in self.generation.events():
+                if isinstance(item, Completed):
+                    completed = item
+                else:
+                    for event in builder.feed(item):
+                        yield event
+        finally:  # also when the client leaves mid-stream: the engine request is cancelled, its media released
+            await self.generation.aclose()
         incomplete = completed.finish is Finish.LENGTH
         for event in builder.finish("incomplete" if incomplete else "completed"):
             yield event
@@ -304,17 +310,18 @@ class ResponsesApi:
         if media:
             require_vision(ctx, media[0])
         conversation = (parent.conversation if parent else ()) + input_items
-        prompt = _build_prompt(ctx, conversation, options, instructions=body.instructions, tools=tools)
         storing = body.store is not False
         if storing:
             try:
                 store.check_fits(input_items, parent)
             except ResponseStoreFull as exc:
                 raise _store_full(exc) from None
+        prompt, prepared = await _build_prompt(ctx, conversation, options, instructions=body.instructions,
+                                               tools=tools)
         sampling = SamplingOverrides(temperature=body.temperature, top_p=body.top_p)
         generation = await start_generation(ctx, prompt, RequestOptions(max_tokens=body.max_output_tokens,
                                                                          sampling=sampling),
-                                            api="responses", tools=tools)
+                                            api="responses", tools=tools, media=prepared)
         run = _ResponseRun(generation, _base_response(ctx, body, storing), store if storing else None, input_items,
                            parent, options.preserve_thinking)
         if body.stream:
@@ -331,7 +338,9 @@ class ResponsesApi:
             require_vision(ctx, media[0])
         options = resolve_prompt_options(ctx, reasoning_effort=None, enable_thinking=None, preserve_thinking=None,
                                          effort_param="reasoning.effort", thinking_param="reasoning.effort")
-        prompt = _build_prompt(ctx, input_items, options)
+        prompt, prepared = await _build_prompt(ctx, input_items, options)
+        if prepared is not None:  # counted: the media are not needed any more
+            prepared.release()
         return JsonResponse(CONVERTER.unstructure(InputTokens(input_tokens=len(prompt))))
 
     async def retrieve(self, ctx: ServerContext, request: HttpRequest) -> JsonResponse:

@@ -2,8 +2,9 @@
 
 One HTTP request is one `RequestScope`, opened by the app when the request arrives (so the pending deadline starts
 before any preparation) and closed when its response has been written (so the capacity slot covers the whole
-lifetime, unsent results included). Handlers do not see the scope: `generate` and `begin_preparation` find it
-through a context variable.
+lifetime, unsent results included). Handlers do not see the scope: `generate`, `begin_preparation` and
+`prepare_media` find it through a context variable. Media a request prepared are released when its scope closes at
+the latest (success, error or disconnect); a Generation releases them earlier, when the engine is done.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextvars
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Iterator, Mapping, NoReturn
+from typing import Any, AsyncIterator, Iterator, Mapping, NoReturn, Sequence
 
 import attrs
 import trio
@@ -21,6 +22,7 @@ from ninfer.engine.engine import RequestHandle
 from ninfer.engine.request import (ContextLengthExceeded, FinishReason, OutputPolicy, PreparedPrompt, PromptError,
                                    RequestEvent, RequestOptions, Usage)
 from ninfer.engine.sampler import SamplingParamsError
+from ninfer.media.prepare import MediaItem, PreparedMedia
 from ninfer.nursery.admission import AdmissionGate, ServerOverloaded, ShuttingDown, Slot
 from ninfer.nursery.engine_bridge import AdmissionTimeout, submit
 from ninfer.nursery.options import ServeOptions
@@ -30,6 +32,7 @@ from ninfer.observability.records import (RequestClock, sampler_record, speculat
                                           usage_record)
 from ninfer.observability.request_log import RequestLog
 from ninfer.server.context import ApiError
+from ninfer.server.generation import queue_timeout, run_media_preparation
 
 log = logging.getLogger("ninfer.requests")
 
@@ -43,6 +46,13 @@ class RequestScope:
     api: str | None = None
     shape: Mapping[str, Any] | None = None
     logged: bool = False  # request_start or request_rejected was written
+    media: list[PreparedMedia] = attrs.Factory(list)  # released when the scope closes
+    media_record: dict[str, Any] | None = None  # the request's media preparation, for request_start
+
+    def release_media(self) -> None:
+        for prepared in self.media:
+            prepared.release()
+        self.media.clear()
 
 
 _scope: contextvars.ContextVar[RequestScope] = contextvars.ContextVar("ninfer_request_scope")
@@ -60,6 +70,7 @@ class ServingContext:
         self.max_context = options.max_context
         self.started_unix = started_unix  # the model objects' `created`
         self.engine = stack.engine
+        self.media_preparer = stack.media_preparer  # None without --vision
         self.gate = gate
         self.request_log = request_log
         self.request_counters = RequestCounters()  # GET /metrics
@@ -76,6 +87,7 @@ class ServingContext:
             yield scope
         finally:
             _scope.reset(token)
+            scope.release_media()
             if scope.slot is not None:
                 scope.slot.release()
 
@@ -113,6 +125,32 @@ class ServingContext:
         except ShuttingDown as exc:
             raise ApiError(503, "server_shutting_down", str(exc), type="server_error") from None
         scope.request_id, scope.api, scope.shape = self.request_log.new_request_id(), api, shape
+
+    async def prepare_media(self, items: Sequence[MediaItem]) -> PreparedMedia:
+        """The request's media, prepared on a worker thread under its pending deadline (503 request_queue_timeout
+        once it has passed), held by the request's scope until it closes. Errors are ApiErrors (see
+        `ninfer.server.generation.run_media_preparation`)."""
+        scope = _scope.get()
+        remaining = scope.deadline - trio.current_time()
+        if remaining <= 0:
+            raise queue_timeout(f"the request was not prepared within --pending-timeout-ms "
+                                f"({self.options.pending_timeout_ms} ms)")
+        began = time.perf_counter()
+        prepared = await run_media_preparation(self.media_preparer, items, deadline=time.monotonic() + remaining)
+        scope.media.append(prepared)
+        record = scope.media_record or {"items": 0, "images": 0, "videos": 0, "acquired_bytes": 0,
+                                        "payload_bytes": 0, "vision_tokens": 0, "cache_hits": 0, "cache_misses": 0,
+                                        "single_flight_joins": 0, "wall_seconds": 0.0, "work_seconds": 0.0}
+        for key, value in (("items", len(prepared.items)),
+                           ("images", sum(1 for item in prepared.items if item.modality == "image")),
+                           ("videos", sum(1 for item in prepared.items if item.modality == "video")),
+                           ("acquired_bytes", prepared.acquired_bytes), ("payload_bytes", prepared.payload_bytes),
+                           ("vision_tokens", prepared.vision_tokens), ("cache_hits", prepared.cache_hits),
+                           ("cache_misses", prepared.cache_misses), ("single_flight_joins", prepared.joined_builds),
+                           ("wall_seconds", time.perf_counter() - began), ("work_seconds", prepared.seconds)):
+            record[key] += value
+        scope.media_record = record
+        return prepared
 
     async def generate(self, prompt: PreparedPrompt, options: RequestOptions, policy: OutputPolicy, *,
                        api: str) -> AsyncIterator[RequestEvent]:
@@ -172,7 +210,8 @@ class ServingContext:
             "request_start", request_id=scope.request_id, protocol=scope.api, shape=dict(scope.shape or {}),
             prompt_tokens=len(prompt), thinking=prompt.thinking, preserve_thinking=prompt.preserve_thinking,
             output_budget=handle.output_budget, sampler=sampler_record(sampling),
-            seed=None if sampling is None else sampling.seed)
+            seed=None if sampling is None else sampling.seed,
+            **({"media": scope.media_record} if scope.media_record is not None else {}))
 
     def _log_end(self, scope: RequestScope, finish: FinishReason, usage: Usage | None, error: str | None,
                  prompt_tokens: int, completion_tokens: int, clock: RequestClock) -> None:
