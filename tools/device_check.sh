@@ -14,9 +14,12 @@ what="${1:-tests}"; shift || true
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 case "$what" in
   tests)
-    timeout "${1:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra" --timeout 300 \
-      tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py > "$OUT/gpu_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -40 ;;
+    # 12 xdist workers (numba compiles per process: the 16 cores make that ~3 min); SIGINT at the limit makes
+    # pytest print the summary of what ran, failures named, instead of dying silently.
+    timeout -s INT "${1:-540}" python3 -m pytest -q -n 12 -p no:cacheprovider -m gpu -o addopts="-ra" \
+      --timeout 400 tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py \
+      > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
   bench)
     python3 bench/cuda_model.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cuda_model.log" | tail -60 ;;
   peers)
