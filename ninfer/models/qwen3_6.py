@@ -303,16 +303,6 @@ class Qwen36Model:
         self._weights = weights  # the draft head is read only when speculative decoding asks for it
         self.vision_tower = build_vision_tower(dims, weights) if vision else None
 
-    @property
-    def has_vision(self) -> bool:
-        return self.vision_tower is not None
-
-    def encode_vision(self, patches: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
-        """The Vision tower over float32 patch rows of items with `grids`: merged tokens `[rows / merge^2, hidden]`."""
-        if self.vision_tower is None:
-            raise ValueError("this model was built without its Vision tower")
-        return self.vision_tower.encode(patches, grids)
-
     # ---- target model ----
 
     def new_state(self) -> Qwen36State:

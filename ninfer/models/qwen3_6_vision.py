@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ninfer.artifact.codec import bf16_bits_to_f32
+
 from ninfer.backends.cpu.ops import apply_rotary, linear, rope_inv_freq, softmax
 from ninfer.models.base import WeightSource
 from ninfer.targets.dims import VisionDims
@@ -172,3 +174,13 @@ class VisionTower:
         y = layer_norm(x, mg["norm/weight"], mg["norm/bias"]).reshape(-1, d.merged_hidden)
         y = gelu_exact(linear(y, mg["fc1"]) + mg["fc1_bias"])
         return (linear(y, mg["fc2"]) + mg["fc2_bias"]).astype(F32)
+
+
+def encode_prompt_item(tower: VisionTower, item, hidden: int) -> np.ndarray:
+    """A prompt media item (`engine.request.PromptMedia`: bf16 patch bits, grid, placeholder columns) through the
+    tower: float32 `[len(item.columns), hidden]`, checked against the item's placeholder count and the text width."""
+    rows = tower.encode(bf16_bits_to_f32(np.asarray(item.patches, dtype=np.uint16)), [item.grid])
+    if rows.shape != (len(item.columns), hidden):
+        raise ValueError(f"{item.modality} {item.digest[:12]}: the Vision tower made {rows.shape[0]} tokens of width "
+                         f"{rows.shape[1]}, its prompt has {len(item.columns)} placeholder columns of width {hidden}")
+    return rows

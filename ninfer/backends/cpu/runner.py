@@ -17,7 +17,6 @@ import attrs
 import numpy as np
 
 from ninfer.backends.cpu.ops import ATTENTION, Segment
-from ninfer.artifact.codec import bf16_bits_to_f32
 from ninfer.backends.cpu.paged_kv import PagedKVView, PagedLayerKV, kv_bytes_per_token
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import PAGE_TOKENS, plan_kv_pool
@@ -26,6 +25,7 @@ from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, Prefi
                                   StateSource, VisionUnavailable)
 from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_drafts
+from ninfer.models.qwen3_6_vision import encode_prompt_item
 
 CHECKPOINT_SLOTS = 2  # the turn checkpoint and the response checkpoint
 
@@ -154,16 +154,9 @@ class CpuRunner:
     # ---- model calls ----
 
     def encode_media(self, item: PromptMedia) -> np.ndarray:
-        model = self._model
         if not self.info.vision:
             raise VisionUnavailable("this runner was built without the Vision tower (start the server with --vision)")
-        patches = bf16_bits_to_f32(np.asarray(item.patches, dtype=np.uint16))
-        rows = model.encode_vision(patches, [item.grid])
-        if rows.shape != (len(item.columns), model.dims.hidden):
-            raise ValueError(f"{item.modality} {item.digest[:12]}: the Vision tower made {rows.shape[0]} tokens of "
-                             f"width {rows.shape[1]}, its prompt has {len(item.columns)} placeholder columns of width "
-                             f"{model.dims.hidden}")
-        return rows
+        return encode_prompt_item(self._model.vision_tower, item, self._model.dims.hidden)
 
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
         lane, model = self._lanes[chunk.lane], self._model

@@ -16,14 +16,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ninfer.artifact.codec import bf16_bits_to_f32
 from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, PAGE_TOKENS, CudaQwen, PrefillSpan
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
                                   StateSource, VisionUnavailable)
 from ninfer.engine.request import PromptMedia
 from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_drafts
-from ninfer.models.qwen3_6_vision import VisionTower
+from ninfer.models.qwen3_6_vision import VisionTower, encode_prompt_item
 
 
 @attrs.define
@@ -104,12 +103,7 @@ class CudaRunner:
     def encode_media(self, item: PromptMedia) -> np.ndarray:
         if self._vision is None:
             raise VisionUnavailable("this runner was built without the Vision tower (start the server with --vision)")
-        rows = self._vision.encode(bf16_bits_to_f32(np.asarray(item.patches, dtype=np.uint16)), [item.grid])
-        if rows.shape != (len(item.columns), self._model.dims.hidden):
-            raise ValueError(f"{item.modality} {item.digest[:12]}: the Vision tower made {rows.shape[0]} tokens of "
-                             f"width {rows.shape[1]}, its prompt has {len(item.columns)} placeholder columns of width "
-                             f"{self._model.dims.hidden}")
-        return rows
+        return encode_prompt_item(self._vision, item, self._model.dims.hidden)
 
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
         model, lane = self._model, chunk.lane
