@@ -20,13 +20,20 @@ import numpy as np
 
 from ninfer.artifact.codec import bf16_bits_to_f32
 
-from ninfer.backends.cpu.ops import apply_rotary, linear, rope_inv_freq, softmax
+from ninfer.backends.cpu.ops import apply_rotary, rope_inv_freq, softmax
 from ninfer.models.base import WeightSource
 from ninfer.targets.dims import VisionDims
 
 F32 = np.float32
 LAYER_NORM_EPS = 1e-6
 ROPE_THETA = 10000.0
+
+
+def gemm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """`x @ weight.T` as one GEMM over all rows. The text model's row-wise `ops.linear` keeps a row's result
+    independent of its batch; the tower needs no such care (an item is always encoded alone, so in one shape), and
+    one GEMM is what makes thousands of patch rows affordable on the host."""
+    return x.astype(F32, copy=False) @ weight.T
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float = LAYER_NORM_EPS) -> np.ndarray:
@@ -140,7 +147,7 @@ class VisionTower:
 
     def _attention(self, x: np.ndarray, blk: dict, angles: np.ndarray, segments: list[tuple[int, int]]) -> np.ndarray:
         n, heads, hd = x.shape[0], self.dims.heads, self.head_dim
-        qkv = (linear(x, blk["attention/qkv"]) + blk["attention/qkv_bias"]).reshape(n, 3, heads, hd)
+        qkv = (gemm(x, blk["attention/qkv"]) + blk["attention/qkv_bias"]).reshape(n, 3, heads, hd)
         q = apply_rotary(qkv[:, 0], angles)
         k = apply_rotary(qkv[:, 1], angles)
         v = qkv[:, 2]
@@ -150,14 +157,14 @@ class VisionTower:
             qs, ks, vs = (a[start:end].transpose(1, 0, 2) for a in (q, k, v))  # [heads, S, hd]
             probs = softmax(np.matmul(qs, ks.transpose(0, 2, 1)) * scale, axis=-1)
             out[start:end] = np.matmul(probs, vs).transpose(1, 0, 2)
-        return linear(out.reshape(n, heads * hd), blk["attention/output"]) + blk["attention/output_bias"]
+        return gemm(out.reshape(n, heads * hd), blk["attention/output"]) + blk["attention/output_bias"]
 
     def encode(self, patches: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
         """Patch rows `[N, patch_row]` of the items with grids `(t, h, w)` (patch units) -> `[N / merge^2, out_hidden]`."""
         grids = [tuple(int(v) for v in g) for g in grids]
         self._check(patches, grids)
         d = self.dims
-        x = linear(patches.astype(F32, copy=False), self.patch_w) + self.patch_b
+        x = gemm(patches.astype(F32, copy=False), self.patch_w) + self.patch_b
         x = x + np.concatenate([self.position_embeddings(*g) for g in grids], axis=0)
         angles = np.concatenate([self.rope_angles(*g) for g in grids], axis=0)
         segments, start = [], 0  # one attention segment per (item, temporal slice)
@@ -167,13 +174,13 @@ class VisionTower:
                 start += h * w
         for blk in self.blocks:
             x = x + self._attention(layer_norm(x, blk["norm1/weight"], blk["norm1/bias"]), blk, angles, segments)
-            hmid = gelu_tanh(linear(layer_norm(x, blk["norm2/weight"], blk["norm2/bias"]), blk["mlp/fc1"])
+            hmid = gelu_tanh(gemm(layer_norm(x, blk["norm2/weight"], blk["norm2/bias"]), blk["mlp/fc1"])
                              + blk["mlp/fc1_bias"])
-            x = x + linear(hmid, blk["mlp/fc2"]) + blk["mlp/fc2_bias"]
+            x = x + gemm(hmid, blk["mlp/fc2"]) + blk["mlp/fc2_bias"]
         mg = self.merger
         y = layer_norm(x, mg["norm/weight"], mg["norm/bias"]).reshape(-1, d.merged_hidden)
-        y = gelu_exact(linear(y, mg["fc1"]) + mg["fc1_bias"])
-        return (linear(y, mg["fc2"]) + mg["fc2_bias"]).astype(F32)
+        y = gelu_exact(gemm(y, mg["fc1"]) + mg["fc1_bias"])
+        return (gemm(y, mg["fc2"]) + mg["fc2_bias"]).astype(F32)
 
 
 def encode_prompt_item(tower: VisionTower, item, hidden: int) -> np.ndarray:
