@@ -76,6 +76,28 @@ class RunnerInfo:
     vision: bool = False  # the Vision tower is built: `encode_media` works and prompts may carry media
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class LaneImage:
+    """A lane's sequence state copied out to host arrays: what the cold tier parks on a secondary device and restores
+    into another lane (serving.md "Cross-GPU cold tier").
+
+    tokens: the KV tokens it covers (the execution frontier E). pages: the page-table entries those tokens fill.
+    has_tail: the lane had materialized a token (its tail row is part of the image). arrays: named host arrays in the
+    exporting runner's stored formats: every attention layer's KV pages (and the MTP layer's), the recurrent running
+    state, every rewrite-checkpoint slot and the tail and checkpoint hidden rows. Only a runner of the same build and
+    configuration reads the names; the engine moves the bytes.
+    """
+
+    tokens: int
+    pages: int
+    has_tail: bool
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(array.nbytes) for array in self.arrays.values())
+
+
 @attrs.frozen(kw_only=True)
 class SequenceStart:
     source: StateSource
@@ -187,6 +209,14 @@ class ModelRunner(Protocol):
         prompt column `item.columns[i]`. Raises VisionUnavailable when the runner was built without the tower."""
 
     def decode(self, batch: DecodeBatch) -> DecodeResult: ...
+
+    def export_lane(self, lane: int, tokens: int) -> LaneImage:
+        """The lane's state for its first `tokens` KV tokens (its frontier), copied out; the lane is unchanged."""
+
+    def import_lane(self, lane: int, image: LaneImage) -> None:
+        """Write an exported state into `lane`, whose page table (assigned first) has at least `image.pages` pages:
+        the lane then holds that sequence at `image.tokens` (its KV, recurrent state, checkpoints and tail), ready
+        for begin_sequence with RESIDENT or CHECKPOINT as if it had computed those tokens itself."""
 
     def rewind(self, lane: int, kept: int) -> None:
         """Commit only the first `kept` tokens of the lane's last decode round (a stop inside a speculative round):

@@ -101,6 +101,21 @@ class PagedLayerKV:
         return (dequantize_int8(gather(self._k), gather(self._k_scale)),
                 dequantize_int8(gather(self._v), gather(self._v_scale)))
 
+    def _stores(self) -> dict[str, np.ndarray]:
+        stores = {"k": self._k, "v": self._v}
+        if self.dtype == "int8":
+            stores.update(k_scale=self._k_scale, v_scale=self._v_scale)
+        return stores
+
+    def export_pages(self, pages: np.ndarray) -> dict[str, np.ndarray]:
+        """Copies of these pages' stored bytes (K, V and the INT8 scales), named for `import_pages`."""
+        return {name: store[pages].copy() for name, store in self._stores().items()}
+
+    def import_pages(self, pages: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Write exported page contents into these pages (the same count, in order)."""
+        for name, store in self._stores().items():
+            store[pages] = arrays[name]
+
 
 class PagedKVView:
     """One sequence's view of one layer's pages: the KV store protocol the model's attention layers write through."""

@@ -21,8 +21,8 @@ from ninfer.backends.cpu.paged_kv import PagedKVView, PagedLayerKV, kv_bytes_per
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import PAGE_TOKENS, plan_kv_pool
 from ninfer.engine.request import PromptMedia
-from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
-                                  StateSource, VisionUnavailable)
+from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillChunk, PrefillResult, RunnerInfo,
+                                  SequenceStart, StateSource, VisionUnavailable)
 from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_drafts
 from ninfer.models.qwen3_6_vision import encode_prompt_item
@@ -150,6 +150,50 @@ class CpuRunner:
 
     def release(self, lane: int) -> None:
         self._lanes[lane] = self._new_lane()
+
+    def export_lane(self, lane: int, tokens: int) -> LaneImage:
+        state = self._lanes[lane]
+        used = -(-tokens // PAGE_TOKENS)
+        if used > len(state.page_table):
+            raise ValueError(f"lane {lane}: {tokens} tokens need {used} pages, it owns {len(state.page_table)}")
+        pages = state.page_table[:used]
+        arrays: dict[str, np.ndarray] = {}
+        for name, pool in self._pools().items():
+            arrays.update({f"{name}/{part}": value for part, value in pool.export_pages(pages).items()})
+        arrays.update(_recurrent_arrays("state", state.recurrent))
+        if state.tail is not None:
+            arrays["tail"] = state.tail.copy()
+        for slot, checkpoint in enumerate(state.checkpoints):
+            if checkpoint is not None:
+                arrays.update(_recurrent_arrays(f"checkpoint/{slot}", checkpoint.recurrent))
+                arrays[f"checkpoint/{slot}/tail"] = checkpoint.tail.copy()
+        return LaneImage(tokens=tokens, pages=used, has_tail=state.tail is not None, arrays=arrays)
+
+    def import_lane(self, lane: int, image: LaneImage) -> None:
+        table = self._lanes[lane].page_table
+        if image.pages > len(table):
+            raise ValueError(f"lane {lane}: the image needs {image.pages} pages, the lane owns {len(table)}")
+        pages = table[: image.pages]
+        for name, pool in self._pools().items():
+            prefix = f"{name}/"
+            pool.import_pages(pages, {key[len(prefix):]: value for key, value in image.arrays.items()
+                                      if key.startswith(prefix)})
+        state = self._new_lane()
+        state.page_table = table
+        state.recurrent = _recurrent_states("state", image.arrays, state.recurrent)
+        state.tail = image.arrays["tail"].copy() if image.has_tail else None
+        for slot in range(CHECKPOINT_SLOTS):
+            if f"checkpoint/{slot}/tail" in image.arrays:
+                state.checkpoints[slot] = _Checkpoint(_recurrent_states(f"checkpoint/{slot}", image.arrays,
+                                                                        state.recurrent),
+                                                      image.arrays[f"checkpoint/{slot}/tail"].copy())
+        self._lanes[lane] = state
+
+    def _pools(self) -> dict[str, PagedLayerKV]:
+        pools = {f"kv/{layer}": pool for layer, pool in self._kv.items()}
+        if self._mtp_kv is not None:
+            pools["mtp"] = self._mtp_kv
+        return pools
 
     # ---- model calls ----
 
@@ -331,3 +375,19 @@ def build_cpu_runner(model: RunnerModel, config: EngineConfig, *, memory_budget:
                         bytes_per_token=runner_kv_bytes_per_token(model, config.kv_dtype, config.draft_tokens))
     return CpuRunner(model, lanes=config.max_concurrency, pages=plan.pages, kv_dtype=config.kv_dtype,
                      draft_tokens=config.draft_tokens, lm_head_draft=config.lm_head_draft)
+
+
+def _recurrent_arrays(prefix: str, recurrent: dict[int, Any]) -> dict[str, np.ndarray]:
+    """A lane's Gated DeltaNet states as named copies (conv history and recurrent matrix per layer)."""
+    out = {}
+    for layer, state in recurrent.items():
+        out[f"{prefix}/{layer}/conv"] = state.conv.copy()
+        out[f"{prefix}/{layer}/recurrent"] = state.recurrent.copy()
+    return out
+
+
+def _recurrent_states(prefix: str, arrays: dict[str, np.ndarray], like: dict[int, Any]) -> dict[int, Any]:
+    """The inverse of `_recurrent_arrays`, building states of the same type as `like`'s."""
+    return {layer: type(state)(conv=arrays[f"{prefix}/{layer}/conv"].copy(),
+                               recurrent=arrays[f"{prefix}/{layer}/recurrent"].copy())
+            for layer, state in like.items()}

@@ -837,6 +837,55 @@ class CudaQwen:
             copy(self.tails[lane], self.tail_checkpoints[lane, from_slot])
 
 
+    def export_lane_arrays(self, lane: int, pages: np.ndarray) -> dict[str, np.ndarray]:
+        """Host copies of a lane's sequence state: the KV of these pages in every attention pool (MTP included), the
+        Gated DeltaNet running state and checkpoint slots, and the tail rows. One read per run of consecutive
+        pages; the names are `import_lane_arrays`'s."""
+        read, out = self.device.read, {}
+        for name, array in self._page_arrays().items():
+            parts = [read(array[first : first + count]) for _, first, count in _page_runs(pages)]
+            out[name] = np.concatenate(parts) if parts else np.zeros((0,) + tuple(array.shape[1:]), array.dtype)
+        for name, array in self._lane_arrays().items():
+            out[name] = read(array[lane])
+        return out
+
+    def import_lane_arrays(self, lane: int, pages: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Write `export_lane_arrays` output into these pages (the same count) and this lane's state rows."""
+        write = self.device.write
+        for name, array in self._page_arrays().items():
+            for index, first, count in _page_runs(pages):
+                write(array[first : first + count], arrays[name][index : index + count])
+        for name, array in self._lane_arrays().items():
+            write(array[lane], arrays[name])
+
+    def _page_arrays(self) -> dict[str, Any]:
+        pools = {f"kv/{layer}": pool for layer, pool in self.kv.items()}
+        if self.mtp_kv is not None:
+            pools["mtp"] = self.mtp_kv
+        return {f"{name}/{part}": array for name, pool in pools.items()
+                for part, array in (("k", pool.k), ("v", pool.v), ("k_scale", pool.k_scale),
+                                    ("v_scale", pool.v_scale)) if array is not None}
+
+    def _lane_arrays(self) -> dict[str, Any]:
+        """Per-lane state arrays, indexed by lane first."""
+        out = {"tail": self.tails, "tail_checkpoints": self.tail_checkpoints}
+        for layer, state in self.gdn.items():
+            out.update({f"gdn/{layer}/conv": state.conv, f"gdn/{layer}/ssm": state.ssm,
+                        f"gdn/{layer}/conv_checkpoints": state.conv_checkpoints,
+                        f"gdn/{layer}/ssm_checkpoints": state.ssm_checkpoints})
+        return out
+
+
+def _page_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
+    """(index in `pages`, first page, count) of each run of consecutive page ids."""
+    pages = np.asarray(pages, np.int64)
+    if not pages.size:
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts, stops = np.r_[0, breaks], np.r_[breaks, pages.size]
+    return [(int(a), int(pages[a]), int(b - a)) for a, b in zip(starts, stops)]
+
+
 CHECKPOINT_SLOTS = 2
 
 

@@ -17,8 +17,8 @@ import attrs
 import numpy as np
 
 from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, PAGE_TOKENS, CudaQwen, PrefillSpan
-from ninfer.engine.runner import (DecodeBatch, DecodeResult, PrefillChunk, PrefillResult, RunnerInfo, SequenceStart,
-                                  StateSource, VisionUnavailable)
+from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillChunk, PrefillResult, RunnerInfo,
+                                  SequenceStart, StateSource, VisionUnavailable)
 from ninfer.engine.request import PromptMedia
 from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_drafts
@@ -27,6 +27,7 @@ from ninfer.models.qwen3_6_vision import VisionTower, encode_prompt_item
 
 @attrs.define
 class _Lane:
+    pages: int = 0  # page-table entries assigned
     has_tail: bool = False
     sampler: Sampler | None = None
     drafts: np.ndarray | None = None
@@ -68,6 +69,22 @@ class CudaRunner:
 
     def assign_pages(self, lane: int, page_table: np.ndarray) -> None:
         self._model.inputs.set_page_table(lane, np.asarray(page_table, dtype=np.int32))
+        self._lanes[lane].pages = len(page_table)
+
+    def export_lane(self, lane: int, tokens: int) -> LaneImage:
+        used = -(-tokens // PAGE_TOKENS)
+        if used > self._lanes[lane].pages:
+            raise ValueError(f"lane {lane}: {tokens} tokens need {used} pages, it owns {self._lanes[lane].pages}")
+        pages = self._model.inputs.host_page_tables[lane, :used]
+        return LaneImage(tokens=tokens, pages=used, has_tail=self._lanes[lane].has_tail,
+                         arrays=self._model.export_lane_arrays(lane, pages))
+
+    def import_lane(self, lane: int, image: LaneImage) -> None:
+        state = self._lanes[lane]
+        if image.pages > state.pages:
+            raise ValueError(f"lane {lane}: the image needs {image.pages} pages, the lane owns {state.pages}")
+        self._model.import_lane_arrays(lane, self._model.inputs.host_page_tables[lane, : image.pages], image.arrays)
+        self._lanes[lane] = _Lane(pages=state.pages, has_tail=image.has_tail)
 
     def begin_sequence(self, lane: int, start: SequenceStart) -> None:
         state, model = self._lanes[lane], self._model
