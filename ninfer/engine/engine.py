@@ -21,6 +21,7 @@ from ninfer.engine.request import (FinishReason, OutputPolicy, PreparedPrompt, R
                                    StopTokenPolicy, Usage)
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.sampler import SamplingParams, resolve_sampling
+from ninfer.engine.cold_tier import ColdTier
 from ninfer.engine.scheduler import Scheduler, SchedulerSnapshot, ThroughputCounters
 from ninfer.targets.registry import SamplingPresets
 
@@ -70,10 +71,11 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, presets: SamplingPresets) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, presets: SamplingPresets,
+                 cold_tier: ColdTier | None = None) -> None:
         self.config = config
         self._presets = presets
-        self._scheduler = Scheduler(runner, config)
+        self._scheduler = Scheduler(runner, config, cold_tier)
         self._snapshot = self._scheduler.snapshot()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._ids = itertools.count(1)

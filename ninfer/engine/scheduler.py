@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import attrs
 import numpy as np
 
+from ninfer.engine.cold_tier import ColdTier
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import KVCapacityError, PagePool, pages_for
 from ninfer.engine.prefix import (FULL_RESET, CheckpointKind, CheckpointTarget, PrefixStats, ReusePath, ReusePlan,
@@ -110,7 +111,7 @@ class ThroughputCounters:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, cold_tier: ColdTier | None = None) -> None:
         info = runner.info
         if info.lanes != config.max_concurrency or info.draft_tokens != config.draft_tokens:
             raise ValueError(f"runner built for {info.lanes} lanes and {info.draft_tokens} drafts, the engine is "
@@ -125,6 +126,7 @@ class Scheduler:
         self.pool = PagePool(info.pages)
         self.lanes = [Lane(i) for i in range(info.lanes)]
         self.prefix = PrefixStats()
+        self.cold_tier = cold_tier if cold_tier is not None else ColdTier([])
         self.throughput = ThroughputCounters()
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []  # admission order
@@ -207,6 +209,8 @@ class Scheduler:
             if not idle:
                 return
             request = self._waiting[0]
+            if self.cold_tier.active and self.config.prefix_reuse:
+                self._restore_parked(request, idle)
             lane, plan = self._choose_lane(request, idle)
             kept = pages_for(plan.frontier, self._page_tokens)
             needed = pages_for(request.kv_tokens, self._page_tokens) - kept
@@ -216,6 +220,8 @@ class Scheduler:
             if self.pool.free + reclaimable < needed:
                 return  # FIFO: nothing behind the head is admitted before it
             self._waiting.popleft()
+            if plan.path is ReusePath.FULL_RESET:
+                self._park(lane)  # an in-place reset takes the lane from its retained resident
             self._release_pages(lane, keep=kept)
             while self.pool.free < needed:
                 self._evict(evictable.pop(0))
@@ -403,7 +409,60 @@ class Scheduler:
         del lane.pages[keep:]
 
     def _evict(self, lane: Lane) -> None:
-        """Drop whatever sequence the lane holds: its pages return to the pool, the runner forgets its state."""
+        """Drop whatever sequence the lane holds (parked in the cold tier first when there is one): its pages return
+        to the pool, the runner forgets its state."""
+        self._park(lane)
         self._release_pages(lane, keep=0)
         lane.resident = None
         self.runner.release(lane.index)
+
+    # ---- the cold tier ----
+
+    def _park(self, lane: Lane) -> None:
+        """Copy the lane's retained resident into the cold tier (best effort) before the lane is taken from it."""
+        resident = lane.resident
+        if not self.cold_tier.active or resident is None or resident.frontier == 0:
+            return
+        try:
+            image = self.runner.export_lane(lane.index, resident.frontier)
+        except Exception:  # noqa: BLE001 - a failed copy loses only the parked copy, never the request
+            self.cold_tier.counters.park_failures += 1
+            return
+        self.cold_tier.park(resident, image)
+
+    def _restore_parked(self, request: Request, idle: list[Lane]) -> None:
+        """Before lane selection: when a parked sequence reuses more of the request's prompt than any idle resident,
+        swap it back into an idle lane (an empty one, else the least recently used, which is parked in turn) with
+        freshly allocated pages. Skipped when the pages cannot be made free from idle lanes."""
+        match = self.cold_tier.best_match(request.prompt)
+        if match is None:
+            return
+        key, plan = match
+        resident_best = max((plan_reuse(lane.resident, request.prompt).frontier for lane in idle
+                             if lane.resident is not None), default=0)
+        if resident_best >= plan.frontier:
+            return
+        empty = [lane for lane in idle if lane.resident is None and not lane.pages]
+        target = empty[0] if empty else min(idle, key=lambda lane: lane.last_used)
+        needed = self.cold_tier.pages_of(key)
+        evictable = sorted((lane for lane in idle if lane is not target and lane.pages), key=lambda l: l.last_used)
+        if self.pool.free + len(target.pages) + sum(len(lane.pages) for lane in evictable) < needed:
+            return
+        taken = self.cold_tier.take(key)
+        if taken is None:
+            return
+        residency, image = taken
+        if target.resident is not None or target.pages:
+            self._evict(target)
+        while self.pool.free < needed:
+            self._evict(evictable.pop(0))
+        target.pages = list(self.pool.allocate(target.index, needed))
+        self.runner.assign_pages(target.index, np.array(target.pages, np.int32))
+        try:
+            self.runner.import_lane(target.index, image)
+        except Exception:  # noqa: BLE001 - fall back to the normal admission path
+            self.cold_tier.counters.restore_failures += 1
+            self._release_pages(target, keep=0)
+            self.runner.release(target.index)
+            return
+        target.resident, target.last_used = residency, next(self._clock)

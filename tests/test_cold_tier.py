@@ -1,0 +1,155 @@
+"""The cross-GPU cold tier's engine logic (serving.md "Cross-GPU cold tier"), with host-memory arenas standing in
+for the secondary devices: parking, LRU eviction, best-effort failures, and conversations that return to a full pool
+restoring their state instead of re-prefilling it, with the same greedy tokens as a pool that keeps them all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer.backends.cpu.runner import CpuRunner
+from ninfer.engine.cold_tier import ColdTier
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.prefix import Residency
+from ninfer.engine.request import PreparedPrompt, StopTokenPolicy
+from ninfer.engine.runner import LaneImage
+from ninfer.engine.scheduler import Scheduler
+from tests.test_runner_cpu import GREEDY, tiny_qwen
+
+
+class HostArena:
+    """An arena in host memory; `fail` makes its transfers raise (an injected device failure)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._bytes = np.zeros(capacity_bytes, np.uint8)
+        self.fail = False
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        if self.fail:
+            raise OSError("injected transfer failure")
+        self._bytes[offset:offset + data.size] = data
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        if self.fail:
+            raise OSError("injected transfer failure")
+        return self._bytes[offset:offset + nbytes].copy()
+
+
+def image(seed: int, size: int = 1000) -> LaneImage:
+    rng = np.random.default_rng(seed)
+    return LaneImage(tokens=70, pages=2, has_tail=True,
+                     arrays={"kv/3/k": rng.integers(0, 65535, (2, size), dtype=np.uint16),
+                             "state/0/conv": rng.standard_normal((3, 7)).astype(np.float32)})
+
+
+def residency(frontier: int) -> Residency:
+    resident = Residency()
+    resident.ledger.assign(np.arange(frontier + 1, dtype=np.int32), np.tile(np.arange(frontier + 1), (3, 1)), ())
+    resident.frontier = frontier
+    return resident
+
+
+# ---- the tier alone ----
+
+def test_a_parked_image_comes_back_bitwise():
+    tier = ColdTier([HostArena(1 << 20)])
+    original = image(1)
+    assert tier.park(residency(70), original)
+    key, plan = tier.best_match(PreparedPrompt(token_ids=np.arange(90)))
+    assert plan.frontier == 70
+    _, restored = tier.take(key)
+    assert restored.arrays.keys() == original.arrays.keys()
+    for name, value in original.arrays.items():
+        assert restored.arrays[name].dtype == value.dtype
+        np.testing.assert_array_equal(restored.arrays[name], value)
+    assert tier.entries == 0 and tier.counters.parks == tier.counters.restores == 1
+
+
+def test_parking_evicts_the_oldest_entries_and_refuses_an_oversize_image():
+    one = image(0).nbytes
+    tier = ColdTier([HostArena(3 * one + 1024)])
+    for seed in range(5):
+        assert tier.park(residency(10 + seed), image(seed))
+    assert tier.entries == 3 and tier.counters.evictions == 2
+    prompt = PreparedPrompt(token_ids=np.arange(40))
+    assert tier.best_match(prompt)[1].frontier == 14  # the newest matching entry survived
+    assert not tier.park(residency(5), image(9, size=10 * one))
+    assert tier.counters.park_failures == 1 and tier.entries == 3
+
+
+def test_failed_transfers_are_counted_and_forgotten():
+    arena = HostArena(1 << 20)
+    tier = ColdTier([arena])
+    arena.fail = True
+    assert not tier.park(residency(20), image(1))
+    arena.fail = False
+    assert tier.park(residency(20), image(1))
+    arena.fail = True
+    key, _ = tier.best_match(PreparedPrompt(token_ids=np.arange(30)))
+    assert tier.take(key) is None
+    assert tier.counters.park_failures == 1 and tier.counters.restore_failures == 1 and tier.entries == 0
+
+
+# ---- conversations through the scheduler ----
+
+def run(scheduler: Scheduler, prompt: PreparedPrompt, max_tokens: int, request_id: int):
+    events = []
+    scheduler.enqueue(scheduler.new_request(request_id, prompt, max_tokens, GREEDY, StopTokenPolicy(), events.append))
+    while scheduler.has_work:
+        scheduler.step()
+    assert events[-1].error is None, events[-1].error
+    return [t for e in events for t in e.tokens], events[-1].usage
+
+
+def conversations(scheduler: Scheduler, count: int, turns: int) -> tuple[list[list[int]], list]:
+    """`count` conversations taking turns in rotation: each turn appends the reply and a new user message."""
+    histories = [list(np.random.default_rng(c).integers(0, 400, 60 + 7 * c)) for c in range(count)]
+    outputs, usages, request_id = [[] for _ in range(count)], [], 0
+    for turn in range(turns):
+        for c in range(count):
+            if turn:
+                histories[c] += list(np.random.default_rng(100 * c + turn).integers(0, 400, 9))
+            request_id += 1
+            tokens, usage = run(scheduler, PreparedPrompt(token_ids=histories[c]), 6, request_id)
+            outputs[c].append(tokens)
+            usages.append((turn, usage))
+            histories[c] += tokens
+    return outputs, usages
+
+
+def scheduler_for(model, *, lanes: int, pages: int, tier: ColdTier | None) -> Scheduler:
+    config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=128, kv_capacity=pages * 64)
+    return Scheduler(CpuRunner(model, lanes=lanes, pages=pages), config, tier)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen()
+
+
+@pytest.mark.parametrize("lanes,pages", [(1, 4), (2, 5)])  # in-place resets; admission evictions under pressure
+def test_returning_conversations_restore_from_the_tier(model, lanes, pages):
+    tier = ColdTier([HostArena(64 << 20)])
+    got, usages = conversations(scheduler_for(model, lanes=lanes, pages=pages, tier=tier), 3, 3)
+    want, _ = conversations(scheduler_for(model, lanes=3, pages=12, tier=None), 3, 3)
+    assert got == want
+    returns = [usage for turn, usage in usages if turn]
+    assert tier.counters.restores == len(returns) and tier.counters.park_failures == 0
+    for usage in returns:  # only the new user message and the last reply token are prefilled
+        assert usage.reuse_path == "append_frontier" and usage.prefill_tokens == 10
+
+
+def test_without_the_tier_the_returns_are_prefilled_again(model):
+    _, usages = conversations(scheduler_for(model, lanes=1, pages=4, tier=None), 3, 2)
+    assert all(usage.reuse_path == "full_reset" for turn, usage in usages if turn)
+
+
+def test_failed_transfers_fall_back_to_a_full_prefill_with_the_same_tokens(model):
+    arena = HostArena(64 << 20)
+    arena.fail = True
+    tier = ColdTier([arena])
+    got, usages = conversations(scheduler_for(model, lanes=1, pages=4, tier=tier), 3, 2)
+    want, _ = conversations(scheduler_for(model, lanes=3, pages=12, tier=None), 3, 2)
+    assert got == want and tier.counters.restores == 0 and tier.counters.park_failures > 0
+    assert all(usage.reuse_path == "full_reset" for turn, usage in usages if turn)
