@@ -153,3 +153,17 @@ def test_failed_transfers_fall_back_to_a_full_prefill_with_the_same_tokens(model
     want, _ = conversations(scheduler_for(model, lanes=3, pages=12, tier=None), 3, 2)
     assert got == want and tier.counters.restores == 0 and tier.counters.park_failures > 0
     assert all(usage.reuse_path == "full_reset" for turn, usage in usages if turn)
+
+
+def test_the_request_log_fields_and_the_request_done_suffix():
+    from ninfer.server.serving_context import _cold_tier_summary
+
+    tier = ColdTier([HostArena(1 << 20)])
+    tier.park(residency(20), image(1))
+    stats = tier.stats()
+    assert stats == {"cold_tier_parks": 1, "cold_tier_restores": 0, "cold_tier_evictions": 0,
+                     "cold_tier_park_failures": 0, "cold_tier_restore_failures": 0,
+                     "cold_tier_capacity_bytes": 1 << 20, "cold_tier_used_bytes": tier.used_bytes,
+                     "cold_tier_entries": 1}
+    assert _cold_tier_summary(stats) == " cold=parks=1 restores=0 failures=0 entries=1 evictions=0 used=0.00GiB"
+    assert _cold_tier_summary(None) == ""

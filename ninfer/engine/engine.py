@@ -148,6 +148,11 @@ class Engine:
     def throughput(self) -> ThroughputCounters:
         return self._scheduler.throughput
 
+    @property
+    def cold_tier(self) -> ColdTier:
+        """The cross-GPU cold tier (inactive without arenas); its counters are cumulative."""
+        return self._scheduler.cold_tier
+
     # ---- the engine thread ----
 
     def _run(self) -> None:

@@ -224,17 +224,30 @@ class ServingContext:
             log.error("[req %d] error: %s", scope.request_id, error)
             return
         speculative = speculative_record(self.options.spec, None if usage is None else usage.speculative)
+        tier = self.engine.cold_tier
+        cold = tier.stats() if tier.active else None
         self.request_log.write("request_done", request_id=scope.request_id, protocol=scope.api,
                                finish_reason=finish.value, **counts, timings_seconds=timings,
-                               speculative=speculative)
-        log.info("[req %d] done finish=%s prompt=%d gen=%d cache=%s ttft=%s prefill=%s decode=%s wall=%.3fs%s",
+                               speculative=speculative, **(cold or {}))
+        log.info("[req %d] done finish=%s prompt=%d gen=%d cache=%s ttft=%s prefill=%s decode=%s wall=%.3fs%s%s",
                  scope.request_id, finish.value, counts["prompt_tokens"], counts["completion_tokens"],
                  counts["cached_tokens"], _seconds(timings["ttft"]), _seconds(timings["prefill"]),
-                 _seconds(timings["decode"]), timings["total"], _speculative_summary(speculative))
+                 _seconds(timings["decode"]), timings["total"], _speculative_summary(speculative),
+                 _cold_tier_summary(cold))
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}s"
+
+
+def _cold_tier_summary(stats: dict[str, int] | None) -> str:
+    """The request-done line's cumulative cold-tier suffix while the tier is active (serving.md)."""
+    if stats is None:
+        return ""
+    failures = stats["cold_tier_park_failures"] + stats["cold_tier_restore_failures"]
+    return (f" cold=parks={stats['cold_tier_parks']} restores={stats['cold_tier_restores']} failures={failures} "
+            f"entries={stats['cold_tier_entries']} evictions={stats['cold_tier_evictions']} "
+            f"used={stats['cold_tier_used_bytes'] / 2**30:.2f}GiB")
 
 
 def _speculative_summary(record: dict[str, Any]) -> str:
