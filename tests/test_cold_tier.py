@@ -167,3 +167,32 @@ def test_the_request_log_fields_and_the_request_done_suffix():
                      "cold_tier_entries": 1}
     assert _cold_tier_summary(stats) == " cold=parks=1 restores=0 failures=0 entries=1 evictions=0 used=0.00GiB"
     assert _cold_tier_summary(None) == ""
+
+
+def test_the_tier_is_inactive_without_a_secondary_gpu():
+    from ninfer.cli.serve import parse_serve_args
+    from ninfer.nursery.startup import build_cold_tier
+
+    options = parse_serve_args(["model.ninfer"])
+    assert not build_cold_tier(options, on_gpu=False).active
+    assert not build_cold_tier(parse_serve_args(["model.ninfer", "--no-cold-tier"]), on_gpu=True).active
+
+
+@pytest.mark.gpu
+def test_a_device_arena_on_the_secondary_gpu_round_trips_bytes():
+    from ninfer.backends.cuda_probe import cuda_device_count
+
+    if cuda_device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from ninfer.backends.cuda.cold_arena import build_cold_arenas
+
+    arenas, staging = build_cold_arenas(primary=0, devices=cuda_device_count(), pinned=-1, capacity_mib=64,
+                                        staging_mib=1)
+    assert arenas and staging.nbytes == 1 << 20
+    tier = ColdTier(arenas)
+    original = image(3, size=1_500_000)  # several staging pieces
+    assert tier.park(residency(70), original)
+    key, _ = tier.best_match(PreparedPrompt(token_ids=np.arange(90)))
+    _, restored = tier.take(key)
+    for name, value in original.arrays.items():
+        np.testing.assert_array_equal(restored.arrays[name], value)

@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from ninfer.artifact.reader import Artifact
+from ninfer.engine.cold_tier import ColdTier
 from ninfer.engine.engine import Engine
 from ninfer.engine.request import PreparedPrompt, RequestOptions, StopTokenPolicy
 from ninfer.frontend.generation_config import model_stop_ids
@@ -54,9 +55,11 @@ def unsupported_options(options: ServeOptions) -> list[str]:
                         f"for device 0 only)")
     if options.spec == "dflash":
         problems.append("--spec dflash needs the DFlash drafter, which this build does not have")
-    if options.cold_tier_device >= 0 and not options.no_cold_tier:
-        problems.append(f"--cold-tier-device {options.cold_tier_device} needs a secondary CUDA device; the CPU "
-                        f"backend has none (use the default -1 or --no-cold-tier)")
+    pinned = options.cold_tier_device
+    if pinned >= 0 and not options.no_cold_tier and (pinned >= devices or pinned == options.device):
+        problems.append(f"--cold-tier-device {pinned} needs a secondary CUDA device; this machine has {devices} "
+                        f"usable GPU(s) and GPU {options.device} is the primary (use the default -1 or "
+                        f"--no-cold-tier)")
     return problems
 
 
@@ -106,6 +109,31 @@ def build_media_preparer(artifact: Artifact, options: ServeOptions, vision: Any)
                          image_config=dataclasses.replace(image, **geometry),
                          video_config=dataclasses.replace(video, **geometry),
                          budgets=MediaBudgets.for_context(options.max_context))
+
+
+def build_cold_tier(options: ServeOptions, on_gpu: bool) -> ColdTier:
+    """The cross-GPU cold tier: arenas on the secondary GPUs (none with one GPU, on the CPU backend or with
+    --no-cold-tier: then inactive). Best effort, like the tier itself: an arena that cannot be built is logged and
+    the tier goes without it."""
+    from ninfer.backends.cuda_probe import cuda_device_count
+
+    if options.no_cold_tier or not on_gpu or cuda_device_count() < 2:
+        return ColdTier([])
+    from ninfer.backends.cuda.cold_arena import build_cold_arenas
+
+    try:
+        arenas, staging = build_cold_arenas(primary=options.device, devices=cuda_device_count(),
+                                            pinned=options.cold_tier_device, capacity_mib=options.cold_tier_capacity_mib,
+                                            staging_mib=options.cold_tier_staging_mib)
+    except (RuntimeError, ValueError, OSError) as exc:
+        log.warning("cold tier disabled: %s", exc)
+        return ColdTier([])
+    tier = ColdTier(arenas)
+    if arenas:
+        log.info("cold tier: %d arena(s) on GPU %s, %.2f GiB in all, %d MiB pinned staging", len(arenas),
+                 ",".join(str(arena.device) for arena in arenas), tier.capacity_bytes / 2**30,
+                 staging.nbytes >> 20)
+    return tier
 
 
 def available_memory_bytes() -> int:
@@ -167,7 +195,7 @@ def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
             weights = weights_bytes(artifact, vision=options.vision)
             budget = available_memory_bytes() - weights if options.kv_capacity == "auto" else None
             runner = build_cpu_runner(model, config, memory_budget=budget)
-        engine = Engine(runner, config, target.sampling)
+        engine = Engine(runner, config, target.sampling, cold_tier=build_cold_tier(options, cuda is not None))
         if options.vision:
             media_preparer = build_media_preparer(artifact, options, dims.vision)
     except StartupError:

@@ -1,0 +1,139 @@
+"""Cold-tier arenas on the secondary GPUs (serving.md "Cross-GPU cold tier"), through the CUDA driver API.
+
+Each arena is one device allocation on a non-primary GPU (in that device's primary context). Parked bytes move
+through one shared pinned host staging buffer (`--cold-tier-staging-mib`) in staging-sized pieces: a pageable copy
+would be staged by the driver anyway, and a pinned buffer makes each piece one DMA. Transfers are synchronous: the
+tier runs between scheduler rounds, and a failure raises for the tier to count (best effort).
+
+`build_cold_arenas` chooses the devices: the pinned `--cold-tier-device`, else every device other than the primary
+with at least MIN_FREE bytes free; each arena takes `--cold-tier-capacity-mib`, or the device's free memory minus
+ARENA_RESERVE when that is 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ninfer.backends.cuda.device import check
+
+MIB = 1 << 20
+MIN_FREE = 512 * MIB  # a secondary device with less free memory gets no arena
+ARENA_RESERVE = 256 * MIB  # left free on a device whose arena capacity is automatic
+
+
+class PinnedStaging:
+    """A page-locked host buffer shared by the arenas."""
+
+    def __init__(self, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        err, self._pointer = driver.cuMemAllocHost(nbytes)
+        check(err, "cuMemAllocHost")
+        self.nbytes = nbytes
+        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(self._pointer)))
+        self.pointer = int(self._pointer)  # page-locked for the process's life, like the arenas it serves
+
+
+@attrs.define(eq=False)
+class CudaArena:
+    """`capacity_bytes` of device memory on GPU `device`, written and read through the staging buffer."""
+
+    device: int
+    capacity_bytes: int
+    staging: PinnedStaging
+    _context: Any = None
+    _base: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        from cuda.bindings import driver
+
+        err, handle = driver.cuDeviceGet(self.device)
+        check(err, "cuDeviceGet")
+        err, self._context = driver.cuDevicePrimaryCtxRetain(handle)
+        check(err, "cuDevicePrimaryCtxRetain")
+        with self._current():
+            err, base = driver.cuMemAlloc(self.capacity_bytes)
+            check(err, f"cuMemAlloc of a {self.capacity_bytes >> 20} MiB cold-tier arena on GPU {self.device}")
+        self._base = int(base)
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        from cuda.bindings import driver
+
+        self._bounds(offset, data.size)
+        with self._current():
+            for start in range(0, data.size, self.staging.nbytes):
+                piece = data[start : start + self.staging.nbytes]
+                self.staging.view[: piece.size] = piece
+                check(driver.cuMemcpyHtoD(self._base + offset + start, self.staging.pointer, piece.size),
+                      "cuMemcpyHtoD (cold tier park)")
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        from cuda.bindings import driver
+
+        self._bounds(offset, nbytes)
+        out = np.empty(nbytes, np.uint8)
+        with self._current():
+            for start in range(0, nbytes, self.staging.nbytes):
+                size = min(self.staging.nbytes, nbytes - start)
+                check(driver.cuMemcpyDtoH(self.staging.pointer, self._base + offset + start, size),
+                      "cuMemcpyDtoH (cold tier restore)")
+                out[start : start + size] = self.staging.view[:size]
+        return out
+
+    def _bounds(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or offset + nbytes > self.capacity_bytes:
+            raise ValueError(f"cold-tier range {offset}+{nbytes} outside the {self.capacity_bytes}-byte arena")
+
+    def _current(self) -> "_ContextScope":
+        return _ContextScope(self._context)
+
+
+class _ContextScope:
+    """The arena's device context made current for a block, the caller's restored after."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __enter__(self) -> None:
+        from cuda.bindings import driver
+
+        check(driver.cuCtxPushCurrent(self._context), "cuCtxPushCurrent")
+
+    def __exit__(self, *exc: object) -> None:
+        from cuda.bindings import driver
+
+        driver.cuCtxPopCurrent()
+
+
+def free_bytes(device: int) -> int:
+    """Free memory on GPU `device` (its primary context made current for the query)."""
+    from cuda.bindings import driver
+
+    err, handle = driver.cuDeviceGet(device)
+    check(err, "cuDeviceGet")
+    err, context = driver.cuDevicePrimaryCtxRetain(handle)
+    check(err, "cuDevicePrimaryCtxRetain")
+    with _ContextScope(context):
+        err, free, _total = driver.cuMemGetInfo()
+        check(err, "cuMemGetInfo")
+    return int(free)
+
+
+def build_cold_arenas(*, primary: int, devices: int, pinned: int, capacity_mib: int,
+                      staging_mib: int) -> tuple[list[CudaArena], PinnedStaging | None]:
+    """The arenas for this machine (none with a single GPU) and their staging buffer."""
+    candidates = [pinned] if pinned >= 0 else [d for d in range(devices) if d != primary]
+    chosen = []
+    for device in candidates:
+        free = free_bytes(device)
+        capacity = capacity_mib * MIB if capacity_mib else free - ARENA_RESERVE
+        if free >= MIN_FREE and 0 < capacity <= free:
+            chosen.append((device, capacity))
+    if not chosen:
+        return [], None
+    staging = PinnedStaging(staging_mib * MIB)
+    return [CudaArena(device, capacity, staging) for device, capacity in chosen], staging
