@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 from hypothesis_tests.test_protocol_chat import (instances, protocol_classes, refuses_unknown_members,
                                                  round_trips)
 from ninfer.protocol import anthropic
-from ninfer.protocol.anthropic import (ImageBlock, InputMessage, RedactedThinkingBlock, TextBlock, ThinkingBlock,
-                                       ToolChoice, ToolResultBlock, ToolUseBlock)
+from ninfer.protocol.anthropic import (Base64Source, ImageBlock, InputMessage, RedactedThinkingBlock, TextBlock,
+                                       ThinkingBlock, ToolChoice, ToolResultBlock, ToolUseBlock)
 
 ROLE_BLOCKS = {"user": (TextBlock, ImageBlock, ToolResultBlock),
                "assistant": (TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock), "system": (TextBlock,)}
@@ -39,11 +39,15 @@ def conversations(draw) -> tuple[InputMessage, ...]:
 tool_choices = (st.builds(ToolChoice, type=st.sampled_from(["auto", "any", "none"]),
                           disable_parallel_tool_use=st.none() | st.just(False))
                 | st.builds(ToolChoice, type=st.just("tool"), name=st.from_regex(r"[a-z]{1,3}", fullmatch=True)))
+# A base64 image names an image media type (anything else is refused as invalid_media).
+base64_sources = st.builds(Base64Source, type=st.just("base64"),
+                           media_type=st.sampled_from(["image/png", "image/jpeg", "image/gif", "image/webp"]),
+                           data=st.text(max_size=12))
 OVERRIDES = {tuple[InputMessage, ...]: conversations(), ToolChoice: tool_choices,
-             InputMessage: st.sampled_from(list(ROLE_BLOCKS)).flatmap(message)}
+             InputMessage: st.sampled_from(list(ROLE_BLOCKS)).flatmap(message), Base64Source: base64_sources}
 
 
-CLASSES = {cls: instances(cls, OVERRIDES) for cls in protocol_classes(anthropic)}
+CLASSES = {cls: OVERRIDES.get(cls) or instances(cls, OVERRIDES) for cls in protocol_classes(anthropic)}
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
