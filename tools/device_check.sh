@@ -4,6 +4,7 @@
 #   bash tools/device_check.sh tests [SECONDS]      GPU tests: device plumbing, every kernel vs its twin, the runner
 #   bash tools/device_check.sh bench [BENCH ARGS]   bench/cuda_model.py (e.g. --models 27b --recipes bf16 --kv int8)
 #   bash tools/device_check.sh peers                bench/transformers_side_by_side.py
+#   bash tools/device_check.sh cold [BENCH ARGS]    bench/cold_tier_ttft.py (needs 2 GPUs: kind nvidia-h200-x2)
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -24,5 +25,7 @@ case "$what" in
     python3 bench/cuda_model.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cuda_model.log" | tail -60 ;;
   peers)
     python3 bench/transformers_side_by_side.py 2>&1 | grep -v -i "warn" | tee "$OUT/side_by_side.log" | tail -20 ;;
-  *) echo "usage: $0 tests|bench|peers [args]" >&2; exit 2 ;;
+  cold)
+    python3 bench/cold_tier_ttft.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cold_tier_ttft.log" | tail -20 ;;
+  *) echo "usage: $0 tests|bench|peers|cold [args]" >&2; exit 2 ;;
 esac
