@@ -40,8 +40,8 @@ def generate(runner, config, prompt, max_tokens: int) -> list[int]:
     return [t for e in events for t in e.tokens]
 
 
-@pytest.mark.parametrize("draft_tokens", [0, 2])
-def test_media_prompt_matches_the_injected_reference(artifact, model, draft_tokens):
+@pytest.mark.parametrize("draft_tokens,on_device", [(0, False), (2, False), (2, True)])
+def test_media_prompt_matches_the_injected_reference(artifact, model, draft_tokens, on_device):
     """An image split over two prefill chunks and a video whose slices sit between text, with and without MTP
     speculation (the MTP head embeds the Vision rows one column early)."""
     patch_row = model.dims.vision.patch_row
@@ -50,7 +50,8 @@ def test_media_prompt_matches_the_injected_reference(artifact, model, draft_toke
     assert prompt.media[0].columns[0] < 128 < prompt.media[0].columns[-1]  # the image spans two chunks
     config = EngineConfig(max_concurrency=1, max_context=512, prefill_chunk=128, kv_capacity=512,
                           spec="mtp" if draft_tokens else None, draft_tokens=draft_tokens)
-    build = build_cuda_runner(artifact, config, device=HostDevice(HOST_BYTES), vision=True)
+    build = build_cuda_runner(artifact, config, device=HostDevice(HOST_BYTES), vision=True,
+                              vision_on_device=on_device)  # on_device: the GPU tower's code over the twins
     assert build.runner.info.vision
     got = generate(build.runner, config, prompt, 8)
     assert got == reference_greedy(model, prompt, 8)

@@ -5,6 +5,7 @@
 #   bash tools/device_check.sh bench [BENCH ARGS]   bench/cuda_model.py (e.g. --models 27b --recipes bf16 --kv int8)
 #   bash tools/device_check.sh peers                bench/transformers_side_by_side.py
 #   bash tools/device_check.sh cold [BENCH ARGS]    bench/cold_tier_ttft.py (needs 2 GPUs: kind nvidia-h200-x2)
+#   bash tools/device_check.sh vision [BENCH ARGS]  bench/vision_tower_gpu.py
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -27,5 +28,7 @@ case "$what" in
     python3 bench/transformers_side_by_side.py 2>&1 | grep -v -i "warn" | tee "$OUT/side_by_side.log" | tail -20 ;;
   cold)
     python3 bench/cold_tier_ttft.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cold_tier_ttft.log" | tail -20 ;;
-  *) echo "usage: $0 tests|bench|peers|cold [args]" >&2; exit 2 ;;
+  vision)
+    python3 bench/vision_tower_gpu.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/vision_tower_gpu.log" | tail -20 ;;
+  *) echo "usage: $0 tests|bench|peers|cold|vision [args]" >&2; exit 2 ;;
 esac

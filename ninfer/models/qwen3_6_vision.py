@@ -159,6 +159,10 @@ class VisionTower:
             out[start:end] = np.matmul(probs, vs).transpose(1, 0, 2)
         return gemm(out.reshape(n, heads * hd), blk["attention/output"]) + blk["attention/output_bias"]
 
+    def encode_item(self, patches_bf16: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
+        """One item from its bf16 patch bits (how prepared media keeps them)."""
+        return self.encode(bf16_bits_to_f32(patches_bf16), [grid])
+
     def encode(self, patches: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
         """Patch rows `[N, patch_row]` of the items with grids `(t, h, w)` (patch units) -> `[N / merge^2, out_hidden]`."""
         grids = [tuple(int(v) for v in g) for g in grids]
@@ -183,10 +187,11 @@ class VisionTower:
         return (gemm(y, mg["fc2"]) + mg["fc2_bias"]).astype(F32)
 
 
-def encode_prompt_item(tower: VisionTower, item, hidden: int) -> np.ndarray:
-    """A prompt media item (`engine.request.PromptMedia`: bf16 patch bits, grid, placeholder columns) through the
-    tower: float32 `[len(item.columns), hidden]`, checked against the item's placeholder count and the text width."""
-    rows = tower.encode(bf16_bits_to_f32(np.asarray(item.patches, dtype=np.uint16)), [item.grid])
+def encode_prompt_item(tower, item, hidden: int) -> np.ndarray:
+    """A prompt media item (`engine.request.PromptMedia`: bf16 patch bits, grid, placeholder columns) through a tower
+    (`VisionTower` or the GPU's `CudaVisionTower`: anything with `encode_item(patch bits, grid)`): float32
+    `[len(item.columns), hidden]`, checked against the item's placeholder count and the text width."""
+    rows = tower.encode_item(np.asarray(item.patches, dtype=np.uint16), item.grid)
     if rows.shape != (len(item.columns), hidden):
         raise ValueError(f"{item.modality} {item.digest[:12]}: the Vision tower made {rows.shape[0]} tokens of width "
                          f"{rows.shape[1]}, its prompt has {len(item.columns)} placeholder columns of width {hidden}")

@@ -43,21 +43,24 @@ class Blas:
                        device_pointer(y), CUDA_R_32F, n, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
 
     def batched_scores(self, q: Any, k: Any, keys: int, scores: Any) -> None:
-        """scores[b] (fp32 [M, keys]) = q[b] (bf16 [M, D]) @ k[b, :keys]^T (k bf16 [B, S >= keys, D])."""
+        """scores[b] (fp32 [M, keys]) = q[b] (bf16 [M, D]) @ k[b, :keys]^T (k bf16 [B, S >= keys, D]). q and k may
+        be views whose rows are contiguous ([B, rows, D] slices of bigger head-major arrays): their batch strides
+        are read from the arrays."""
         batch, m, d = q.shape
-        stride_k = k.shape[1] * d
+        stride_k, stride_q = k.strides[0] // k.dtype.itemsize, q.strides[0] // q.dtype.itemsize
         cublas = self._cublas
         cublas.gemm_strided_batched_ex(
             self._handle, cublas.Operation.T, cublas.Operation.N, keys, m, d, self._one.ctypes.data,
-            device_pointer(k), CUDA_R_16BF, d, stride_k, device_pointer(q), CUDA_R_16BF, d, m * d,
+            device_pointer(k), CUDA_R_16BF, d, stride_k, device_pointer(q), CUDA_R_16BF, d, stride_q,
             self._zero.ctypes.data, device_pointer(scores), CUDA_R_32F, keys, m * keys, batch,
             cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
 
     def batched_values(self, probs: Any, v: Any, keys: int, out: Any) -> None:
-        """out[b] (fp32 [M, D]) = probs[b] (bf16 [M, keys]) @ v[b, :keys] (v bf16 [B, S >= keys, D])."""
+        """out[b] (fp32 [M, D]) = probs[b] (bf16 [M, keys]) @ v[b, :keys] (v bf16 [B, S >= keys, D]; a view's batch
+        stride is read from the array)."""
         batch, m, _ = probs.shape
         d = v.shape[2]
-        stride_v = v.shape[1] * d
+        stride_v = v.strides[0] // v.dtype.itemsize
         cublas = self._cublas
         cublas.gemm_strided_batched_ex(
             self._handle, cublas.Operation.N, cublas.Operation.N, d, m, keys, self._one.ctypes.data,

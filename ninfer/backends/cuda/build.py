@@ -16,6 +16,7 @@ from ninfer.artifact.reader import Artifact
 from ninfer.backends.cuda.device import GIB, CudaDevice, Device
 from ninfer.backends.cuda.model import PAGE_TOKENS, Capacity, CudaQwen
 from ninfer.backends.cuda.runner import CudaRunner
+from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.backends.cuda.weights import ArtifactDeviceWeights
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES, plan_kv_pool
@@ -42,10 +43,12 @@ class CudaBuild:
 
 def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index: int = 0, cuda_graphs: bool = True,
                       device: Device | None = None, tensor_core_attention: bool = True,
-                      decode_linear: str = "cublas", vision: bool = False) -> CudaBuild:
+                      decode_linear: str = "cublas", vision: bool = False,
+                      vision_on_device: bool = False) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention` and `decode_linear`: see `Capacity`. `vision` builds the Vision
-    tower (on the host for now: see `CudaRunner`)."""
+    tower: on the host, or with `vision_on_device` on the GPU (`CudaVisionTower`; opt-in until its GPU parity test
+    has run green)."""
     dims = artifact_dims(artifact)
     if not isinstance(dims, QwenDims):
         raise TypeError(f"the CUDA backend serves Qwen3.6 models; {artifact.model_id} is {type(dims).__name__}")
@@ -56,11 +59,13 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                         decode_linear=decode_linear)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity)
     tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
+    if tower is not None and vision_on_device:
+        tower = CudaVisionTower(tower, device)
     return finish_build(device, model, config, cuda_graphs=cuda_graphs, vision_tower=tower)
 
 
 def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_graphs: bool,
-                 vision_tower: VisionTower | None = None) -> CudaBuild:
+                 vision_tower: VisionTower | CudaVisionTower | None = None) -> CudaBuild:
     """Size and allocate the KV pool on a model whose other arenas are allocated, build the runner and capture its
     decode graphs. The page count is a direct calculation: free memory after the weights, minus the exact bytes of
     the rest of the runtime layout (lane state, workspace, inputs: the ledger), the graph allowance and 1 GiB."""

@@ -20,6 +20,7 @@ from ninfer.kernels_numba import layout as _layout
 from ninfer.kernels_numba import linear as _linear
 from ninfer.kernels_numba import moe as _moe
 from ninfer.kernels_numba import sampling as _sampling
+from ninfer.kernels_numba import vision as _vision
 from ninfer.backends.cuda import kernels as _device_kernels
 from ninfer.kernels_numba.fill import fill_uniform_reference
 
@@ -206,3 +207,25 @@ def top_candidates_rows(logits, vocab_ids, counts, row_lane, presence, frequency
 
 def count_tokens(counts, lanes, tokens, valid, *, stream):
     counts[...] = _sampling.count_tokens_reference(counts, lanes, tokens, valid)
+
+
+# ---- the Vision tower's kernels ----
+
+def layer_norm_bf16(x, weight, bias, out, *, eps, stream):
+    out[...] = _vision.layer_norm_bf16_reference(x, weight, bias, eps=eps)
+
+
+def add_rows(x, bias, *, stream, extra=None):
+    x[...] = _vision.add_rows_reference(x, bias, extra)
+
+
+def bias_gelu_bf16(y, bias, out, *, exact, stream):
+    out[...] = _vision.bias_gelu_bf16_reference(y, bias, exact=exact)
+
+
+def vision_heads(qkv, bias, cos, sin, q, k, v, *, scale, stream):
+    q[...], k[...], v[...] = _vision.vision_heads_reference(qkv, bias, cos, sin, heads=q.shape[0], scale=scale)
+
+
+def vision_merge_heads(o, out, *, first, stream):
+    out[first:first + o.shape[1]] = _vision.vision_merge_heads_reference(o)

@@ -16,6 +16,7 @@ from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, lin
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
 from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
+from ninfer.kernels_numba.vision import add_rows, bias_gelu_bf16, layer_norm_bf16, vision_heads, vision_merge_heads
 
 __all__ = [
     "causal_softmax",
@@ -57,4 +58,9 @@ __all__ = [
     "top_candidates_rows",
     "upload_quant_planes",
     "upload_quant_weight",
+    "add_rows",
+    "bias_gelu_bf16",
+    "layer_norm_bf16",
+    "vision_heads",
+    "vision_merge_heads",
 ]

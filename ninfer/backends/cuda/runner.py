@@ -22,6 +22,7 @@ from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillC
 from ninfer.engine.request import PromptMedia
 from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_drafts
+from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.models.qwen3_6_vision import VisionTower, encode_prompt_item
 
 
@@ -44,15 +45,15 @@ class _MtpRows:
 
 class CudaRunner:
     def __init__(self, model: CudaQwen, *, draft_tokens: int = 0, lm_head_draft: bool = False,
-                 cuda_graphs: bool = True, vision_tower: VisionTower | None = None) -> None:
+                 cuda_graphs: bool = True, vision_tower: VisionTower | CudaVisionTower | None = None) -> None:
         cap, dims = model.capacity, model.dims
         if draft_tokens and model.mtp is None:
             raise ValueError("speculative decoding needs the model built with its MTP head")
         if lm_head_draft and not cap.draft_head:
             raise ValueError("--lm-head-draft needs the model built with its shortlist head (Capacity.draft_head)")
         self._model, self._k, self._graphs_on = model, draft_tokens, cuda_graphs
-        # The Vision tower runs on the host (NumPy) until the device has one; its output rows reach the device as
-        # embedding overrides of the prefill chunks.
+        # The Vision tower: the GPU's (`CudaVisionTower`) or the host's; its output rows reach the device
+        # activations as embedding overrides of the prefill chunks.
         self._vision = vision_tower
         if not model.pages:
             raise ValueError("the model's KV pool is not allocated (CudaQwen.allocate_kv)")
