@@ -84,6 +84,10 @@ class ColdTier:
     def entries(self) -> int:
         return len(self._entries)
 
+    def parked(self) -> dict[int, ParkedEntry]:
+        """The entries by id, oldest parked first (a copy: the LRU order eviction follows)."""
+        return dict(self._entries)
+
     def stats(self) -> dict[str, int]:
         """The request log's cold-tier fields."""
         return {"cold_tier_parks": self.counters.parks, "cold_tier_restores": self.counters.restores,
