@@ -298,6 +298,20 @@ def test_anthropic_tool_result_images_are_media_too(vision, builder):
     assert counted == len(text_tokens(builder, chat_form)) - 1 + OTHER_TOKENS
 
 
+def test_anthropic_and_responses_refuse_an_expanded_prompt_beyond_the_context(vision):
+    big = png(1024, 1024, seed=5)  # two of these exceed the 2048-token context once expanded
+    messages = [{"role": "user", "content": [anthropic_image(big), anthropic_image(big)]}]
+    error = refusal(vision, create_message, {"model": "m", "max_tokens": 20, "messages": messages})
+    assert (error.status, error.code) == (400, "context_length_exceeded")
+    assert error.extra["prompt_tokens"] > error.extra["max_context"] == MAX_CONTEXT
+    item = {"role": "user", "content": [{"type": "input_image", "image_url": data_url(big)},
+                                        {"type": "input_image", "image_url": data_url(big)}]}
+    with pytest.raises(ApiError) as raised:
+        Responses(vision).post("/v1/responses", {"model": MODEL, "input": [item]})
+    assert (raised.value.status, raised.value.code) == (400, "context_length_exceeded")
+    assert open_handles(vision) == 0 and vision.submitted == []
+
+
 def test_anthropic_url_source_and_non_image_media_type(vision):
     url = {"type": "image", "source": {"type": "url", "url": "ftp://example.com/x.png"}}
     error = refusal(vision, count_tokens, {"model": "m", "messages": [{"role": "user", "content": [url]}]})
