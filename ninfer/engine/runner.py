@@ -150,6 +150,13 @@ class PrefillChunk:
     def has_embeddings(self) -> bool:
         return bool(self.embedding_columns.size)
 
+    def mtp_embeddings(self) -> tuple[np.ndarray, np.ndarray]:
+        """The overrides as rows of the chunk's MTP pass: MTP row r embeds the next token of its column, which is
+        chunk column r with a bridge row (kv_length > 0) and r + 1 without one (column 0 then has no MTP row)."""
+        columns = self.embedding_columns - (0 if self.kv_length > 0 else 1)
+        keep = columns >= 0
+        return columns[keep], self.embedding_rows[keep]
+
 
 @attrs.frozen
 class PrefillResult:

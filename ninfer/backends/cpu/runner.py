@@ -319,10 +319,8 @@ class CpuRunner:
         if n == 0:
             return None
         columns = rows = None
-        if chunk.has_embeddings:  # MTP row r's next token is chunk column r (with a bridge row) or r + 1
-            shifted = chunk.embedding_columns - (0 if start > 0 else 1)
-            keep = shifted >= 0
-            columns, rows = shifted[keep], chunk.embedding_rows[keep]
+        if chunk.has_embeddings:
+            columns, rows = chunk.mtp_embeddings()
         return _MtpRows(lane, start - 1 if start > 0 else 0, rows_hidden[:n], next_ids, positions[:, :n],
                         columns, rows)
 

@@ -597,10 +597,8 @@ class CudaQwen:
         if values.shape != (len(columns), self.dims.hidden) or columns[0] < 0 or columns[-1] >= out.shape[0]:
             raise ValueError(f"embedding rows {values.shape} at columns {columns[0]}..{columns[-1]} do not fit "
                              f"{out.shape[0]} rows of width {self.dims.hidden}")
-        breaks = np.flatnonzero(np.diff(columns) != 1) + 1
-        for first, stop in zip(np.r_[0, breaks], np.r_[breaks, len(columns)]):
-            column = int(columns[first])
-            self.device.write(out[column : column + stop - first], values[first:stop])
+        for index, column, count in _runs(columns):
+            self.device.write(out[column : column + count], values[index : index + count])
 
     def _embed(self, ids: Any, out: Any) -> None:
         if self.embedding.dtype == np.uint16:
@@ -843,7 +841,7 @@ class CudaQwen:
         pages; the names are `import_lane_arrays`'s."""
         read, out = self.device.read, {}
         for name, array in self._page_arrays().items():
-            parts = [read(array[first : first + count]) for _, first, count in _page_runs(pages)]
+            parts = [read(array[first : first + count]) for _, first, count in _runs(pages)]
             out[name] = np.concatenate(parts) if parts else np.zeros((0,) + tuple(array.shape[1:]), array.dtype)
         for name, array in self._lane_arrays().items():
             out[name] = read(array[lane])
@@ -853,7 +851,7 @@ class CudaQwen:
         """Write `export_lane_arrays` output into these pages (the same count) and this lane's state rows."""
         write = self.device.write
         for name, array in self._page_arrays().items():
-            for index, first, count in _page_runs(pages):
+            for index, first, count in _runs(pages):
                 write(array[first : first + count], arrays[name][index : index + count])
         for name, array in self._lane_arrays().items():
             write(array[lane], arrays[name])
@@ -876,14 +874,14 @@ class CudaQwen:
         return out
 
 
-def _page_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
-    """(index in `pages`, first page, count) of each run of consecutive page ids."""
-    pages = np.asarray(pages, np.int64)
-    if not pages.size:
+def _runs(values: np.ndarray) -> list[tuple[int, int, int]]:
+    """(index in `values`, first value, count) of each run of consecutive integers (page ids, row indices)."""
+    values = np.asarray(values, np.int64)
+    if not values.size:
         return []
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    starts, stops = np.r_[0, breaks], np.r_[breaks, pages.size]
-    return [(int(a), int(pages[a]), int(b - a)) for a, b in zip(starts, stops)]
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    starts, stops = np.r_[0, breaks], np.r_[breaks, values.size]
+    return [(int(a), int(values[a]), int(b - a)) for a, b in zip(starts, stops)]
 
 
 CHECKPOINT_SLOTS = 2

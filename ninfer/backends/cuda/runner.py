@@ -154,8 +154,9 @@ class CudaRunner:
                 n = len(rows.next_ids)
                 hidden_rows = [("tail", lane)] if start > 0 else []
                 hidden_rows += [("final", i) for i in range(n - len(hidden_rows))]
+                mtp_embeddings = chunk.mtp_embeddings() if chunk.has_embeddings else None
                 d = self._run_mtp([rows], hidden_rows, prefill=count > 0,
-                                  embeddings=_mtp_embeddings(embeddings, start, n))
+                                  embeddings=mtp_embeddings if mtp_embeddings and len(mtp_embeddings[0]) else None)
                 if chunk.final and self._affords_a_round(chunk.remaining - 1):
                     self._prepare_drafts([(lane, n - 1, rows.first + n - 1, int(rows.positions[0, -1]))], d)
                     drafts_ready = True
@@ -400,14 +401,3 @@ def _verify_greedy(argmax: np.ndarray, drafts: np.ndarray) -> tuple[int, list[in
             return i, produced + [int(argmax[i])]
         produced.append(int(draft))
     return len(drafts), produced + [int(argmax[len(drafts)])]
-
-
-def _mtp_embeddings(embeddings: tuple[np.ndarray, np.ndarray] | None, start: int,
-                    rows: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """A prefill chunk's overrides as MTP-row overrides: MTP row r embeds the next token of its column, which is
-    chunk column r with a bridge row (start > 0) and r + 1 without one (as the CPU runner)."""
-    if embeddings is None:
-        return None
-    columns = embeddings[0] - (0 if start > 0 else 1)
-    keep = (columns >= 0) & (columns < rows)
-    return (columns[keep], embeddings[1][keep]) if keep.any() else None
