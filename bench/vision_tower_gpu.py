@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer.artifact.codec import f32_to_bf16_bits  # noqa: E402
 
 
-def time_tower(device, tower, sizes, *, parity_size: int | None) -> list[dict]:
-    """Seconds per image on `device` (a CudaDevice, or a HostDevice for the CPU smoke test)."""
+def time_tower(device, tower, sizes, *, parity_size: int | None, profile: bool = False) -> list[dict]:
+    """Seconds per image on `device` (a CudaDevice, or a HostDevice for the CPU smoke test); with `profile`, the
+    per-kernel GPU time of one more encode of each size (CUPTI, GPU machine only)."""
     from ninfer.backends.cuda.vision import CudaVisionTower
 
     gpu = CudaVisionTower(tower, device)
@@ -42,8 +43,14 @@ def time_tower(device, tower, sizes, *, parity_size: int | None) -> list[dict]:
         if size == parity_size:
             want = tower.encode_item(patches, grid)
             row["relative_difference_to_host_tower"] = float(np.linalg.norm(out - want) / np.linalg.norm(want))
+        if profile:
+            from bench.kernel_profile import print_profile, profile_replays
+
+            report = profile_replays(lambda: gpu.encode_item(patches, grid), device.synchronize, replays=1)
+            print_profile(f"vision tower {size}x{size}", report)
+            row["profile"] = report
         rows.append(row)
-        print(row, flush=True)
+        print({k: v for k, v in row.items() if k != "profile"}, flush=True)
     return rows
 
 
@@ -55,11 +62,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="512,1024")
+    parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of each size (CUPTI)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     device = CudaDevice(0)
     tower = build_vision_tower(QWEN36_27B_DIMS, RandomWeights(QWEN36_27B_DIMS))
-    rows = time_tower(device, tower, sizes, parity_size=sizes[0])
+    rows = time_tower(device, tower, sizes, parity_size=sizes[0], profile=args.profile)
     report = {"device": device.info.name, "rows": rows}
     Path(os.environ.get("OUT", Path(__file__).parent / "results"), "vision_tower_gpu.json").write_text(
         json.dumps(report, indent=1))

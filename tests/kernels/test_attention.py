@@ -282,7 +282,8 @@ def test_gpu_prefill_matches_twin_and_decode(cfg, dtype):
         assert np.isfinite(got).all()
         assert _rel(got, want) < 1e-5, _rel(got, want)
         pos = np.arange(kv_start, kv_start + count, dtype=np.int32)
-        dec = _decode_gpu(cuda, q, qkgv, tables, np.ones(count, np.int32), pos, pools, heads, kv_heads, d, 2, 10)
+        dec = _decode_gpu(cuda, q, qkgv, tables, np.ones(count, np.int32), pos, pools, heads, kv_heads, d,
+                          A.DEFAULT_SPLITS)
         assert _rel(got, dec) < 1e-5
         np.testing.assert_allclose(got, dec, rtol=1e-4, atol=1e-5)
 

@@ -143,8 +143,12 @@ class CudaDevice:
 
     def capture(self, record: Any) -> Any:
         from ninfer.backends.cuda.graphs import capture
+        from ninfer.kernels_numba.numba_setup import cuda
 
-        return capture(self.stream_handle, record)
+        # numba frees dropped device arrays in batches, at whatever moment the batch fills; cuMemFree is illegal
+        # while a stream captures and would invalidate the graph, so the batch waits until the capture ends.
+        with cuda.defer_cleanup():
+            return capture(self.stream_handle, record)
 
 
 def check(result: Any, what: str) -> None:
