@@ -36,6 +36,19 @@ class HostArena:
         return self._bytes[offset:offset + nbytes].copy()
 
 
+class FailingArena:
+    """Stands in for `arena` with every transfer raising (an injected device failure)."""
+
+    def __init__(self, arena) -> None:
+        self.capacity_bytes = arena.capacity_bytes
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        raise OSError("injected transfer failure")
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        raise OSError("injected transfer failure")
+
+
 def image(seed: int, size: int = 1000) -> LaneImage:
     rng = np.random.default_rng(seed)
     return LaneImage(tokens=70, pages=2, has_tail=True,
@@ -196,3 +209,47 @@ def test_a_device_arena_on_the_secondary_gpu_round_trips_bytes():
     _, restored = tier.take(key)
     for name, value in original.arrays.items():
         np.testing.assert_array_equal(restored.arrays[name], value)
+
+
+# ---- the CUDA runner's lane images through the tier (HostDevice here; two GPUs with the `gpu` marker) ----
+
+@pytest.fixture(scope="module")
+def qwen_artifact(tmp_path_factory):
+    from tests.support.cuda_models import write_tiny_qwen_artifact
+
+    return write_tiny_qwen_artifact(tmp_path_factory.mktemp("cold-tier") / "dense.ninfer", moe=False, recipe="bf16")
+
+
+def cuda_scheduler(path, kind: str, *, lanes: int, pages: int, tier: ColdTier | None) -> Scheduler:
+    from ninfer.artifact.reader import Artifact
+    from ninfer.backends.cuda.build import build_cuda_runner
+    from tests.test_cuda_runner import make_device
+
+    config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=128, kv_capacity=pages * 64)
+    return Scheduler(build_cuda_runner(Artifact.open(path), config, device=make_device(kind)).runner, config, tier)
+
+
+@pytest.mark.parametrize("kind", ["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cuda_runner_conversations_restore_from_the_tier(qwen_artifact, kind):
+    """With kind "cuda" the arenas are real device memory on the second GPU, reached through pinned staging."""
+    if kind == "cuda":
+        from ninfer.backends.cuda.cold_arena import build_cold_arenas
+        from ninfer.backends.cuda_probe import cuda_device_count
+
+        if cuda_device_count() < 2:
+            pytest.skip("needs two GPUs")
+        arenas, _ = build_cold_arenas(primary=0, devices=cuda_device_count(), pinned=-1, capacity_mib=256,
+                                      staging_mib=4)
+    else:
+        arenas = [HostArena(64 << 20)]
+    tier = ColdTier(arenas)
+    got, usages = conversations(cuda_scheduler(qwen_artifact, kind, lanes=1, pages=4, tier=tier), 3, 3)
+    want, _ = conversations(cuda_scheduler(qwen_artifact, kind, lanes=3, pages=12, tier=None), 3, 3)
+    assert got == want
+    returns = [usage for turn, usage in usages if turn]
+    assert tier.counters.restores == len(returns) and tier.counters.park_failures == 0
+    assert all(usage.reuse_path == "append_frontier" and usage.prefill_tokens == 10 for usage in returns)
+    failing = ColdTier([FailingArena(arena) for arena in arenas])  # injected failures: full prefills, same tokens
+    got, usages = conversations(cuda_scheduler(qwen_artifact, kind, lanes=1, pages=4, tier=failing), 3, 2)
+    assert got == [outputs[:2] for outputs in want] and failing.counters.restores == 0
+    assert all(usage.reuse_path == "full_reset" for turn, usage in usages if turn)
