@@ -26,13 +26,15 @@ ARENA_RESERVE = 256 * MIB  # left free on a device whose arena capacity is autom
 
 
 class PinnedStaging:
-    """A page-locked host buffer shared by the arenas."""
+    """A page-locked host buffer shared by the arenas: allocated portable (pinned for every context) while GPU
+    `device`'s primary context is current, since the driver allocates pinned memory through a context."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, device: int) -> None:
         from cuda.bindings import driver
 
-        err, self._pointer = driver.cuMemAllocHost(nbytes)
-        check(err, "cuMemAllocHost")
+        with _ContextScope(primary_context(device)):
+            err, self._pointer = driver.cuMemHostAlloc(nbytes, driver.CU_MEMHOSTALLOC_PORTABLE)
+            check(err, "cuMemHostAlloc")
         self.nbytes = nbytes
         self.view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(self._pointer)))
         self.pointer = int(self._pointer)  # page-locked for the process's life, like the arenas it serves
@@ -51,10 +53,7 @@ class CudaArena:
     def __attrs_post_init__(self) -> None:
         from cuda.bindings import driver
 
-        err, handle = driver.cuDeviceGet(self.device)
-        check(err, "cuDeviceGet")
-        err, self._context = driver.cuDevicePrimaryCtxRetain(handle)
-        check(err, "cuDevicePrimaryCtxRetain")
+        self._context = primary_context(self.device)
         with self._current():
             err, base = driver.cuMemAlloc(self.capacity_bytes)
             check(err, f"cuMemAlloc of a {self.capacity_bytes >> 20} MiB cold-tier arena on GPU {self.device}")
@@ -109,15 +108,23 @@ class _ContextScope:
         driver.cuCtxPopCurrent()
 
 
-def free_bytes(device: int) -> int:
-    """Free memory on GPU `device` (its primary context made current for the query)."""
+def primary_context(device: int) -> Any:
+    """GPU `device`'s primary context (retained: it lives as long as the process)."""
     from cuda.bindings import driver
 
+    check(driver.cuInit(0), "cuInit")
     err, handle = driver.cuDeviceGet(device)
     check(err, "cuDeviceGet")
     err, context = driver.cuDevicePrimaryCtxRetain(handle)
     check(err, "cuDevicePrimaryCtxRetain")
-    with _ContextScope(context):
+    return context
+
+
+def free_bytes(device: int) -> int:
+    """Free memory on GPU `device` (its primary context made current for the query)."""
+    from cuda.bindings import driver
+
+    with _ContextScope(primary_context(device)):
         err, free, _total = driver.cuMemGetInfo()
         check(err, "cuMemGetInfo")
     return int(free)
@@ -135,5 +142,5 @@ def build_cold_arenas(*, primary: int, devices: int, pinned: int, capacity_mib: 
             chosen.append((device, capacity))
     if not chosen:
         return [], None
-    staging = PinnedStaging(staging_mib * MIB)
+    staging = PinnedStaging(staging_mib * MIB, chosen[0][0])
     return [CudaArena(device, capacity, staging) for device, capacity in chosen], staging
