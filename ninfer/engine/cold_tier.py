@@ -168,8 +168,8 @@ class ColdTier:
             for name, dtype, shape, at in entry.layout:
                 dt = np.dtype(dtype)
                 count = int(np.prod(shape, dtype=np.int64))
-                raw = arena.read(entry.offset + at, count * dt.itemsize)
-                arrays[name] = np.frombuffer(raw.tobytes(), dtype=dt, count=count).reshape(shape).copy()
+                # the arena hands back a fresh uint8 array: reinterpret it in place (an image can be gigabytes)
+                arrays[name] = arena.read(entry.offset + at, count * dt.itemsize).view(dt).reshape(shape)
         except Exception:  # noqa: BLE001 - best effort, as parking
             self.counters.restore_failures += 1
             return None

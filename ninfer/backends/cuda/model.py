@@ -842,7 +842,10 @@ class CudaQwen:
         read, out = self.device.read, {}
         for name, array in self._page_arrays().items():
             parts = [read(array[first : first + count]) for _, first, count in _runs(pages)]
-            out[name] = np.concatenate(parts) if parts else np.zeros((0,) + tuple(array.shape[1:]), array.dtype)
+            if len(parts) == 1:  # one run of pages: no second copy (an image can be gigabytes)
+                out[name] = parts[0]
+            else:
+                out[name] = np.concatenate(parts) if parts else np.zeros((0,) + tuple(array.shape[1:]), array.dtype)
         for name, array in self._lane_arrays().items():
             out[name] = read(array[lane])
         return out
