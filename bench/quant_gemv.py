@@ -24,16 +24,16 @@ from ninfer.artifact.formats import Q4G64, row_split_geometry  # noqa: E402
 SHAPES = {"gate_up 34816x5120": (34816, 5120), "down 5120x17408": (5120, 17408), "query_key 7168x5120": (7168, 5120),
           "gdn out 5120x6144": (5120, 6144)}
 REPEAT = 20
-VARIANTS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (2, 16)]
+VARIANTS = [(1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 4, 4), (1, 16, 2), (2, 8, 2), (2, 4, 4), (1, 16, 4)]
 _VARIANT_KERNELS: dict = {}
 
 
-def variant(tiles: int, warps: int):
+def variant(tiles: int, warps: int, unroll: int):
     from ninfer.kernels_numba import quant_mma as QM
 
-    if (tiles, warps) not in _VARIANT_KERNELS:
-        _VARIANT_KERNELS[tiles, warps] = QM.make_q4_mma_kernel(tiles, warps)
-    return _VARIANT_KERNELS[tiles, warps]
+    if (tiles, warps, unroll) not in _VARIANT_KERNELS:
+        _VARIANT_KERNELS[tiles, warps, unroll] = QM.make_q4_mma_kernel(tiles, warps, unroll)
+    return _VARIANT_KERNELS[tiles, warps, unroll]
 
 
 def random_q4_payload(shape: tuple[int, int], rng) -> np.ndarray:
@@ -102,11 +102,11 @@ def main() -> None:
                             QM.linear_q4_mma_reference(x_bf16[:1], shape, payload))
                     row[f"{kernel}_rel_to_twin"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             if name in ("gate_up 34816x5120", "down 5120x17408") and m in (1, 8):
-                for tiles, warps in VARIANTS:  # geometry search for the tensor-core kernel
-                    fn = variant(tiles, warps)
+                for tiles, warps, unroll in VARIANTS:  # geometry search for the tensor-core kernel
+                    fn = variant(tiles, warps, unroll)
                     seconds = timed(device, lambda m=m, fn=fn, tiles=tiles, warps=warps: QM.linear_q4_mma(
                         dx_bf16[:m], mma, y[:m], stream=stream, _kernel=fn, tiles=tiles, warps=warps))
-                    row[f"mma_t{tiles}_w{warps}_us"] = seconds * 1e6
+                    row[f"mma_t{tiles}_w{warps}_u{unroll}_us"] = seconds * 1e6
                 print("   variants " + "  ".join(f"{k[4:-3]} {v:.1f}" for k, v in row.items()
                                                  if k.startswith("mma_t")), flush=True)
             report["rows"].append(row)

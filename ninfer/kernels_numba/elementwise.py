@@ -121,18 +121,36 @@ def block_sum_dyn(value, buf):
 
 
 @device_function
-def scale_row(values, weight, out, out_bf16, write_bf16, r, total, width, eps, offset):
-    """out[r, t + j * threads] = values[j] * rsqrt(total / width + eps) * (offset + weight) (and the bf16 copy)."""
+def load_row(x, weight, values, weights, r, offset):
+    """values[j] = x[r, t + j * threads] and weights[j] the matching (offset +) weight, all loads issued together
+    (the weights are not waited for after the reduction); returns this thread's sum of squares."""
+    t = cuda.threadIdx.x
+    step = cuda.blockDim.x
+    width = x.shape[1]
+    acc = float32(0.0)
+    for j in range(NORM_ITEMS):
+        i = t + j * step
+        v = float32(0.0)
+        w = float32(0.0)
+        if i < width:
+            v = x[r, i]
+            w = weight[i]
+        values[j] = v
+        weights[j] = w + float32(1.0) if offset != 0 else w
+        acc += v * v
+    return acc
+
+
+@device_function
+def scale_row(values, weights, out, out_bf16, write_bf16, r, total, width, eps):
+    """out[r, t + j * threads] = values[j] * rsqrt(total / width + eps) * weights[j] (and the bf16 copy)."""
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
     for j in range(NORM_ITEMS):
         i = t + j * step
         if i < width:
-            w = weight[i]
-            if offset != 0:
-                w = float32(1.0) + w
-            value = (values[j] * inv) * w
+            value = (values[j] * inv) * weights[j]
             out[r, i] = value
             if write_bf16 != 0:
                 out_bf16[r, i] = uint16(f32_to_bf16(value))
@@ -142,41 +160,29 @@ def scale_row(values, weight, out, out_bf16, write_bf16, r, total, width, eps, o
 def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, eps, offset):
     buf = cuda.shared.array(32, float32)
     values = cuda.local.array(NORM_ITEMS, float32)
+    weights = cuda.local.array(NORM_ITEMS, float32)
     r = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    step = cuda.blockDim.x
-    width = x.shape[1]
-    acc = float32(0.0)
-    for j in range(NORM_ITEMS):
-        i = t + j * step
-        v = float32(0.0)
-        if i < width:
-            v = x[r, i]
-        values[j] = v
-        acc += v * v
+    acc = load_row(x, weight, values, weights, r, offset)
     total = block_sum_dyn(acc, buf)  # its barrier also orders the reads of x before writes to an aliased out
-    scale_row(values, weight, out, out_bf16, write_bf16, r, total, width, eps, offset)
+    scale_row(values, weights, out, out_bf16, write_bf16, r, total, x.shape[1], eps)
 
 
 @kernel((F32_2D, F32_2D, F32_1D, F32_2D, uint16[:, ::1], float32, int32), fastmath=False)
 def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset):
     buf = cuda.shared.array(32, float32)
     values = cuda.local.array(NORM_ITEMS, float32)
+    weights = cuda.local.array(NORM_ITEMS, float32)
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     width = residual.shape[1]
-    acc = float32(0.0)
-    for j in range(NORM_ITEMS):
+    for j in range(NORM_ITEMS):  # residual += delta; the same thread reads it back in load_row
         i = t + j * step
-        v = float32(0.0)
         if i < width:
-            v = residual[r, i] + delta[r, i]
-            residual[r, i] = v
-        values[j] = v
-        acc += v * v
+            residual[r, i] = residual[r, i] + delta[r, i]
+    acc = load_row(residual, weight, values, weights, r, offset)
     total = block_sum_dyn(acc, buf)
-    scale_row(values, weight, out, unused_bf16, int32(0), r, total, width, eps, offset)
+    scale_row(values, weights, out, unused_bf16, int32(0), r, total, width, eps)
 
 
 def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None):

@@ -39,7 +39,8 @@ TILE_ROWS = 16
 GROUP = 64
 MAX_X_ROWS = 8  # the mma's N dimension
 WARPS = 8
-TILES = 2
+TILES = 1
+UNROLL = 2
 BF16_ONE_PAIR = 0x3F803F80
 BF16_MINUS_136_PAIR = 0xC308C308  # -(128 + 8): the magic 128 and the Q4 code offset
 BF16_128_PAIR = 0x43004300
@@ -143,8 +144,13 @@ def upload_q4_mma(shape: tuple[int, int], payload: np.ndarray, *, stream=0) -> Q
 
 # ---- device code --------------------------------------------------------------------------------------------------
 
-def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS):
+def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
+    """`tiles` row tiles per block, `warps` warps splitting the groups, `unroll` groups per warp step whose loads are
+    all issued before the first mma of the step (bytes in flight hide the memory latency)."""
     ACC = 4 * tiles
+    WORDS = 4 * tiles * unroll
+    SCALES = 2 * tiles * unroll
+    XS = 8 * unroll
 
     @kernel((uint32[:, ::1], uint32[::1], uint16[::1], float32[:, ::1], int32, int32), fastmath=False)
     def q4_mma_kernel(x32, packed, scales, y, groups, accumulate):
@@ -159,23 +165,22 @@ def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS):
         tile0 = cuda.blockIdx.x * tiles
         total_tiles = (N + 15) >> 4
         acc = cuda.local.array(ACC, float32)
-        words = cuda.local.array(ACC, uint32)
+        words = cuda.local.array(WORDS, uint32)
+        scale_bits = cuda.local.array(SCALES, uint16)
+        xs = cuda.local.array(XS, uint32)
         for a in range(ACC):
             acc[a] = float32(0.0)
         x_row = g if g < M else 0
-        for q in range(warp, groups, warps):
-            for r in range(tiles):
-                tile = min(tile0 + r, total_tiles - 1)
-                words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = load4(
-                    packed, ((tile * groups + q) * 32 + lane) * 4)
-            for r in range(tiles):
-                tile = min(tile0 + r, total_tiles - 1)
-                s_lo = half_bits_to_f32(scales[(tile * groups + q) * 16 + g])
-                s_hi = half_bits_to_f32(scales[(tile * groups + q) * 16 + g + 8])
-                c0 = float32(0.0)
-                c1 = float32(0.0)
-                c2 = float32(0.0)
-                c3 = float32(0.0)
+        for q0 in range(warp, groups, warps * unroll):
+            for u in range(unroll):  # every load of the step first
+                q = min(q0 + u * warps, groups - 1)
+                for r in range(tiles):
+                    tile = min(tile0 + r, total_tiles - 1)
+                    at = tile * groups + q
+                    w0 = 4 * (r * unroll + u)
+                    words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load4(packed, (at * 32 + lane) * 4)
+                    scale_bits[2 * (r * unroll + u)] = scales[at * 16 + g]
+                    scale_bits[2 * (r * unroll + u) + 1] = scales[at * 16 + g + 8]
                 for j in range(4):
                     pair = (q * GROUP + 16 * j + 2 * t) >> 1
                     b0 = uint32(0)
@@ -183,13 +188,26 @@ def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS):
                     if g < M:
                         b0 = x32[x_row, pair]
                         b1 = x32[x_row, pair + 4]
-                    w = words[4 * r + j]
-                    c0, c1, c2, c3 = mma_bf16_m16n8k16(q4_pair(w, 0), q4_pair(w, 1), q4_pair(w, 2), q4_pair(w, 3),
-                                                       b0, b1, c0, c1, c2, c3)
-                acc[4 * r] += s_lo * c0
-                acc[4 * r + 1] += s_lo * c1
-                acc[4 * r + 2] += s_hi * c2
-                acc[4 * r + 3] += s_hi * c3
+                    xs[8 * u + 2 * j] = b0
+                    xs[8 * u + 2 * j + 1] = b1
+            for u in range(unroll):
+                if q0 + u * warps < groups:
+                    for r in range(tiles):
+                        c0 = float32(0.0)
+                        c1 = float32(0.0)
+                        c2 = float32(0.0)
+                        c3 = float32(0.0)
+                        for j in range(4):
+                            w = words[4 * (r * unroll + u) + j]
+                            c0, c1, c2, c3 = mma_bf16_m16n8k16(q4_pair(w, 0), q4_pair(w, 1), q4_pair(w, 2),
+                                                               q4_pair(w, 3), xs[8 * u + 2 * j], xs[8 * u + 2 * j + 1],
+                                                               c0, c1, c2, c3)
+                        s_lo = half_bits_to_f32(scale_bits[2 * (r * unroll + u)])
+                        s_hi = half_bits_to_f32(scale_bits[2 * (r * unroll + u) + 1])
+                        acc[4 * r] += s_lo * c0
+                        acc[4 * r + 1] += s_lo * c1
+                        acc[4 * r + 2] += s_hi * c2
+                        acc[4 * r + 3] += s_hi * c3
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
         cuda.syncthreads()
