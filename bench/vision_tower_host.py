@@ -1,8 +1,8 @@
 """The Vision tower's time per image on the host (NumPy), at the real Qwen3.6 Vision shapes with random weights.
 
-The CUDA runner encodes media with this host tower until the device has its own (issue 7), so these are the seconds a
---vision request's image costs a GPU server today; the figure to beat with a device tower. Images of 512x512 and
-1024x1024 (smart-resized to 32x32 and 64x64 patches: 256 and 1,024 merged tokens).
+The CPU backend encodes media with this tower, and so does the CUDA runner built with `vision_on_device=False` (by
+default it uses the GPU tower, `bench/vision_tower_gpu.py`); these are the seconds a --vision request's image costs
+there. Images of 512x512 and 1024x1024 (smart-resized to 32x32 and 64x64 patches: 256 and 1,024 merged tokens).
 
 Run: `python bench/vision_tower_host.py [--sizes 512,1024]`; JSON to bench/results/vision_tower_host.json.
 """

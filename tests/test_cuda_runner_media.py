@@ -9,6 +9,7 @@ import pytest
 from ninfer.artifact.reader import Artifact
 from ninfer.backends.cuda.build import build_cuda_runner
 from ninfer.backends.cuda.host import HostDevice
+from ninfer.backends.cuda.vision import scratch_bytes, scratch_plan
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.runner import VisionUnavailable
 from ninfer.engine.scheduler import Scheduler
@@ -55,6 +56,9 @@ def test_media_prompt_matches_the_injected_reference(artifact, model, draft_toke
     assert build.runner.info.vision
     got = generate(build.runner, config, prompt, 8)
     assert got == reference_greedy(model, prompt, 8)
+    if on_device:  # one arena, charged at startup for the largest item the context admits (2x2 patches a token)
+        arena = scratch_bytes(scratch_plan(model.dims.vision, max_patches=4 * config.max_context))
+        assert build.ledger["vision scratch"] == build.device.ledger["vision scratch"] == arena
 
 
 def test_without_the_tower_media_is_refused(artifact, model):

@@ -20,10 +20,11 @@ from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.backends.cuda.weights import ArtifactDeviceWeights
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES, plan_kv_pool
+from ninfer.media.prepare import MAX_RAW_PATCHES
 from ninfer.models.loader import ArtifactWeights, artifact_dims
 from ninfer.models.qwen3_6 import build_vision_tower
 from ninfer.models.qwen3_6_vision import VisionTower
-from ninfer.targets.dims import QwenDims
+from ninfer.targets.dims import QwenDims, VisionDims
 
 GRAPH_ALLOWANCE_PER_SHAPE = 8 << 20  # device memory one captured decode graph may take (nodes, kernel params)
 
@@ -44,11 +45,11 @@ class CudaBuild:
 def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index: int = 0, cuda_graphs: bool = True,
                       device: Device | None = None, tensor_core_attention: bool = True,
                       decode_linear: str = "cublas", vision: bool = False,
-                      vision_on_device: bool = False) -> CudaBuild:
+                      vision_on_device: bool = True) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention` and `decode_linear`: see `Capacity`. `vision` builds the Vision
-    tower: on the host, or with `vision_on_device` on the GPU (`CudaVisionTower`; opt-in until its GPU parity test
-    has run green)."""
+    tower: on the GPU (`CudaVisionTower`, its scratch arena sized for the largest item serving admits:
+    `vision_max_patches`), or on the host with `vision_on_device=False`."""
     dims = artifact_dims(artifact)
     if not isinstance(dims, QwenDims):
         raise TypeError(f"the CUDA backend serves Qwen3.6 models; {artifact.model_id} is {type(dims).__name__}")
@@ -60,8 +61,14 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity)
     tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
     if tower is not None and vision_on_device:
-        tower = CudaVisionTower(tower, device)
+        tower = CudaVisionTower(tower, device, max_patches=vision_max_patches(dims.vision, config))
     return finish_build(device, model, config, cuda_graphs=cuda_graphs, vision_tower=tower)
+
+
+def vision_max_patches(vision: VisionDims, config: EngineConfig) -> int:
+    """Raw patches of the largest Vision item serving admits: within the media envelope, and its merged tokens
+    (merge^2 patches each) within the context."""
+    return min(MAX_RAW_PATCHES, vision.spatial_merge * vision.spatial_merge * config.max_context)
 
 
 def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_graphs: bool,

@@ -211,21 +211,29 @@ def count_tokens(counts, lanes, tokens, valid, *, stream):
 
 # ---- the Vision tower's kernels ----
 
-def layer_norm_bf16(x, weight, bias, out, *, eps, stream):
+def layer_norm_bf16(x, weight, bias, out, *, eps, stream, pending_bias=None):
+    if pending_bias is not None:
+        x[...] = _vision.add_rows_reference(x, pending_bias)
     out[...] = _vision.layer_norm_bf16_reference(x, weight, bias, eps=eps)
 
 
-def add_rows(x, bias, *, stream, extra=None):
-    x[...] = _vision.add_rows_reference(x, bias, extra)
+def add_rows(x, bias, *, stream):
+    x[...] = _vision.add_rows_reference(x, bias)
 
 
 def bias_gelu_bf16(y, bias, out, *, exact, stream):
     out[...] = _vision.bias_gelu_bf16_reference(y, bias, exact=exact)
 
 
-def vision_heads(qkv, bias, cos, sin, q, k, v, *, scale, stream):
-    q[...], k[...], v[...] = _vision.vision_heads_reference(qkv, bias, cos, sin, heads=q.shape[0], scale=scale)
+def vision_heads(qkv, bias, cos, sin, q, k, v, *, scale, first, stream):
+    rows = slice(first, first + qkv.shape[0])
+    q[:, rows], k[:, rows], v[:, rows] = _vision.vision_heads_reference(qkv, bias, cos[rows], sin[rows],
+                                                                        heads=q.shape[0], scale=scale)
 
 
-def vision_merge_heads(o, out, *, first, stream):
-    out[first:first + o.shape[1]] = _vision.vision_merge_heads_reference(o)
+def vision_softmax(scores, probs, *, stream):
+    probs[...] = _vision.vision_softmax_reference(scores)
+
+
+def vision_merge_heads(o, out, *, stream):
+    out[...] = _vision.vision_merge_heads_reference(o)

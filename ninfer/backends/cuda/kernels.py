@@ -16,7 +16,8 @@ from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, lin
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
 from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
-from ninfer.kernels_numba.vision import add_rows, bias_gelu_bf16, layer_norm_bf16, vision_heads, vision_merge_heads
+from ninfer.kernels_numba.vision import (add_rows, bias_gelu_bf16, layer_norm_bf16, vision_heads, vision_merge_heads,
+                                         vision_softmax)
 
 __all__ = [
     "causal_softmax",
@@ -63,4 +64,5 @@ __all__ = [
     "layer_norm_bf16",
     "vision_heads",
     "vision_merge_heads",
+    "vision_softmax",
 ]
