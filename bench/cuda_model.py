@@ -155,7 +155,8 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
-                 decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False) -> dict:
+                 decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
+                 decode_only: bool = False) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -206,6 +207,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
     result["decode"] = decode
+    if decode_only:
+        return result
 
     # Prefill: one lane, 8192 tokens from position 0, eager.
     table = np.arange(capacity.max_pages_per_lane, dtype=np.int32)
@@ -310,6 +313,7 @@ def main() -> None:
     parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas",
                         help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
                              "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
+    parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs (CUPTI through torch.profiler)")
     args = parser.parse_args()
@@ -327,7 +331,8 @@ def main() -> None:
                 try:
                     linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("cublas",)
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
-                                                          decode_linears=linears, profile=args.profile))
+                                                          decode_linears=linears, profile=args.profile,
+                                                          decode_only=args.decode_only))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers
