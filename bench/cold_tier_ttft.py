@@ -2,9 +2,9 @@
 
 At the real 27B shape with random weights on GPU 0 and a cold-tier arena on GPU 1, for prompts of 8,192 and 32,768
 tokens: (a) prefill the prompt and sample its first token (what a returning conversation costs without the tier);
-(b) export the lane image and park it in the arena (what eviction costs); (c) take it back, import it into another
-lane and run the returning turn's suffix (`SUFFIX` tokens) to its first token (the tier's TTFT). Wall-clock seconds,
-device synchronised.
+(b) park the lane's state in the arena, device -> pinned staging -> arena (what eviction costs); (c) take it back,
+stream it into another lane and run the returning turn's suffix (`SUFFIX` tokens) to its first token (the tier's
+TTFT). Wall-clock seconds, device synchronised.
 
 Run on a 2-GPU machine: `python bench/cold_tier_ttft.py [--model 27b] [--tokens 8192,32768]`; JSON to
 $OUT/cold_tier_ttft.json (bench/results without OUT).
@@ -61,7 +61,7 @@ def measure(runner, arena, tokens: int, chunk: int, vocab: int) -> dict:
 
     tier = ColdTier([arena])
     began = time.perf_counter()
-    image = runner.export_lane(0, tokens - 1)  # the frontier: the last prompt token is not materialized
+    image = runner.export_lane_view(0, tokens - 1)  # the frontier: the last prompt token is not materialized
     resident = Residency()
     resident.ledger.assign(ids[:tokens], np.tile(np.arange(tokens, dtype=np.int32), (3, 1)), ())
     resident.frontier = tokens - 1
@@ -74,7 +74,8 @@ def measure(runner, arena, tokens: int, chunk: int, vocab: int) -> dict:
     assert plan.frontier == tokens - 1, plan
     _, restored = tier.take(key)
     runner.assign_pages(1, np.arange(pages, 2 * pages, dtype=np.int32))
-    runner.import_lane(1, restored)
+    runner.import_lane(1, restored)  # streamed from the arena through the staging buffer into the lane's pages
+    tier.finish(key, restored=True)
     runner.begin_sequence(1, SequenceStart(source=StateSource.RESIDENT, sampling=GREEDY))
     runner._model.device.synchronize()
     restore_seconds = time.perf_counter() - began

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ninfer.backends.cpu.runner import CpuRunner
-from ninfer.engine.cold_tier import ColdTier
+from ninfer.engine.cold_tier import ColdTier, host_image
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.prefix import Residency
 from ninfer.engine.request import PreparedPrompt, StopTokenPolicy
@@ -28,12 +28,17 @@ class HostArena:
     def write(self, offset: int, data: np.ndarray) -> None:
         if self.fail:
             raise OSError("injected transfer failure")
-        self._bytes[offset:offset + data.size] = data
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self._bytes[offset:offset + flat.size] = flat
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         if self.fail:
             raise OSError("injected transfer failure")
         return self._bytes[offset:offset + nbytes].copy()
+
+    def read_into(self, offset: int, destination: np.ndarray) -> None:
+        flat = destination.reshape(-1).view(np.uint8)
+        flat[...] = self.read(offset, flat.size)
 
 
 class FailingArena:
@@ -46,6 +51,9 @@ class FailingArena:
         raise OSError("injected transfer failure")
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
+        raise OSError("injected transfer failure")
+
+    def read_into(self, offset: int, destination) -> None:
         raise OSError("injected transfer failure")
 
 
@@ -72,11 +80,14 @@ def test_a_parked_image_comes_back_bitwise():
     key, plan = tier.best_match(PreparedPrompt(token_ids=np.arange(90)))
     assert plan.frontier == 70
     _, restored = tier.take(key)
+    assert tier.entries == 0 and tier.used_bytes > 0  # the range stays reserved until finish
+    restored = host_image(restored)
     assert restored.arrays.keys() == original.arrays.keys()
     for name, value in original.arrays.items():
         assert restored.arrays[name].dtype == value.dtype
         np.testing.assert_array_equal(restored.arrays[name], value)
-    assert tier.entries == 0 and tier.counters.parks == tier.counters.restores == 1
+    tier.finish(key, restored=True)
+    assert tier.used_bytes == 0 and tier.counters.parks == tier.counters.restores == 1
 
 
 def test_parking_evicts_the_oldest_entries_and_refuses_an_oversize_image():
@@ -100,8 +111,12 @@ def test_failed_transfers_are_counted_and_forgotten():
     assert tier.park(residency(20), image(1))
     arena.fail = True
     key, _ = tier.best_match(PreparedPrompt(token_ids=np.arange(30)))
-    assert tier.take(key) is None
+    _, taken = tier.take(key)
+    with pytest.raises(OSError):
+        host_image(taken)
+    tier.finish(key, restored=False)
     assert tier.counters.park_failures == 1 and tier.counters.restore_failures == 1 and tier.entries == 0
+    assert tier.used_bytes == 0
 
 
 # ---- conversations through the scheduler ----
@@ -208,7 +223,8 @@ def test_a_device_arena_on_the_secondary_gpu_round_trips_bytes():
     key, _ = tier.best_match(PreparedPrompt(token_ids=np.arange(90)))
     _, restored = tier.take(key)
     for name, value in original.arrays.items():
-        np.testing.assert_array_equal(restored.arrays[name], value)
+        np.testing.assert_array_equal(restored.arrays[name].host(), value)
+    tier.finish(key, restored=True)
 
 
 # ---- the CUDA runner's lane images through the tier (HostDevice here; two GPUs with the `gpu` marker) ----

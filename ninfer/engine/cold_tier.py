@@ -9,6 +9,11 @@ selection, and then takes the ordinary prefix-reuse path.
 Arenas are LRU: parking evicts the least recently parked entries until the image fits. The tier is best effort: an
 image larger than every arena, or a failed transfer, is counted and forgotten; the request proceeds as without the
 tier. With no arenas (one GPU, the CPU backend, --no-cold-tier) the tier is inactive and nothing changes.
+
+Images move without host copies where the runner allows it: an image's arrays may be device arrays (or `RowRuns` of
+them), which a device arena moves through its pinned staging buffer; `take` hands back `ParkedArray`s that still live
+in the arena, and the runner streams them into its own memory (or the caller reads them to the host with `host()`).
+The entry's range stays reserved until `finish` reports how the restore ended.
 """
 
 from __future__ import annotations
@@ -27,13 +32,53 @@ ALIGN = 256  # bytes: every array of an image starts at this alignment inside it
 
 
 class Arena(Protocol):
-    """Memory that holds parked bytes: `capacity_bytes` of it, written and read at byte offsets."""
+    """Memory that holds parked bytes: `capacity_bytes` of it, written and read at byte offsets. `data` and
+    `destination` are C-contiguous host arrays or, for a device arena, device arrays too."""
 
     capacity_bytes: int
 
-    def write(self, offset: int, data: np.ndarray) -> None: ...
+    def write(self, offset: int, data) -> None: ...
 
     def read(self, offset: int, nbytes: int) -> np.ndarray: ...
+
+    def read_into(self, offset: int, destination) -> None: ...
+
+
+@attrs.frozen(eq=False)
+class RowRuns:
+    """One image array held as consecutive row runs (the pages of a lane that are not contiguous in the pool):
+    parked as if concatenated."""
+
+    parts: tuple
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@attrs.frozen(eq=False)
+class ParkedArray:
+    """An array of a taken image, still in its arena until read."""
+
+    arena: Arena
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def host(self) -> np.ndarray:
+        # the arena hands back a fresh uint8 array: reinterpret it in place (an image can be gigabytes)
+        return self.arena.read(self.offset, self.nbytes).view(self.dtype).reshape(self.shape)
+
+    def copy_rows_to(self, first: int, destination) -> None:
+        """Rows first.. of this array (as many as `destination`, a contiguous host or device array, holds)."""
+        row_bytes = self.nbytes // self.shape[0]
+        self.arena.read_into(self.offset + first * row_bytes, destination)
 
 
 @attrs.define
@@ -66,6 +111,7 @@ class ColdTier:
         self.arenas = list(arenas)
         self.counters = ColdTierCounters()
         self._entries: dict[int, ParkedEntry] = {}  # park order = LRU order (restored entries leave the tier)
+        self._in_transit: dict[int, ParkedEntry] = {}  # taken, being restored: their ranges stay reserved
         self._ids = itertools.count()
 
     @property
@@ -78,7 +124,7 @@ class ColdTier:
 
     @property
     def used_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self._entries.values())
+        return sum(entry.nbytes for entry in (*self._entries.values(), *self._in_transit.values()))
 
     @property
     def entries(self) -> int:
@@ -104,7 +150,7 @@ class ColdTier:
         (counted as a park failure)."""
         layout, size = [], 0
         for name, array in image.arrays.items():
-            layout.append((name, array.dtype.str, tuple(array.shape), size))
+            layout.append((name, np.dtype(array.dtype).str, tuple(array.shape), size))
             size += _aligned(array.nbytes)
         place = self._make_room(size)
         if place is None:
@@ -114,7 +160,9 @@ class ColdTier:
         arena = self.arenas[arena_index]
         try:
             for (name, _, _, at), array in zip(layout, image.arrays.values()):
-                arena.write(offset + at, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+                for part in array.parts if isinstance(array, RowRuns) else (array,):
+                    arena.write(offset + at, part)
+                    at += part.nbytes
         except Exception:  # noqa: BLE001 - best effort: a failed transfer never fails the request
             self.counters.park_failures += 1
             return False
@@ -132,12 +180,15 @@ class ColdTier:
                 offset = self._first_fit(index, size)
                 if offset is not None:
                     return index, offset
+            if not self._entries:  # what is left is being restored
+                return None
             oldest = next(iter(self._entries))
             del self._entries[oldest]
             self.counters.evictions += 1
 
     def _first_fit(self, arena_index: int, size: int) -> int | None:
-        used = sorted((e.offset, e.offset + e.nbytes) for e in self._entries.values() if e.arena == arena_index)
+        used = sorted((e.offset, e.offset + e.nbytes) for e in (*self._entries.values(), *self._in_transit.values())
+                      if e.arena == arena_index)
         cursor = 0
         for start, stop in used:
             if start - cursor >= size:
@@ -159,20 +210,27 @@ class ColdTier:
     def pages_of(self, key: int) -> int:
         return self._entries[key].pages
 
-    def take(self, key: int) -> tuple[Residency, LaneImage] | None:
-        """Remove the entry and read its image back; None when the read fails (counted)."""
+    def take(self, key: int) -> tuple[Residency, LaneImage]:
+        """Remove the entry from matching and hand back its ledger and its image as `ParkedArray`s; the bytes stay
+        reserved until `finish`."""
         entry = self._entries.pop(key)
+        self._in_transit[key] = entry
         arena = self.arenas[entry.arena]
-        try:
-            arrays = {}
-            for name, dtype, shape, at in entry.layout:
-                dt = np.dtype(dtype)
-                count = int(np.prod(shape, dtype=np.int64))
-                # the arena hands back a fresh uint8 array: reinterpret it in place (an image can be gigabytes)
-                arrays[name] = arena.read(entry.offset + at, count * dt.itemsize).view(dt).reshape(shape)
-        except Exception:  # noqa: BLE001 - best effort, as parking
-            self.counters.restore_failures += 1
-            return None
-        self.counters.restores += 1
+        arrays = {name: ParkedArray(arena, entry.offset + at, np.dtype(dtype), tuple(shape))
+                  for name, dtype, shape, at in entry.layout}
         return entry.residency, LaneImage(tokens=entry.tokens, pages=entry.pages, has_tail=entry.has_tail,
                                           arrays=arrays)
+
+    def finish(self, key: int, *, restored: bool) -> None:
+        """The restore of a taken entry ended (a failed one is counted); its range is free again."""
+        del self._in_transit[key]
+        if restored:
+            self.counters.restores += 1
+        else:
+            self.counters.restore_failures += 1
+
+
+def host_image(image: LaneImage) -> LaneImage:
+    """`image` with every array read to host memory (for runners that do not stream parked arrays)."""
+    arrays = {name: array.host() if isinstance(array, ParkedArray) else array for name, array in image.arrays.items()}
+    return attrs.evolve(image, arrays=arrays)

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import attrs
 import numpy as np
 
-from ninfer.engine.cold_tier import ColdTier
+from ninfer.engine.cold_tier import ColdTier, host_image
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import KVCapacityError, PagePool, pages_for
 from ninfer.engine.prefix import (FULL_RESET, CheckpointKind, CheckpointTarget, PrefixStats, ReusePath, ReusePlan,
@@ -127,6 +127,8 @@ class Scheduler:
         self.lanes = [Lane(i) for i in range(info.lanes)]
         self.prefix = PrefixStats()
         self.cold_tier = cold_tier if cold_tier is not None else ColdTier([])
+        # a runner that moves lane images between its device memory and the tier's arenas without host copies
+        self._streams_images = bool(getattr(runner, "streams_lane_images", False))
         self.throughput = ThroughputCounters()
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []  # admission order
@@ -423,8 +425,9 @@ class Scheduler:
         resident = lane.resident
         if not self.cold_tier.active or resident is None or resident.frontier == 0:
             return
-        try:
-            image = self.runner.export_lane(lane.index, resident.frontier)
+        try:  # a streaming runner's view is parked at once, before the lane runs again
+            export = self.runner.export_lane_view if self._streams_images else self.runner.export_lane
+            image = export(lane.index, resident.frontier)
         except Exception:  # noqa: BLE001 - a failed copy loses only the parked copy, never the request
             self.cold_tier.counters.park_failures += 1
             return
@@ -448,10 +451,7 @@ class Scheduler:
         evictable = sorted((lane for lane in idle if lane is not target and lane.pages), key=lambda l: l.last_used)
         if self.pool.free + len(target.pages) + sum(len(lane.pages) for lane in evictable) < needed:
             return
-        taken = self.cold_tier.take(key)
-        if taken is None:
-            return
-        residency, image = taken
+        residency, image = self.cold_tier.take(key)  # its bytes stay reserved while lanes are parked below
         if target.resident is not None or target.pages:
             self._evict(target)
         while self.pool.free < needed:
@@ -459,10 +459,11 @@ class Scheduler:
         target.pages = list(self.pool.allocate(target.index, needed))
         self.runner.assign_pages(target.index, np.array(target.pages, np.int32))
         try:
-            self.runner.import_lane(target.index, image)
+            self.runner.import_lane(target.index, image if self._streams_images else host_image(image))
         except Exception:  # noqa: BLE001 - fall back to the normal admission path
-            self.cold_tier.counters.restore_failures += 1
+            self.cold_tier.finish(key, restored=False)
             self._release_pages(target, keep=0)
             self.runner.release(target.index)
             return
+        self.cold_tier.finish(key, restored=True)
         target.resident, target.last_used = residency, next(self._clock)

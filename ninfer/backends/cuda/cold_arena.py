@@ -1,9 +1,10 @@
 """Cold-tier arenas on the secondary GPUs (serving.md "Cross-GPU cold tier"), through the CUDA driver API.
 
 Each arena is one device allocation on a non-primary GPU (in that device's primary context). Parked bytes move
-through one shared pinned host staging buffer (`--cold-tier-staging-mib`) in staging-sized pieces: a pageable copy
-would be staged by the driver anyway, and a pinned buffer makes each piece one DMA. Transfers are synchronous: the
-tier runs between scheduler rounds, and a failure raises for the tier to count (best effort).
+through one shared pinned host staging buffer (`--cold-tier-staging-mib`) in staging-sized pieces, each piece one DMA
+in and one DMA out: straight from the engine's device arrays when the runner hands views (no host copy of the image),
+or from host arrays. Transfers are synchronous: the tier runs between scheduler rounds, and a failure raises for the
+tier to count (best effort).
 
 `build_cold_arenas` chooses the devices: the pinned `--cold-tier-device`, else every device other than the primary
 with at least MIN_FREE bytes free; each arena takes `--cold-tier-capacity-mib`, or the device's free memory minus
@@ -59,29 +60,42 @@ class CudaArena:
             check(err, f"cuMemAlloc of a {self.capacity_bytes >> 20} MiB cold-tier arena on GPU {self.device}")
         self._base = int(base)
 
-    def write(self, offset: int, data: np.ndarray) -> None:
-        from cuda.bindings import driver
-
-        self._bounds(offset, data.size)
-        with self._current():
-            for start in range(0, data.size, self.staging.nbytes):
-                piece = data[start : start + self.staging.nbytes]
-                self.staging.view[: piece.size] = piece
-                check(driver.cuMemcpyHtoD(self._base + offset + start, self.staging.pointer, piece.size),
-                      "cuMemcpyHtoD (cold tier park)")
-
-    def read(self, offset: int, nbytes: int) -> np.ndarray:
-        from cuda.bindings import driver
-
+    def write(self, offset: int, data: Any) -> None:
+        """Park `data` (a C-contiguous host array, or a device array on any GPU) at `offset`, piece by piece through
+        the staging buffer: device -> staging -> arena, or host -> staging -> arena."""
+        source = _device_pointer(data)
+        host = None if source is not None else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        nbytes = int(data.nbytes)
         self._bounds(offset, nbytes)
-        out = np.empty(nbytes, np.uint8)
         with self._current():
             for start in range(0, nbytes, self.staging.nbytes):
                 size = min(self.staging.nbytes, nbytes - start)
-                check(driver.cuMemcpyDtoH(self.staging.pointer, self._base + offset + start, size),
-                      "cuMemcpyDtoH (cold tier restore)")
-                out[start : start + size] = self.staging.view[:size]
+                if source is None:
+                    self.staging.view[:size] = host[start : start + size]
+                else:
+                    _copy(self.staging.pointer, source + start, size, "cold tier park (device -> staging)")
+                _copy(self._base + offset + start, self.staging.pointer, size, "cold tier park (staging -> arena)")
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, np.uint8)
+        self.read_into(offset, out)
         return out
+
+    def read_into(self, offset: int, destination: Any) -> None:
+        """Fill `destination` (a C-contiguous host array, or a device array on any GPU) from `offset`: arena ->
+        staging -> destination, piece by piece."""
+        target = _device_pointer(destination)
+        host = None if target is not None else destination.reshape(-1).view(np.uint8)
+        nbytes = int(destination.nbytes)
+        self._bounds(offset, nbytes)
+        with self._current():
+            for start in range(0, nbytes, self.staging.nbytes):
+                size = min(self.staging.nbytes, nbytes - start)
+                _copy(self.staging.pointer, self._base + offset + start, size, "cold tier restore (arena -> staging)")
+                if target is None:
+                    host[start : start + size] = self.staging.view[:size]
+                else:
+                    _copy(target + start, self.staging.pointer, size, "cold tier restore (staging -> device)")
 
     def _bounds(self, offset: int, nbytes: int) -> None:
         if offset < 0 or offset + nbytes > self.capacity_bytes:
@@ -89,6 +103,20 @@ class CudaArena:
 
     def _current(self) -> "_ContextScope":
         return _ContextScope(self._context)
+
+
+def _device_pointer(array: Any) -> int | None:
+    """The device address of a numba device array; None for a host array."""
+    pointer = getattr(array, "device_ctypes_pointer", None)
+    return None if pointer is None else int(pointer.value or 0)
+
+
+def _copy(destination: int, source: int, nbytes: int, what: str) -> None:
+    """A synchronous copy between unified addresses (device memory of any GPU, the pinned staging buffer). It runs
+    on the legacy default stream, so it also waits for the work already queued on the engine's stream."""
+    from cuda.bindings import driver
+
+    check(driver.cuMemcpy(destination, source, nbytes), what)
 
 
 class _ContextScope:

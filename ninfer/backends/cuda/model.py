@@ -23,6 +23,7 @@ import numpy as np
 
 from ninfer.backends.cpu.ops import rope_inv_freq
 from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
+from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.backends.cuda.device import Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
@@ -835,29 +836,47 @@ class CudaQwen:
             copy(self.tails[lane], self.tail_checkpoints[lane, from_slot])
 
 
-    def export_lane_arrays(self, lane: int, pages: np.ndarray) -> dict[str, np.ndarray]:
-        """Host copies of a lane's sequence state: the KV of these pages in every attention pool (MTP included), the
-        Gated DeltaNet running state and checkpoint slots, and the tail rows. One read per run of consecutive
-        pages; the names are `import_lane_arrays`'s."""
-        read, out = self.device.read, {}
+    def export_lane_views(self, lane: int, pages: np.ndarray) -> dict[str, Any]:
+        """A lane's sequence state in place, named for `import_lane_arrays`: the KV of these pages in every attention
+        pool (MTP included; a `RowRuns` of the runs of consecutive pages), the Gated DeltaNet running state and
+        checkpoint slots, and the tail rows. Device views: valid until the lane runs again."""
+        out = {}
         for name, array in self._page_arrays().items():
-            parts = [read(array[first : first + count]) for _, first, count in _runs(pages)]
-            if len(parts) == 1:  # one run of pages: no second copy (an image can be gigabytes)
-                out[name] = parts[0]
-            else:
-                out[name] = np.concatenate(parts) if parts else np.zeros((0,) + tuple(array.shape[1:]), array.dtype)
+            parts = tuple(array[first : first + count] for _, first, count in _runs(pages))
+            out[name] = parts[0] if len(parts) == 1 else RowRuns(parts, array.dtype,
+                                                                 (len(pages),) + tuple(array.shape[1:]))
         for name, array in self._lane_arrays().items():
-            out[name] = read(array[lane])
+            out[name] = array[lane]
         return out
 
-    def import_lane_arrays(self, lane: int, pages: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        """Write `export_lane_arrays` output into these pages (the same count) and this lane's state rows."""
-        write = self.device.write
+    def export_lane_arrays(self, lane: int, pages: np.ndarray) -> dict[str, np.ndarray]:
+        """Host copies of `export_lane_views` (one read per run of consecutive pages)."""
+        def host(value: Any) -> np.ndarray:
+            if not isinstance(value, RowRuns):
+                return self.device.read(value)
+            parts = [self.device.read(part) for part in value.parts]
+            return np.concatenate(parts) if parts else np.zeros(value.shape, value.dtype)
+
+        return {name: host(value) for name, value in self.export_lane_views(lane, pages).items()}
+
+    def import_lane_arrays(self, lane: int, pages: np.ndarray, arrays: dict[str, Any]) -> None:
+        """Write `export_lane_arrays` output into these pages (the same count) and this lane's state rows. Arrays
+        still parked in a cold-tier arena (`ParkedArray`) are streamed straight into place."""
+        def write(destination: Any, source: Any, first: int) -> None:
+            if isinstance(source, ParkedArray):
+                source.copy_rows_to(first, destination)
+            else:
+                self.device.write(destination, source[first : first + destination.shape[0]])
+
         for name, array in self._page_arrays().items():
             for index, first, count in _runs(pages):
-                write(array[first : first + count], arrays[name][index : index + count])
+                write(array[first : first + count], arrays[name], index)
         for name, array in self._lane_arrays().items():
-            write(array[lane], arrays[name])
+            source = arrays[name]
+            if isinstance(source, ParkedArray):
+                source.copy_rows_to(0, array[lane])
+            else:
+                self.device.write(array[lane], source)
 
     def _page_arrays(self) -> dict[str, Any]:
         pools = {f"kv/{layer}": pool for layer, pool in self.kv.items()}

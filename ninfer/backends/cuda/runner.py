@@ -44,6 +44,10 @@ class _MtpRows:
 
 
 class CudaRunner:
+    # Lane images move between device memory and the cold tier's arenas without host copies: the scheduler parks
+    # `export_lane_view`s and hands `import_lane` arrays still in their arena (`engine.cold_tier.ParkedArray`).
+    streams_lane_images = True
+
     def __init__(self, model: CudaQwen, *, draft_tokens: int = 0, lm_head_draft: bool = False,
                  cuda_graphs: bool = True, vision_tower: VisionTower | CudaVisionTower | None = None) -> None:
         cap, dims = model.capacity, model.dims
@@ -72,13 +76,24 @@ class CudaRunner:
         self._model.inputs.set_page_table(lane, np.asarray(page_table, dtype=np.int32))
         self._lanes[lane].pages = len(page_table)
 
-    def export_lane(self, lane: int, tokens: int) -> LaneImage:
+    def _used_pages(self, lane: int, tokens: int) -> int:
         used = -(-tokens // PAGE_TOKENS)
         if used > self._lanes[lane].pages:
             raise ValueError(f"lane {lane}: {tokens} tokens need {used} pages, it owns {self._lanes[lane].pages}")
+        return used
+
+    def export_lane(self, lane: int, tokens: int) -> LaneImage:
+        used = self._used_pages(lane, tokens)
         pages = self._model.inputs.host_page_tables[lane, :used]
         return LaneImage(tokens=tokens, pages=used, has_tail=self._lanes[lane].has_tail,
                          arrays=self._model.export_lane_arrays(lane, pages))
+
+    def export_lane_view(self, lane: int, tokens: int) -> LaneImage:
+        """`export_lane` without the host copy: device views, valid until the lane runs again (the scheduler parks
+        them at once; see `streams_lane_images`)."""
+        used = self._used_pages(lane, tokens)
+        return LaneImage(tokens=tokens, pages=used, has_tail=self._lanes[lane].has_tail,
+                         arrays=self._model.export_lane_views(lane, self._model.inputs.host_page_tables[lane, :used]))
 
     def import_lane(self, lane: int, image: LaneImage) -> None:
         state = self._lanes[lane]
