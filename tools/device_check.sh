@@ -20,7 +20,7 @@ case "$what" in
     # limit makes pytest print the summary of what ran, failures named, instead of dying silently.
     timeout -s INT "${1:-540}" python3 -m pytest -q -n $(( $(nproc) * 3 / 4 )) -p no:cacheprovider -m gpu -o addopts="-ra" \
       --timeout 400 tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py tests/test_cuda_vision.py \
-      tests/test_lane_image.py tests/test_cold_tier.py tests/kernels/test_quant_mma.py \
+      tests/test_lane_image.py tests/test_cold_tier.py \
       > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
   bench)

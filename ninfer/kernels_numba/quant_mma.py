@@ -12,7 +12,9 @@ rounding the SIMT kernels do not make is x rounded to bf16, as the bf16 cuBLAS p
 Layout (`repack_q4_mma`, once at load): the weight is cut into tiles of 16 rows; per (tile, 64-column group) the 32
 lanes of a warp hold 4 words each (one 16-byte load per lane, 512 contiguous bytes per warp): word j serves the mma
 k-step j, its nibble s + 4 h is the A-fragment register s (rows g / g + 8, columns 2 t (+8) + h; g = lane / 4,
-t = lane % 4). Scales follow the same tiling: [tiles, groups, 16] binary16.
+t = lane % 4). Scales follow the same tiling in pairs: word g of [tiles, groups, 8] holds the binary16 scales of rows
+g and g + 8. x goes through `x_fragments` once per input: fp32 -> bf16 in B-fragment order, 32 bytes per lane per
+group (two 16-byte loads, the same for every tile).
 
 Geometry: a block of WARPS warps owns TILES row tiles; its warps split the K groups (warp w takes groups w, w + WARPS,
 ...) and their fragments are summed in shared memory in warp order. Each output element is one column of the mma
@@ -26,14 +28,14 @@ import math
 import attrs
 import numpy as np
 from llvmlite import ir
-from numba import float32, int32, types, uint16, uint32
+from numba import float32, int32, types, uint32
 from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, row_split_geometry
 from ninfer.kernels_numba.linear import load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
-from ninfer.kernels_numba.quant_linear import half_bits_to_f32
+from ninfer.kernels_numba.common import f32_to_bf16
 
 TILE_ROWS = 16
 GROUP = 64
@@ -52,7 +54,7 @@ class QuantMmaWeight:
 
     shape: tuple[int, int]
     packed: object  # uint32 [tiles * groups * 32 * 4]
-    scales: object  # uint16 [tiles * groups * 16]
+    scales: object  # uint32 [tiles * groups * 8]: binary16 scales of rows (g, g + 8) of the tile
     groups: int
     nbytes: int
 
@@ -109,7 +111,8 @@ def _fragment_offsets() -> tuple[np.ndarray, np.ndarray]:
 
 
 def repack_q4_mma(shape: tuple[int, int], payload: np.ndarray) -> dict[str, np.ndarray]:
-    """Host arrays of the tensor-core layout from an artifact Q4G64 payload: packed uint32, scales uint16."""
+    """Host arrays of the tensor-core layout from an artifact Q4G64 payload: packed uint32 and scales uint32 (the
+    pair a lane needs, rows g and g + 8, in one word)."""
     N, K = (int(v) for v in shape)
     if K % GROUP:
         raise ValueError(f"tensor-core Q4 layers need K % {GROUP} == 0, got {K}")
@@ -131,8 +134,9 @@ def repack_q4_mma(shape: tuple[int, int], payload: np.ndarray) -> dict[str, np.n
     scales = np.zeros((tiles * TILE_ROWS, groups), np.uint16)
     scales[:N] = data[geometry.scale_offset: geometry.total_bytes].view(np.uint16).reshape(
         N, geometry.groups_per_row)[:, :groups]
-    scales = scales.reshape(tiles, TILE_ROWS, groups).transpose(0, 2, 1)
-    return {"packed": np.ascontiguousarray(packed).reshape(-1), "scales": np.ascontiguousarray(scales).reshape(-1)}
+    scales = scales.reshape(tiles, 2, 8, groups).transpose(0, 3, 2, 1)  # [tiles, groups, g, (row g, row g + 8)]
+    return {"packed": np.ascontiguousarray(packed).reshape(-1),
+            "scales": np.ascontiguousarray(scales).reshape(-1).view(np.uint32)}
 
 
 def upload_q4_mma(shape: tuple[int, int], payload: np.ndarray, *, stream=0) -> QuantMmaWeight:
@@ -144,52 +148,93 @@ def upload_q4_mma(shape: tuple[int, int], payload: np.ndarray, *, stream=0) -> Q
 
 # ---- device code --------------------------------------------------------------------------------------------------
 
+@intrinsic
+def half_pair_to_f32(typingctx, word):
+    """The two binary16 halves of a word as float32 (low, high): `cvt.f32.f16`, exact (subnormals too)."""
+    signature = types.UniTuple(types.float32, 2)(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        result = builder.asm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32]),
+                             "{.reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi;}",
+                             "=f,=f,r", list(args), side_effect=False)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(2)])
+
+    return signature, codegen
+
+
+FRAGMENT_WORDS = 8 * 32  # x fragment words per 64-column group: 32 lanes x (4 k-steps x 2 registers)
+
+
+def x_fragment_words(K: int) -> int:
+    return K // GROUP * FRAGMENT_WORDS
+
+
+@kernel((float32[:, ::1], uint32[::1]), fastmath=False)
+def _x_fragments_kernel(x, out):
+    """out[(q * 32 + lane) * 8 + 2 j + b] = the bf16 pair x[g, 64 q + 16 j + 2 t + 8 b (+1)] (0 for g >= M)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= out.shape[0]:
+        return
+    q = i >> 8
+    lane = (i >> 3) & 31
+    j = (i >> 1) & 3
+    b = i & 1
+    g = lane >> 2
+    col = q * GROUP + 16 * j + 2 * (lane & 3) + 8 * b
+    word = uint32(0)
+    if g < x.shape[0]:
+        word = f32_to_bf16(x[g, col]) | (f32_to_bf16(x[g, col + 1]) << uint32(16))
+    out[i] = word
+
+
+def x_fragments(x, out, *, stream) -> None:
+    """x (fp32 [M <= 8, K]) rounded to bf16 into the mma B-fragment order `linear_q4_mma` reads (out: uint32
+    [x_fragment_words(K)]). One launch serves every tensor-core layer that reads the same x."""
+    M, K = x.shape
+    if M > MAX_X_ROWS or out.shape[0] < x_fragment_words(K):
+        raise ValueError(f"x fragments: x{tuple(x.shape)} (M <= 8) into {out.shape[0]} words")
+    words = x_fragment_words(K)
+    _x_fragments_kernel[math.ceil(words / 256), 256, stream](x, out[:words])
+
+
 def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
     """`tiles` row tiles per block, `warps` warps splitting the groups, `unroll` groups per warp step whose loads are
     all issued before the first mma of the step (bytes in flight hide the memory latency)."""
     ACC = 4 * tiles
     WORDS = 4 * tiles * unroll
-    SCALES = 2 * tiles * unroll
+    SCALES = tiles * unroll
     XS = 8 * unroll
 
-    @kernel((uint32[:, ::1], uint32[::1], uint16[::1], float32[:, ::1], int32, int32), fastmath=False)
-    def q4_mma_kernel(x32, packed, scales, y, groups, accumulate):
-        """x32: x as bf16 pairs [M, K / 2]; y fp32 [M, N]."""
+    @kernel((uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
+    def q4_mma_kernel(xf, packed, scales, y, groups, accumulate):
+        """xf: x fragments (`x_fragments`); scales: the (row g, row g + 8) binary16 pairs [tiles, groups, 8]."""
         partials = cuda.shared.array(0, float32)
-        M = x32.shape[0]
-        N = y.shape[1]
-        lane = cuda.threadIdx.x & 31
-        warp = cuda.threadIdx.x >> 5
+        M = y.shape[0]
+        N = int32(y.shape[1])
+        lane = int32(cuda.threadIdx.x & 31)
+        warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
         t = lane & 3
-        tile0 = cuda.blockIdx.x * tiles
+        tile0 = int32(cuda.blockIdx.x) * tiles
         total_tiles = (N + 15) >> 4
         acc = cuda.local.array(ACC, float32)
         words = cuda.local.array(WORDS, uint32)
-        scale_bits = cuda.local.array(SCALES, uint16)
+        scale_pairs = cuda.local.array(SCALES, uint32)
         xs = cuda.local.array(XS, uint32)
         for a in range(ACC):
             acc[a] = float32(0.0)
-        x_row = g if g < M else 0
         for q0 in range(warp, groups, warps * unroll):
             for u in range(unroll):  # every load of the step first
                 q = min(q0 + u * warps, groups - 1)
                 for r in range(tiles):
-                    tile = min(tile0 + r, total_tiles - 1)
-                    at = tile * groups + q
+                    at = min(tile0 + r, total_tiles - 1) * groups + q
                     w0 = 4 * (r * unroll + u)
                     words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load4(packed, (at * 32 + lane) * 4)
-                    scale_bits[2 * (r * unroll + u)] = scales[at * 16 + g]
-                    scale_bits[2 * (r * unroll + u) + 1] = scales[at * 16 + g + 8]
-                for j in range(4):
-                    pair = (q * GROUP + 16 * j + 2 * t) >> 1
-                    b0 = uint32(0)
-                    b1 = uint32(0)
-                    if g < M:
-                        b0 = x32[x_row, pair]
-                        b1 = x32[x_row, pair + 4]
-                    xs[8 * u + 2 * j] = b0
-                    xs[8 * u + 2 * j + 1] = b1
+                    scale_pairs[r * unroll + u] = scales[at * 8 + g]
+                x0 = (q * 32 + lane) * 8
+                xs[8 * u], xs[8 * u + 1], xs[8 * u + 2], xs[8 * u + 3] = load4(xf, x0)
+                xs[8 * u + 4], xs[8 * u + 5], xs[8 * u + 6], xs[8 * u + 7] = load4(xf, x0 + 4)
             for u in range(unroll):
                 if q0 + u * warps < groups:
                     for r in range(tiles):
@@ -202,8 +247,7 @@ def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS, unroll: int = UNR
                             c0, c1, c2, c3 = mma_bf16_m16n8k16(q4_pair(w, 0), q4_pair(w, 1), q4_pair(w, 2),
                                                                q4_pair(w, 3), xs[8 * u + 2 * j], xs[8 * u + 2 * j + 1],
                                                                c0, c1, c2, c3)
-                        s_lo = half_bits_to_f32(scale_bits[2 * (r * unroll + u)])
-                        s_hi = half_bits_to_f32(scale_bits[2 * (r * unroll + u) + 1])
+                        s_lo, s_hi = half_pair_to_f32(scale_pairs[r * unroll + u])
                         acc[4 * r] += s_lo * c0
                         acc[4 * r + 1] += s_lo * c1
                         acc[4 * r + 2] += s_hi * c2
@@ -232,22 +276,34 @@ def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS, unroll: int = UNR
 Q4_MMA_KERNEL = make_q4_mma_kernel()
 
 
-def linear_q4_mma(x_bf16, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
+def linear_q4_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
                   tiles: int = TILES, warps: int = WARPS) -> None:
-    """y[M, N] (+)= x[M, K] @ W^T with x as bf16 bits (uint16 [M, K], M <= 8). Capture-safe."""
-    M, K = x_bf16.shape
-    N = y.shape[1]
-    if (N, K) != tuple(qw.shape) or y.shape[0] != M or M > MAX_X_ROWS:
-        raise ValueError(f"tensor-core Q4 linear: x{tuple(x_bf16.shape)} W{qw.shape} y{tuple(y.shape)} (M <= 8)")
+    """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8, x given as its fragments (`x_fragments`). Capture-safe."""
+    M, N = y.shape
+    K = qw.shape[1]
+    if N != qw.shape[0] or M > MAX_X_ROWS or xf.shape[0] < x_fragment_words(K):
+        raise ValueError(f"tensor-core Q4 linear: W{qw.shape} y{tuple(y.shape)} (M <= 8), {xf.shape[0]} x words")
     if M == 0:
         return
     fn = _kernel if _kernel is not None else Q4_MMA_KERNEL
     blocks = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[blocks, 32 * warps, stream, warps * 4 * tiles * 32 * 4](x_bf16.view(np.uint32), qw.packed, qw.scales, y,
-                                                              int32(qw.groups), int32(1 if accumulate else 0))
+    fn[blocks, 32 * warps, stream, warps * 4 * tiles * 32 * 4](xf, qw.packed, qw.scales, y, int32(qw.groups),
+                                                              int32(1 if accumulate else 0))
 
 
-# ---- NumPy twin ---------------------------------------------------------------------------------------------------
+# ---- NumPy twins ---------------------------------------------------------------------------------------------------
+
+def x_fragments_reference(x: np.ndarray) -> np.ndarray:
+    """`x_fragments` on the host: uint32 [x_fragment_words(K)]."""
+    M, K = x.shape
+    bits = np.zeros((MAX_X_ROWS, K), np.uint32)
+    bits[:M] = codec.f32_to_bf16_bits(np.asarray(x, np.float32))
+    lane, j, b = np.meshgrid(np.arange(32), np.arange(4), np.arange(2), indexing="ij")
+    g, cols = lane // 4, 16 * j + 2 * (lane % 4) + 8 * b  # [32, 4, 2]
+    q = np.arange(K // GROUP)[:, None, None, None] * GROUP
+    words = bits[g, q + cols] | (bits[g, q + cols + 1] << np.uint32(16))  # [groups, 32, 4, 2]
+    return words.reshape(-1)
+
 
 def linear_q4_mma_reference(x_bf16: np.ndarray, shape: tuple[int, int], payload: np.ndarray,
                             y: np.ndarray | None = None, *, accumulate: bool = False) -> np.ndarray:

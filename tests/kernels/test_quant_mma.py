@@ -28,7 +28,8 @@ def _unpack(planes, shape) -> np.ndarray:
     rows, cols = QM._fragment_offsets()
     codes = np.zeros((tiles, groups, QM.TILE_ROWS, QM.GROUP), np.float32)
     codes[:, :, rows, cols] = nibbles.astype(np.float32) - 8.0
-    scales = planes["scales"].reshape(tiles, groups, QM.TILE_ROWS).view(np.float16).astype(np.float32)
+    pairs = planes["scales"].view(np.float16).reshape(tiles, groups, 8, 2).astype(np.float32)
+    scales = np.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)  # rows g, then rows g + 8
     values = codes * scales[..., None]
     return values.transpose(0, 2, 1, 3).reshape(tiles * QM.TILE_ROWS, K)[:N]
 
@@ -57,13 +58,25 @@ def test_the_twin_rounds_x_to_bf16_and_accumulates():
                                rtol=1e-6, atol=1e-6)
 
 
-def _run(x_bf16, qw, y0=None, accumulate=False):
+def test_x_fragments_hold_each_lanes_b_registers():
+    x = np.random.default_rng(2).standard_normal((3, 128)).astype(np.float32)
+    words = QM.x_fragments_reference(x).reshape(2, 32, 4, 2)
+    bits = codec.f32_to_bf16_bits(x)
+    lane, q, j, b = 9, 1, 2, 1  # g = 2, t = 1: columns 64 + 32 + 2 + 8 (+1)
+    assert words[q, lane, j, b] == bits[2, 106] | (np.uint32(bits[2, 107]) << 16)
+    assert not words[:, 12:].any()  # lanes of rows g >= M hold zeros
+
+
+def _run(x, qw, y0=None, accumulate=False):
     from ninfer.kernels_numba.numba_setup import cuda
 
     stream = cuda.stream()
-    y = y0 if y0 is not None else np.full((x_bf16.shape[0], qw.shape[0]), np.nan, np.float32)
+    y = y0 if y0 is not None else np.full((x.shape[0], qw.shape[0]), np.nan, np.float32)
     dy = cuda.to_device(y, stream=stream)
-    QM.linear_q4_mma(cuda.to_device(x_bf16, stream=stream), qw, dy, stream=stream, accumulate=accumulate)
+    xf = cuda.device_array(QM.x_fragment_words(x.shape[1]), np.uint32, stream=stream)
+    QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
+    np.testing.assert_array_equal(xf.copy_to_host(stream=stream), QM.x_fragments_reference(x))
+    QM.linear_q4_mma(xf, qw, dy, stream=stream, accumulate=accumulate)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -80,12 +93,13 @@ def test_q4_mma_gpu_matches_the_twin(m, n, k):
     rng = np.random.default_rng(m + n + k)
     payload = _payload(rng, (n, k))
     qw = QM.upload_q4_mma((n, k), payload)
-    x = codec.f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x_bf16 = codec.f32_to_bf16_bits(x)
     got = _run(x, qw)
     assert np.isfinite(got).all()
-    assert _rel(got, QM.linear_q4_mma_reference(x, (n, k), payload)) < 1e-5
+    assert _rel(got, QM.linear_q4_mma_reference(x_bf16, (n, k), payload)) < 1e-5
     y0 = rng.standard_normal((m, n)).astype(np.float32)
     got_acc = _run(x, qw, y0, accumulate=True)
-    assert _rel(got_acc, QM.linear_q4_mma_reference(x, (n, k), payload, y0, accumulate=True)) < 1e-5
+    assert _rel(got_acc, QM.linear_q4_mma_reference(x_bf16, (n, k), payload, y0, accumulate=True)) < 1e-5
     for i in sorted({0, m // 2, m - 1}):  # a row's bits do not depend on the rows beside it
         assert np.array_equal(_run(x[i:i + 1], qw)[0], got[i])
