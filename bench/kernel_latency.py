@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -57,23 +56,10 @@ def cases(device, blas, k) -> dict:
 
 
 def measure(device, body, launches_per_step: int, profile: bool) -> dict:
-    def steps():
-        for _ in range(LAUNCHES):
-            body()
+    from bench.kernel_profile import captured_repeats
 
-    steps()
-    device.synchronize()
-    graph = device.capture(steps)
-    for _ in range(3):
-        graph.replay(device.stream_handle)
-    device.synchronize()
-    times = []
-    for _ in range(20):
-        began = time.perf_counter()
-        graph.replay(device.stream_handle)
-        device.synchronize()
-        times.append(time.perf_counter() - began)
-    row = {"wall_us_per_step": float(np.median(times)) / LAUNCHES * 1e6, "launches_per_step": launches_per_step}
+    graph, seconds = captured_repeats(device, body, LAUNCHES)
+    row = {"wall_us_per_step": seconds * 1e6, "launches_per_step": launches_per_step}
     if profile:
         from bench.kernel_profile import profile_replays
 

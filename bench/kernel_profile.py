@@ -9,8 +9,11 @@ between kernels (launch latency inside the graph).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Callable
+
+import numpy as np
 
 
 def short_name(name: str) -> str:
@@ -28,6 +31,28 @@ def short_name(name: str) -> str:
         i = j + length
     parts = [p.split("$")[0] for p in parts if p and not p.startswith("cudapy")]
     return ".".join(parts[-2:]) if parts else name[:60]
+
+
+def captured_repeats(device, launch: Callable[[], None], repeats: int, replays: int = 20):
+    """`launch` issued `repeats` times back to back, captured as one graph (after one eager run, which compiles),
+    then replayed: (the graph, median wall seconds per `launch`, device synchronised)."""
+    def body():
+        for _ in range(repeats):
+            launch()
+
+    body()
+    device.synchronize()
+    graph = device.capture(body)
+    for _ in range(3):
+        graph.replay(device.stream_handle)
+    device.synchronize()
+    times = []
+    for _ in range(replays):
+        began = time.perf_counter()
+        graph.replay(device.stream_handle)
+        device.synchronize()
+        times.append(time.perf_counter() - began)
+    return graph, float(np.median(times)) / repeats
 
 
 def profile_replays(replay: Callable[[], None], synchronize: Callable[[], None], replays: int = 5) -> dict:

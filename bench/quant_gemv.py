@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -48,23 +47,11 @@ def random_q4_payload(shape: tuple[int, int], rng) -> np.ndarray:
 
 
 def timed(device, launch) -> float:
-    def body():
-        for _ in range(REPEAT):
-            launch()
+    from bench.kernel_profile import captured_repeats
 
-    body()
-    device.synchronize()
-    graph = device.capture(body)
-    graph.replay(device.stream_handle)
-    device.synchronize()
-    times = []
-    for _ in range(10):
-        began = time.perf_counter()
-        graph.replay(device.stream_handle)
-        device.synchronize()
-        times.append(time.perf_counter() - began)
+    graph, seconds = captured_repeats(device, launch, REPEAT, replays=10)
     graph.close()
-    return float(np.median(times)) / REPEAT
+    return seconds
 
 
 def eager_launches() -> None:
