@@ -41,6 +41,12 @@ def f32_to_bf16(value):
 
 
 @device_function
+def bf16_pair(low, high):
+    """Two float32 as the bf16 pair of one little-endian word (low in bits 0..15), each rounded to nearest even."""
+    return uint32(f32_to_bf16(low)) | (uint32(f32_to_bf16(high)) << uint32(16))
+
+
+@device_function
 def warp_sum(value):
     for offset in (16, 8, 4, 2, 1):
         value += cuda.shfl_xor_sync(FULL_MASK, value, offset)

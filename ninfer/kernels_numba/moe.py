@@ -23,7 +23,7 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import f32_to_bf16_bits
-from ninfer.kernels_numba.common import FULL_MASK, blocks_for, f32_to_bf16, warp_max, warp_sum
+from ninfer.kernels_numba.common import FULL_MASK, bf16_pair, blocks_for, f32_to_bf16, warp_max, warp_sum
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
 
@@ -262,9 +262,7 @@ def _moe_gather_pairs(x, slot_of, top_k, out):
     p = cuda.blockIdx.x
     if j < out.shape[1]:
         r = slot_of[p] // top_k
-        lo = f32_to_bf16(x[r, 2 * j])
-        hi = f32_to_bf16(x[r, 2 * j + 1])
-        out[p, j] = lo | (hi << uint32(16))
+        out[p, j] = bf16_pair(x[r, 2 * j], x[r, 2 * j + 1])
 
 
 @kernel((F32_2D, int32[::1], int32, uint16[:, ::1]), fastmath=False)
@@ -281,7 +279,7 @@ def _moe_scatter_rows_pairs(x, position_of, top_k, out):
     j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     r = cuda.blockIdx.x
     if j < out.shape[1]:
-        word = f32_to_bf16(x[r, 2 * j]) | (f32_to_bf16(x[r, 2 * j + 1]) << uint32(16))
+        word = bf16_pair(x[r, 2 * j], x[r, 2 * j + 1])
         for s in range(top_k):
             out[position_of[r * top_k + s], j] = word
 

@@ -31,7 +31,7 @@ from numba.cuda import libdevice
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geometry
 from ninfer.backends.cpu.ops import linear as cpu_linear
-from ninfer.kernels_numba.common import f32_to_bf16, warp_sum
+from ninfer.kernels_numba.common import bf16_pair, warp_sum
 from ninfer.kernels_numba.linear import (
     ROW_TILE, WARPS, _register_options, chunk_columns, gathered_reference, load2, load4, stage_x, store4,
 )
@@ -444,11 +444,6 @@ def make_linear_quant_gathered_kernel(bits: int, R: int):
                     y[j, n] = total
 
     return linear_quant_gathered_kernel
-
-
-@device_function
-def bf16_pair(lo, hi):
-    return uint32(f32_to_bf16(lo)) | (uint32(f32_to_bf16(hi)) << uint32(16))
 
 
 def make_dequantize_kernel(bits: int):

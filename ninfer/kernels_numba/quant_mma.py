@@ -35,7 +35,7 @@ from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, row_split_geometry
 from ninfer.kernels_numba.linear import load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
-from ninfer.kernels_numba.common import f32_to_bf16
+from ninfer.kernels_numba.common import bf16_pair
 
 TILE_ROWS = 16
 GROUP = 64
@@ -184,7 +184,7 @@ def _x_fragments_kernel(x, out):
     col = q * GROUP + 16 * j + 2 * (lane & 3) + 8 * b
     word = uint32(0)
     if g < x.shape[0]:
-        word = f32_to_bf16(x[g, col]) | (f32_to_bf16(x[g, col + 1]) << uint32(16))
+        word = bf16_pair(x[g, col], x[g, col + 1])
     out[i] = word
 
 

@@ -17,7 +17,7 @@ from numba.cuda import libdevice
 
 from ninfer.artifact.codec import f32_to_bf16_bits
 from ninfer.backends.cpu import ops
-from ninfer.kernels_numba.common import WARP, blocks_for, f32_to_bf16, warp_max
+from ninfer.kernels_numba.common import WARP, bf16_pair, blocks_for, f32_to_bf16, warp_max
 from ninfer.kernels_numba.elementwise import NORM_ITEMS, block_sum_dyn, norm_threads
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -230,11 +230,6 @@ def f32_low(word):
 @device_function
 def f32_high(word):
     return libdevice.int_as_float(int32(uint32(word >> uint64(32))))
-
-
-@device_function
-def bf16_pair(low, high):
-    return f32_to_bf16(low) | (f32_to_bf16(high) << uint32(16))
 
 
 @kernel((U64_2D, U32_2D), fastmath=False)
