@@ -97,6 +97,17 @@ def decode_rows(buf, fmt: str, shape: tuple[int, ...], start: int, count: int) -
     return words.reshape((count,) + tuple(shape[1:]))
 
 
+def quantized_codes(buf, fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The integer codes (int8 [N, logical groups * G]) and binary16 scale bits (uint16 [N, logical groups]) of a
+    quantized row-split payload: what kernels repack into their own layouts."""
+    geometry = row_split_geometry(fmt, tuple(shape))
+    data = _payload_array(buf, fmt, tuple(shape))
+    base, high, scales = _plane_views(data, geometry)
+    groups = geometry.logical_groups
+    codes = _unpack_codes(base[:, :groups], high[:, :groups], geometry)
+    return codes.reshape(geometry.rows, -1), np.ascontiguousarray(scales[:, :groups])
+
+
 def _payload_array(buf, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
     """`buf` as a uint8 array (no copy), after checking it has the encoded size of (fmt, shape)."""
     expected = encoded_size(fmt, shape)

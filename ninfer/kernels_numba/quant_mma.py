@@ -1,22 +1,27 @@
-"""Decode-time Q4G64 linear layers on the tensor cores: y[M, N] (+)= x[M, K] @ W^T for M <= 8 rows of x.
+"""Decode-time quantized linear layers on the tensor cores: y[M, N] (+)= x[M, K] @ W^T for M <= 8 rows of x, for
+the ninfer-v2 formats Q4G64, Q5G64, Q6G64 and W8G32.
 
 Why: the SIMT kernels of `quant_linear` spend about three instructions per weight on decoding and multiplying (byte
 select, subtract, FMA), which caps them near a third of the H200's bandwidth. Here one `mma.sync.m16n8k16` (bf16 in,
 fp32 accumulate) multiplies a 16x16 block of decoded weights by a 16x8 block of x, and decoding costs a shift, a
 LOP3 and one `fma.bf16x2` per PAIR of weights:
-- a nibble u (the code + 8, 0..15) OR 0x4300 is the bf16 number 128 + u, exactly (bf16 has 7 mantissa bits);
-- fma(128 + u, 1, -136) is the signed code u - 8, exactly; codes times bf16 x are exact in the fp32 accumulator.
-The group's fp16 scale multiplies the group's fp32 partial sums (4 mma k-steps) once, as in `quant_linear`. The only
-rounding the SIMT kernels do not make is x rounded to bf16, as the bf16 cuBLAS path does.
+- an unsigned code u = code + 2^(bits-1) below 128, OR 0x4300, is the bf16 number 128 + u, exactly (bf16 has 7
+  mantissa bits); fma(128 + u, 1, -(128 + 2^(bits-1))) is the signed code, exactly. Q5/Q6 OR their high bits (a
+  separate plane, arranged so one shift and mask put them at bits 4..5 of both halves) into the nibble pair first.
+- W8 codes need 8 bits: u = 16 h + l is split into two nibble planes, each decoded as above (h with offset 8, l with
+  offset 0); two mma chains give C_h and C_l, and the exact code sum is 16 C_h + C_l.
+Codes times bf16 x are exact in the fp32 accumulator; a group's fp16 scale multiplies its fp32 partial sums once, as
+in `quant_linear`. The only rounding the SIMT kernels do not make is x rounded to bf16, as the bf16 cuBLAS path does.
 
-Layout (`repack_q4_mma`, once at load): the weight is cut into tiles of 16 rows; per (tile, 64-column group) the 32
-lanes of a warp hold 4 words each (one 16-byte load per lane, 512 contiguous bytes per warp): word j serves the mma
-k-step j, its nibble s + 4 h is the A-fragment register s (rows g / g + 8, columns 2 t (+8) + h; g = lane / 4,
-t = lane % 4). Scales follow the same tiling in pairs: word g of [tiles, groups, 8] holds the binary16 scales of rows
-g and g + 8. x goes through `x_fragments` once per input: fp32 -> bf16 in B-fragment order, 32 bytes per lane per
-group (two 16-byte loads, the same for every tile).
+Layout (`repack_quant_mma`, once at load): the weight is cut into tiles of 16 rows and blocks of 64 columns; per
+(tile, block) the 32 lanes of a warp hold 4 nibble words each (one 16-byte load per lane, 512 contiguous bytes per
+warp): word j serves the mma k-step j, its nibble s + 4 h is the A-fragment register s (rows g / g + 8, columns
+2 t (+8) + h; g = lane / 4, t = lane % 4). A second plane per lane holds the high bits (Q5: 1 word, Q6: 2, W8: 4
+nibble words of h). Scales follow the same tiling in pairs: a word holds the binary16 scales of rows g and g + 8 (W8:
+two words per block, one per 32-column group). x goes through `x_fragments` once per input: fp32 -> bf16 in
+B-fragment order, 32 bytes per lane per block (two 16-byte loads, the same for every tile).
 
-Geometry: a block of WARPS warps owns TILES row tiles; its warps split the K groups (warp w takes groups w, w + WARPS,
+Geometry: a block of WARPS warps owns TILES row tiles; its warps split the K blocks (warp w takes blocks w, w + WARPS,
 ...) and their fragments are summed in shared memory in warp order. Each output element is one column of the mma
 whatever M is, accumulated in the same order: a row's result does not depend on the other rows in the launch.
 """
@@ -32,30 +37,40 @@ from numba import float32, int32, types, uint32
 from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
-from ninfer.artifact.formats import Q4G64, row_split_geometry
-from ninfer.kernels_numba.linear import load4
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import bf16_pair
+from ninfer.kernels_numba.linear import load2, load4
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 TILE_ROWS = 16
-GROUP = 64
+BLOCK = 64  # columns per (tile, block) fragment set: 4 mma k-steps
 MAX_X_ROWS = 8  # the mma's N dimension
 WARPS = 8
 TILES = 1
 UNROLL = 2
+FORMAT_BITS = {Q4G64: 4, Q5G64: 5, Q6G64: 6, W8G32: 8}
+HIGH_WORDS = {4: 1, 5: 1, 6: 2, 8: 4}  # high-plane words per lane per (tile, block); Q4 keeps a 1-word dummy
+SCALE_WORDS = {4: 1, 5: 1, 6: 1, 8: 2}  # scale pairs per lane per (tile, block)
 BF16_ONE_PAIR = 0x3F803F80
-BF16_MINUS_136_PAIR = 0xC308C308  # -(128 + 8): the magic 128 and the Q4 code offset
 BF16_128_PAIR = 0x43004300
+
+
+def _minus_pair(offset: int) -> int:
+    """The bf16 pair of -(128 + offset) (offset < 128: exact)."""
+    bits = int(codec.f32_to_bf16_bits(np.array([-(128.0 + offset)], np.float32))[0])
+    return bits | (bits << 16)
 
 
 @attrs.define(eq=False)
 class QuantMmaWeight:
-    """A Q4G64 [N, K] matrix on the device in the tensor-core layout (module docstring)."""
+    """A quantized [N, K] matrix on the device in the tensor-core layout (module docstring)."""
 
+    fmt: str
     shape: tuple[int, int]
-    packed: object  # uint32 [tiles * groups * 32 * 4]
-    scales: object  # uint32 [tiles * groups * 8]: binary16 scales of rows (g, g + 8) of the tile
-    groups: int
+    base: object  # uint32 [tiles * blocks * 32 * 4]: nibble words
+    high: object  # uint32 [tiles * blocks * 32 * HIGH_WORDS]
+    scales: object  # uint32 [tiles * blocks * SCALE_WORDS * 8]: binary16 scales of rows (g, g + 8)
+    blocks: int
     nbytes: int
 
 
@@ -92,16 +107,40 @@ def fma_bf16x2(typingctx, a, b, c):
 
 
 @device_function
-def q4_pair(word, s):
-    """A-fragment register s (0..3) of a packed word: nibbles s and s + 4 as the bf16 pair of their signed codes."""
+def nibble_pair(word, s, minus_pair):
+    """A-fragment register s (0..3) of a nibble word: nibbles s and s + 4 as the bf16 pair of their codes, offset
+    by `minus_pair` (the bf16 pair of -(128 + code offset))."""
     raw = ((word >> uint32(4 * s)) & uint32(0x000F000F)) | uint32(BF16_128_PAIR)
-    return fma_bf16x2(raw, uint32(BF16_ONE_PAIR), uint32(BF16_MINUS_136_PAIR))
+    return fma_bf16x2(raw, uint32(BF16_ONE_PAIR), minus_pair)
+
+
+@device_function
+def high_bits(h0, h1, j, s, bits):
+    """Bits 4.. of the two codes of register s of k-step j, in place (bits 4..5 and 20..21) for a nibble pair."""
+    if bits == 5:  # code (j, s, half) keeps its bit 4 at bit 16 half + 4 j + s
+        shift = 4 * j + s
+        hb = h0 << uint32(4 - shift) if shift <= 4 else h0 >> uint32(shift - 4)
+        return hb & uint32(0x00100010)
+    # Q6: word j // 2, bits 16 half + 2 (4 (j % 2) + s) .. + 1
+    word = h0 if j < 2 else h1
+    shift = 2 * (4 * (j % 2) + s)
+    hb = word << uint32(4 - shift) if shift <= 4 else word >> uint32(shift - 4)
+    return hb & uint32(0x00300030)
+
+
+@device_function
+def code_pair(word, h0, h1, j, s, bits, minus_pair):
+    """Register s of k-step j for Q4/Q5/Q6: the bf16 pair of two signed codes."""
+    raw = (word >> uint32(4 * s)) & uint32(0x000F000F)
+    if bits != 4:
+        raw = raw | high_bits(h0, h1, j, s, bits)
+    return fma_bf16x2(raw | uint32(BF16_128_PAIR), uint32(BF16_ONE_PAIR), minus_pair)
 
 
 # ---- host repack --------------------------------------------------------------------------------------------------
 
 def _fragment_offsets() -> tuple[np.ndarray, np.ndarray]:
-    """(row, column) inside a (16-row tile, 64-column group) of nibble p of word j of lane l: [32, 4, 8] each."""
+    """(row, column) inside a (16-row tile, 64-column block) of nibble p of word j of lane l: [32, 4, 8] each."""
     lane, word, nibble = np.meshgrid(np.arange(32), np.arange(4), np.arange(8), indexing="ij")
     g, t = lane // 4, lane % 4
     s, h = nibble % 4, nibble // 4
@@ -110,40 +149,62 @@ def _fragment_offsets() -> tuple[np.ndarray, np.ndarray]:
     return rows, cols
 
 
-def repack_q4_mma(shape: tuple[int, int], payload: np.ndarray) -> dict[str, np.ndarray]:
-    """Host arrays of the tensor-core layout from an artifact Q4G64 payload: packed uint32 and scales uint32 (the
-    pair a lane needs, rows g and g + 8, in one word)."""
-    N, K = (int(v) for v in shape)
-    if K % GROUP:
-        raise ValueError(f"tensor-core Q4 layers need K % {GROUP} == 0, got {K}")
-    geometry = row_split_geometry(Q4G64, (N, K))
-    data = np.ascontiguousarray(np.frombuffer(memoryview(payload), dtype=np.uint8))
-    groups = K // GROUP
-    tiles = -(-N // TILE_ROWS)
-    base = data[: N * geometry.base_row_bytes].reshape(N, geometry.groups_per_row, 32)[:, :groups]
-    # The artifact's nibbles are two's complement (code mod 16); xor 8 makes them offset binary (code + 8).
-    nibbles = np.zeros((tiles * TILE_ROWS, groups, GROUP), np.uint8)  # padding rows: code -8 at scale 0
-    nibbles[:N, :, 0::2] = (base & 0x0F) ^ 8
-    nibbles[:N, :, 1::2] = (base >> 4) ^ 8
-    rows, cols = _fragment_offsets()
-    tiled = nibbles.reshape(tiles, TILE_ROWS, groups, GROUP).transpose(0, 2, 1, 3)  # [tiles, groups, 16, 64]
-    fragments = tiled[:, :, rows, cols].astype(np.uint32)  # [tiles, groups, 32, 4, 8]
-    packed = np.zeros(fragments.shape[:-1], np.uint32)
+def _nibble_words(fragments: np.ndarray) -> np.ndarray:
+    """[..., 4, 8] nibbles -> [..., 4] words (nibble p at bits 4 p)."""
+    words = np.zeros(fragments.shape[:-1], np.uint32)
     for p in range(8):
-        packed |= fragments[..., p] << np.uint32(4 * p)
-    scales = np.zeros((tiles * TILE_ROWS, groups), np.uint16)
-    scales[:N] = data[geometry.scale_offset: geometry.total_bytes].view(np.uint16).reshape(
-        N, geometry.groups_per_row)[:, :groups]
-    scales = scales.reshape(tiles, 2, 8, groups).transpose(0, 3, 2, 1)  # [tiles, groups, g, (row g, row g + 8)]
-    return {"packed": np.ascontiguousarray(packed).reshape(-1),
+        words |= (fragments[..., p].astype(np.uint32) & np.uint32(15)) << np.uint32(4 * p)
+    return words
+
+
+def _high_words(fragments: np.ndarray, bits: int) -> np.ndarray:
+    """[..., 4 (j), 8 (p)] unsigned codes -> the high plane words per lane (see `high_bits`)."""
+    above = (fragments.astype(np.uint32) >> np.uint32(4))
+    j = np.arange(4)[:, None]
+    s, half = np.arange(8)[None, :] % 4, np.arange(8)[None, :] // 4
+    if bits == 5:
+        positions = 16 * half + 4 * j + s  # [4, 8]
+        return np.bitwise_or.reduce((above & 1) << positions.astype(np.uint32), axis=(-2, -1))[..., None]
+    positions = (16 * half + 2 * (4 * (j % 2) + s)).astype(np.uint32)
+    words = [np.bitwise_or.reduce(((above & 3) << positions)[..., 2 * w : 2 * w + 2, :], axis=(-2, -1))
+             for w in range(2)]
+    return np.stack(words, axis=-1)
+
+
+def repack_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray) -> dict[str, np.ndarray]:
+    """Host planes of the tensor-core layout from an artifact payload: base and high uint32 words, scale pairs."""
+    bits = FORMAT_BITS[fmt]
+    N, K = (int(v) for v in shape)
+    if K % BLOCK:
+        raise ValueError(f"tensor-core quantized layers need K % {BLOCK} == 0, got {K}")
+    codes, scales16 = codec.quantized_codes(payload, fmt, (N, K))
+    blocks, tiles = K // BLOCK, -(-N // TILE_ROWS)
+    unsigned = np.zeros((tiles * TILE_ROWS, K), np.uint8)  # padding rows: any code, at scale 0
+    unsigned[:N] = (codes[:, :K].astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
+    rows, cols = _fragment_offsets()
+    tiled = unsigned.reshape(tiles, TILE_ROWS, blocks, BLOCK).transpose(0, 2, 1, 3)  # [tiles, blocks, 16, 64]
+    fragments = tiled[:, :, rows, cols]  # [tiles, blocks, 32, 4, 8]
+    base = _nibble_words(fragments)
+    if bits == 4:
+        high = np.zeros((1,), np.uint32)
+    elif bits == 8:
+        high = _nibble_words(fragments >> 4)
+    else:
+        high = _high_words(fragments, bits)
+    per_group = 2 if bits == 8 else 1  # scale groups per 64-column block
+    scales = np.zeros((tiles * TILE_ROWS, blocks * per_group), np.uint16)
+    scales[:N] = scales16[:, : blocks * per_group]
+    # [tiles, blocks, group in block, g, (row g, row g + 8)]
+    scales = scales.reshape(tiles, 2, 8, blocks, per_group).transpose(0, 3, 4, 2, 1)
+    return {"base": np.ascontiguousarray(base).reshape(-1), "high": np.ascontiguousarray(high).reshape(-1),
             "scales": np.ascontiguousarray(scales).reshape(-1).view(np.uint32)}
 
 
-def upload_q4_mma(shape: tuple[int, int], payload: np.ndarray, *, stream=0) -> QuantMmaWeight:
-    planes = repack_q4_mma(shape, payload)
-    packed, scales = (cuda.to_device(planes[name], stream=stream) for name in ("packed", "scales"))
-    return QuantMmaWeight(tuple(int(v) for v in shape), packed, scales, int(shape[1]) // GROUP,
-                          int(planes["packed"].nbytes + planes["scales"].nbytes))
+def upload_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray, *, stream=0) -> QuantMmaWeight:
+    planes = repack_quant_mma(fmt, shape, payload)
+    arrays = {name: cuda.to_device(value, stream=stream) for name, value in planes.items()}
+    return QuantMmaWeight(fmt, tuple(int(v) for v in shape), arrays["base"], arrays["high"], arrays["scales"],
+                          int(shape[1]) // BLOCK, int(sum(value.nbytes for value in planes.values())))
 
 
 # ---- device code --------------------------------------------------------------------------------------------------
@@ -163,11 +224,11 @@ def half_pair_to_f32(typingctx, word):
     return signature, codegen
 
 
-FRAGMENT_WORDS = 8 * 32  # x fragment words per 64-column group: 32 lanes x (4 k-steps x 2 registers)
+FRAGMENT_WORDS = 8 * 32  # x fragment words per 64-column block: 32 lanes x (4 k-steps x 2 registers)
 
 
 def x_fragment_words(K: int) -> int:
-    return K // GROUP * FRAGMENT_WORDS
+    return K // BLOCK * FRAGMENT_WORDS
 
 
 @kernel((float32[:, ::1], uint32[::1]), fastmath=False)
@@ -181,7 +242,7 @@ def _x_fragments_kernel(x, out):
     j = (i >> 1) & 3
     b = i & 1
     g = lane >> 2
-    col = q * GROUP + 16 * j + 2 * (lane & 3) + 8 * b
+    col = q * BLOCK + 16 * j + 2 * (lane & 3) + 8 * b
     word = uint32(0)
     if g < x.shape[0]:
         word = bf16_pair(x[g, col], x[g, col + 1])
@@ -189,7 +250,7 @@ def _x_fragments_kernel(x, out):
 
 
 def x_fragments(x, out, *, stream) -> None:
-    """x (fp32 [M <= 8, K]) rounded to bf16 into the mma B-fragment order `linear_q4_mma` reads (out: uint32
+    """x (fp32 [M <= 8, K]) rounded to bf16 into the mma B-fragment order `linear_quant_mma` reads (out: uint32
     [x_fragment_words(K)]). One launch serves every tensor-core layer that reads the same x."""
     M, K = x.shape
     if M > MAX_X_ROWS or out.shape[0] < x_fragment_words(K):
@@ -198,17 +259,22 @@ def x_fragments(x, out, *, stream) -> None:
     _x_fragments_kernel[math.ceil(words / 256), 256, stream](x, out[:words])
 
 
-def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
-    """`tiles` row tiles per block, `warps` warps splitting the groups, `unroll` groups per warp step whose loads are
-    all issued before the first mma of the step (bytes in flight hide the memory latency)."""
+def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
+    """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
+    blocks per warp step whose loads are all issued before the first mma of the step."""
     ACC = 4 * tiles
+    HW = HIGH_WORDS[bits]
+    SW = SCALE_WORDS[bits]
     WORDS = 4 * tiles * unroll
-    SCALES = tiles * unroll
+    HIGHS = HW * tiles * unroll
+    SCALES = SW * tiles * unroll
     XS = 8 * unroll
+    MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)  # W8: the high nibble's offset
+    MINUS_LOW = _minus_pair(0)
 
-    @kernel((uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
-    def q4_mma_kernel(xf, packed, scales, y, groups, accumulate):
-        """xf: x fragments (`x_fragments`); scales: the (row g, row g + 8) binary16 pairs [tiles, groups, 8]."""
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
+    def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
+        """xf: x fragments (`x_fragments`); base/high/scales: the planes of `repack_quant_mma`."""
         partials = cuda.shared.array(0, float32)
         M = y.shape[0]
         N = int32(y.shape[1])
@@ -218,40 +284,90 @@ def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS, unroll: int = UNR
         t = lane & 3
         tile0 = int32(cuda.blockIdx.x) * tiles
         total_tiles = (N + 15) >> 4
+        minus = uint32(MINUS)
+        minus_low = uint32(MINUS_LOW)
         acc = cuda.local.array(ACC, float32)
         words = cuda.local.array(WORDS, uint32)
+        highs = cuda.local.array(HIGHS, uint32)
         scale_pairs = cuda.local.array(SCALES, uint32)
         xs = cuda.local.array(XS, uint32)
         for a in range(ACC):
             acc[a] = float32(0.0)
-        for q0 in range(warp, groups, warps * unroll):
+        for q0 in range(warp, blocks, warps * unroll):
             for u in range(unroll):  # every load of the step first
-                q = min(q0 + u * warps, groups - 1)
+                q = min(q0 + u * warps, blocks - 1)
                 for r in range(tiles):
-                    at = min(tile0 + r, total_tiles - 1) * groups + q
+                    at = min(tile0 + r, total_tiles - 1) * blocks + q
                     w0 = 4 * (r * unroll + u)
-                    words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load4(packed, (at * 32 + lane) * 4)
-                    scale_pairs[r * unroll + u] = scales[at * 8 + g]
+                    words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load4(base, (at * 32 + lane) * 4)
+                    h0 = HW * (r * unroll + u)
+                    if bits == 5:
+                        highs[h0] = high[at * 32 + lane]
+                    elif bits == 6:
+                        highs[h0], highs[h0 + 1] = load2(high, (at * 32 + lane) * 2)
+                    elif bits == 8:
+                        highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load4(high, (at * 32 + lane) * 4)
+                    for k in range(SW):
+                        scale_pairs[SW * (r * unroll + u) + k] = scales[(at * SW + k) * 8 + g]
                 x0 = (q * 32 + lane) * 8
                 xs[8 * u], xs[8 * u + 1], xs[8 * u + 2], xs[8 * u + 3] = load4(xf, x0)
                 xs[8 * u + 4], xs[8 * u + 5], xs[8 * u + 6], xs[8 * u + 7] = load4(xf, x0 + 4)
             for u in range(unroll):
-                if q0 + u * warps < groups:
+                if q0 + u * warps < blocks:
                     for r in range(tiles):
-                        c0 = float32(0.0)
-                        c1 = float32(0.0)
-                        c2 = float32(0.0)
-                        c3 = float32(0.0)
-                        for j in range(4):
-                            w = words[4 * (r * unroll + u) + j]
-                            c0, c1, c2, c3 = mma_bf16_m16n8k16(q4_pair(w, 0), q4_pair(w, 1), q4_pair(w, 2),
-                                                               q4_pair(w, 3), xs[8 * u + 2 * j], xs[8 * u + 2 * j + 1],
-                                                               c0, c1, c2, c3)
-                        s_lo, s_hi = half_pair_to_f32(scale_pairs[r * unroll + u])
-                        acc[4 * r] += s_lo * c0
-                        acc[4 * r + 1] += s_lo * c1
-                        acc[4 * r + 2] += s_hi * c2
-                        acc[4 * r + 3] += s_hi * c3
+                        w0 = 4 * (r * unroll + u)
+                        h0 = HW * (r * unroll + u)
+                        if bits == 8:
+                            for k in range(2):  # two 32-column scale groups, two k-steps each
+                                c0 = float32(0.0)
+                                c1 = float32(0.0)
+                                c2 = float32(0.0)
+                                c3 = float32(0.0)
+                                d0 = float32(0.0)
+                                d1 = float32(0.0)
+                                d2 = float32(0.0)
+                                d3 = float32(0.0)
+                                for jj in range(2):
+                                    j = 2 * k + jj
+                                    hw = highs[h0 + j]
+                                    lw = words[w0 + j]
+                                    b0 = xs[8 * u + 2 * j]
+                                    b1 = xs[8 * u + 2 * j + 1]
+                                    c0, c1, c2, c3 = mma_bf16_m16n8k16(
+                                        nibble_pair(hw, 0, minus), nibble_pair(hw, 1, minus),
+                                        nibble_pair(hw, 2, minus), nibble_pair(hw, 3, minus), b0, b1, c0, c1, c2, c3)
+                                    d0, d1, d2, d3 = mma_bf16_m16n8k16(
+                                        nibble_pair(lw, 0, minus_low), nibble_pair(lw, 1, minus_low),
+                                        nibble_pair(lw, 2, minus_low), nibble_pair(lw, 3, minus_low), b0, b1,
+                                        d0, d1, d2, d3)
+                                s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u) + k])
+                                acc[4 * r] += s_lo * (float32(16.0) * c0 + d0)
+                                acc[4 * r + 1] += s_lo * (float32(16.0) * c1 + d1)
+                                acc[4 * r + 2] += s_hi * (float32(16.0) * c2 + d2)
+                                acc[4 * r + 3] += s_hi * (float32(16.0) * c3 + d3)
+                        else:
+                            c0 = float32(0.0)
+                            c1 = float32(0.0)
+                            c2 = float32(0.0)
+                            c3 = float32(0.0)
+                            hw0 = uint32(0)
+                            hw1 = uint32(0)
+                            if bits == 5:
+                                hw0 = highs[h0]
+                            elif bits == 6:
+                                hw0 = highs[h0]
+                                hw1 = highs[h0 + 1]
+                            for j in range(4):
+                                w = words[w0 + j]
+                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
+                                    code_pair(w, hw0, hw1, j, 0, bits, minus), code_pair(w, hw0, hw1, j, 1, bits, minus),
+                                    code_pair(w, hw0, hw1, j, 2, bits, minus), code_pair(w, hw0, hw1, j, 3, bits, minus),
+                                    xs[8 * u + 2 * j], xs[8 * u + 2 * j + 1], c0, c1, c2, c3)
+                            s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u)])
+                            acc[4 * r] += s_lo * c0
+                            acc[4 * r + 1] += s_lo * c1
+                            acc[4 * r + 2] += s_hi * c2
+                            acc[4 * r + 3] += s_hi * c3
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
         cuda.syncthreads()
@@ -270,25 +386,25 @@ def make_q4_mma_kernel(tiles: int = TILES, warps: int = WARPS, unroll: int = UNR
                     else:
                         y[m, n] = total
 
-    return q4_mma_kernel
+    return quant_mma_kernel
 
 
-Q4_MMA_KERNEL = make_q4_mma_kernel()
+QUANT_MMA_KERNELS = {bits: make_quant_mma_kernel(bits) for bits in (4, 5, 6, 8)}
 
 
-def linear_q4_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
-                  tiles: int = TILES, warps: int = WARPS) -> None:
+def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
+                     tiles: int = TILES, warps: int = WARPS) -> None:
     """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8, x given as its fragments (`x_fragments`). Capture-safe."""
     M, N = y.shape
     K = qw.shape[1]
     if N != qw.shape[0] or M > MAX_X_ROWS or xf.shape[0] < x_fragment_words(K):
-        raise ValueError(f"tensor-core Q4 linear: W{qw.shape} y{tuple(y.shape)} (M <= 8), {xf.shape[0]} x words")
+        raise ValueError(f"tensor-core linear: W{qw.shape} y{tuple(y.shape)} (M <= 8), {xf.shape[0]} x words")
     if M == 0:
         return
-    fn = _kernel if _kernel is not None else Q4_MMA_KERNEL
-    blocks = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[blocks, 32 * warps, stream, warps * 4 * tiles * 32 * 4](xf, qw.packed, qw.scales, y, int32(qw.groups),
-                                                              int32(1 if accumulate else 0))
+    fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt]]
+    grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
+    fn[grid, 32 * warps, stream, warps * 4 * tiles * 32 * 4](xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks),
+                                                            int32(1 if accumulate else 0))
 
 
 # ---- NumPy twins ---------------------------------------------------------------------------------------------------
@@ -300,16 +416,18 @@ def x_fragments_reference(x: np.ndarray) -> np.ndarray:
     bits[:M] = codec.f32_to_bf16_bits(np.asarray(x, np.float32))
     lane, j, b = np.meshgrid(np.arange(32), np.arange(4), np.arange(2), indexing="ij")
     g, cols = lane // 4, 16 * j + 2 * (lane % 4) + 8 * b  # [32, 4, 2]
-    q = np.arange(K // GROUP)[:, None, None, None] * GROUP
+    q = np.arange(K // BLOCK)[:, None, None, None] * BLOCK
     words = bits[g, q + cols] | (bits[g, q + cols + 1] << np.uint32(16))  # [groups, 32, 4, 2]
     return words.reshape(-1)
 
 
-def linear_q4_mma_reference(x_bf16: np.ndarray, shape: tuple[int, int], payload: np.ndarray,
-                            y: np.ndarray | None = None, *, accumulate: bool = False) -> np.ndarray:
-    """fp32 y of bf16 x times the codec's exact fp32 decode (float64 sums: the kernel's order is its own)."""
-    weights = codec.decode(np.asarray(payload, np.uint8), Q4G64, tuple(shape)).astype(np.float64)
-    product = (codec.bf16_bits_to_f32(x_bf16).astype(np.float64) @ weights.T).astype(np.float32)
+def linear_quant_mma_reference(x: np.ndarray, fmt: str, shape: tuple[int, int], payload: np.ndarray,
+                               y: np.ndarray | None = None, *, accumulate: bool = False) -> np.ndarray:
+    """fp32 y of x rounded to bf16 times the codec's exact fp32 decode (float64 sums: the kernel's order is its
+    own)."""
+    weights = codec.decode(np.asarray(payload, np.uint8), fmt, tuple(shape)).astype(np.float64)
+    x_bf16 = codec.bf16_bits_to_f32(codec.f32_to_bf16_bits(np.asarray(x, np.float32))).astype(np.float64)
+    product = (x_bf16 @ weights.T).astype(np.float32)
     if y is None or not accumulate:
         return product
     return (y + product).astype(np.float32)

@@ -1,5 +1,6 @@
-"""Tensor-core Q4G64 decode linear: the repacked fragment layout checked on the CPU against the codec, the kernel on a
-GPU against its twin (bf16 x, exact fp32 weights), with accumulation and batch invariance."""
+"""Tensor-core quantized decode linear (Q4/Q5/Q6 G64, W8 G32): the repacked fragment layout checked on the CPU
+against the codec, the kernels on a GPU against their twin (bf16 x, exact fp32 weights), with accumulation and batch
+invariance."""
 
 from __future__ import annotations
 
@@ -9,53 +10,83 @@ import pytest
 pytest.importorskip("numba.cuda")
 
 from ninfer.artifact import codec  # noqa: E402
-from ninfer.artifact.formats import Q4G64  # noqa: E402
+from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32  # noqa: E402
 from ninfer.kernels_numba import quant_mma as QM  # noqa: E402
 
+FORMATS = [Q4G64, Q5G64, Q6G64, W8G32]
 
-def _payload(rng, shape):
+
+def _payload(rng, shape, fmt):
     w = rng.standard_normal(shape).astype(np.float32) * 0.05
     w[0, :64] = 0.0  # an all-zero group
-    return codec.encode_buffer(w, Q4G64)
+    return codec.encode_buffer(w, fmt)
 
 
-def _unpack(planes, shape) -> np.ndarray:
+def _unpack(fmt, planes, shape) -> np.ndarray:
     """The fp32 matrix the tensor-core layout encodes, read back through the fragment offsets."""
+    bits = QM.FORMAT_BITS[fmt]
     N, K = shape
-    groups, tiles = K // QM.GROUP, -(-N // QM.TILE_ROWS)
-    packed = planes["packed"].reshape(tiles, groups, 32, 4)
-    nibbles = np.stack([(packed >> np.uint32(4 * p)) & np.uint32(15) for p in range(8)], axis=-1)
+    blocks, tiles = K // QM.BLOCK, -(-N // QM.TILE_ROWS)
+
+    def nibbles(words):
+        return np.stack([(words >> np.uint32(4 * p)) & np.uint32(15) for p in range(8)], axis=-1)
+
+    unsigned = nibbles(planes["base"].reshape(tiles, blocks, 32, 4))  # [tiles, blocks, 32, 4, 8]
+    j = np.arange(4)[:, None]
+    s, half = np.arange(8)[None, :] % 4, np.arange(8)[None, :] // 4
+    if bits == 8:
+        unsigned = unsigned | (nibbles(planes["high"].reshape(tiles, blocks, 32, 4)) << np.uint32(4))
+    elif bits == 5:
+        high = planes["high"].reshape(tiles, blocks, 32, 1, 1)
+        unsigned = unsigned | (((high >> (16 * half + 4 * j + s).astype(np.uint32)) & np.uint32(1)) << np.uint32(4))
+    elif bits == 6:
+        high = planes["high"].reshape(tiles, blocks, 32, 2)[..., j // 2, None][..., 0, :]  # [.., 32, 4, 1]
+        shifts = (16 * half + 2 * (4 * (j % 2) + s)).astype(np.uint32)
+        unsigned = unsigned | (((high >> shifts) & np.uint32(3)) << np.uint32(4))
+    codes = np.zeros((tiles, blocks, QM.TILE_ROWS, QM.BLOCK), np.float32)
     rows, cols = QM._fragment_offsets()
-    codes = np.zeros((tiles, groups, QM.TILE_ROWS, QM.GROUP), np.float32)
-    codes[:, :, rows, cols] = nibbles.astype(np.float32) - 8.0
-    pairs = planes["scales"].view(np.float16).reshape(tiles, groups, 8, 2).astype(np.float32)
-    scales = np.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)  # rows g, then rows g + 8
-    values = codes * scales[..., None]
+    codes[:, :, rows, cols] = unsigned.astype(np.float32) - float(1 << (bits - 1))
+    per_block = 2 if bits == 8 else 1
+    pairs = planes["scales"].view(np.float16).astype(np.float32).reshape(tiles, blocks, per_block, 8, 2)
+    scales = np.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)  # [tiles, blocks, k, 16 rows]
+    scales = np.repeat(scales, QM.BLOCK // per_block, axis=2)  # [tiles, blocks, 64 columns, 16 rows]
+    values = codes * scales.transpose(0, 1, 3, 2)
     return values.transpose(0, 2, 1, 3).reshape(tiles * QM.TILE_ROWS, K)[:N]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(16, 64), (33, 192), (5, 128), (70, 1024)])
-def test_the_fragment_layout_holds_exactly_the_codec_weights(shape):
-    payload = _payload(np.random.default_rng(shape[0]), shape)
-    got = _unpack(QM.repack_q4_mma(shape, payload), shape)
-    np.testing.assert_array_equal(got, codec.decode(payload, Q4G64, shape))
+def test_the_fragment_layout_holds_exactly_the_codec_weights(fmt, shape):
+    payload = _payload(np.random.default_rng(shape[0]), shape, fmt)
+    got = _unpack(fmt, QM.repack_quant_mma(fmt, shape, payload), shape)
+    np.testing.assert_array_equal(got, codec.decode(payload, fmt, shape))
 
 
-def test_k_must_be_whole_groups():
+def test_extreme_codes_survive_the_layout():
+    rng = np.random.default_rng(7)
+    for fmt in FORMATS:
+        w = rng.choice([-1.0, 1.0], size=(16, 128)).astype(np.float32) * rng.uniform(0.5, 2.0, (16, 1))
+        payload = codec.encode_buffer(w, fmt)  # every group spans -max..max: the extreme codes
+        got = _unpack(fmt, QM.repack_quant_mma(fmt, (16, 128), payload), (16, 128))
+        np.testing.assert_array_equal(got, codec.decode(payload, fmt, (16, 128)))
+
+
+def test_k_must_be_whole_blocks():
     with pytest.raises(ValueError, match="K % 64"):
-        QM.repack_q4_mma((16, 96), _payload(np.random.default_rng(0), (16, 96)))
+        QM.repack_quant_mma(Q4G64, (16, 96), _payload(np.random.default_rng(0), (16, 96), Q4G64))
 
 
 def test_the_twin_rounds_x_to_bf16_and_accumulates():
     rng = np.random.default_rng(1)
     shape = (20, 128)
-    payload = _payload(rng, shape)
-    x = codec.f32_to_bf16_bits(rng.standard_normal((3, 128)).astype(np.float32))
-    want = codec.bf16_bits_to_f32(x).astype(np.float64) @ codec.decode(payload, Q4G64, shape).T.astype(np.float64)
-    np.testing.assert_allclose(QM.linear_q4_mma_reference(x, shape, payload), want, rtol=1e-6, atol=1e-7)
+    payload = _payload(rng, shape, Q5G64)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    x_bf16 = codec.bf16_bits_to_f32(codec.f32_to_bf16_bits(x)).astype(np.float64)
+    want = x_bf16 @ codec.decode(payload, Q5G64, shape).T.astype(np.float64)
+    np.testing.assert_allclose(QM.linear_quant_mma_reference(x, Q5G64, shape, payload), want, rtol=1e-6, atol=1e-7)
     y0 = rng.standard_normal((3, 20)).astype(np.float32)
-    np.testing.assert_allclose(QM.linear_q4_mma_reference(x, shape, payload, y0, accumulate=True), y0 + want,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(QM.linear_quant_mma_reference(x, Q5G64, shape, payload, y0, accumulate=True),
+                               y0 + want, rtol=1e-6, atol=1e-6)
 
 
 def test_x_fragments_hold_each_lanes_b_registers():
@@ -76,7 +107,7 @@ def _run(x, qw, y0=None, accumulate=False):
     xf = cuda.device_array(QM.x_fragment_words(x.shape[1]), np.uint32, stream=stream)
     QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
     np.testing.assert_array_equal(xf.copy_to_host(stream=stream), QM.x_fragments_reference(x))
-    QM.linear_q4_mma(xf, qw, dy, stream=stream, accumulate=accumulate)
+    QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -87,19 +118,19 @@ def _rel(a, b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 33, 192), (8, 70, 1024), (2, 130, 2048), (5, 40, 5120),
                                    (1, 20, 17408), (8, 5120, 512)])
-def test_q4_mma_gpu_matches_the_twin(m, n, k):
+def test_quant_mma_gpu_matches_the_twin(fmt, m, n, k):
     rng = np.random.default_rng(m + n + k)
-    payload = _payload(rng, (n, k))
-    qw = QM.upload_q4_mma((n, k), payload)
+    payload = _payload(rng, (n, k), fmt)
+    qw = QM.upload_quant_mma(fmt, (n, k), payload)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    x_bf16 = codec.f32_to_bf16_bits(x)
     got = _run(x, qw)
     assert np.isfinite(got).all()
-    assert _rel(got, QM.linear_q4_mma_reference(x_bf16, (n, k), payload)) < 1e-5
+    assert _rel(got, QM.linear_quant_mma_reference(x, fmt, (n, k), payload)) < 1e-5
     y0 = rng.standard_normal((m, n)).astype(np.float32)
     got_acc = _run(x, qw, y0, accumulate=True)
-    assert _rel(got_acc, QM.linear_q4_mma_reference(x_bf16, (n, k), payload, y0, accumulate=True)) < 1e-5
+    assert _rel(got_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5
     for i in sorted({0, m // 2, m - 1}):  # a row's bits do not depend on the rows beside it
         assert np.array_equal(_run(x[i:i + 1], qw)[0], got[i])
