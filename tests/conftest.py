@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.qwen_checkpoints import QwenCase, build_qwen_checkpoint
+from tests.support.qwen_checkpoints import QwenCase, build_qwen_checkpoint, build_shape_only_checkpoint
 from tests.support.qwen_tokenizer import build_qwen_tokenizer_json
 
 
@@ -26,6 +26,20 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_json
     """Tiny Qwen3_5MoeForConditionalGeneration in three shards with model.safetensors.index.json."""
     return build_qwen_checkpoint(tmp_path_factory.mktemp("qwen-moe"), moe=True, tokenizer_json=qwen_tokenizer_json,
                                  shards=3)
+
+
+@pytest.fixture(scope="session")
+def shape_only(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_json: Path):
+    """Full-size sparse checkpoints of the official configs (`shape_only("Qwen3.6-35B-A3B")`), built once each."""
+    built: dict[str, Path] = {}
+
+    def get(fixture: str) -> Path:
+        if fixture not in built:
+            built[fixture] = build_shape_only_checkpoint(tmp_path_factory.mktemp(fixture), fixture,
+                                                         tokenizer_json=qwen_tokenizer_json)
+        return built[fixture]
+
+    return get
 
 
 @pytest.fixture(scope="session", params=["dense", "moe"])

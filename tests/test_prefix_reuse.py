@@ -114,9 +114,9 @@ SCRIPT = [
 ]
 
 
-def run_chat(model, *, prefix_reuse: bool, draft_tokens: int = 0):
+def run_chat(model, *, prefix_reuse: bool, draft_tokens: int = 0, spec: str = "mtp"):
     config = EngineConfig(max_concurrency=2, max_context=1024, prefill_chunk=128, greedy=True,
-                          prefix_reuse=prefix_reuse, spec="mtp" if draft_tokens else None, draft_tokens=draft_tokens)
+                          prefix_reuse=prefix_reuse, spec=spec if draft_tokens else None, draft_tokens=draft_tokens)
     outputs, usages, history, prompts = [], [], [], []
     with Engine(build_cpu_runner(model, config), config, QWEN_27B_PRESETS) as engine:
         for index, turn in enumerate(SCRIPT):

@@ -16,25 +16,11 @@ from ninfer.convert.qwen_hf import (DRAFT_HEAD_ROWS, FRONTEND_FILES, Safetensors
 from ninfer.models.qwen3_6 import Qwen36Model
 from ninfer.targets.dims import DIMENSIONS_RESOURCE
 from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS
-from tests.support.qwen_checkpoints import (QwenCase, build_qwen_checkpoint, build_shape_only_checkpoint,
-                                           materialise, plan_dims)
+from tests.support.qwen_checkpoints import QwenCase, build_qwen_checkpoint, materialise, plan_dims
 from tests.support.qwen_tokenizer import FIXTURES
 
 Q4, Q5, Q6, W8 = Q4G64, Q5G64, Q6G64, W8G32
 FRONTEND = [f"frontend/{name}" for name in FRONTEND_FILES]
-
-
-@pytest.fixture(scope="module")
-def shape_only(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_json: Path):
-    built: dict[str, Path] = {}
-
-    def get(fixture: str) -> Path:
-        if fixture not in built:
-            built[fixture] = build_shape_only_checkpoint(tmp_path_factory.mktemp(fixture), fixture,
-                                                         tokenizer_json=qwen_tokenizer_json)
-        return built[fixture]
-
-    return get
 
 
 def specs_of(plan) -> list[TensorSpec]:

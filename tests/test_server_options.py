@@ -1,5 +1,6 @@
 """`python -m ninfer`'s option table (serving.md): defaults, validation, --help, and the startup failures of options
-this build cannot honour."""
+this build cannot honour (or this artifact: --spec dflash needs a 35B-A3B-shaped artifact with the drafter, on the
+CPU backend)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from ninfer.backends import cuda_probe
 from ninfer.cli.serve import parse_serve_args
 from ninfer.nursery.service import run_service
 from ninfer.observability.request_log import redact_argv
+from tests.support.cuda_models import write_tiny_qwen_artifact
 from tests.support.server_harness import free_port
+from tests.support.tiny_dflash import write_tiny_dflash_artifact
 
 TABLE_OPTIONS = [  # serving.md's "Server options", in its order
     "--host", "--port", "--api-key", "--model-id", "--max-context", "--kv-capacity", "--max-concurrency",
@@ -44,6 +48,12 @@ def test_defaults_follow_the_table():
                     options.greedy])
     assert options.temperature is options.top_p is options.top_k is options.min_p is options.seed is None
     assert options.capacity == 17 and options.max_request_bytes == 384 << 20 and options.default_thinking
+
+
+def test_dflash_values_reach_the_engine_config():
+    config = parse_serve_args(["model.ninfer", "--spec", "dflash", "--draft-tokens", "15", "--lm-head-draft"]) \
+        .engine_config()
+    assert (config.spec, config.draft_tokens, config.lm_head_draft) == ("dflash", 15, True)
 
 
 def test_values_reach_the_engine_config():
@@ -101,13 +111,33 @@ def test_help_lists_every_option_of_the_table():
 
 @pytest.mark.parametrize("argv, message", [
     (["--device", "1"], "--device 1 needs the CUDA backend"),
-    (["--spec", "dflash", "--draft-tokens", "7"], "--spec dflash needs the DFlash drafter"),
     (["--cold-tier-device", "1"], "--cold-tier-device 1 needs a secondary CUDA device"),
 ])
 def test_options_this_build_cannot_honour_fail_at_startup(argv, message, caplog):
     with caplog.at_level(logging.ERROR, logger="ninfer"):
         assert run_service(parse_serve_args(["missing.ninfer", *argv]), make_app=None) == 1
     assert message in caplog.text
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dflash-startup")
+    return {"dense": write_tiny_qwen_artifact(folder / "dense.ninfer", moe=False, recipe="bf16"),
+            "moe": write_tiny_qwen_artifact(folder / "moe.ninfer", moe=True, recipe="bf16"),
+            "dflash": write_tiny_dflash_artifact(folder / "dflash.ninfer")}
+
+
+@pytest.mark.parametrize("artifact, gpus, message", [
+    ("dense", 0, "--spec dflash needs the 35B-A3B (MoE) target, whose drafter it is; qwen3.6-custom is a dense model"),
+    ("moe", 0, "--spec dflash needs the DFlash drafter, and the artifact (qwen3.6-custom) has none"),
+    ("dflash", 1, "DFlash currently runs on the CPU backend only"),
+])
+def test_dflash_is_refused_where_it_cannot_run(artifacts, artifact, gpus, message, caplog, monkeypatch):
+    monkeypatch.setattr(cuda_probe, "cuda_device_count", lambda: gpus)
+    with caplog.at_level(logging.ERROR, logger="ninfer"):
+        code = run_service(parse_serve_args([str(artifacts[artifact]), "--port", str(free_port()), "--spec", "dflash",
+                                             "--draft-tokens", "7"]), make_app=None)
+    assert code == 1 and message in caplog.text
 
 
 def test_options_the_cpu_backend_honours_trivially_start(tmp_path, caplog):

@@ -1,8 +1,9 @@
 """`python -m ninfer [ARTIFACT] [options]`: serve one artifact over HTTP (serving.md's option table).
 
 Without ARTIFACT the bundled demo model is served (converted into the cache on first use). Options are validated
-here, before anything is loaded; an option the build cannot honour (a GPU device, the Vision runtime, DFlash, a
-pinned cold-tier device) is accepted by the parser and then fails at startup with a message naming what is missing.
+here, before anything is loaded; an option the build or the artifact cannot honour (a GPU device, the Vision runtime,
+--spec dflash without a 35B-A3B artifact carrying the drafter or on the CUDA backend, a pinned cold-tier device) is
+accepted by the parser and then fails at startup with a message naming what is missing.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ninfer.engine.config import MAX_CONTEXT_LIMIT, MAX_LANES, MTP_DRAFT_RANGE, PREFILL_CHUNK_QUANTUM
+from ninfer.engine.config import DRAFT_RANGES, MAX_CONTEXT_LIMIT, MAX_LANES, PREFILL_CHUNK_QUANTUM
 from ninfer.nursery.options import ServeOptions
 
-DFLASH_DRAFT_RANGE = range(1, 16)
 MAX_SEED = (1 << 64) - 1
 
 EPILOG = """\
@@ -165,7 +165,7 @@ def _check_combinations(args: argparse.Namespace) -> str | None:
         if args.draft_tokens is not None or args.lm_head_draft:
             return "--draft-tokens and --lm-head-draft need --spec"
     else:
-        window = MTP_DRAFT_RANGE if args.spec == "mtp" else DFLASH_DRAFT_RANGE
+        window = DRAFT_RANGES[args.spec]
         if args.draft_tokens not in window:
             return f"--spec {args.spec} needs --draft-tokens in {window.start}..{window.stop - 1}"
     if args.spec == "dflash" and args.vision:

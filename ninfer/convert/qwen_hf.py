@@ -1,9 +1,11 @@
-"""Hugging Face Qwen3.5/3.6 checkpoint -> ConversionPlan (ninfer-facts §2.8-§2.10).
+"""Hugging Face Qwen3.5/3.6 checkpoint (and the 35B-A3B's DFlash drafter checkpoint) -> ConversionPlan
+(ninfer-facts §2.8-§2.10).
 
 Preflight reads config.json and refuses what ninfer cannot serve. The plan lists the six frontend resources, then
-(custom targets only) `model/dimensions.json`, then the tensors in §2.9 order: token embedding, layers, final norm,
-output head, draft head + its ids, MTP, Vision. Dense checkpoints get the 27B inventory layout and MoE checkpoints
-the 35B one, whatever their size. Every source tensor must be consumed by some object: nothing is silently dropped.
+(custom targets only) `model/dimensions.json` and, with a drafter, `model/dflash_dimensions.json`, then the tensors in
+§2.9 order: token embedding, layers, final norm, output head, draft head + its ids, MTP, Vision, DFlash. Dense
+checkpoints get the 27B inventory layout and MoE checkpoints the 35B one, whatever their size. Every source tensor
+must be consumed by some object: nothing is silently dropped.
 
 Vision blocks are named `vision/blocks/{b}/...` and the merger `vision/merger/...` (§2.9 lists only the leaf names).
 """
@@ -23,8 +25,9 @@ import numpy as np
 from ninfer.artifact.codec import bf16_bits_to_f32
 from ninfer.artifact.formats import BF16, FP32, I32, Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.convert.plan import ConversionPlan, PlannedResource, PlannedTensor
-from ninfer.targets.dims import DIMENSIONS_RESOURCE, DimensionsError, QwenDims, VisionDims, qwen_dims_from_hf_config
-from ninfer.targets.registry import TargetMismatchError, lookup_target, target_for_qwen_dims
+from ninfer.targets.dims import (DFLASH_DIMENSIONS_RESOURCE, DIMENSIONS_RESOURCE, DFlashDims, DimensionsError,
+                                 QwenDims, VisionDims, dflash_dims_from_hf_config, qwen_dims_from_hf_config)
+from ninfer.targets.registry import TargetMismatchError, dflash_mismatches, lookup_target, target_for_qwen_dims
 
 Q4, Q5, Q6, W8 = Q4G64, Q5G64, Q6G64, W8G32  # short names keep the inventory below readable
 
@@ -46,10 +49,17 @@ _ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", True),
 }
 _VISION = "model.visual."
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DFLASH_WEIGHTS_FOLDER = "dflash-bf16"  # where z-lab's repository keeps the drafter's BF16 safetensors
 
 
 class CheckpointError(ValueError):
     """The checkpoint cannot be converted: its config, files or tensors do not fit a Qwen3.5/3.6 target."""
+
+
+class DFlashCheckpointError(CheckpointError):
+    """The --dflash-model checkpoint cannot be converted: not a DFlash drafter of this target, or not one ninfer
+    runs (its config, files or tensors)."""
 
 
 @attrs.frozen
@@ -345,7 +355,7 @@ def _gdn(inv: _Inventory, d: QwenDims, p: str, s: str, *, fused: bool) -> None:
     inv.matrix(p + "output", s + "out_proj.weight", (h, vw), W8 if fused else Q5)
 
 
-def _dense_mlp(inv: _Inventory, d: QwenDims, p: str, s: str, formats: tuple[str, str]) -> None:
+def _dense_mlp(inv: _Inventory, d: QwenDims | DFlashDims, p: str, s: str, formats: tuple[str, str]) -> None:
     h, inter = d.hidden, d.intermediate
     inv.add(p + "gate_up", (2 * inter, h), formats[0],
             _Concat((_Hf(s + "gate_proj.weight", (inter, h)), _Hf(s + "up_proj.weight", (inter, h)))))
@@ -415,6 +425,27 @@ def _vision(inv: _Inventory, v: VisionDims) -> None:
     inv.vector("vision/merger/norm/bias", x + "norm.bias", h)
 
 
+def _dflash(d: DFlashDims) -> list[tuple[TensorSpec, _Source]]:
+    """The 8 objects per drafter layer and 3 shared ones (§2.9), from the drafter checkpoint's names: every matrix
+    W8 under ninfer-v2 (BF16 under bf16, like MTP), q|k|v and gate|up fused by rows."""
+    inv, h, qw, kvw = _Inventory(), d.hidden, d.q_width, d.kv_width
+    inv.matrix("dflash/feature_projection", "fc.weight", (h, d.feature_width), W8)
+    inv.vector("dflash/context_norm", "hidden_norm.weight", h)
+    for index in range(d.layers):
+        p, s = f"dflash/layers/{index}/", f"layers.{index}."
+        inv.vector(p + "input_norm", s + "input_layernorm.weight", h)
+        inv.add(p + "attention/query_key_value", (qw + 2 * kvw, h), W8, _Concat((
+            _Hf(s + "self_attn.q_proj.weight", (qw, h)), _Hf(s + "self_attn.k_proj.weight", (kvw, h)),
+            _Hf(s + "self_attn.v_proj.weight", (kvw, h)))))
+        inv.vector(p + "attention/query_norm", s + "self_attn.q_norm.weight", d.head_dim)
+        inv.vector(p + "attention/key_norm", s + "self_attn.k_norm.weight", d.head_dim)
+        inv.matrix(p + "attention/output", s + "self_attn.o_proj.weight", (h, qw), W8)
+        inv.vector(p + "post_attention_norm", s + "post_attention_layernorm.weight", h)
+        _dense_mlp(inv, d, p + "mlp/", s + "mlp.", (W8, W8))
+    inv.vector("dflash/final_norm", "norm.weight", h)
+    return inv.items
+
+
 def _inventory(d: QwenDims, hf: _HfNames, draft_ids: np.ndarray) -> list[tuple[TensorSpec, _Source]]:
     inv, dense = _Inventory(), not d.is_moe
     h, t = d.hidden, hf.text
@@ -444,12 +475,14 @@ def _inventory(d: QwenDims, hf: _HfNames, draft_ids: np.ndarray) -> list[tuple[T
     return inv.items
 
 
-def plan_qwen_tensor_specs(dims: QwenDims) -> list[TensorSpec]:
-    """The tensor objects (name, shape, v2 format) of a checkpoint with these dimensions, in artifact order."""
+def plan_qwen_tensor_specs(dims: QwenDims, dflash: DFlashDims | None = None) -> list[TensorSpec]:
+    """The tensor objects (name, shape, v2 format) of a checkpoint with these dimensions (and a DFlash drafter of
+    these), in artifact order."""
     # Without a tokenizer the draft ids are plain ascending ids; only their count matters here.
     draft_ids = np.arange(min(DRAFT_HEAD_ROWS, dims.vocab_ids), dtype=np.int32)
     canonical = _HfNames(text="model.language_model.", tied=False, keys=None)
-    return [spec for spec, _ in _inventory(dims, canonical, draft_ids)]
+    items = _inventory(dims, canonical, draft_ids) + (_dflash(dflash) if dflash is not None else [])
+    return [spec for spec, _ in items]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -507,6 +540,87 @@ def _preflight(config: dict[str, Any]) -> tuple[str, QwenDims]:
         require(not vision.get("deepstack_visual_indexes"), "vision_config.deepstack_visual_indexes must be empty")
         require(vision.get("in_channels", 3) == 3, "vision_config.in_channels must be 3")
     return architecture, dims
+
+
+def _dflash_files(dflash_dir: Path) -> tuple[Path, Path]:
+    """(config.json, the folder of the safetensors) of a drafter directory: the directory itself, or z-lab's
+    repository layout with the weights (and possibly the config) in its `dflash-bf16/` folder."""
+    if not dflash_dir.is_dir():
+        raise DFlashCheckpointError(f"--dflash-model {dflash_dir}: not a directory")
+    folders = [dflash_dir, dflash_dir / DFLASH_WEIGHTS_FOLDER]
+    configs = [folder / "config.json" for folder in folders if (folder / "config.json").is_file()]
+    weights = [folder for folder in folders if (folder / "model.safetensors").is_file()
+               or (folder / "model.safetensors.index.json").is_file()]
+    if not configs or not weights:
+        raise DFlashCheckpointError(f"--dflash-model {dflash_dir}: needs config.json and model.safetensors (in the "
+                                    f"directory or its {DFLASH_WEIGHTS_FOLDER}/ folder)")
+    return configs[0], weights[0]
+
+
+def _dflash_preflight(config: dict[str, Any], target: QwenDims, model_id: str) -> DFlashDims:
+    """The drafter's dimensions when it is a DFlash drafter ninfer runs for `target` (served as `model_id`): the
+    registered drafter's exact values for a published target, a consistent drafter of any size for a custom one."""
+    architectures = config.get("architectures")
+    if architectures != [DFLASH_ARCHITECTURE]:
+        raise DFlashCheckpointError(f"DFlash config.json: architectures {architectures!r} is not "
+                                    f"[{DFLASH_ARCHITECTURE!r}] (the z-lab DFlash drafter)")
+    try:
+        dims = dflash_dims_from_hf_config(config)
+    except DimensionsError as exc:
+        raise DFlashCheckpointError(f"DFlash {exc}") from exc
+    problems = dims.problems_with(target) + dflash_mismatches(model_id, dims)
+    if config.get("attention_bias", False):
+        problems.append("attention_bias must be false")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append("hidden_act must be silu")
+    if config.get("is_causal", False):
+        problems.append("is_causal must be false (every DFlash layer attends non-causally)")
+    if config.get("num_target_layers", target.layers) != target.layers:
+        problems.append(f"num_target_layers {config['num_target_layers']} differs from the target's {target.layers}")
+    if config.get("vocab_size", target.vocab_rows) != target.vocab_rows:
+        problems.append(f"vocab_size {config['vocab_size']} differs from the target's {target.vocab_rows} rows "
+                        f"(the drafter reads the target's embeddings and head)")
+    if problems:
+        raise DFlashCheckpointError("DFlash config.json does not fit the target: " + "; ".join(problems))
+    return dims
+
+
+def _plan_dflash(dflash_dir: Path, target: QwenDims,
+                 model_id: str) -> tuple[DFlashDims, tuple[PlannedTensor, ...], dict[str, Any]]:
+    """The drafter's dimensions, its 8 * layers + 3 planned tensors and the report's description of its source."""
+    if not target.is_moe:
+        raise DFlashCheckpointError("--dflash-model: DFlash drafters exist for the 35B-A3B (MoE) target only, and "
+                                    "this checkpoint is dense")
+    config_path, weights_dir = _dflash_files(Path(dflash_dir))
+    config_bytes = config_path.read_bytes()
+    dims = _dflash_preflight(json.loads(config_bytes), target, model_id)
+    try:
+        checkpoint = SafetensorsCheckpoint(weights_dir)
+        items = _dflash(dims)
+        _check_sources(items, checkpoint)
+    except CheckpointError as exc:
+        raise DFlashCheckpointError(f"--dflash-model {dflash_dir}: {exc}") from exc
+    return dims, _planned(items, checkpoint), _source_record(Path(dflash_dir), DFLASH_ARCHITECTURE, config_bytes,
+                                                            checkpoint)
+
+
+def _planned(items: list[tuple[TensorSpec, _Source]], checkpoint: SafetensorsCheckpoint) -> tuple[PlannedTensor, ...]:
+    return tuple(PlannedTensor(spec.name, spec.shape, spec.v2_format, _producer(spec, source, checkpoint))
+                 for spec, source in items)
+
+
+def _source_record(path: Path, architecture: str, config_bytes: bytes,
+                   checkpoint: SafetensorsCheckpoint) -> dict[str, Any]:
+    """What the conversion report says about one source checkpoint."""
+    return {
+        "kind": "huggingface-safetensors",
+        "path": str(path.resolve()),
+        "architecture": architecture,
+        "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
+        "shards": len(checkpoint.files),
+        "source_bytes": sum(f.stat().st_size for f in checkpoint.files),
+        "tensors": len(checkpoint.entries),
+    }
 
 
 def _frontend_resources(hf_dir: Path) -> tuple[PlannedResource, ...]:
@@ -589,8 +703,10 @@ def _producer(spec: TensorSpec, source: _Source, checkpoint: SafetensorsCheckpoi
     return produce
 
 
-def plan_qwen_checkpoint(hf_dir: Path, *, model_id: str | None = None) -> ConversionPlan:
-    """Plan the conversion of a Hugging Face Qwen3.5/3.6 safetensors checkpoint directory."""
+def plan_qwen_checkpoint(hf_dir: Path, *, model_id: str | None = None,
+                         dflash_dir: Path | None = None) -> ConversionPlan:
+    """Plan the conversion of a Hugging Face Qwen3.5/3.6 safetensors checkpoint directory, with the DFlash drafter
+    checkpoint in `dflash_dir` appended (35B-A3B-shaped MoE targets only)."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").exists():
         raise CheckpointError(f"{hf_dir}: no config.json")
@@ -599,8 +715,12 @@ def plan_qwen_checkpoint(hf_dir: Path, *, model_id: str | None = None) -> Conver
     architecture, dims = _preflight(config)
     resources = _frontend_resources(hf_dir)
     chosen = _choose_model_id(dims, model_id, resources[FRONTEND_FILES.index("chat_template.jinja")].data)
-    if lookup_target(chosen).dims is None:
+    custom = lookup_target(chosen).dims is None
+    if custom:
         resources += (PlannedResource(DIMENSIONS_RESOURCE, dims.to_json().encode()),)
+    dflash = _plan_dflash(dflash_dir, dims, chosen) if dflash_dir is not None else None
+    if dflash is not None and custom:
+        resources += (PlannedResource(DFLASH_DIMENSIONS_RESOURCE, dflash[0].to_json().encode()),)
 
     checkpoint = SafetensorsCheckpoint(hf_dir)
     tokenizer_json = json.loads(resources[FRONTEND_FILES.index("tokenizer.json")].data)
@@ -614,21 +734,13 @@ def plan_qwen_checkpoint(hf_dir: Path, *, model_id: str | None = None) -> Conver
     )
     items = _inventory(dims, names, draft_head_ids(tokenizer_json, tokenizer_config, dims.vocab_ids))
     _check_sources(items, checkpoint)
-    tensors = tuple(PlannedTensor(spec.name, spec.shape, spec.v2_format, _producer(spec, source, checkpoint))
-                    for spec, source in items)
-    return ConversionPlan(
-        model_id=chosen,
-        resources=resources,
-        tensors=tensors,
-        source={
-            "kind": "huggingface-safetensors",
-            "path": str(hf_dir.resolve()),
-            "architecture": architecture,
-            "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
-            "shards": len(checkpoint.files),
-            "source_bytes": sum(f.stat().st_size for f in checkpoint.files),
-            "tensors": len(checkpoint.entries),
-            "draft_head_ranking": DRAFT_HEAD_RANKING,
-        },
-        target_key=chosen.replace(".", "_").replace("-", "_"),
-    )
+    tensors = _planned(items, checkpoint)
+    source = {**_source_record(hf_dir, architecture, config_bytes, checkpoint),
+              "draft_head_ranking": DRAFT_HEAD_RANKING}
+    if dflash is not None:
+        _, dflash_tensors, dflash_source = dflash
+        tensors += dflash_tensors
+        source["dflash"] = dflash_source
+        source["source_bytes"] += dflash_source["source_bytes"]  # everything read, for the report's throughput
+    return ConversionPlan(model_id=chosen, resources=resources, tensors=tensors, source=source,
+                          target_key=chosen.replace(".", "_").replace("-", "_"))

@@ -12,6 +12,8 @@ MAX_LANES = 8
 MAX_CONTEXT_LIMIT = 262144
 PREFILL_CHUNK_QUANTUM = 128
 MTP_DRAFT_RANGE = range(1, 6)
+DFLASH_DRAFT_RANGE = range(1, 16)
+DRAFT_RANGES = {"mtp": MTP_DRAFT_RANGE, "dflash": DFLASH_DRAFT_RANGE}  # --spec -> legal --draft-tokens
 
 
 class EngineConfigError(ValueError):
@@ -25,8 +27,8 @@ class EngineConfig:
     prefill_chunk: int = 1024  # prompt tokens per prefill step, a positive multiple of 128
     kv_capacity: int | Literal["auto"] | None = None  # shared pool tokens; None follows max_context
     kv_dtype: str = "bf16"  # "bf16" | "int8"
-    spec: str | None = None  # "mtp" | None
-    draft_tokens: int = 0  # MTP draft window k, 1..5 with spec="mtp"
+    spec: str | None = None  # "mtp" | "dflash" | None
+    draft_tokens: int = 0  # draft window k: 1..5 with spec="mtp", 1..15 with spec="dflash"
     lm_head_draft: bool = False  # proposals from the shortlist head (when the artifact has one)
     prefix_reuse: bool = True
     default_max_tokens: int = 8192  # output limit of a request that gives none
@@ -46,10 +48,12 @@ class EngineConfig:
         if self.spec is None:
             if self.draft_tokens or self.lm_head_draft:
                 raise EngineConfigError("--draft-tokens and --lm-head-draft need --spec")
-        elif self.spec == "mtp":
-            if self.draft_tokens not in MTP_DRAFT_RANGE:
-                raise EngineConfigError(f"--spec mtp needs --draft-tokens in 1..5, got {self.draft_tokens}")
+        elif self.spec in DRAFT_RANGES:
+            window = DRAFT_RANGES[self.spec]
+            if self.draft_tokens not in window:
+                raise EngineConfigError(f"--spec {self.spec} needs --draft-tokens in "
+                                        f"{window.start}..{window.stop - 1}, got {self.draft_tokens}")
         else:
-            raise EngineConfigError(f"--spec {self.spec!r} is not supported by this engine (mtp only)")
+            raise EngineConfigError(f"--spec {self.spec!r} is not supported (choose one of {', '.join(DRAFT_RANGES)})")
         if self.default_max_tokens < 1:
             raise EngineConfigError(f"--default-max-tokens must be at least 1, got {self.default_max_tokens}")

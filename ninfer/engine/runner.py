@@ -9,16 +9,19 @@ Shape of the contract
 * Lanes. A runner is built for `lanes` (1..8) sequence slots. A lane holds one sequence's device state: the
   recurrent (Gated DeltaNet conv + SSM) running state, `checkpoint_slots` checkpoint copies of it (each with the
   final-norm hidden row of the token before it), the hidden row of the last materialized token ("tail"), the
-  sampler's per-request state (penalty counts), the MTP draft window, and the per-column state of its last verify.
+  sampler's per-request state (penalty counts), the draft window, the per-column state of its last verify, and
+  with DFlash the drafter's context (its cyclic caches, and the committed columns not yet projected into them).
   All of it is addressed by lane index: the engine never sees a tensor.
-* Pages. Attention KV (every full-attention layer, and the MTP layer when speculative decoding is on) lives in one
+* Pages. Attention KV (every full-attention layer, and the MTP layer or the DFlash drafter's full-attention
+  layers when speculative decoding is on) lives in one
   shared pool of `pages` pages of `page_tokens` tokens. A lane's page table is an int32 array of page ids, set by
   `assign_pages`; token i of the sequence is at page `table[i // page_tokens]`, offset `i % page_tokens`. The engine
   owns the allocator and guarantees no page is in two live tables; a runner only reads and writes through tables.
 * Frontier bookkeeping. `E` (execution frontier) is the number of tokens whose KV and recurrent state are
   materialized. The engine passes E (`kv_length`) and rope positions with every call, so the runner keeps no
-  ledger. After every call that produced tokens, the MTP KV of a speculative runner covers the same E tokens
-  (column j fuses hidden h_j with token j+1), so a later request can bridge from the tail or a checkpoint.
+  ledger. After every call that produced tokens, the MTP KV of an MTP runner covers the same E tokens (column j
+  fuses hidden h_j with token j+1), so a later request can bridge from the tail or a checkpoint; the DFlash context
+  of a DFlash runner covers them too (committed, or pending until the lane's next call).
 * Calls are coarse: one per prefill chunk of one lane, one per decode round for the whole decode batch (ordinary
   and speculative rows together; a CUDA runner may replay one exact-size graph per row kind), plus cheap state
   operations between rounds. Per-round inputs are small int32 arrays (CUDA: copied into fixed device buffers before
@@ -71,8 +74,8 @@ class RunnerInfo:
     page_tokens: int
     checkpoint_slots: int
     vocab_ids: int
-    draft_tokens: int  # k of MTP speculative decoding; 0 when off
-    kv_bytes_per_token: int  # shared-pool bytes one token takes (all attention layers, MTP included)
+    draft_tokens: int  # k of speculative decoding (MTP or DFlash); 0 when off
+    kv_bytes_per_token: int  # shared-pool bytes one token takes (all attention layers, MTP / DFlash included)
     vision: bool = False  # the Vision tower is built: `encode_media` works and prompts may carry media
 
 
@@ -119,9 +122,11 @@ class PrefillChunk:
     """Prompt tokens kv_length..kv_length+T-1 of one lane.
 
     A `final` chunk samples the first output token (RNG position = prompt length, purpose Prefill) from its last
-    column, or from the lane's tail when T == 0 (the whole prompt was reused). A speculative runner also runs the
-    MTP head over the chunk, starting one column early (the bridge column kv_length-1 fuses the tail hidden with the
-    chunk's first token), and after a final chunk prepares k drafts when `remaining - 1 >= k + 1`.
+    column, or from the lane's tail when T == 0 (the whole prompt was reused). An MTP runner also runs the MTP
+    head over the chunk, starting one column early (the bridge column kv_length-1 fuses the tail hidden with the
+    chunk's first token), and after a final chunk prepares k drafts when `remaining - 1 >= k + 1`; a DFlash runner
+    extends the drafter's context by the chunk's columns, and reports drafts ready under the same condition (it
+    proposes at the start of the round).
 
     `embedding_columns` (int32 [n], ascending chunk-relative indices) and `embedding_rows` (float32 [n, hidden]):
     input embeddings that replace the token embeddings of those columns (media placeholders: the Vision output rows).
@@ -170,9 +175,11 @@ class DecodeBatch:
 
     Row b feeds `input_tokens[b]` at KV index `kv_lengths[b]` and rope position `positions[b]` (all three axes).
     An ordinary row samples one token (RNG position = kv_length, purpose Decode). A `speculative` row verifies the
-    lane's k ready drafts in the same traversal (T = k+1 columns; requires `remaining >= k + 1`), keeps the state after
-    the accepted prefix and returns A+1 tokens. A speculative runner keeps every row's MTP KV aligned, and prepares
-    the next drafts for speculative rows that can afford another round (`remaining - produced >= k + 1`).
+    lane's k drafts in the same traversal (T = k+1 columns; requires `remaining >= k + 1`), keeps the state after
+    the accepted prefix and returns A+1 tokens. An MTP runner keeps every row's MTP KV aligned, and prepares the next
+    drafts for speculative rows that can afford another round (`remaining - produced >= k + 1`). A DFlash runner
+    proposes a speculative row's drafts at the start of its round (after committing the lane's pending context),
+    and leaves every row's committed columns pending for the next call.
     """
 
     lanes: np.ndarray = attrs.field(converter=_int32, eq=False)
@@ -227,7 +234,8 @@ class ModelRunner(Protocol):
 
     def rewind(self, lane: int, kept: int) -> None:
         """Commit only the first `kept` tokens of the lane's last decode round (a stop inside a speculative round):
-        the running state and tail become those after verify column kept-1, so E = round E + kept is exact."""
+        the running state, tail and DFlash context become those after verify column kept-1, so E = round E + kept
+        is exact."""
 
     def release(self, lane: int) -> None:
         """Forget the lane's sequence (cancelled or evicted): its state, checkpoints, sampler and page table."""

@@ -1,9 +1,10 @@
-"""MTP speculative decoding: the §4.7 accept rules, and the per-request counters the engine reports.
+"""Speculative decoding (MTP and DFlash): the §4.7 accept rules, and the per-request counters the engine reports.
 
 The accept rules are the reference a runner applies to its verify logits (the CPU runner calls `verify_drafts`
-directly; a CUDA kernel is checked against it). Drafts are greedy MTP proposals, i.e. a one-hot proposal
-distribution, so accepting draft i with probability p_i(draft_i) and otherwise sampling p_i without the draft keeps
-the target distribution exactly; under greedy sampling the output is token-identical to non-speculative decoding.
+directly; a CUDA kernel is checked against it). Drafts are greedy proposals (MTP head or DFlash drafter), i.e. a
+one-hot proposal distribution, so accepting draft i with probability p_i(draft_i) and otherwise sampling p_i without
+the draft keeps the target distribution exactly; under greedy sampling the output is token-identical to
+non-speculative decoding.
 """
 
 from __future__ import annotations

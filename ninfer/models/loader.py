@@ -8,8 +8,9 @@ import numpy as np
 
 from ninfer.artifact.reader import Artifact
 from ninfer.models.base import CausalLM
-from ninfer.targets.dims import DIMENSIONS_RESOURCE, LlamaDims, ModelDims, QwenDims, dims_from_json
-from ninfer.targets.registry import resolve_dims
+from ninfer.targets.dims import (DFLASH_DIMENSIONS_RESOURCE, DIMENSIONS_RESOURCE, DFlashDims, LlamaDims, ModelDims,
+                                 QwenDims, dflash_dims_from_json, dims_from_json)
+from ninfer.targets.registry import resolve_dflash_dims, resolve_dims
 
 
 class ArtifactWeights:
@@ -46,16 +47,36 @@ def has_vision_weights(artifact: Artifact) -> bool:
             and any(entry.name.startswith(VISION_PREFIX) for entry in artifact.objects))
 
 
-def build_model(artifact: Artifact, *, vision: bool = False) -> CausalLM:
-    """The CPU model; `vision` also builds the Qwen Vision tower (ValueError when the artifact has none)."""
+DFLASH_PREFIX = "dflash/"
+
+
+def artifact_dflash_dims(artifact: Artifact) -> DFlashDims | None:
+    """The DFlash drafter's dimensions when the artifact carries one (its `dflash/...` objects), else None."""
+    if not any(entry.name.startswith(DFLASH_PREFIX) for entry in artifact.objects):
+        return None
+    carried = dflash_dims_from_json(artifact.resource(DFLASH_DIMENSIONS_RESOURCE)) \
+        if DFLASH_DIMENSIONS_RESOURCE in artifact else None
+    dims = resolve_dflash_dims(artifact.model_id, carried)
+    if dims is None:
+        raise ValueError(f"{artifact.model_id}: the artifact has dflash/... objects but no drafter dimensions "
+                         f"({DFLASH_DIMENSIONS_RESOURCE})")
+    return dims
+
+
+def build_model(artifact: Artifact, *, vision: bool = False, dflash: bool = False) -> CausalLM:
+    """The CPU model; `vision` also builds the Qwen Vision tower and `dflash` the DFlash drafter (ValueError when
+    the artifact has none)."""
     dims = artifact_dims(artifact)
     weights = ArtifactWeights(artifact)
     if vision and not has_vision_weights(artifact):
         raise ValueError(f"{artifact.model_id}: the artifact has no Vision tower (no vision/... weights)")
+    drafter = artifact_dflash_dims(artifact) if dflash else None
+    if dflash and drafter is None:
+        raise ValueError(f"{artifact.model_id}: the artifact has no DFlash drafter (no dflash/... weights)")
     if isinstance(dims, QwenDims):
         from ninfer.models.qwen3_6 import Qwen36Model
 
-        return Qwen36Model(dims, weights, vision=vision)
+        return Qwen36Model(dims, weights, vision=vision, dflash=drafter)
     if isinstance(dims, LlamaDims):
         from ninfer.models.llama import LlamaModel
 

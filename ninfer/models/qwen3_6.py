@@ -1,5 +1,6 @@
 """Qwen3.5/3.6 hybrid model on the CPU backend (ninfer-facts §3): Gated DeltaNet + gated full attention, dense
-SwiGLU or sparse MoE FFN, untied head, and the one-layer MTP draft head.
+SwiGLU or sparse MoE FFN, untied head, the one-layer MTP draft head, and (35B-A3B, on request) the DFlash drafter
+of `ninfer.models.dflash`, whose context features this model captures while it runs.
 
 Weights are read by ninfer name (§2.9). Dense models use the 27B inventory layout (separate `query_key` /
 `gate_value`, `gdn/query_key` / `gdn/value_z`, `mlp/*`), MoE models the 35B one (fused `query_key_gate_value`,
@@ -40,10 +41,11 @@ from ninfer.backends.cpu.ops import (
 )
 from ninfer.models.base import ForwardResult, LogitsWanted, WeightSource
 from ninfer.models.qwen3_6_vision import VisionTower
-from ninfer.targets.dims import QwenDims
+from ninfer.targets.dims import DFlashDims, QwenDims
 
 
-def _get(weights: WeightSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def read_weight(weights: WeightSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A weight as float32, checked against the shape the model dimensions imply."""
     array = np.asarray(weights.get(name), dtype=F32)
     if array.shape != shape:
         raise ValueError(f"weight {name!r} has shape {array.shape}, the model dimensions need {shape}")
@@ -108,16 +110,16 @@ class GatedAttention:
         h, qw, kvw, d = dims.hidden, dims.q_width, dims.kv_width, dims.head_dim
         # One input matrix with rows q | k | gate | v: the 35B object as stored, the 27B pair concatenated once.
         if fused:
-            self.in_proj = _get(weights, prefix + "query_key_gate_value", (2 * qw + 2 * kvw, h))
+            self.in_proj = read_weight(weights, prefix + "query_key_gate_value", (2 * qw + 2 * kvw, h))
         else:
             self.in_proj = np.concatenate([
-                _get(weights, prefix + "query_key", (qw + kvw, h)),
-                _get(weights, prefix + "gate_value", (qw + kvw, h)),
+                read_weight(weights, prefix + "query_key", (qw + kvw, h)),
+                read_weight(weights, prefix + "gate_value", (qw + kvw, h)),
             ])
         self.splits = np.cumsum([qw, kvw, qw])
-        self.query_norm = _get(weights, prefix + "query_norm", (d,))
-        self.key_norm = _get(weights, prefix + "key_norm", (d,))
-        self.output = _get(weights, prefix + "output", (h, qw))
+        self.query_norm = read_weight(weights, prefix + "query_norm", (d,))
+        self.key_norm = read_weight(weights, prefix + "key_norm", (d,))
+        self.output = read_weight(weights, prefix + "output", (h, qw))
         self.heads, self.kv_heads, self.head_dim, self.eps = dims.attn_heads, dims.kv_heads, d, dims.rms_eps
 
     def new_state(self) -> KVCache:
@@ -148,22 +150,22 @@ class GatedDeltaNet:
         channels = dims.gdn_conv_channels
         # One input matrix with rows q | k | v | z and one with rows a | b, as the 35B objects store them.
         if fused:
-            self.in_proj = _get(weights, prefix + "query_key_value_z", (channels + vw, h))
-            self.ab_proj = _get(weights, prefix + "a_b_projection", (2 * hv, h))
+            self.in_proj = read_weight(weights, prefix + "query_key_value_z", (channels + vw, h))
+            self.ab_proj = read_weight(weights, prefix + "a_b_projection", (2 * hv, h))
         else:
             self.in_proj = np.concatenate([
-                _get(weights, prefix + "query_key", (2 * qkw, h)),
-                _get(weights, prefix + "value_z", (2 * vw, h)),
+                read_weight(weights, prefix + "query_key", (2 * qkw, h)),
+                read_weight(weights, prefix + "value_z", (2 * vw, h)),
             ])
             self.ab_proj = np.concatenate([
-                _get(weights, prefix + "a_projection", (hv, h)),
-                _get(weights, prefix + "b_projection", (hv, h)),
+                read_weight(weights, prefix + "a_projection", (hv, h)),
+                read_weight(weights, prefix + "b_projection", (hv, h)),
             ])
-        self.conv = _get(weights, prefix + "convolution", (dims.conv_kernel, channels))
-        self.neg_a = -np.exp(_get(weights, prefix + "a_log", (hv,)))
-        self.dt_bias = _get(weights, prefix + "dt_bias", (hv,))
-        self.norm = _get(weights, prefix + "norm", (dims.gdn_v_dim,))
-        self.output = _get(weights, prefix + "output", (h, vw))
+        self.conv = read_weight(weights, prefix + "convolution", (dims.conv_kernel, channels))
+        self.neg_a = -np.exp(read_weight(weights, prefix + "a_log", (hv,)))
+        self.dt_bias = read_weight(weights, prefix + "dt_bias", (hv,))
+        self.norm = read_weight(weights, prefix + "norm", (dims.gdn_v_dim,))
+        self.output = read_weight(weights, prefix + "output", (h, vw))
         self.splits = [qkw, 2 * qkw]  # q | k | v inside the convolved channels
         self.dims = dims
 
@@ -208,9 +210,9 @@ class GatedDeltaNet:
 
 class DenseMlp:
     def __init__(self, dims: QwenDims, weights: WeightSource, prefix: str) -> None:
-        gate_up = _get(weights, prefix + "gate_up", (2 * dims.intermediate, dims.hidden))
+        gate_up = read_weight(weights, prefix + "gate_up", (2 * dims.intermediate, dims.hidden))
         self.gate, self.up = gate_up[: dims.intermediate], gate_up[dims.intermediate :]
-        self.down = _get(weights, prefix + "down", (dims.hidden, dims.intermediate))
+        self.down = read_weight(weights, prefix + "down", (dims.hidden, dims.intermediate))
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         return swiglu(h, self.gate, self.up, self.down)
@@ -219,14 +221,14 @@ class DenseMlp:
 class SparseMoe:
     def __init__(self, dims: QwenDims, weights: WeightSource, prefix: str) -> None:
         e, h, inter, shared = dims.moe_experts, dims.hidden, dims.moe_intermediate, dims.shared_intermediate
-        router_shared_gate = _get(weights, prefix + "router_shared_gate", (e + 1, h))
+        router_shared_gate = read_weight(weights, prefix + "router_shared_gate", (e + 1, h))
         self.weights = MoeWeights(
             router=router_shared_gate[:e],
             shared_gate=router_shared_gate[e],
-            routed_gate_up=_get(weights, prefix + "routed_gate_up", (e * 2 * inter, h)).reshape(e, 2 * inter, h),
-            routed_down=_get(weights, prefix + "routed_down", (e * h, inter)).reshape(e, h, inter),
-            shared_gate_up=_get(weights, prefix + "shared_gate_up", (2 * shared, h)),
-            shared_down=_get(weights, prefix + "shared_down", (h, shared)),
+            routed_gate_up=read_weight(weights, prefix + "routed_gate_up", (e * 2 * inter, h)).reshape(e, 2 * inter, h),
+            routed_down=read_weight(weights, prefix + "routed_down", (e * h, inter)).reshape(e, h, inter),
+            shared_gate_up=read_weight(weights, prefix + "shared_gate_up", (2 * shared, h)),
+            shared_down=read_weight(weights, prefix + "shared_down", (h, shared)),
         )
         self.top_k = dims.moe_top_k
 
@@ -239,8 +241,8 @@ class DecoderLayer:
 
     def __init__(self, dims: QwenDims, weights: WeightSource, prefix: str, mixer: GatedAttention | GatedDeltaNet,
                  ffn: Callable[[np.ndarray], np.ndarray]) -> None:
-        self.input_norm = _get(weights, prefix + "input_norm", (dims.hidden,))
-        self.post_attention_norm = _get(weights, prefix + "post_attention_norm", (dims.hidden,))
+        self.input_norm = read_weight(weights, prefix + "input_norm", (dims.hidden,))
+        self.post_attention_norm = read_weight(weights, prefix + "post_attention_norm", (dims.hidden,))
         self.mixer, self.ffn, self.eps = mixer, ffn, dims.rms_eps
 
     def __call__(self, x: np.ndarray, parts: Sequence[MixerRows],
@@ -259,12 +261,12 @@ class MtpHead:
 
     def __init__(self, dims: QwenDims, weights: WeightSource) -> None:
         h = dims.hidden
-        self.input_projection = _get(weights, "mtp/input_projection", (h, 2 * h))
-        self.embedding_norm = _get(weights, "mtp/embedding_norm", (h,))
-        self.hidden_norm = _get(weights, "mtp/hidden_norm", (h,))
+        self.input_projection = read_weight(weights, "mtp/input_projection", (h, 2 * h))
+        self.embedding_norm = read_weight(weights, "mtp/embedding_norm", (h,))
+        self.hidden_norm = read_weight(weights, "mtp/hidden_norm", (h,))
         attention = GatedAttention(dims, weights, "mtp/layer/attention/", fused=True)
         self.layer = DecoderLayer(dims, weights, "mtp/layer/", attention, _ffn(dims, weights, "mtp/layer/"))
-        self.final_norm = _get(weights, "mtp/final_norm", (h,))
+        self.final_norm = read_weight(weights, "mtp/final_norm", (h,))
 
 
 def build_vision_tower(dims: QwenDims, weights: WeightSource) -> VisionTower:
@@ -281,12 +283,14 @@ def build_vision_tower(dims: QwenDims, weights: WeightSource) -> VisionTower:
 
 
 class Qwen36Model:
-    """The text model and its MTP head; holds weights only, all per-sequence data lives in the state objects."""
+    """The text model and its MTP head; holds weights only, all per-sequence data lives in the state objects.
+    `dflash` (the drafter's dimensions) also builds the DFlash drafter from the `dflash/...` weights."""
 
-    def __init__(self, dims: QwenDims, weights: WeightSource, *, vision: bool = False) -> None:
+    def __init__(self, dims: QwenDims, weights: WeightSource, *, vision: bool = False,
+                 dflash: DFlashDims | None = None) -> None:
         self.dims = dims
         fused = dims.is_moe
-        self.embedding = _get(weights, "text/token_embedding", (dims.vocab_rows, dims.hidden))
+        self.embedding = read_weight(weights, "text/token_embedding", (dims.vocab_rows, dims.hidden))
         self.layers: list[DecoderLayer] = []
         for index, kind in enumerate(dims.layer_types):
             prefix = f"text/layers/{index}/"
@@ -296,12 +300,18 @@ class Qwen36Model:
             else:
                 mixer = GatedDeltaNet(dims, weights, prefix + "gdn/", fused=fused)
             self.layers.append(DecoderLayer(dims, weights, prefix, mixer, _ffn(dims, weights, prefix)))
-        self.final_norm = _get(weights, "text/final_norm", (dims.hidden,))
-        self.output_head = _get(weights, "text/output_head", (dims.vocab_rows, dims.hidden))
+        self.final_norm = read_weight(weights, "text/final_norm", (dims.hidden,))
+        self.output_head = read_weight(weights, "text/output_head", (dims.vocab_rows, dims.hidden))
         self.mtp = MtpHead(dims, weights) if dims.mtp_layers > 0 else None
         self._inv_freq = rope_inv_freq(dims.rotary_dim, dims.rope_theta)
         self._weights = weights  # the draft head is read only when speculative decoding asks for it
         self.vision_tower = build_vision_tower(dims, weights) if vision else None
+        self.dflash = None
+        if dflash is not None:
+            # Imported here: the drafter module reads its weights with this module's read_weight.
+            from ninfer.models.dflash import DFlashDrafter
+
+            self.dflash = DFlashDrafter(dims, dflash, weights)
 
     # ---- target model ----
 
@@ -355,15 +365,31 @@ class Qwen36Model:
             x[np.asarray(columns, dtype=np.intp)] = rows
         return x
 
+    def forward_batch_features(self, token_ids: np.ndarray, positions: np.ndarray, segments: Sequence[Segment],
+                               feature_layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """`forward_batch` (text only) that also returns every row's context features `[N, len(layers) * hidden]`:
+        the residual stream after each of `feature_layers` (post-MLP, before the next input norm), concatenated in
+        that order (the DFlash drafter's input, ninfer-facts §3.10)."""
+        return self._run_layers(self.embed(token_ids), positions, segments, feature_layers)
+
     def forward_segments(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+        return self._run_layers(x, positions, segments, ())[0]
+
+    def _run_layers(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment],
+                    feature_layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         angles = mrope_angles(positions, self._inv_freq, self.dims.mrope_section)
         x = x.astype(F32, copy=False)
+        captured = {}
         for index, layer in enumerate(self.layers):
             x, columns = layer(x, _layer_parts(segments, index), angles)
             for segment, recorded in zip(segments, columns):
                 if recorded is not None:
                     segment.columns[index] = recorded
-        return rms_norm(x, self.final_norm, self.dims.rms_eps, offset=True)
+            if index in feature_layers:
+                captured[index] = x
+        features = np.concatenate([captured[i] for i in feature_layers], axis=1) if feature_layers else \
+            np.zeros((x.shape[0], 0), F32)
+        return rms_norm(x, self.final_norm, self.dims.rms_eps, offset=True), features
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Head rows `[N, vocab_rows]` for hidden rows after the final norm."""
@@ -405,8 +431,9 @@ class Qwen36Model:
         return rms_norm(u, mtp.final_norm, eps, offset=True)
 
     def draft_ids(self, d: np.ndarray, *, shortlist: bool) -> np.ndarray:
-        """Greedy MTP proposals for MTP outputs `d [N, hidden]`: argmax over the full head's token rows, or over the
-        §3.9 shortlist head when `shortlist` (and the artifact has one). MTP never samples."""
+        """Greedy proposals for draft rows `d [N, hidden]` (MTP outputs, DFlash mask rows): argmax over the full
+        head's token rows, or over the §3.9 shortlist head when `shortlist` (and the artifact has one). Neither
+        drafter samples."""
         head = self.draft_head if shortlist else None
         if head is None:
             return np.argmax(self.logits(d)[:, : self.dims.vocab_ids], axis=1).astype(np.int32)
@@ -418,7 +445,8 @@ class Qwen36Model:
         if not (self._weights.has("text/draft_head") and self._weights.has("text/draft_head_token_ids")):
             return None
         ids = np.asarray(self._weights.get("text/draft_head_token_ids"), dtype=np.int32)
-        return DraftHead(weight=_get(self._weights, "text/draft_head", (len(ids), self.dims.hidden)), token_ids=ids)
+        weight = read_weight(self._weights, "text/draft_head", (len(ids), self.dims.hidden))
+        return DraftHead(weight=weight, token_ids=ids)
 
     def _require_mtp(self) -> MtpHead:
         if self.mtp is None:

@@ -1,6 +1,6 @@
 """What startup builds before the first request is served: the checks of what this build can do, the model stack
 (artifact -> model -> CPU runner -> Engine, and the prompt builder; with --vision also the Vision tower and the media
-preparer), and the warm-up generation."""
+preparer; with --spec dflash the DFlash drafter), and the warm-up generation."""
 
 from __future__ import annotations
 
@@ -53,8 +53,6 @@ def unsupported_options(options: ServeOptions) -> list[str]:
         problems.append(f"--device {options.device} needs the CUDA backend on a machine with at least "
                         f"{options.device + 1} NVIDIA GPUs; this one has {devices} usable (the CPU backend stands in "
                         f"for device 0 only)")
-    if options.spec == "dflash":
-        problems.append("--spec dflash needs the DFlash drafter, which this build does not have")
     pinned = options.cold_tier_device
     if pinned >= 0 and not options.no_cold_tier and (pinned >= devices or pinned == options.device):
         problems.append(f"--cold-tier-device {pinned} needs a secondary CUDA device; this machine has {devices} "
@@ -63,13 +61,36 @@ def unsupported_options(options: ServeOptions) -> list[str]:
     return problems
 
 
-def weights_bytes(artifact: Artifact, *, vision: bool = True) -> int:
+def weights_bytes(artifact: Artifact, *, vision: bool = True, dflash: bool = True) -> int:
     """Resident weight bytes once the CPU model has dequantized every tensor (the Vision tower's only with
-    `vision`: without --vision it is never read)."""
-    from ninfer.models.loader import VISION_PREFIX
+    `vision`, the DFlash drafter's only with `dflash`: otherwise they are never read)."""
+    from ninfer.models.loader import DFLASH_PREFIX, VISION_PREFIX
 
+    skipped = tuple(prefix for prefix, wanted in ((VISION_PREFIX, vision), (DFLASH_PREFIX, dflash)) if not wanted)
     return sum(math.prod(entry.shape) * FP32_BYTES for entry in artifact.objects
-               if entry.kind == "tensor" and (vision or not entry.name.startswith(VISION_PREFIX)))
+               if entry.kind == "tensor" and not entry.name.startswith(skipped))
+
+
+def dflash_problem(options: ServeOptions, artifact: Artifact, dims: Any, on_gpu: bool) -> str | None:
+    """Why --spec dflash cannot serve this artifact (of dimensions `dims`) with these options, None when it can:
+    DFlash is the text-only drafter of the 35B-A3B target, the artifact must carry it, and it runs on the CPU backend
+    only for now (`on_gpu`: the artifact would run on the CUDA backend)."""
+    from ninfer.models.loader import artifact_dflash_dims
+    from ninfer.targets.dims import QwenDims
+
+    if options.vision:
+        return "--spec dflash cannot be combined with --vision (DFlash is text-only)"
+    if not isinstance(dims, QwenDims) or not dims.is_moe:
+        return (f"--spec dflash needs the 35B-A3B (MoE) target, whose drafter it is; {artifact.model_id} is a dense "
+                f"model (use --spec mtp)")
+    if artifact_dflash_dims(artifact) is None:
+        return (f"--spec dflash needs the DFlash drafter, and the artifact ({artifact.model_id}) has none (no "
+                f"dflash/... objects): convert the checkpoint with `ninfer convert ... --dflash-model DIR`, or use "
+                f"--spec mtp")
+    if on_gpu:
+        return (f"--spec dflash: DFlash currently runs on the CPU backend only, and this artifact would run on CUDA "
+                f"device {options.device} (use --spec mtp on the GPU)")
+    return None
 
 
 IMAGE_PREPROCESSOR_RESOURCE = "frontend/preprocessor_config.json"
@@ -170,6 +191,11 @@ def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
     try:
         artifact = Artifact.open(artifact_path)
         dims = artifact_dims(artifact)
+        on_gpu = isinstance(dims, QwenDims) and cuda_device_count() > options.device
+        dflash = options.spec == "dflash"
+        problem = dflash_problem(options, artifact, dims, on_gpu) if dflash else None
+        if problem is not None:
+            raise StartupError(f"cannot serve {artifact_path}: {problem}")
         if options.vision and not has_vision_weights(artifact):
             raise StartupError(f"cannot serve {artifact_path} with --vision: the artifact ({artifact.model_id}) has "
                                f"no Vision tower weights (vision/...); convert a checkpoint with its vision tower, "
@@ -177,7 +203,7 @@ def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
         target = lookup_target(artifact.model_id)
         builder = PromptBuilder.from_artifact(artifact)
         config = options.engine_config()
-        if isinstance(dims, QwenDims) and cuda_device_count() > options.device:
+        if on_gpu:
             from ninfer.backends.cuda.build import build_cuda_runner, describe
 
             build = build_cuda_runner(artifact, config, device_index=options.device,
@@ -191,8 +217,8 @@ def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
             from ninfer.backends.cpu.runner import build_cpu_runner
             from ninfer.models.loader import build_model
 
-            model, cuda = build_model(artifact, vision=options.vision), None
-            weights = weights_bytes(artifact, vision=options.vision)
+            model, cuda = build_model(artifact, vision=options.vision, dflash=dflash), None
+            weights = weights_bytes(artifact, vision=options.vision, dflash=dflash)
             budget = available_memory_bytes() - weights if options.kv_capacity == "auto" else None
             runner = build_cpu_runner(model, config, memory_budget=budget)
         engine = Engine(runner, config, target.sampling, cold_tier=build_cold_tier(options, cuda is not None))
@@ -253,7 +279,8 @@ def server_start_record(options: ServeOptions, stack: ModelStack, warm_up_second
 
         backend = "cpu"
         arenas = {"weights": stack.weights_bytes,
-                  "sequence_state": runner_state_bytes(stack.model, config.max_concurrency, config.draft_tokens),
+                  "sequence_state": runner_state_bytes(stack.model, config.max_concurrency, config.draft_tokens,
+                                                       config.spec or "mtp"),
                   "kv_pool": kv_pool_bytes, "workspace": 0, "request_transient": 0}
         graphs = {"enabled": False, "observed_bytes": 0, "allowance_bytes": 0}  # the CPU backend has none
         environment = {"backend": "cpu", "cuda": None, "gpus": []}

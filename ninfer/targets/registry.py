@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from ninfer.targets.dims import LlamaDims, ModelDims, QwenDims, VisionDims
+from ninfer.targets.dims import (FULL_ATTENTION, SLIDING_ATTENTION, DFlashDims, LlamaDims, ModelDims, QwenDims,
+                                 VisionDims)
 
 
 class UnknownModelError(LookupError):
@@ -38,6 +39,11 @@ QWEN36_27B_DIMS = QwenDims(hidden=5120, layer_types=_qwen_layer_types(64), attn_
 QWEN36_35B_A3B_DIMS = QwenDims(hidden=2048, layer_types=_qwen_layer_types(40), attn_heads=16, kv_heads=2,
                                gdn_v_heads=32, moe_experts=256, moe_top_k=8, moe_intermediate=512,
                                shared_intermediate=512, vision=_vision(2048), **_QWEN_COMMON)
+# z-lab/Qwen3.6-35B-A3B-DFlash rev f181eece (ninfer-facts §2.10, §3.10).
+QWEN36_35B_A3B_DFLASH_DIMS = DFlashDims(
+    hidden=2048, intermediate=6144, layer_types=(SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,), attn_heads=32,
+    kv_heads=8, head_dim=128, block_size=16, mask_token_id=248077, target_layer_ids=(1, 6, 11, 16, 22, 27, 32, 37),
+    sliding_window=4096, rope_theta=1e7, rms_eps=1e-6)
 SMOLLM2_135M_DIMS = LlamaDims(hidden=576, layers=30, vocab_rows=49152, vocab_ids=49152, attn_heads=9, kv_heads=3,
                               head_dim=64, intermediate=1536, rope_theta=100000.0, rms_eps=1e-5, tie_embeddings=True)
 
@@ -83,6 +89,7 @@ class Target:
     dims: ModelDims | None  # None: taken from the artifact's model/dimensions.json
     description: str
     sampling: SamplingPresets
+    dflash: DFlashDims | None = None  # the target's published DFlash drafter (custom targets carry theirs)
 
 
 TARGETS: dict[str, Target] = {
@@ -92,7 +99,7 @@ TARGETS: dict[str, Target] = {
         Target("qwen3.8-27b", "qwen3_6", QWEN36_27B_DIMS, "Qwen3.8-27B (same geometry as Qwen3.6-27B)",
                QWEN_27B_PRESETS),
         Target("qwen3.6-35b-a3b", "qwen3_6", QWEN36_35B_A3B_DIMS, "Qwen3.6-35B-A3B (MoE, 40 layers)",
-               QWEN_35B_A3B_PRESETS),
+               QWEN_35B_A3B_PRESETS, dflash=QWEN36_35B_A3B_DFLASH_DIMS),
         Target("qwen3.6-custom", "qwen3_6", None, "a Qwen3.5/3.6-architecture model of any size (tests)",
                QWEN_27B_PRESETS),
         Target("smollm2-135m-instruct", "llama", SMOLLM2_135M_DIMS, "SmolLM2-135M-Instruct (the bundled demo)",
@@ -122,6 +129,28 @@ def resolve_dims(model_id: str, carried: ModelDims | None) -> ModelDims:
     if carried is not None and carried != target.dims:
         raise TargetMismatchError(f"model/dimensions.json contradicts the registered dimensions of {model_id!r}")
     return target.dims
+
+
+def dflash_mismatches(model_id: str, dflash: DFlashDims) -> list[str]:
+    """How a drafter differs from the one registered for `model_id`'s target, field by field (empty for a target
+    without a registered drafter: custom targets' drafters may have any size)."""
+    registered = lookup_target(model_id).dflash
+    if registered is None:
+        return []
+    return [f"{field.name} is {getattr(dflash, field.name)!r}, {model_id}'s drafter has "
+            f"{getattr(registered, field.name)!r}"
+            for field in attrs.fields(DFlashDims) if getattr(dflash, field.name) != getattr(registered, field.name)]
+
+
+def resolve_dflash_dims(model_id: str, carried: DFlashDims | None) -> DFlashDims | None:
+    """The drafter dimensions an artifact with DFlash objects is served with: the target's registered ones (checked
+    against what the artifact carries), or what a custom artifact carries."""
+    target = lookup_target(model_id)
+    if target.dims is None:
+        return carried
+    if carried is not None and carried != target.dflash:
+        raise TargetMismatchError(f"model/dflash_dimensions.json contradicts the registered drafter of {model_id!r}")
+    return target.dflash
 
 
 def target_for_qwen_dims(dims: QwenDims) -> str:

@@ -1,7 +1,9 @@
 """Tiny random Hugging Face Qwen3.5/3.6 checkpoints laid out like the real ones, and helpers around them.
 
 A checkpoint directory holds config.json, BF16 safetensors (optionally sharded with model.safetensors.index.json),
-fabricated `mtp.*` tensors with the real names, and the six frontend files. The vocabulary is the real one (248,320
+fabricated `mtp.*` tensors with the real names, and the six frontend files. DFlash drafter checkpoints (z-lab layout:
+config.json and `fc`, `hidden_norm`, `norm`, `layers.{i}.*` tensors) are written for the tiny MoE target, or
+shape-only at the real size. The vocabulary is the real one (248,320
 rows) so the real tokenizer fits; everything else is tiny. Weights are random with a fixed seed and a scale that
 keeps activations O(1): norm weights are far from zero so the (1 + w) offset form matters.
 """
@@ -159,13 +161,8 @@ def copy_frontend(fixture: str, out_dir: Path, tokenizer_json: Path) -> None:
     shutil.copyfile(tokenizer_json, out_dir / "tokenizer.json")
 
 
-def build_shape_only_checkpoint(out_dir: Path, fixture: str, *, tokenizer_json: Path) -> Path:
-    """A full-size checkpoint directory for an official config (fixture `Qwen3.6-27B`, `Qwen3.8-27B`, ...) whose
-    single safetensors file is SPARSE: a real header (every tensor transformers declares, plus the real `mtp.*`
-    names) over a hole of zeros, so planning sees the true inventory at no disk or memory cost."""
-    from transformers import AutoConfig
-
-    shapes = checkpoint_shapes(AutoConfig.from_pretrained(FIXTURES / fixture))
+def _write_sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A BF16 safetensors file with a real header over a hole of zeros (no disk or memory cost)."""
     header, offset = {}, 0
     for name, shape in sorted(shapes.items()):
         size = 2 * int(np.prod(shape))
@@ -173,12 +170,71 @@ def build_shape_only_checkpoint(out_dir: Path, fixture: str, *, tokenizer_json: 
         offset += size
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "model.safetensors", "wb") as f:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
         f.write(len(encoded).to_bytes(8, "little") + encoded)
         f.truncate(8 + len(encoded) + offset)
+
+
+def build_shape_only_checkpoint(out_dir: Path, fixture: str, *, tokenizer_json: Path) -> Path:
+    """A full-size checkpoint directory for an official config (fixture `Qwen3.6-27B`, `Qwen3.8-27B`, ...) whose
+    single safetensors file is SPARSE: a real header (every tensor transformers declares, plus the real `mtp.*`
+    names) over a hole of zeros, so planning sees the true inventory at no disk or memory cost."""
+    from transformers import AutoConfig
+
+    _write_sparse_safetensors(out_dir / "model.safetensors",
+                              checkpoint_shapes(AutoConfig.from_pretrained(FIXTURES / fixture)))
     shutil.copyfile(FIXTURES / fixture / "config.json", out_dir / "config.json")
     copy_frontend(fixture, out_dir, tokenizer_json)
+    return out_dir
+
+
+# z-lab/Qwen3.6-35B-A3B-DFlash rev f181eece as ninfer-facts §2.10 and §3.1 describe it.
+REAL_DFLASH_CONFIG = dict(
+    architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=2048, intermediate_size=6144,
+    num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, block_size=16,
+    dflash_config=dict(mask_token_id=248077, target_layer_ids=[1, 6, 11, 16, 22, 27, 32, 37]),
+    sliding_window=4096, rope_theta=10000000.0, rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu",
+    num_target_layers=40, vocab_size=248320, tie_word_embeddings=False)
+# A drafter of the tiny MoE target (MOE_TEXT: hidden 64, 4 layers): one sliding and one full layer.
+TINY_DFLASH_CONFIG = dict(
+    REAL_DFLASH_CONFIG, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    layer_types=["sliding_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    dflash_config=dict(mask_token_id=248077, target_layer_ids=[1, 2]), sliding_window=32, num_target_layers=4)
+
+
+def dflash_checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The 3 + 11 * layers tensors of a z-lab DFlash drafter checkpoint."""
+    h, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    qw, kvw = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    features = len(config["dflash_config"]["target_layer_ids"]) * h
+    shapes = {"fc.weight": (h, features), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        x = f"layers.{i}."
+        shapes.update({x + "input_layernorm.weight": (h,), x + "post_attention_layernorm.weight": (h,),
+                       x + "self_attn.q_proj.weight": (qw, h), x + "self_attn.k_proj.weight": (kvw, h),
+                       x + "self_attn.v_proj.weight": (kvw, h), x + "self_attn.o_proj.weight": (h, qw),
+                       x + "self_attn.q_norm.weight": (hd,), x + "self_attn.k_norm.weight": (hd,),
+                       x + "mlp.gate_proj.weight": (inter, h), x + "mlp.up_proj.weight": (inter, h),
+                       x + "mlp.down_proj.weight": (h, inter)})
+    return shapes
+
+
+def build_dflash_checkpoint(out_dir: Path, config: dict, *, seed: int = 0, shape_only: bool = False,
+                            extra: dict[str, tuple[int, ...]] | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A DFlash drafter checkpoint directory for `config`: random BF16 weights, or a sparse file when `shape_only`.
+    `extra` adds tensors and `drop` leaves some out (malformed checkpoints)."""
+    shapes = {name: shape for name, shape in dflash_checkpoint_shapes(config).items() if name not in drop}
+    shapes.update(extra or {})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if shape_only:
+        _write_sparse_safetensors(out_dir / "model.safetensors", shapes)
+    else:
+        rng = np.random.default_rng(seed)
+        _save_bf16({name: _random_value(name, shape, rng).astype(np.float32) for name, shape in sorted(shapes.items())},
+                   out_dir, 1)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
 
 

@@ -124,19 +124,38 @@ def causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_start: i
     S == q_start + T. Query head h reads KV head h // (Hq / Hkv). Returns `[T, Hq, D]`.
     Each query attends over exactly its visible keys (no masked tail), so its result does not depend on T.
     """
-    t, hq, d = q.shape
-    s, hkv, _ = k.shape
+    t, s = q.shape[0], k.shape[0]
     if s != q_start + t:
         raise ValueError(f"cache holds {s} positions, queries end at {q_start + t}")
+    return _gqa_over_visible(q, k, v, scale, lambda i: slice(0, q_start + i + 1))
+
+
+def windowed_gqa_attention(q: np.ndarray, q_positions: np.ndarray, k: np.ndarray, v: np.ndarray,
+                           k_positions: np.ndarray, scale: float, window: int | None) -> np.ndarray:
+    """Non-causal grouped-query attention: each query reads every key whose position is within `window` of its own
+    (`|p_key - p_query| < window`), or every key when `window` is None.
+
+    q: `[T, Hq, D]` at `q_positions [T]`; k, v: `[S, Hkv, D]` at `k_positions [S]`. Query head h reads KV head
+    h // (Hq / Hkv). Returns `[T, Hq, D]`; each query attends over exactly its visible keys (row invariant).
+    """
+    if window is None:
+        return _gqa_over_visible(q, k, v, scale, lambda i: slice(None))
+    return _gqa_over_visible(q, k, v, scale, lambda i: np.abs(k_positions - q_positions[i]) < window)
+
+
+def _gqa_over_visible(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, visible_of) -> np.ndarray:
+    """Grouped-query attention where query i reads the keys `visible_of(i)` selects (a slice or a mask)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
     group = hq // hkv
     keys = k.astype(F32, copy=False).transpose(1, 2, 0)  # [Hkv, D, S]
     values = v.astype(F32, copy=False).transpose(1, 0, 2)  # [Hkv, S, D]
     queries = q.astype(F32, copy=False).reshape(t, hkv, group, d)
     out = np.empty((t, hkv, group, d), dtype=F32)
     for i in range(t):
-        visible = q_start + i + 1
-        scores = np.matmul(queries[i], keys[:, :, :visible]) * F32(scale)  # [Hkv, group, visible]
-        out[i] = np.matmul(softmax(scores, axis=-1), values[:, :visible, :])
+        visible = visible_of(i)
+        scores = np.matmul(queries[i], keys[:, :, visible]) * F32(scale)  # [Hkv, group, visible]
+        out[i] = np.matmul(softmax(scores, axis=-1), values[:, visible, :])
     return out.reshape(t, hq, d)
 
 
