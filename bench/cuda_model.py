@@ -156,19 +156,21 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
-                 decode_only: bool = False) -> dict:
+                 decode_only: bool = False, decode_quant: str = "simt") -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
     device = device or CudaDevice(0)
     specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
     capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
-                        prefill_rows=prefill_tokens, draft_tokens=3, tensor_core_attention=True)
+                        prefill_rows=prefill_tokens, draft_tokens=3, tensor_core_attention=True,
+                        decode_quant=decode_quant)
     began = time.perf_counter()
     model = CudaQwen(dims, RandomDeviceWeights(specs, recipe, device), device, capacity)
     model.allocate_kv(8 * capacity.max_pages_per_lane)
     device.synchronize()
-    result = {"model": dims_name, "recipe": recipe, "kv_dtype": kv_dtype, "build_seconds": time.perf_counter() - began,
+    result = {"model": dims_name, "recipe": recipe, "kv_dtype": kv_dtype, "decode_quant": decode_quant,
+              "build_seconds": time.perf_counter() - began,
               "ledger_bytes": dict(device.ledger)}
     print(f"[{dims_name} {recipe} kv={kv_dtype}] built in {result['build_seconds']:.1f}s, "
           f"weights {device.ledger['weights'] / 2**30:.1f} GiB", flush=True)
@@ -314,6 +316,8 @@ def main() -> None:
                         help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
                              "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
+    parser.add_argument("--decode-quant", default="simt", choices=("simt", "mma"),
+                        help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs (CUPTI through torch.profiler)")
     args = parser.parse_args()
@@ -332,7 +336,8 @@ def main() -> None:
                     linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("cublas",)
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
                                                           decode_linears=linears, profile=args.profile,
-                                                          decode_only=args.decode_only))
+                                                          decode_only=args.decode_only,
+                                                          decode_quant=args.decode_quant))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

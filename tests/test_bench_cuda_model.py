@@ -22,12 +22,14 @@ def bench():
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
-def test_every_measurement_runs_on_the_host_device(bench, moe, recipe):
+@pytest.mark.parametrize("recipe,decode_quant", [("bf16", "simt"), ("ninfer-v2", "simt"), ("ninfer-v2", "mma")])
+def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_quant):
     from ninfer.backends.cuda.host import HostDevice
 
     result = bench.bench_config("tiny", recipe, "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=moe),
-                                context=70, prefill_tokens=128, repeats=4, decode_linears=("kernels", "cublas"))
+                                context=70, prefill_tokens=128, repeats=4, decode_linears=("kernels", "cublas"),
+                                decode_quant=decode_quant)
+    assert result["decode_quant"] == decode_quant
     assert [(row["linear"], row["batch"]) for row in result["decode"]] == [
         (linear, batch) for linear in ("kernels", "cublas") for batch in (1, 2, 4, 8)]
     assert all(row["bytes"] > 0 and row["step_ms"] > 0 for row in result["decode"])

@@ -38,7 +38,7 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.common import bf16_pair
+from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_pair, bf16_to_f32
 from ninfer.kernels_numba.linear import load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -72,6 +72,7 @@ class QuantMmaWeight:
     scales: object  # uint32 [tiles * blocks * SCALE_WORDS * 8]: binary16 scales of rows (g, g + 8)
     blocks: int
     nbytes: int
+    tensor_core = True  # `Linear` routes decode rows of this weight to `linear_quant_mma`
 
 
 # ---- PTX the numba front end does not expose ------------------------------------------------------------------------
@@ -201,7 +202,12 @@ def repack_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray) -> d
 
 
 def upload_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray, *, stream=0) -> QuantMmaWeight:
-    planes = repack_quant_mma(fmt, shape, payload)
+    return upload_quant_mma_planes(fmt, shape, repack_quant_mma(fmt, shape, payload), stream=stream)
+
+
+def upload_quant_mma_planes(fmt: str, shape: tuple[int, int], planes: dict[str, np.ndarray], *,
+                            stream=0) -> QuantMmaWeight:
+    """Copy already repacked planes (`repack_quant_mma`) to the device (benchmarks repack one payload once)."""
     arrays = {name: cuda.to_device(value, stream=stream) for name, value in planes.items()}
     return QuantMmaWeight(fmt, tuple(int(v) for v in shape), arrays["base"], arrays["high"], arrays["scales"],
                           int(shape[1]) // BLOCK, int(sum(value.nbytes for value in planes.values())))
@@ -407,6 +413,76 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
                                                             int32(1 if accumulate else 0))
 
 
+def make_dequantize_mma_kernel(bits: int):
+    HW = HIGH_WORDS[bits]
+    SW = SCALE_WORDS[bits]
+    MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
+    MINUS_LOW = _minus_pair(0)
+
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32), fastmath=False)
+    def dequantize_mma_kernel(base, high, scales, out, blocks):
+        """out (bf16 pairs [N, K / 2]) = bf16(code * scale); one thread per (tile, block, lane): its 16 pairs."""
+        i = int32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
+        N = int32(out.shape[0])
+        tiles = (N + 15) >> 4
+        if i >= tiles * blocks * 32:
+            return
+        lane = i & 31
+        at = i >> 5  # tile * blocks + block
+        tile = at // blocks
+        q = at - tile * blocks
+        g = lane >> 2
+        t = lane & 3
+        minus = uint32(MINUS)
+        minus_low = uint32(MINUS_LOW)
+        w0, w1, w2, w3 = load4(base, i * 4)
+        hw0 = uint32(0)
+        hw1 = uint32(0)
+        hw2 = uint32(0)
+        hw3 = uint32(0)
+        if bits == 5:
+            hw0 = high[i]
+        elif bits == 6:
+            hw0, hw1 = load2(high, i * 2)
+        elif bits == 8:
+            hw0, hw1, hw2, hw3 = load4(high, i * 4)
+        for j in range(4):
+            w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
+            h = hw0 if j == 0 else (hw1 if j == 1 else (hw2 if j == 2 else hw3))
+            k = j >> 1 if bits == 8 else 0
+            s_lo, s_hi = half_pair_to_f32(scales[(at * SW + k) * 8 + g])
+            for s in range(4):
+                if bits == 8:
+                    hi = nibble_pair(h, s, minus)
+                    lo = nibble_pair(w, s, minus_low)
+                    first = float32(16.0) * bf16_to_f32(hi) + bf16_to_f32(lo)
+                    second = float32(16.0) * bf16_hi_to_f32(hi) + bf16_hi_to_f32(lo)
+                else:
+                    pair = code_pair(w, hw0, hw1, j, s, bits, minus)
+                    first = bf16_to_f32(pair)
+                    second = bf16_hi_to_f32(pair)
+                scale = s_hi if s & 1 else s_lo
+                row = tile * 16 + g + 8 * (s & 1)
+                if row < N:
+                    out[row, q * 32 + 8 * j + t + 4 * (s >> 1)] = bf16_pair(first * scale, second * scale)
+
+    return dequantize_mma_kernel
+
+
+DEQUANTIZE_MMA_KERNELS = {bits: make_dequantize_mma_kernel(bits) for bits in (4, 5, 6, 8)}
+
+
+def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream) -> None:
+    """out[N, K] (uint16 bf16 bits, C-contiguous) = bf16(code * scale): what `quant_linear.dequantize_bf16` gives for
+    the artifact layout (the prefill path's cuBLAS operand)."""
+    N, K = qw.shape
+    if tuple(out.shape) != (N, K):
+        raise ValueError(f"dequantize into {tuple(out.shape)}, the weight is {qw.shape}")
+    threads = -(-N // TILE_ROWS) * qw.blocks * 32
+    DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]][math.ceil(threads / 256), 256, stream](
+        qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks))
+
+
 # ---- NumPy twins ---------------------------------------------------------------------------------------------------
 
 def x_fragments_reference(x: np.ndarray) -> np.ndarray:
@@ -419,6 +495,18 @@ def x_fragments_reference(x: np.ndarray) -> np.ndarray:
     q = np.arange(K // BLOCK)[:, None, None, None] * BLOCK
     words = bits[g, q + cols] | (bits[g, q + cols + 1] << np.uint32(16))  # [groups, 32, 4, 2]
     return words.reshape(-1)
+
+
+def x_from_fragments(xf: np.ndarray, rows: int, K: int) -> np.ndarray:
+    """The bf16 x (as fp32 [rows, K]) that `x_fragments` wrote into `xf` (the inverse of its twin)."""
+    words = np.asarray(xf[: x_fragment_words(K)], np.uint32).reshape(K // BLOCK, 32, 4, 2)
+    bits = np.zeros((MAX_X_ROWS, K), np.uint32)
+    lane, j, b = np.meshgrid(np.arange(32), np.arange(4), np.arange(2), indexing="ij")
+    g, cols = lane // 4, 16 * j + 2 * (lane % 4) + 8 * b
+    for q in range(K // BLOCK):
+        bits[g, q * BLOCK + cols] = words[q] & np.uint32(0xFFFF)
+        bits[g, q * BLOCK + cols + 1] = words[q] >> np.uint32(16)
+    return codec.bf16_bits_to_f32(bits[:rows].astype(np.uint16))
 
 
 def linear_quant_mma_reference(x: np.ndarray, fmt: str, shape: tuple[int, int], payload: np.ndarray,

@@ -19,6 +19,7 @@ from ninfer.kernels_numba import gdn as _gdn
 from ninfer.kernels_numba import layout as _layout
 from ninfer.kernels_numba import linear as _linear
 from ninfer.kernels_numba import moe as _moe
+from ninfer.kernels_numba import quant_mma as _quant_mma
 from ninfer.kernels_numba import sampling as _sampling
 from ninfer.kernels_numba import vision as _vision
 from ninfer.backends.cuda import kernels as _device_kernels
@@ -60,6 +61,43 @@ def repack_quant(fmt, shape, payload) -> dict[str, np.ndarray]:
 
 def upload_quant_planes(fmt, shape, planes, *, stream=0) -> QuantWeight:
     return upload_quant_weight(fmt, shape, planes["payload"])
+
+
+@attrs.define(eq=False)
+class QuantMmaWeight(QuantWeight):
+    """The tensor-core layout's stand-in: the same payload, routed by `Linear` to the tensor-core launchers."""
+
+    tensor_core = True
+
+
+def upload_quant_mma(fmt, shape, payload, *, stream=0) -> QuantMmaWeight:
+    payload = np.asarray(payload, dtype=np.uint8).copy()
+    return QuantMmaWeight(fmt, tuple(shape), payload, int(payload.nbytes))
+
+
+repack_quant_mma = repack_quant
+
+
+def upload_quant_mma_planes(fmt, shape, planes, *, stream=0) -> QuantMmaWeight:
+    return upload_quant_mma(fmt, shape, planes["payload"])
+
+
+x_fragment_words = _quant_mma.x_fragment_words
+
+
+def x_fragments(x, out, *, stream):
+    words = _quant_mma.x_fragment_words(x.shape[1])
+    out[:words] = _quant_mma.x_fragments_reference(x)
+
+
+def linear_quant_mma(xf, qw, y, *, stream, accumulate=False):
+    rows, K = y.shape[0], qw.shape[1]
+    out = row_linear(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded())
+    y[...] = (y + out) if accumulate else out
+
+
+def dequantize_mma_bf16(qw, out, *, stream):
+    out[...] = codec.f32_to_bf16_bits(qw.decoded())
 
 
 def embed_rows(table, ids, out, *, stream):

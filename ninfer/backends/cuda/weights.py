@@ -2,7 +2,8 @@
 shapes (generated on the GPU, for benchmarks).
 
 Matrices stay in their artifact format: bf16 as uint16 bit arrays, the ninfer-v2 formats as `QuantWeight`s that the
-quantized kernels read. Several tensors that one projection reads together (the 27B's `query_key` + `gate_value`) are
+quantized kernels read, or, with `quant_layout = "mma"`, in the tensor-core layout of `kernels_numba.quant_mma`
+(matrices the gathered MoE kernels read keep the SIMT layout). Several tensors that one projection reads together (the 27B's `query_key` + `gate_value`) are
 concatenated by rows without decoding (`codec.concat_rows`). Norm vectors and small parameters are fp32.
 """
 
@@ -55,10 +56,13 @@ Matrix = Union[Bf16Matrix, SplitMatrix, Any]  # or a quantized weight of the dev
 
 
 class DeviceWeights(Protocol):
+    quant_layout: str  # quantized matrices for "simt" (quant_linear) or "mma" (quant_mma) decode kernels
+
     def has(self, name: str) -> bool: ...
 
-    def matrix(self, *names: str) -> Matrix:
-        """The row-wise concatenation of the named [N_i, K] tensors, in their stored format."""
+    def matrix(self, *names: str, gathered: bool = False) -> Matrix:
+        """The row-wise concatenation of the named [N_i, K] tensors, in their stored format (`gathered`: read by
+        the gathered MoE kernels, which take the SIMT layout)."""
 
     def table(self, name: str) -> Any:
         """An embedding table [V, H]: bf16 bits when stored as BF16, else its exact fp32 decoding (a quantized
@@ -71,24 +75,34 @@ class DeviceWeights(Protocol):
         """A small tensor decoded on the host (fp32, or int32 for I32 tensors)."""
 
 
+def tensor_core_layout(quant_layout: str, shape: tuple[int, int], gathered: bool) -> bool:
+    from ninfer.kernels_numba.quant_mma import BLOCK
+
+    return quant_layout == "mma" and not gathered and shape[1] % BLOCK == 0
+
+
 class ArtifactDeviceWeights:
     def __init__(self, artifact: Artifact, device: Device) -> None:
         self._artifact, self._device = artifact, device
+        self.quant_layout = "simt"
 
     def has(self, name: str) -> bool:
         return name in self._artifact
 
-    def matrix(self, *names: str) -> Matrix:
+    def matrix(self, *names: str, gathered: bool = False) -> Matrix:
         views = [self._artifact.tensor(name) for name in names]
         if len({view.format for view in views}) != 1:
-            return SplitMatrix(tuple(self.matrix(name) for name in names))
+            return SplitMatrix(tuple(self.matrix(name, gathered=gathered) for name in names))
         fmt = views[0].format
         parts = [(view.shape, np.frombuffer(view.raw, dtype=np.uint8)) for view in views]
         shape, payload = parts[0] if len(parts) == 1 else codec.concat_rows(fmt, parts)
         if fmt == BF16:
             return Bf16Matrix(self._device.upload(payload.view(np.uint16).reshape(shape), "weights"))
         if fmt in QUANT_FORMATS:
-            weight = self._device.kernels.upload_quant_weight(fmt, tuple(shape), payload)
+            kernels = self._device.kernels
+            upload = (kernels.upload_quant_mma if tensor_core_layout(self.quant_layout, tuple(shape), gathered)
+                      else kernels.upload_quant_weight)
+            weight = upload(fmt, tuple(shape), payload)
             self._device.ledger["weights"] += weight.nbytes
             return weight
         # Any other float format (FP32 matrices are rare): round to bf16 once.
@@ -128,7 +142,8 @@ class RandomDeviceWeights:
         self._specs = {spec.name: spec for spec in specs}
         self._format = {spec.name: recipe_format(recipe, spec.v2_format) for spec in specs}
         self._device, self._seed = device, seed
-        self._planes: dict[tuple[str, tuple[int, ...]], dict[str, np.ndarray]] = {}
+        self.quant_layout = "simt"
+        self._planes: dict[tuple[str, tuple[int, ...], bool], dict[str, np.ndarray]] = {}
 
     def has(self, name: str) -> bool:
         return name in self._specs
@@ -137,14 +152,16 @@ class RandomDeviceWeights:
         self._seed += 1
         return self._seed
 
-    def matrix(self, *names: str) -> Matrix:
+    def matrix(self, *names: str, gathered: bool = False) -> Matrix:
         if len({self._format[name] for name in names}) != 1:
-            return SplitMatrix(tuple(self.matrix(name) for name in names))
+            return SplitMatrix(tuple(self.matrix(name, gathered=gathered) for name in names))
         shapes = [self._specs[name].shape for name in names]
         fmt = self._format[names[0]]
         shape = (sum(s[0] for s in shapes), shapes[0][1])
         if fmt in QUANT_FORMATS:
-            weight = self._device.kernels.upload_quant_planes(fmt, shape, self._random_planes(fmt, shape))
+            kernels, mma = self._device.kernels, tensor_core_layout(self.quant_layout, shape, gathered)
+            upload = kernels.upload_quant_mma_planes if mma else kernels.upload_quant_planes
+            weight = upload(fmt, shape, self._random_planes(fmt, shape, mma))
             self._device.ledger["weights"] += weight.nbytes
             return weight
         data = self._device.empty(shape, np.uint16, "weights")
@@ -173,9 +190,9 @@ class RandomDeviceWeights:
             return rng.uniform(-0.3, 0.3, spec.shape).astype(np.float32)
         return rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
 
-    def _random_planes(self, fmt: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
-        """A random payload per distinct (format, shape), repacked once into the kernels' planes."""
-        key = (fmt, shape)
+    def _random_planes(self, fmt: str, shape: tuple[int, int], mma: bool) -> dict[str, np.ndarray]:
+        """A random payload per distinct (format, shape, layout), repacked once into the kernels' planes."""
+        key = (fmt, shape, mma)
         if key not in self._planes:
             g = row_split_geometry(fmt, shape)
             rng = np.random.default_rng(len(self._planes) + 1)
@@ -185,7 +202,8 @@ class RandomDeviceWeights:
                 base[base == 0x80] = 0x81
             scales = rng.uniform(0.5e-3, 2e-3, shape[0] * g.groups_per_row).astype(np.float16)
             payload[g.scale_offset : g.total_bytes] = scales.view(np.uint8)
-            self._planes[key] = self._device.kernels.repack_quant(fmt, shape, payload)
+            kernels = self._device.kernels
+            self._planes[key] = (kernels.repack_quant_mma if mma else kernels.repack_quant)(fmt, shape, payload)
         return self._planes[key]
 
 
