@@ -134,3 +134,20 @@ def test_quant_mma_gpu_matches_the_twin(fmt, m, n, k):
     assert _rel(got_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5
     for i in sorted({0, m // 2, m - 1}):  # a row's bits do not depend on the rows beside it
         assert np.array_equal(_run(x[i:i + 1], qw)[0], got[i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(16, 64), (33, 192), (70, 1024), (5, 5120)])
+def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
+    from ninfer.kernels_numba.numba_setup import cuda
+    from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
+
+    payload = _payload(np.random.default_rng(shape[0]), shape, fmt)
+    qw = QM.upload_quant_mma(fmt, shape, payload)
+    stream = cuda.stream()
+    out = cuda.to_device(np.full(shape, 0xFFFF, np.uint16), stream=stream)
+    QM.dequantize_mma_bf16(qw, out, stream=stream)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(got, dequantize_bf16_reference(fmt, shape, payload))
