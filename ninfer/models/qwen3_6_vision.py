@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import attrs
 import numpy as np
 
 from ninfer.artifact.codec import bf16_bits_to_f32
@@ -84,47 +85,15 @@ def _axis_taps(size: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return lo, hi, (src - lo.astype(F32)).astype(F32)
 
 
-class VisionTower:
-    """Qwen3.6 Vision encoder: `encode(patches, grids)` -> merged visual tokens `[N / merge^2, out_hidden]`."""
+@attrs.frozen(eq=False)
+class VisionGeometry:
+    """What an item's grid alone determines: its interpolated position embeddings and its 2-D RoPE angles (small:
+    the learned position table and inv_freq; a GPU tower keeps this and drops the host weights)."""
 
-    def __init__(self, dims: VisionDims, weights: WeightSource) -> None:
-        if dims.hidden % dims.heads or (dims.hidden // dims.heads) % 4:
-            raise ValueError(f"vision head_dim {dims.hidden}/{dims.heads} must be a multiple of 4 (2-D RoPE)")
-        side = math.isqrt(dims.position_table)
-        if side * side != dims.position_table:
-            raise ValueError(f"vision position table of {dims.position_table} rows is not square")
-        self.dims = dims
-        self.side = side
-        self.head_dim = dims.hidden // dims.heads
-        g = weights.get
-        self.patch_w = g("vision/patch_embedding")
-        self.patch_b = g("vision/patch_embedding_bias")
-        self.pos_table = g("vision/position_embedding")
-        self.blocks = []
-        for b in range(dims.depth):
-            p = f"vision/blocks/{b}/"
-            self.blocks.append({k: g(p + k) for k in (
-                "attention/qkv", "attention/qkv_bias", "attention/output", "attention/output_bias",
-                "mlp/fc1", "mlp/fc1_bias", "mlp/fc2", "mlp/fc2_bias",
-                "norm1/weight", "norm1/bias", "norm2/weight", "norm2/bias")})
-        self.merger = {k: g("vision/merger/" + k) for k in (
-            "fc1", "fc1_bias", "fc2", "fc2_bias", "norm/weight", "norm/bias")}
-        # 2-D RoPE: inv_freq over head_dim/2 dims; angles [h*inv, w*inv] span head_dim/2 pairs (rotate-half).
-        self.inv_freq = rope_inv_freq(self.head_dim // 2, ROPE_THETA)
-
-    # ---- per-item geometry -------------------------------------------------------------------------------------
-
-    def _check(self, patches: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> None:
-        d, m = self.dims, self.dims.spatial_merge
-        if patches.ndim != 2 or patches.shape[1] != d.patch_row:
-            raise ValueError(f"patches must be [N, {d.patch_row}], got {patches.shape}")
-        total = 0
-        for t, h, w in grids:
-            if t < 1 or h < 1 or w < 1 or h % m or w % m:
-                raise ValueError(f"grid {(t, h, w)}: h and w must be positive multiples of {m}")
-            total += t * h * w
-        if total != patches.shape[0]:
-            raise ValueError(f"grids cover {total} patches, got {patches.shape[0]}")
+    dims: VisionDims
+    side: int  # the position table is side x side
+    pos_table: np.ndarray
+    inv_freq: np.ndarray
 
     def position_embeddings(self, t: int, h: int, w: int) -> np.ndarray:
         """Bilinear samples of the learned table at an h x w grid, merge-ordered, repeated t times: `[t*h*w, hidden]`."""
@@ -142,6 +111,54 @@ class VisionTower:
         hw = np.stack(np.meshgrid(np.arange(h), np.arange(w), indexing="ij"), axis=-1)  # [h, w, 2]
         pos = np.tile(_merge_order(hw, self.dims.spatial_merge), (t, 1)).astype(F32)
         return np.concatenate([pos[:, :1] * self.inv_freq[None, :], pos[:, 1:] * self.inv_freq[None, :]], axis=-1)
+
+
+class VisionTower:
+    """Qwen3.6 Vision encoder: `encode(patches, grids)` -> merged visual tokens `[N / merge^2, out_hidden]`."""
+
+    def __init__(self, dims: VisionDims, weights: WeightSource) -> None:
+        if dims.hidden % dims.heads or (dims.hidden // dims.heads) % 4:
+            raise ValueError(f"vision head_dim {dims.hidden}/{dims.heads} must be a multiple of 4 (2-D RoPE)")
+        side = math.isqrt(dims.position_table)
+        if side * side != dims.position_table:
+            raise ValueError(f"vision position table of {dims.position_table} rows is not square")
+        self.dims = dims
+        self.head_dim = dims.hidden // dims.heads
+        g = weights.get
+        self.patch_w = g("vision/patch_embedding")
+        self.patch_b = g("vision/patch_embedding_bias")
+        # 2-D RoPE: inv_freq over head_dim/2 dims; angles [h*inv, w*inv] span head_dim/2 pairs (rotate-half).
+        self.geometry = VisionGeometry(dims, side, g("vision/position_embedding"),
+                                       rope_inv_freq(self.head_dim // 2, ROPE_THETA))
+        self.blocks = []
+        for b in range(dims.depth):
+            p = f"vision/blocks/{b}/"
+            self.blocks.append({k: g(p + k) for k in (
+                "attention/qkv", "attention/qkv_bias", "attention/output", "attention/output_bias",
+                "mlp/fc1", "mlp/fc1_bias", "mlp/fc2", "mlp/fc2_bias",
+                "norm1/weight", "norm1/bias", "norm2/weight", "norm2/bias")})
+        self.merger = {k: g("vision/merger/" + k) for k in (
+            "fc1", "fc1_bias", "fc2", "fc2_bias", "norm/weight", "norm/bias")}
+
+    # ---- per-item geometry -------------------------------------------------------------------------------------
+
+    def _check(self, patches: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> None:
+        d, m = self.dims, self.dims.spatial_merge
+        if patches.ndim != 2 or patches.shape[1] != d.patch_row:
+            raise ValueError(f"patches must be [N, {d.patch_row}], got {patches.shape}")
+        total = 0
+        for t, h, w in grids:
+            if t < 1 or h < 1 or w < 1 or h % m or w % m:
+                raise ValueError(f"grid {(t, h, w)}: h and w must be positive multiples of {m}")
+            total += t * h * w
+        if total != patches.shape[0]:
+            raise ValueError(f"grids cover {total} patches, got {patches.shape[0]}")
+
+    def position_embeddings(self, t: int, h: int, w: int) -> np.ndarray:
+        return self.geometry.position_embeddings(t, h, w)
+
+    def rope_angles(self, t: int, h: int, w: int) -> np.ndarray:
+        return self.geometry.rope_angles(t, h, w)
 
     # ---- the network -------------------------------------------------------------------------------------------
 

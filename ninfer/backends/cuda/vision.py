@@ -90,7 +90,8 @@ class CudaVisionTower:
         if 4 * d.heads * max_patches > score_bytes:
             raise ValueError(f"score_bytes {score_bytes} cannot hold one query row of {max_patches} keys "
                              f"for {d.heads} heads")
-        self._host, self.device, self.dims = tower, device, d
+        # the grid geometry and the patch bias are all of the host tower an encode needs: its weights go
+        self._geometry, self._patch_bias, self.device, self.dims = tower.geometry, tower.patch_b, device, d
         self.max_patches, self._chunk_rows = max_patches, chunk_rows
         self._score_keys = score_bytes // (4 * d.heads)
 
@@ -134,11 +135,11 @@ class CudaVisionTower:
         x = view("x", n, hidden)
         q, key, value = (view(name, heads, n, head_dim) for name in ("q", "k", "v"))
         cos, sin = view("cos", n, head_dim // 2), view("sin", n, head_dim // 2)
-        angles = self._host.rope_angles(t, h, w)
+        angles = self._geometry.rope_angles(t, h, w)
         device.write(cos, np.cos(angles))
         device.write(sin, np.sin(angles))
         side = h * w  # one temporal slice attends to itself only
-        embedding = self._host.position_embeddings(1, h, w) + self._host.patch_b  # the same for every slice
+        embedding = self._geometry.position_embeddings(1, h, w) + self._patch_bias  # the same for every slice
         for first, rows in self._chunks(n):
             patches = view("patches", rows, d.patch_row)
             device.write(patches, patches_bf16[first:first + rows])
