@@ -130,6 +130,22 @@ def high_bits(h0, h1, j, s, bits):
 
 
 @device_function
+def load_high_words(high, lane_slot, bits):
+    """The high-plane words of one lane's (tile, block) `lane_slot`: 1 (Q5), 2 (Q6) or 4 (W8); zeros past them."""
+    h0 = uint32(0)
+    h1 = uint32(0)
+    h2 = uint32(0)
+    h3 = uint32(0)
+    if bits == 5:
+        h0 = high[lane_slot]
+    elif bits == 6:
+        h0, h1 = load2(high, lane_slot * 2)
+    elif bits == 8:
+        h0, h1, h2, h3 = load4(high, lane_slot * 4)
+    return h0, h1, h2, h3
+
+
+@device_function
 def code_pair(word, h0, h1, j, s, bits, minus_pair):
     """Register s of k-step j for Q4/Q5/Q6: the bf16 pair of two signed codes."""
     raw = (word >> uint32(4 * s)) & uint32(0x000F000F)
@@ -306,13 +322,15 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
                     at = min(tile0 + r, total_tiles - 1) * blocks + q
                     w0 = 4 * (r * unroll + u)
                     words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load4(base, (at * 32 + lane) * 4)
-                    h0 = HW * (r * unroll + u)
-                    if bits == 5:
-                        highs[h0] = high[at * 32 + lane]
-                    elif bits == 6:
-                        highs[h0], highs[h0 + 1] = load2(high, (at * 32 + lane) * 2)
-                    elif bits == 8:
-                        highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load4(high, (at * 32 + lane) * 4)
+                    if bits != 4:
+                        h0 = HW * (r * unroll + u)
+                        a0, a1, a2, a3 = load_high_words(high, at * 32 + lane, bits)
+                        highs[h0] = a0
+                        if bits != 5:
+                            highs[h0 + 1] = a1
+                        if bits == 8:
+                            highs[h0 + 2] = a2
+                            highs[h0 + 3] = a3
                     for k in range(SW):
                         scale_pairs[SW * (r * unroll + u) + k] = scales[(at * SW + k) * 8 + g]
                 x0 = (q * 32 + lane) * 8
@@ -436,16 +454,7 @@ def make_dequantize_mma_kernel(bits: int):
         minus = uint32(MINUS)
         minus_low = uint32(MINUS_LOW)
         w0, w1, w2, w3 = load4(base, i * 4)
-        hw0 = uint32(0)
-        hw1 = uint32(0)
-        hw2 = uint32(0)
-        hw3 = uint32(0)
-        if bits == 5:
-            hw0 = high[i]
-        elif bits == 6:
-            hw0, hw1 = load2(high, i * 2)
-        elif bits == 8:
-            hw0, hw1, hw2, hw3 = load4(high, i * 4)
+        hw0, hw1, hw2, hw3 = load_high_words(high, i, bits)
         for j in range(4):
             w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
             h = hw0 if j == 0 else (hw1 if j == 1 else (hw2 if j == 2 else hw3))
