@@ -1,6 +1,6 @@
 """`python -m ninfer`'s option table (serving.md): defaults, validation, --help, and the startup failures of options
-this build cannot honour (or this artifact: --spec dflash needs a 35B-A3B-shaped artifact with the drafter, on the
-CPU backend)."""
+this build cannot honour (or this artifact: --spec dflash needs a 35B-A3B-shaped artifact with the drafter; either
+backend runs it)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def artifacts(tmp_path_factory):
 @pytest.mark.parametrize("artifact, gpus, message", [
     ("dense", 0, "--spec dflash needs the 35B-A3B (MoE) target, whose drafter it is; qwen3.6-custom is a dense model"),
     ("moe", 0, "--spec dflash needs the DFlash drafter, and the artifact (qwen3.6-custom) has none"),
-    ("dflash", 1, "DFlash currently runs on the CPU backend only"),
+    ("moe", 1, "--spec dflash needs the DFlash drafter, and the artifact (qwen3.6-custom) has none"),
 ])
 def test_dflash_is_refused_where_it_cannot_run(artifacts, artifact, gpus, message, caplog, monkeypatch):
     monkeypatch.setattr(cuda_probe, "cuda_device_count", lambda: gpus)
@@ -138,6 +138,18 @@ def test_dflash_is_refused_where_it_cannot_run(artifacts, artifact, gpus, messag
         code = run_service(parse_serve_args([str(artifacts[artifact]), "--port", str(free_port()), "--spec", "dflash",
                                              "--draft-tokens", "7"]), make_app=None)
     assert code == 1 and message in caplog.text
+
+
+def test_dflash_with_its_drafter_is_accepted_on_either_backend(artifacts):
+    """The drafter's artifact passes the --spec dflash checks; nothing about them depends on the backend any more
+    (startup then builds the CUDA runner with the drafter on a GPU, the CPU runner otherwise)."""
+    from ninfer.artifact.reader import Artifact
+    from ninfer.models.loader import artifact_dims
+    from ninfer.nursery.startup import dflash_problem
+
+    options = parse_serve_args([str(artifacts["dflash"]), "--spec", "dflash", "--draft-tokens", "7"])
+    artifact = Artifact.open(artifacts["dflash"])
+    assert dflash_problem(options, artifact, artifact_dims(artifact)) is None
 
 
 def test_options_the_cpu_backend_honours_trivially_start(tmp_path, caplog):

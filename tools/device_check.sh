@@ -6,6 +6,8 @@
 #   bash tools/device_check.sh peers                bench/transformers_side_by_side.py
 #   bash tools/device_check.sh cold [BENCH ARGS]    bench/cold_tier_ttft.py (needs 2 GPUs: kind nvidia-h200-x2)
 #   bash tools/device_check.sh vision [BENCH ARGS]  bench/vision_tower_gpu.py
+#   bash tools/device_check.sh quant [BENCH ARGS]   bench/quant_gemv.py (SIMT vs tensor-core quantized GEMV)
+#   bash tools/device_check.sh dflash [BENCH ARGS]  bench/dflash_round.py (the DFlash round at the real 35B shape)
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -20,7 +22,7 @@ case "$what" in
     # limit makes pytest print the summary of what ran, failures named, instead of dying silently.
     timeout -s INT "${1:-540}" python3 -m pytest -q -n $(( $(nproc) * 3 / 4 )) -p no:cacheprovider -m gpu -o addopts="-ra" \
       --timeout 400 tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py tests/test_cuda_vision.py \
-      tests/test_lane_image.py tests/test_cold_tier.py \
+      tests/test_lane_image.py tests/test_cold_tier.py tests/test_cuda_dflash.py \
       > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
   bench)
@@ -31,5 +33,9 @@ case "$what" in
     python3 bench/cold_tier_ttft.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cold_tier_ttft.log" | tail -20 ;;
   vision)
     python3 bench/vision_tower_gpu.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/vision_tower_gpu.log" | tail -20 ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision [args]" >&2; exit 2 ;;
+  quant)
+    python3 bench/quant_gemv.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/quant_gemv.log" | tail -40 ;;
+  dflash)
+    python3 bench/dflash_round.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/dflash_round.log" | tail -20 ;;
+  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash [args]" >&2; exit 2 ;;
 esac

@@ -283,6 +283,106 @@ def split_keys(length, splits):
     return (per + SPLIT_ALIGN - 1) // SPLIT_ALIGN * SPLIT_ALIGN
 
 
+@device_function
+def init_online_state(q, r, kvh, group_heads, per_lane, dbase, scale, qv, acc, m, lsum, kx):
+    """Row r's scaled queries of the G q heads of kv head `kvh` (this lane's dims) and an empty online softmax."""
+    for e in range(MAX_E):
+        kx[e] = float32(0.0)
+    for g in range(MAX_G):
+        m[g] = float32(NEG_INF)
+        lsum[g] = float32(0.0)
+        for e in range(MAX_E):
+            acc[g * MAX_E + e] = float32(0.0)
+            qv[g * MAX_E + e] = float32(0.0)
+            if g < group_heads and e < per_lane:
+                qv[g * MAX_E + e] = q[r, kvh * group_heads + g, dbase + e] * scale
+
+
+@device_function
+def online_scores(qv, kx, m, lsum, ag, pg, group_heads, per_lane):
+    """One key (kx, this lane's dims) against the G heads: a warp-wide dot each, folded into the running max and sum;
+    ag / pg keep the rescale of the old accumulators and the key's weight for `online_values`."""
+    for g in range(MAX_G):
+        if g < group_heads:
+            dot = float32(0.0)
+            for e in range(MAX_E):
+                if e < per_lane:
+                    dot += qv[g * MAX_E + e] * kx[e]
+            dot = warp_sum(dot)
+            m_new = max(m[g], dot)
+            alpha = math.exp(m[g] - m_new)
+            p = math.exp(dot - m_new)
+            lsum[g] = lsum[g] * alpha + p
+            m[g] = m_new
+            ag[g] = alpha
+            pg[g] = p
+
+
+@device_function
+def online_values(acc, kx, ag, pg, group_heads):
+    """The key's value row (kx) into the G heads' accumulators."""
+    for g in range(MAX_G):
+        if g < group_heads:
+            for e in range(MAX_E):
+                acc[g * MAX_E + e] = acc[g * MAX_E + e] * ag[g] + pg[g] * kx[e]
+
+
+@device_function
+def store_block_partials(m, lsum, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, head_dim, per_lane,
+                         dbase, warps):
+    """The block's warps' states merged in warp order (a warp that saw no key keeps max -inf and is skipped), then
+    one partial (max, sum, accumulators) per (row, q head, split). sm_*: shared [warps, MAX_G(, 256)]."""
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    warp = tid // 32
+    for g in range(MAX_G):
+        if g < group_heads:
+            if lane == 0:
+                sm_m[warp, g] = m[g]
+                sm_l[warp, g] = lsum[g]
+            for e in range(MAX_E):
+                if e < per_lane:
+                    sm_acc[warp, g, dbase + e] = acc[g * MAX_E + e]
+    cuda.syncthreads()
+    for idx in range(tid, group_heads * head_dim, warps * 32):
+        g = idx // head_dim
+        d = idx % head_dim
+        mx = float32(NEG_INF)
+        for w in range(warps):
+            mx = max(mx, sm_m[w, g])
+        total_l = float32(0.0)
+        total_a = float32(0.0)
+        for w in range(warps):
+            mw = sm_m[w, g]
+            if mw != float32(NEG_INF):
+                f = math.exp(mw - mx)
+                total_l += sm_l[w, g] * f
+                total_a += sm_acc[w, g, d] * f
+        h = kvh * group_heads + g
+        partials[r, h, split, 2 + d] = total_a
+        if d == 0:
+            partials[r, h, split, 0] = mx
+            partials[r, h, split, 1] = total_l
+
+
+@device_function
+def merge_partials(partials, r, h, d, splits):
+    """(accumulator d, softmax sum) of row r, q head h over its first `splits` partials, in split order (empty
+    splits, max -inf, skipped)."""
+    mx = float32(NEG_INF)
+    for s in range(splits):
+        mx = max(mx, partials[r, h, s, 0])
+    total_l = float32(0.0)
+    total_a = float32(0.0)
+    for s in range(splits):
+        ms = partials[r, h, s, 0]
+        if ms != float32(NEG_INF):
+            f = math.exp(ms - mx)
+            total_l += partials[r, h, s, 1] * f
+            total_a += partials[r, h, s, 2 + d] * f
+    return total_a, total_l
+
+
 def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, partials,
                          heads, kv_heads, head_dim, quant):
     """grid (splits, Hkv, R), block DECODE_WARPS warps; a warp per key, lanes split head_dim, G q heads at once."""
@@ -311,16 +411,7 @@ def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_sc
     kx = cuda.local.array(MAX_E, float32)
     ag = cuda.local.array(MAX_G, float32)
     pg = cuda.local.array(MAX_G, float32)
-    for e in range(MAX_E):
-        kx[e] = float32(0.0)
-    for g in range(MAX_G):
-        m[g] = float32(NEG_INF)
-        lsum[g] = float32(0.0)
-        for e in range(MAX_E):
-            acc[g * MAX_E + e] = float32(0.0)
-            qv[g * MAX_E + e] = float32(0.0)
-            if g < group_heads and e < per_lane:
-                qv[g * MAX_E + e] = q[r, kvh * group_heads + g, dbase + e] * scale
+    init_online_state(q, r, kvh, group_heads, per_lane, dbase, scale, qv, acc, m, lsum, kx)
     lane_id = row_lane[r]
     for key in range(start + warp, stop, DECODE_WARPS):
         page = page_tables[lane_id, key // page_tokens]
@@ -328,60 +419,16 @@ def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_sc
         for e in range(MAX_E):
             if e < per_lane:
                 kx[e] = load_kv(k_pool, k_scale, page, off, kvh, dbase + e, qgroup, quant)
-        for g in range(MAX_G):
-            if g < group_heads:
-                dot = float32(0.0)
-                for e in range(MAX_E):
-                    if e < per_lane:
-                        dot += qv[g * MAX_E + e] * kx[e]
-                dot = warp_sum(dot)
-                m_new = max(m[g], dot)
-                alpha = math.exp(m[g] - m_new)
-                p = math.exp(dot - m_new)
-                lsum[g] = lsum[g] * alpha + p
-                m[g] = m_new
-                ag[g] = alpha
-                pg[g] = p
+        online_scores(qv, kx, m, lsum, ag, pg, group_heads, per_lane)
         for e in range(MAX_E):
             if e < per_lane:
                 kx[e] = load_kv(v_pool, v_scale, page, off, kvh, dbase + e, qgroup, quant)
-        for g in range(MAX_G):
-            if g < group_heads:
-                for e in range(MAX_E):
-                    acc[g * MAX_E + e] = acc[g * MAX_E + e] * ag[g] + pg[g] * kx[e]
-    # block combine of the warps' states (fixed order), then one partial per (row, q head, split)
+        online_values(acc, kx, ag, pg, group_heads)
     sm_m = cuda.shared.array((DECODE_WARPS, MAX_G), float32)
     sm_l = cuda.shared.array((DECODE_WARPS, MAX_G), float32)
     sm_acc = cuda.shared.array((DECODE_WARPS, MAX_G, 256), float32)
-    for g in range(MAX_G):
-        if g < group_heads:
-            if lane == 0:
-                sm_m[warp, g] = m[g]
-                sm_l[warp, g] = lsum[g]
-            for e in range(MAX_E):
-                if e < per_lane:
-                    sm_acc[warp, g, dbase + e] = acc[g * MAX_E + e]
-    cuda.syncthreads()
-    split_slot = split
-    for idx in range(tid, group_heads * head_dim, DECODE_WARPS * 32):
-        g = idx // head_dim
-        d = idx % head_dim
-        mx = float32(NEG_INF)
-        for w in range(DECODE_WARPS):
-            mx = max(mx, sm_m[w, g])
-        total_l = float32(0.0)
-        total_a = float32(0.0)
-        for w in range(DECODE_WARPS):
-            mw = sm_m[w, g]
-            if mw != float32(NEG_INF):
-                f = math.exp(mw - mx)
-                total_l += sm_l[w, g] * f
-                total_a += sm_acc[w, g, d] * f
-        h = kvh * group_heads + g
-        partials[r, h, split_slot, 2 + d] = total_a
-        if d == 0:
-            partials[r, h, split_slot, 0] = mx
-            partials[r, h, split_slot, 1] = total_l
+    store_block_partials(m, lsum, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, head_dim, per_lane,
+                         dbase, DECODE_WARPS)
 
 
 _DECODE_TAIL = (int32, int32, int32, int32)
@@ -560,16 +607,7 @@ def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_di
     d = cuda.threadIdx.x
     length = row_pos[r] + 1
     chunk = split_keys(length, partials.shape[2])
-    splits = (length + chunk - 1) // chunk
-    mx = float32(NEG_INF)
-    for s in range(splits):
-        mx = max(mx, partials[r, h, s, 0])
-    total_l = float32(0.0)
-    total_a = float32(0.0)
-    for s in range(splits):
-        f = math.exp(partials[r, h, s, 0] - mx)
-        total_l += partials[r, h, s, 1] * f
-        total_a += partials[r, h, s, 2 + d] * f
+    total_a, total_l = merge_partials(partials, r, h, d, (length + chunk - 1) // chunk)
     gate = qkgv[r, (heads + kv_heads) * head_dim + h * head_dim + d]
     out[r, h * head_dim + d] = (total_a / total_l) * sigmoid_f32(gate)
 

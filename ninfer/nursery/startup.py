@@ -71,10 +71,9 @@ def weights_bytes(artifact: Artifact, *, vision: bool = True, dflash: bool = Tru
                if entry.kind == "tensor" and not entry.name.startswith(skipped))
 
 
-def dflash_problem(options: ServeOptions, artifact: Artifact, dims: Any, on_gpu: bool) -> str | None:
+def dflash_problem(options: ServeOptions, artifact: Artifact, dims: Any) -> str | None:
     """Why --spec dflash cannot serve this artifact (of dimensions `dims`) with these options, None when it can:
-    DFlash is the text-only drafter of the 35B-A3B target, the artifact must carry it, and it runs on the CPU backend
-    only for now (`on_gpu`: the artifact would run on the CUDA backend)."""
+    DFlash is the text-only drafter of the 35B-A3B target and the artifact must carry it (both backends run it)."""
     from ninfer.models.loader import artifact_dflash_dims
     from ninfer.targets.dims import QwenDims
 
@@ -87,9 +86,6 @@ def dflash_problem(options: ServeOptions, artifact: Artifact, dims: Any, on_gpu:
         return (f"--spec dflash needs the DFlash drafter, and the artifact ({artifact.model_id}) has none (no "
                 f"dflash/... objects): convert the checkpoint with `ninfer convert ... --dflash-model DIR`, or use "
                 f"--spec mtp")
-    if on_gpu:
-        return (f"--spec dflash: DFlash currently runs on the CPU backend only, and this artifact would run on CUDA "
-                f"device {options.device} (use --spec mtp on the GPU)")
     return None
 
 
@@ -193,7 +189,7 @@ def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
         dims = artifact_dims(artifact)
         on_gpu = isinstance(dims, QwenDims) and cuda_device_count() > options.device
         dflash = options.spec == "dflash"
-        problem = dflash_problem(options, artifact, dims, on_gpu) if dflash else None
+        problem = dflash_problem(options, artifact, dims) if dflash else None
         if problem is not None:
             raise StartupError(f"cannot serve {artifact_path}: {problem}")
         if options.vision and not has_vision_weights(artifact):

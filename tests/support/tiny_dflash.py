@@ -4,12 +4,16 @@
 (one sliding layer with a short window, so prompts wrap its cyclic cache, and one full layer) reading target layers
 1 and 2, its mask row the first padding row (500).
 
-`write_tiny_dflash_artifact` writes that model as a `qwen3.6-custom` artifact (dimension resources, every tensor).
+`write_tiny_dflash_artifact` writes that model as a `qwen3.6-custom` artifact (dimension resources, every tensor);
+`write_cuda_tiny_dflash_artifact` the same drafter shape on the CUDA tests' tiny MoE target (`cuda_tiny_dims`, width
+64), with every matrix width a multiple of 64 as the GPU kernels need.
 
 `predictable` makes the target nearly a bigram model (`tiny_qwen`'s) and the drafter copy the anchor: its queries are
 zero (uniform attention), its values the identity and the mask embedding row zero, so every mask row's output is
 close to the anchor's normed embedding and the first draft is usually the target's next token. The context still
-enters every output (scaled down), so a wrong context shows bitwise in the drafter's rows.
+enters every output (scaled down), so a wrong context shows bitwise in the drafter's rows. `query_scale` keeps that
+much of the random queries instead of none: the keys then shape the attention too (a wrong key shows in the rows),
+while the anchor still dominates every output.
 """
 
 from __future__ import annotations
@@ -26,18 +30,20 @@ from ninfer.models.base import DictWeights
 from ninfer.models.qwen3_6 import Qwen36Model
 from ninfer.targets.dims import (DFLASH_DIMENSIONS_RESOURCE, DIMENSIONS_RESOURCE, FULL_ATTENTION, SLIDING_ATTENTION,
                                  DFlashDims, QwenDims)
+from tests.support.cuda_models import cuda_tiny_dims
 from tests.test_runner_cpu import tiny_qwen, tiny_qwen_dims
 
 
-def tiny_dflash_dims(target: QwenDims, *, window: int = 24) -> DFlashDims:
-    """2 layers (sliding, full), 4 query / 2 KV heads of 16 (KV width = the target's hidden, 32)."""
-    return DFlashDims(hidden=target.hidden, intermediate=48, layer_types=(SLIDING_ATTENTION, FULL_ATTENTION),
-                      attn_heads=4, kv_heads=2, head_dim=16, block_size=16, mask_token_id=target.vocab_ids,
+def tiny_dflash_dims(target: QwenDims, *, window: int = 24, intermediate: int = 48) -> DFlashDims:
+    """2 layers (sliding, full), 4 query / 2 KV heads of hidden / 2 (KV width = the target's hidden)."""
+    return DFlashDims(hidden=target.hidden, intermediate=intermediate,
+                      layer_types=(SLIDING_ATTENTION, FULL_ATTENTION), attn_heads=4, kv_heads=2,
+                      head_dim=target.hidden // 2, block_size=16, mask_token_id=target.vocab_ids,
                       target_layer_ids=(1, 2), sliding_window=window, rope_theta=1e7, rms_eps=1e-6)
 
 
-def tiny_dflash_tensors(target: QwenDims, dims: DFlashDims, *, seed: int = 0,
-                        predictable: bool = False) -> dict[str, np.ndarray]:
+def tiny_dflash_tensors(target: QwenDims, dims: DFlashDims, *, seed: int = 0, predictable: bool = False,
+                        query_scale: float = 0.0) -> dict[str, np.ndarray]:
     """Every `dflash/...` tensor the converter would write for `dims`."""
     rng = np.random.default_rng(seed + 1000)
     tensors = {}
@@ -61,7 +67,7 @@ def tiny_dflash_tensors(target: QwenDims, dims: DFlashDims, *, seed: int = 0,
         for index in range(dims.layers):
             p = f"dflash/layers/{index}/"
             qkv = tensors[p + "attention/query_key_value"]
-            qkv[:qw] = 0.0
+            qkv[:qw] *= np.float32(query_scale)
             qkv[qw + kvw :] = np.eye(h)
             tensors[p + "attention/output"] = output
             tensors[p + "mlp/down"] = np.zeros_like(tensors[p + "mlp/down"])
@@ -72,20 +78,25 @@ def tiny_dflash_tensors(target: QwenDims, dims: DFlashDims, *, seed: int = 0,
     return tensors
 
 
-def tiny_dflash_qwen(*, seed: int = 0, predictable: bool = True, window: int = 24) -> Qwen36Model:
-    target = tiny_qwen_dims(moe=True)
-    dims = tiny_dflash_dims(target, window=window)
-    base = tiny_qwen(moe=True, seed=seed, predictable=predictable)._weights
+def tiny_dflash_qwen(*, seed: int = 0, predictable: bool = True, window: int = 24, target: QwenDims | None = None,
+                     intermediate: int = 48, query_scale: float = 0.0) -> Qwen36Model:
+    """The drafter on `target` (default: `tiny_qwen_dims(moe=True)`)."""
+    target = target or tiny_qwen_dims(moe=True)
+    dims = tiny_dflash_dims(target, window=window, intermediate=intermediate)
+    base = tiny_qwen(dims=target, seed=seed, predictable=predictable)._weights
     tensors = {spec.name: np.asarray(base.get(spec.name)) for spec in plan_qwen_tensor_specs(target)}
-    tensors.update(tiny_dflash_tensors(target, dims, seed=seed, predictable=predictable))
+    tensors.update(tiny_dflash_tensors(target, dims, seed=seed, predictable=predictable, query_scale=query_scale))
     if predictable:
         tensors["text/token_embedding"] = tensors["text/token_embedding"].copy()
         tensors["text/token_embedding"][dims.mask_token_id] = 0.0
     return Qwen36Model(target, DictWeights(tensors), dflash=dims)
 
 
-def write_tiny_dflash_artifact(path: Path, *, recipe: str = "bf16", seed: int = 0) -> Path:
-    model = tiny_dflash_qwen(seed=seed)
+def write_tiny_dflash_artifact(path: Path, *, recipe: str = "bf16", seed: int = 0, window: int = 24,
+                               target: QwenDims | None = None, intermediate: int = 48,
+                               query_scale: float = 0.0) -> Path:
+    model = tiny_dflash_qwen(seed=seed, window=window, target=target, intermediate=intermediate,
+                             query_scale=query_scale)
     dims, drafter = model.dims, model.dflash.dims
     items = [(ResourceSpec(name, len(data)), data) for name, data in (
         (DIMENSIONS_RESOURCE, dims.to_json().encode()), (DFLASH_DIMENSIONS_RESOURCE, drafter.to_json().encode()))]
@@ -94,6 +105,12 @@ def write_tiny_dflash_artifact(path: Path, *, recipe: str = "bf16", seed: int = 
         items.append((TensorSpec(spec.name, value.shape, recipe_format(recipe, spec.v2_format)), value))
     write_artifact(path, "qwen3.6-custom", items)
     return path
+
+
+def write_cuda_tiny_dflash_artifact(path: Path, *, recipe: str = "bf16", seed: int = 0, window: int = 24,
+                                    query_scale: float = 0.5) -> Path:
+    return write_tiny_dflash_artifact(path, recipe=recipe, seed=seed, window=window,
+                                      target=cuda_tiny_dims(moe=True), intermediate=128, query_scale=query_scale)
 
 
 # ---- the drafter, transcribed from ninfer-facts §3.10 (float64, one position at a time) ----

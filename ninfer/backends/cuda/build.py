@@ -21,7 +21,7 @@ from ninfer.backends.cuda.weights import ArtifactDeviceWeights
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES, plan_kv_pool
 from ninfer.media.prepare import MAX_RAW_PATCHES
-from ninfer.models.loader import ArtifactWeights, artifact_dims
+from ninfer.models.loader import ArtifactWeights, artifact_dflash_dims, artifact_dims
 from ninfer.models.qwen3_6 import build_vision_tower
 from ninfer.models.qwen3_6_vision import VisionTower
 from ninfer.targets.dims import QwenDims, VisionDims
@@ -53,12 +53,16 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
     dims = artifact_dims(artifact)
     if not isinstance(dims, QwenDims):
         raise TypeError(f"the CUDA backend serves Qwen3.6 models; {artifact.model_id} is {type(dims).__name__}")
+    spec = config.spec or "mtp"  # the drafter is irrelevant without drafts
+    drafter = artifact_dflash_dims(artifact) if config.draft_tokens and spec == "dflash" else None
+    if config.draft_tokens and spec == "dflash" and drafter is None:
+        raise ValueError(f"{artifact.model_id}: the artifact has no DFlash drafter (no dflash/... weights)")
     device = device if device is not None else CudaDevice(device_index)
     capacity = Capacity(lanes=config.max_concurrency, max_context=config.max_context, kv_dtype=config.kv_dtype,
                         prefill_rows=config.prefill_chunk, draft_tokens=config.draft_tokens,
-                        draft_head=config.lm_head_draft, tensor_core_attention=tensor_core_attention,
+                        draft_head=config.lm_head_draft, spec=spec, tensor_core_attention=tensor_core_attention,
                         decode_linear=decode_linear, decode_quant=decode_quant)
-    model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity)
+    model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity, dflash=drafter)
     tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
     if tower is not None and vision_on_device:
         tower = CudaVisionTower(tower, device, max_patches=vision_max_patches(dims.vision, config))

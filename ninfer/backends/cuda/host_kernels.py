@@ -14,6 +14,7 @@ from ninfer.artifact import codec
 from ninfer.backends.cpu.ops import linear as row_linear
 from ninfer.kernels_numba import attention as _attention
 from ninfer.kernels_numba import attention_gemm as _attention_gemm
+from ninfer.kernels_numba import dflash as _dflash
 from ninfer.kernels_numba import elementwise as _elementwise
 from ninfer.kernels_numba import gdn as _gdn
 from ninfer.kernels_numba import layout as _layout
@@ -30,6 +31,7 @@ __all__ = list(_device_kernels.__all__)  # the same launchers as the device set
 
 # Pure-Python sizing helpers are shared with the device set.
 decode_partials_shape = _attention.decode_partials_shape
+attention_partials_shape = _dflash.attention_partials_shape
 scratch_columns = _sampling.scratch_columns
 
 
@@ -245,6 +247,24 @@ def top_candidates_rows(logits, vocab_ids, counts, row_lane, presence, frequency
 
 def count_tokens(counts, lanes, tokens, valid, *, stream):
     counts[...] = _sampling.count_tokens_reference(counts, lanes, tokens, valid)
+
+
+# ---- the DFlash drafter's kernels ----
+
+def copy_columns(source, out, *, first_column, stream):
+    _dflash.copy_columns_reference(source, out, first_column=first_column)
+
+
+def dflash_heads(*args, stream, **kwargs):
+    _dflash.check_geometry(kwargs["heads"], kwargs["kv_heads"], kwargs["head_dim"])
+    _dflash.dflash_heads_reference(*args, **kwargs)
+
+
+def dflash_attention(q, k_block, v_block, positions, row_lane, page_tables, cache_k, cache_v, partials, out, *,
+                     stream, **kwargs):
+    _dflash.check_geometry(kwargs["heads"], kwargs["kv_heads"], kwargs["head_dim"])
+    _dflash.dflash_attention_reference(q, k_block, v_block, positions, row_lane, page_tables, cache_k, cache_v, out,
+                                       **kwargs)
 
 
 # ---- the Vision tower's kernels ----

@@ -4,6 +4,7 @@ NumPy twins, so the model and runner glue also runs (and is tested) without a GP
 from ninfer.kernels_numba.attention import (attention_decode, attention_prefill, attention_prepare,
                                             decode_partials_shape)
 from ninfer.kernels_numba.attention_gemm import causal_softmax, gather_kv, pack_queries, unpack_gated
+from ninfer.kernels_numba.dflash import attention_partials_shape, copy_columns, dflash_attention, dflash_heads
 from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_rows,
                                               silu_mul_slots, to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
@@ -31,10 +32,14 @@ __all__ = [
     "attention_decode",
     "attention_prefill",
     "attention_prepare",
+    "attention_partials_shape",
     "concat_columns",
+    "copy_columns",
     "count_tokens",
     "decode_partials_shape",
     "dequantize_bf16",
+    "dflash_attention",
+    "dflash_heads",
     "embed_rows",
     "fill_uniform",
     "gather_rows",

@@ -9,6 +9,11 @@ whose inputs the caller put in `inputs` (token ids, rope positions, per-row lane
 * a prefill chunk of one lane (`prefill=PrefillSpan`): tiled causal attention, and cuBLAS GEMMs beyond
   `SKINNY_ROWS` rows.
 
+With DFlash (`Capacity.spec == "dflash"`), `forward` also captures the context features of the rows it runs (the
+residual rows after the drafter's target layers), and `dflash_step` runs the drafter (ninfer-facts §3.10): committed
+columns projected into its context caches (a cyclic window-slot cache per lane for each sliding layer, the paged
+pool for the full layer, both bf16), then one forward of the proposal blocks over those caches.
+
 Numerics: fp32 activations; linear layers read bf16 or quantized weights with fp32 accumulation. Up to SKINNY_ROWS
 rows use the skinny kernels, whose per-row results do not depend on the row count (greedy output is the same alone or
 batched); longer prefill chunks round activations to bf16 for cuBLAS.
@@ -16,18 +21,22 @@ batched); longer prefill chunks round activations to bf16 for cuBLAS.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import attrs
 import numpy as np
 
+from ninfer.backends.cpu.dflash import DFLASH_KV_DTYPE
 from ninfer.backends.cpu.ops import rope_inv_freq
 from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
+from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.backends.cuda.device import Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
-from ninfer.targets.dims import QwenDims
+from ninfer.models.dflash import DFlashMismatchError
+from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
 
 SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
 MMA_ROWS = 8  # activation rows per tensor-core quantized launch (the mma's N)
@@ -51,8 +60,9 @@ class Capacity:
     max_context: int
     kv_dtype: str  # "bf16" | "int8"
     prefill_rows: int  # most rows of a prefill chunk
-    draft_tokens: int  # k of MTP speculative decoding, 0 when off
+    draft_tokens: int  # k of speculative decoding, 0 when off
     draft_head: bool = False  # --lm-head-draft: proposals from the artifact's shortlist head, when it has one
+    spec: str = "mtp"  # the drafter that draft_tokens > 0 runs: "mtp" (the MTP head) or "dflash" (the DFlash drafter)
     # Prefill attention on the tensor cores (cuBLAS; 2.5x faster than the numba kernel at 8K on the H200): its
     # scratch is allocated only with this set.
     tensor_core_attention: bool = True
@@ -71,10 +81,16 @@ class Capacity:
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
             raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
+        if self.spec not in SPEC_BACKENDS:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_BACKENDS)}, got {self.spec!r}")
 
     @property
     def mtp(self) -> bool:
-        return self.draft_tokens > 0
+        return self.draft_tokens > 0 and self.spec == "mtp"
+
+    @property
+    def dflash(self) -> bool:
+        return self.draft_tokens > 0 and self.spec == "dflash"
 
     @property
     def verify_columns(self) -> int:
@@ -85,9 +101,15 @@ class Capacity:
         return self.lanes * (self.draft_tokens + 1)
 
     @property
+    def dflash_rows(self) -> int:
+        """Rows of a DFlash drafter call in a decode round: per lane a proposal block and its committed columns, k+1
+        rows each (0 without DFlash)."""
+        return 2 * self.decode_rows if self.dflash else 0
+
+    @property
     def max_rows(self) -> int:
         # +1: a final prefill chunk's MTP rows add the bridge column
-        return max(self.decode_rows, self.prefill_rows + 1)
+        return max(self.decode_rows, self.prefill_rows + 1, self.dflash_rows)
 
     @property
     def max_pages_per_lane(self) -> int:
@@ -156,6 +178,58 @@ class MtpWeights:
     final_norm: Any
 
 
+@attrs.frozen
+class DFlashLayerWeights:
+    input_norm: Any
+    query_key_value: Matrix  # rows q | k | v
+    query_norm: Any  # plain per-head norms
+    key_norm: Any
+    output: Matrix
+    post_attention_norm: Any
+    mlp: DenseFfn
+    window: int  # a sliding layer's window (|p_key - p_query| < window); 0 for a full layer
+
+
+@attrs.frozen
+class DFlashWeights:
+    """The drafter's own objects (`dflash/...`); it reads the target's embedding table and heads."""
+
+    dims: DFlashDims
+    feature_projection: Matrix  # [H, layers * H]
+    context_norm: Any
+    layers: tuple[DFlashLayerWeights, ...]
+    final_norm: Any
+    inv_freq: Any  # 1-D RoPE over every head dim
+
+
+def _dflash_weights(w: DeviceWeights, device: Device, target: QwenDims, dims: DFlashDims | None,
+                    draft_tokens: int) -> DFlashWeights:
+    # Imported here: the kernel geometry check needs numba, which the rest of this module reaches through `device`.
+    from ninfer.kernels_numba.dflash import check_geometry
+
+    if dims is None:
+        raise ValueError("DFlash speculative decoding needs the drafter's dimensions (an artifact with its "
+                         "dflash/... objects)")
+    problems = dims.problems_with(target)
+    if problems:
+        raise DFlashMismatchError("the DFlash drafter does not fit the target model: " + "; ".join(problems))
+    if draft_tokens > dims.max_draft_tokens:
+        raise ValueError(f"the DFlash drafter proposes at most {dims.max_draft_tokens} tokens (block size "
+                         f"{dims.block_size}), not {draft_tokens}")
+    check_geometry(dims.attn_heads, dims.kv_heads, dims.head_dim)
+    layers = []
+    for index, kind in enumerate(dims.layer_types):
+        p = f"dflash/layers/{index}/"
+        layers.append(DFlashLayerWeights(
+            w.vector(p + "input_norm"), w.matrix(p + "attention/query_key_value"), w.vector(p + "attention/query_norm"),
+            w.vector(p + "attention/key_norm"), w.matrix(p + "attention/output"), w.vector(p + "post_attention_norm"),
+            DenseFfn(w.matrix(p + "mlp/gate_up"), w.matrix(p + "mlp/down")),
+            dims.sliding_window if kind == SLIDING_ATTENTION else 0))
+    return DFlashWeights(dims, w.matrix("dflash/feature_projection"), w.vector("dflash/context_norm"), tuple(layers),
+                         w.vector("dflash/final_norm"),
+                         device.upload(rope_inv_freq(dims.head_dim, dims.rope_theta), "weights"))
+
+
 def _attention_weights(w: DeviceWeights, prefix: str, fused: bool) -> AttentionWeights:
     names = (prefix + "query_key_gate_value",) if fused else (prefix + "query_key", prefix + "gate_value")
     return AttentionWeights(w.matrix(*names), w.vector(prefix + "query_norm"), w.vector(prefix + "key_norm"),
@@ -221,7 +295,25 @@ class GdnLayerState:
     ssm_columns: Any  # [lanes, max(1, columns), Hv, Dk, Dv]
 
 
-def _kv_pool(device: Device, dims: QwenDims, kv_dtype: str, pages: int) -> KvPool:
+@attrs.frozen
+class DFlashRing:
+    """A sliding drafter layer's cyclic context caches: position p of lane l in slot p % window (bf16)."""
+
+    k: Any  # uint16 [lanes, window, kv_heads, head_dim]
+    v: Any
+    k_checkpoints: Any  # uint16 [lanes, slots, window, kv_heads, head_dim]
+    v_checkpoints: Any
+
+
+def _dflash_ring(device: Device, dims: DFlashDims, lanes: int, slots: int) -> DFlashRing:
+    shape = (dims.sliding_window, dims.kv_heads, dims.head_dim)
+    return DFlashRing(device.zeros((lanes,) + shape, np.uint16, "state"),
+                      device.zeros((lanes,) + shape, np.uint16, "state"),
+                      device.zeros((lanes, slots) + shape, np.uint16, "state"),
+                      device.zeros((lanes, slots) + shape, np.uint16, "state"))
+
+
+def _kv_pool(device: Device, dims: QwenDims | DFlashDims, kv_dtype: str, pages: int) -> KvPool:
     shape = (pages, PAGE_TOKENS, dims.kv_heads, dims.head_dim)
     if kv_dtype == "bf16":
         return KvPool(device.zeros(shape, np.uint16, "kv"), device.zeros(shape, np.uint16, "kv"), None, None)
@@ -291,11 +383,57 @@ class StepInputs:
         self._device.write(self.page_tables[lane], row)
 
 
+class DFlashInputs:
+    """Fixed device buffers of a drafter call's rows: block rows first (proposal blocks of k+1 rows), then context
+    rows (committed positions to project into the caches)."""
+
+    def __init__(self, device: Device, rows: int) -> None:
+        self._device = device
+        self.ids = device.zeros(rows, np.int32, "inputs")  # block rows: anchor, then the mask id
+        self.positions = device.zeros(rows, np.int32, "inputs")  # RoPE and window position; -1: a padding row
+        self.row_lane = device.zeros(rows, np.int32, "inputs")
+        self.ring_slot = device.zeros(rows, np.int32, "inputs")  # context rows: ring slot, -1 when superseded
+        self.context_source = device.zeros(rows, np.int32, "inputs")  # context row r: its pending row (lane-major)
+
+    def fill(self, *, ids: Any, positions: Any, row_lane: Any, ring_slot: Any, context_source: Any) -> None:
+        if len(positions) > len(self.positions):
+            raise ValueError(f"{len(positions)} drafter rows exceed the {len(self.positions)} this model was sized for")
+        for target, values in ((self.ids, ids), (self.positions, positions), (self.row_lane, row_lane),
+                               (self.ring_slot, ring_slot), (self.context_source, context_source)):
+            if len(values):
+                self._device.write(target[: len(values)], np.asarray(values, dtype=np.int32))
+
+
+class DFlashWorkspace:
+    """The drafter's activation buffers: `rows` rows for what context rows pass through (a prefill chunk's features
+    and projections), `linear_rows` (the drafter's cuBLAS padding, see `Linear`) for the block rows' linear-layer
+    operands, and `block_rows` (the most proposal rows of a call) for the attention's."""
+
+    def __init__(self, device: Device, dims: DFlashDims, *, rows: int, linear_rows: int, block_rows: int) -> None:
+        def buf(*shape: int) -> Any:
+            return device.empty(shape, np.float32, "workspace")
+
+        h = dims.hidden
+        self.features = buf(rows, dims.feature_width)  # context features: captured by the target, or gathered
+        self.projected = buf(rows, h)  # W_fc s, before the context norm
+        self.normed = buf(rows, h)  # block rows' normed input, then context rows' c: one qkv projection for both
+        self.qkv = buf(rows, dims.q_width + 2 * dims.kv_width)
+        self.u = buf(linear_rows, h)  # the block rows' residual stream
+        self.attended = buf(linear_rows, dims.q_width)
+        self.gate_up = buf(linear_rows, 2 * dims.intermediate)
+        self.act = buf(linear_rows, dims.intermediate)
+        self.q = buf(block_rows, dims.attn_heads, dims.head_dim)
+        self.k_block = buf(block_rows, dims.kv_heads, dims.head_dim)
+        self.v_block = buf(block_rows, dims.kv_heads, dims.head_dim)
+        self.partials = buf(*device.kernels.attention_partials_shape(block_rows, dims.attn_heads, dims.head_dim))
+
+
 class Workspace:
     """Activation buffers for up to `rows` rows, allocated once."""
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0) -> None:
+                 decode_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0,
+                 dflash: DFlashDims | None = None) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -351,6 +489,8 @@ class Workspace:
             self.gate_up = buf(rows, 2 * d.intermediate)
             self.act = buf(rows, d.intermediate)
             widths.append(d.intermediate)
+        if dflash is not None:  # the drafter's linear layers share the bf16 activation scratch
+            widths += [dflash.feature_width, dflash.q_width, dflash.intermediate]
         self.mtp_in = buf(rows, 2 * h) if mtp else None
         self.mtp_embedded = buf(rows, h) if mtp else None
         self.mtp_carried = buf(rows, h) if mtp else None
@@ -390,6 +530,13 @@ class Linear:
     def __init__(self, device: Device, workspace: Workspace, *, cublas_decode: bool, pad_rows: int) -> None:
         self._device, self.blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
+
+    def with_pad_rows(self, pad_rows: int) -> Linear:
+        """A Linear sharing this one's cuBLAS handle and scratch whose padded calls compute `pad_rows` rows: a caller
+        with calls of another fixed size (the DFlash drafter) keeps its own shape."""
+        sibling = copy.copy(self)
+        sibling.pad_rows = pad_rows if self.cublas_decode else 0
+        return sibling
 
     def __call__(self, x: Any, w: Matrix, y: Any, *, rows: int | None = None, accumulate: bool = False,
                  x_bf16: Any = None) -> None:
@@ -455,7 +602,9 @@ class Linear:
 
 
 class CudaQwen:
-    def __init__(self, dims: QwenDims, weights: DeviceWeights, device: Device, capacity: Capacity) -> None:
+    def __init__(self, dims: QwenDims, weights: DeviceWeights, device: Device, capacity: Capacity, *,
+                 dflash: DFlashDims | None = None) -> None:
+        """`dflash`: the drafter's dimensions, which a capacity with spec "dflash" needs (its weights are loaded)."""
         self.dims, self.device, self.capacity, self.k = dims, device, capacity, device.kernels
         # Prefill attention: "kernel" (the tiled numba kernel, fp32 math) or "gemm" (bf16 tensor cores via cuBLAS,
         # which needs the model built with Capacity.tensor_core_attention for its scratch).
@@ -475,9 +624,11 @@ class CudaQwen:
                                      _ffn_weights(weights, dims, "mtp/layer/"))
             self.mtp = MtpWeights(weights.matrix("mtp/input_projection"), weights.vector("mtp/embedding_norm"),
                                   weights.vector("mtp/hidden_norm"), mtp_layer, weights.vector("mtp/final_norm"))
+        self.dflash = _dflash_weights(weights, device, dims, dflash, capacity.draft_tokens) if capacity.dflash \
+            else None
         # The optimized proposal head (§3.9): a shortlist of head rows and the token id of each.
         self.draft_head = self.draft_head_ids = None
-        if capacity.mtp and capacity.draft_head and weights.has("text/draft_head") \
+        if capacity.draft_tokens and capacity.draft_head and weights.has("text/draft_head") \
                 and weights.has("text/draft_head_token_ids"):
             self.draft_head = weights.matrix("text/draft_head")
             self.draft_head_ids = weights.host("text/draft_head_token_ids").astype(np.int32)
@@ -488,17 +639,33 @@ class CudaQwen:
         self.pages = 0
         self.kv: dict[int, KvPool] = {}
         self.mtp_kv: KvPool | None = None
+        self.dflash_kv: dict[int, KvPool] = {}  # the drafter's full layers (allocate_kv)
         self.gdn = {i: _gdn_state(device, dims, capacity, CHECKPOINT_SLOTS)
                     for i, kind in enumerate(dims.layer_types) if kind != "full_attention"}
 
         rows = capacity.max_rows
         self.inputs = StepInputs(device, rows, capacity.lanes, capacity.max_pages_per_lane)
+        drafter = self.dflash.dims if self.dflash is not None else None
         self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
                                    decode_rows=capacity.decode_rows,
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
                                    tensor_core_attention=capacity.tensor_core_attention,
-                                   fragment_words=self._fragment_words())
+                                   fragment_words=self._fragment_words(), dflash=drafter)
+        # DFlash: the sliding layers' rings, each lane's committed columns not yet projected (their context
+        # features, k+1 rows a lane), which target layer fills which column block of the features, the call buffers.
+        self.dflash_rings: dict[int, DFlashRing] = {}
+        self.dflash_pending = self.dflash_inputs = self.dflash_workspace = None
+        self.feature_blocks: dict[int, int] = {}
+        if drafter is not None:
+            self.dflash_rings = {layer: _dflash_ring(device, drafter, capacity.lanes, CHECKPOINT_SLOTS)
+                                 for layer in drafter.sliding_layers()}
+            self.dflash_pending = device.zeros((capacity.lanes, capacity.verify_columns, drafter.feature_width),
+                                               np.float32, "state")
+            self.feature_blocks = {layer: block for block, layer in enumerate(drafter.target_layer_ids)}
+            self.dflash_inputs = DFlashInputs(device, rows)
+            self.dflash_workspace = DFlashWorkspace(device, drafter, rows=rows, linear_rows=capacity.dflash_rows,
+                                                    block_rows=capacity.decode_rows)
         # Runner glue: MTP hidden rows gathered per round, a row index, a prefill chunk's last row.
         self.mtp_hidden = device.empty((rows + 1, dims.hidden), np.float32, "workspace") if capacity.mtp else None
         self.gather_index = device.empty(rows + 1, np.int32, "inputs")
@@ -508,8 +675,9 @@ class CudaQwen:
         self.verify_hidden = device.zeros((capacity.lanes, max(1, capacity.verify_columns), dims.hidden), np.float32,
                                           "state")
         self.logits = device.empty((max(capacity.decode_rows, 1), dims.vocab_rows), np.float32, "workspace")
-        if self.draft_head is not None:
-            self.draft_logits = device.empty((capacity.lanes, self.draft_head.shape[0]), np.float32, "workspace")
+        if self.draft_head is not None:  # a row per MTP proposal, or per DFlash block row
+            self.draft_logits = device.empty((capacity.decode_rows, self.draft_head.shape[0]), np.float32,
+                                             "workspace")
         self.argmax = device.empty(max(capacity.decode_rows, 1), np.int32, "workspace")
         self.sampling_scratch = device.empty((max(capacity.decode_rows, 1),
                                               device.kernels.scratch_columns(dims.vocab_ids)),
@@ -526,19 +694,30 @@ class CudaQwen:
         self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
         cublas = capacity.decode_linear == "cublas"
         self.linear = Linear(device, self.workspace, cublas_decode=cublas, pad_rows=capacity.decode_rows if cublas else 0)
+        self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Shared-pool bytes one token takes: every attention layer, and the MTP layer with speculative decoding."""
+        """Shared-pool bytes one token takes: every attention layer, and the MTP layer or the DFlash drafter's full
+        layers (always bf16) with speculative decoding."""
         layers = sum(kind == "full_attention" for kind in self.dims.layer_types) + (1 if self.capacity.mtp else 0)
-        return kv_bytes_per_token(layers, self.dims.kv_heads, self.dims.head_dim, self.capacity.kv_dtype)
+        total = kv_bytes_per_token(layers, self.dims.kv_heads, self.dims.head_dim, self.capacity.kv_dtype)
+        if self.dflash is not None:
+            drafter = self.dflash.dims
+            total += kv_bytes_per_token(len(drafter.full_layers()), drafter.kv_heads, drafter.head_dim,
+                                        DFLASH_KV_DTYPE)
+        return total
 
     def allocate_kv(self, pages: int) -> None:
-        """The shared paged KV pools (every attention layer, and the MTP layer with speculative decoding)."""
+        """The shared paged KV pools (every attention layer, and the MTP layer or the DFlash drafter's full layers
+        with speculative decoding)."""
         dims, kv_dtype = self.dims, self.capacity.kv_dtype
         self.kv = {i: _kv_pool(self.device, dims, kv_dtype, pages) for i, kind in enumerate(dims.layer_types)
                    if kind == "full_attention"}
         self.mtp_kv = _kv_pool(self.device, dims, kv_dtype, pages) if self.capacity.mtp else None
+        if self.dflash is not None:
+            self.dflash_kv = {layer: _kv_pool(self.device, self.dflash.dims, DFLASH_KV_DTYPE, pages)
+                              for layer in self.dflash.dims.full_layers()}
         self.pages = pages
 
     def _dequant_elements(self) -> int:
@@ -561,6 +740,10 @@ class CudaQwen:
                 found.append(layer.gdn_output)
         if self.mtp:
             found.append(self.mtp.input_projection)
+        if self.dflash is not None:
+            found.append(self.dflash.feature_projection)
+            for layer in self.dflash.layers:
+                found += [layer.query_key_value, layer.output, layer.mlp.gate_up, layer.mlp.down]
         for matrix in found:
             yield from (matrix.parts if isinstance(matrix, SplitMatrix) else (matrix,))
 
@@ -570,13 +753,17 @@ class CudaQwen:
                 embeddings: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
         """Run the target decoder over `rows` rows of `inputs`; returns the final-norm hidden rows [rows, H].
         `embeddings` (columns [n], rows [n, H] on the host: Vision output) replace the token embeddings of those rows
-        (eager calls only: the rows are written from the host)."""
+        (eager calls only: the rows are written from the host). With DFlash, the rows' context features land in
+        rows 0..rows-1 of `dflash_workspace.features`."""
         ws, stream, d = self.workspace, self.device.stream, self.dims
         x = ws.x[:rows]
         self._embed(self.inputs.token_ids[:rows], x)
         self._replace_rows(x, embeddings)
         for index, layer in enumerate(self.layers):
             self._layer(layer, index, rows, segments, prefill, self.kv.get(index))
+            block = self.feature_blocks.get(index)
+            if block is not None:  # the post-MLP residual: this layer's column block of the context features
+                self.k.copy_columns(x, self.dflash_workspace.features, first_column=block * d.hidden, stream=stream)
         final = ws.final[:rows]
         self.k.rms_norm_rows(x, self.final_norm, final, eps=d.rms_eps, offset=True, stream=stream)
         return final
@@ -600,17 +787,69 @@ class CudaQwen:
         self.k.rms_norm_rows(x, mtp.final_norm, out, eps=d.rms_eps, offset=True, stream=stream)
         return out
 
-    def propose(self, d: Any) -> Any:
-        """Greedy MTP proposals for MTP outputs d [n, H] into argmax[:n]: over the full head's token rows, or over
-        the shortlist head's rows (indices into draft_head_ids) when the model loaded one."""
+    def propose(self, d: Any, rows: int | None = None) -> Any:
+        """Greedy proposals for drafter outputs d[:rows] [rows, H] (all of `d` without `rows`; with it, `d` is a whole
+        buffer, as in `head_logits`) into argmax[:rows]: over the full head's token rows, or over the shortlist
+        head's rows (indices into draft_head_ids) when the model loaded one."""
+        rows = d.shape[0] if rows is None else rows
         if self.draft_head is None:
-            return self.greedy(self.head_logits(d))
-        rows = d.shape[0]
+            return self.greedy(self.head_logits(d, rows))
         logits = self.draft_logits[:rows]
-        self.linear(d, self.draft_head, logits)
+        self.linear(d, self.draft_head, self.draft_logits, rows=rows)
         out = self.argmax[:rows]
         self.k.argmax_rows(logits, logits.shape[1], out, stream=self.device.stream, scratch=self.sampling_scratch)
         return out
+
+    def dflash_step(self, block_rows: int, context_rows: int, *, from_pending: bool) -> None:
+        """One DFlash drafter call over the rows of `dflash_inputs` (§3.10): block rows 0..block_rows-1 (proposal
+        blocks of k+1 rows, anchor first) and context rows after them (committed positions of their lanes, whose
+        context features are rows 0..context_rows-1 of `dflash_workspace.features`; with `from_pending` they are
+        gathered there first from the lanes' pending rows, through `context_source`). Every layer projects the
+        context rows into its cache, then runs the block rows over that context and their own block. Each block
+        row's greedy proposal lands in argmax[:block_rows] (mask row i of a block proposes the token at its own
+        position; the anchor row's is not used)."""
+        w, ws, inputs, d = self.dflash, self.dflash_workspace, self.dflash_inputs, self.dflash.dims
+        stream, k, linear, eps = self.device.stream, self.k, self.dflash_linear, d.rms_eps
+        rows = block_rows + context_rows
+        if context_rows:
+            if from_pending:
+                pending = self.dflash_pending.reshape(self.capacity.lanes * self.capacity.verify_columns,
+                                                      d.feature_width)
+                k.gather_rows(pending, inputs.context_source[:context_rows], ws.features[:context_rows],
+                              stream=stream)
+            linear(ws.features, w.feature_projection, ws.projected, rows=context_rows)
+            k.rms_norm_rows(ws.projected[:context_rows], w.context_norm, ws.normed[block_rows:rows], eps=eps,
+                            offset=False, stream=stream)
+        if block_rows:
+            self._embed(inputs.ids[:block_rows], ws.u[:block_rows])
+        u, normed = ws.u[:block_rows], ws.normed[:block_rows]
+        for index, layer in enumerate(w.layers):
+            if block_rows:
+                k.rms_norm_rows(u, layer.input_norm, normed, eps=eps, offset=False, stream=stream)
+            linear(ws.normed, layer.query_key_value, ws.qkv, rows=rows)
+            paged = index in self.dflash_kv  # the full layer; a sliding layer keeps its rings
+            cache = self.dflash_kv[index] if paged else self.dflash_rings[index]
+            k.dflash_heads(ws.qkv[:rows], layer.query_norm, layer.key_norm, w.inv_freq, inputs.positions[:rows],
+                           inputs.row_lane[:rows], inputs.ring_slot[:rows], self.inputs.page_tables, cache.k, cache.v,
+                           ws.q, ws.k_block, ws.v_block, block_rows=block_rows, paged=paged, heads=d.attn_heads,
+                           kv_heads=d.kv_heads, head_dim=d.head_dim, eps=eps, stream=stream)
+            if not block_rows:
+                continue
+            k.dflash_attention(ws.q[:block_rows], ws.k_block[:block_rows], ws.v_block[:block_rows],
+                               inputs.positions[:block_rows], inputs.row_lane[:block_rows], self.inputs.page_tables,
+                               cache.k, cache.v, ws.partials, ws.attended[:block_rows],
+                               block_width=self.capacity.verify_columns, window=layer.window, paged=paged,
+                               heads=d.attn_heads, kv_heads=d.kv_heads, head_dim=d.head_dim, stream=stream)
+            linear(ws.attended, layer.output, ws.u, rows=block_rows, accumulate=True)
+            k.rms_norm_rows(u, layer.post_attention_norm, normed, eps=eps, offset=False, stream=stream)
+            linear(ws.normed, layer.mlp.gate_up, ws.gate_up, rows=block_rows)
+            k.silu_mul_rows(ws.gate_up[:block_rows], ws.act[:block_rows], stream=stream)
+            linear(ws.act, layer.mlp.down, ws.u, rows=block_rows, accumulate=True)
+        if block_rows:
+            # The target's final-norm rows are free until the verify that follows: the head reads them from there.
+            final = self.workspace.final
+            k.rms_norm_rows(u, w.final_norm, final[:block_rows], eps=eps, offset=False, stream=stream)
+            self.propose(final, block_rows)
 
     def _replace_rows(self, out: Any, embeddings: tuple[np.ndarray, np.ndarray] | None) -> None:
         """out[columns[i]] = rows[i], one host-to-device copy per run of consecutive columns (an image's columns
@@ -853,6 +1092,15 @@ class CudaQwen:
             else:
                 copy(state.conv[lane], state.conv_columns[lane, from_column])
                 copy(state.ssm[lane], state.ssm_columns[lane, from_column])
+        # The DFlash rings change only by commits, never by a verify column: a checkpoint carries them, and the full
+        # layer's prefix stays in the pages.
+        for ring in self.dflash_rings.values():
+            if to_slot is not None:
+                copy(ring.k_checkpoints[lane, to_slot], ring.k[lane])
+                copy(ring.v_checkpoints[lane, to_slot], ring.v[lane])
+            elif from_slot is not None:
+                copy(ring.k[lane], ring.k_checkpoints[lane, from_slot])
+                copy(ring.v[lane], ring.v_checkpoints[lane, from_slot])
         if to_slot is not None:
             copy(self.tail_checkpoints[lane, to_slot], self.tails[lane])
         elif from_slot is not None:
@@ -861,8 +1109,9 @@ class CudaQwen:
 
     def export_lane_views(self, lane: int, pages: np.ndarray) -> dict[str, Any]:
         """A lane's sequence state in place, named for `import_lane_arrays`: the KV of these pages in every attention
-        pool (MTP included; a `RowRuns` of the runs of consecutive pages), the Gated DeltaNet running state and
-        checkpoint slots, and the tail rows. Device views: valid until the lane runs again."""
+        pool (MTP and the DFlash full layers included; a `RowRuns` of the runs of consecutive pages), the Gated
+        DeltaNet running state and checkpoint slots, the tail rows, and with DFlash the rings (running and
+        checkpoint slots) and pending context rows. Device views: valid until the lane runs again."""
         out = {}
         for name, array in self._page_arrays().items():
             parts = tuple(array[first : first + count] for _, first, count in _runs(pages))
@@ -905,6 +1154,7 @@ class CudaQwen:
         pools = {f"kv/{layer}": pool for layer, pool in self.kv.items()}
         if self.mtp_kv is not None:
             pools["mtp"] = self.mtp_kv
+        pools.update({f"dflash/kv/{layer}": pool for layer, pool in self.dflash_kv.items()})
         return {f"{name}/{part}": array for name, pool in pools.items()
                 for part, array in (("k", pool.k), ("v", pool.v), ("k_scale", pool.k_scale),
                                     ("v_scale", pool.v_scale)) if array is not None}
@@ -916,6 +1166,12 @@ class CudaQwen:
             out.update({f"gdn/{layer}/conv": state.conv, f"gdn/{layer}/ssm": state.ssm,
                         f"gdn/{layer}/conv_checkpoints": state.conv_checkpoints,
                         f"gdn/{layer}/ssm_checkpoints": state.ssm_checkpoints})
+        for layer, ring in self.dflash_rings.items():
+            out.update({f"dflash/ring/{layer}/k": ring.k, f"dflash/ring/{layer}/v": ring.v,
+                        f"dflash/ring_checkpoints/{layer}/k": ring.k_checkpoints,
+                        f"dflash/ring_checkpoints/{layer}/v": ring.v_checkpoints})
+        if self.dflash_pending is not None:
+            out["dflash/pending"] = self.dflash_pending
         return out
 
 

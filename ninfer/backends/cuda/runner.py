@@ -2,11 +2,20 @@
 
 Every decode-time step replays a captured CUDA graph keyed by its exact shape: a decode or verify round by (rows,
 lanes) (ordinary rows are one column, speculative rows k+1; all per-row facts live in the input buffers, so any mix
-with the same counts shares a graph), the MTP head over a round's produced columns by its row count, and each draft
-step by its lane count. The first call of a shape runs eagerly (compiling the kernels) and captures the graph for
-the next one; ordinary decode graphs are captured at startup. Prefill chunks run eagerly. The host keeps only what
-the engine contract needs per lane: the page table, the sampler, the drafts and whether the last round verified;
+with the same counts shares a graph), the MTP head over a round's produced columns by its row count, each MTP draft
+step by its lane count, and a DFlash drafter call by its lane and block counts. The first call of a shape runs
+eagerly (compiling the kernels) and captures the graph for the next one; ordinary decode graphs are captured at
+startup. Prefill chunks run eagerly. The host keeps only what the engine contract needs per lane: the page table,
+the sampler, the drafts, whether the last round verified and, with DFlash, how far the drafter's context reaches;
 all tensors stay on the device.
+
+DFlash rounds follow the CPU runner (`ninfer.backends.cpu.runner`): a decode call starts with one drafter call that
+projects every batch lane's pending committed columns into its context (k+1 context rows a lane, those past its
+pending count padding, so the shape depends on the lane count only) and proposes k tokens for each speculative lane
+from its block `[anchor, MASK x k]`; the verify that follows captures the context features of its columns, and the
+committed ones (the input token and the accepted drafts; fewer after a `rewind`) stay pending in the lane's pending
+rows until its next call. Prefill chunks project their columns at once (eagerly, like the chunk itself), and a
+checkpoint commits the pending columns before it copies the rings.
 """
 
 from __future__ import annotations
@@ -16,7 +25,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ninfer.backends.cpu.dflash import DFlashContextError
 from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, PAGE_TOKENS, CudaQwen, PrefillSpan
+from ninfer.engine.cold_tier import ParkedArray
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillChunk, PrefillResult, RunnerInfo,
                                   SequenceStart, StateSource, VisionUnavailable)
 from ninfer.engine.request import PromptMedia
@@ -33,6 +44,11 @@ class _Lane:
     sampler: Sampler | None = None
     drafts: np.ndarray | None = None
     verified: bool = False  # the last round was a speculative one (rewind may select another column)
+    # DFlash: positions 0..context-1 are in the drafter's caches, the next `pending` committed columns wait in the
+    # lane's pending rows; each checkpoint slot's context length (a checkpoint holds no pending columns).
+    context: int = 0
+    pending: int = 0
+    checkpoint_context: list[int] = attrs.Factory(lambda: [0] * CHECKPOINT_SLOTS)
 
 
 @attrs.frozen
@@ -50,19 +66,22 @@ class CudaRunner:
 
     def __init__(self, model: CudaQwen, *, draft_tokens: int = 0, lm_head_draft: bool = False,
                  cuda_graphs: bool = True, vision_tower: VisionTower | CudaVisionTower | None = None) -> None:
+        """Speculative decoding (`draft_tokens` k > 0) runs the drafter the model was built for (`Capacity.spec`):
+        its MTP head, or its DFlash drafter (text only: no Vision tower)."""
         cap, dims = model.capacity, model.dims
-        if draft_tokens and model.mtp is None:
-            raise ValueError("speculative decoding needs the model built with its MTP head")
+        if draft_tokens != cap.draft_tokens:
+            raise ValueError(f"the model was sized for {cap.draft_tokens} draft tokens, not {draft_tokens}")
         if lm_head_draft and not cap.draft_head:
             raise ValueError("--lm-head-draft needs the model built with its shortlist head (Capacity.draft_head)")
+        if cap.dflash and vision_tower is not None:
+            raise ValueError("DFlash is text-only: build the runner without the Vision tower")
         self._model, self._k, self._graphs_on = model, draft_tokens, cuda_graphs
+        self._mtp, self._dflash = cap.mtp, cap.dflash
         # The Vision tower: the GPU's (`CudaVisionTower`) or the host's; its output rows reach the device
         # activations as embedding overrides of the prefill chunks.
         self._vision = vision_tower
         if not model.pages:
             raise ValueError("the model's KV pool is not allocated (CudaQwen.allocate_kv)")
-        if draft_tokens != cap.draft_tokens:
-            raise ValueError(f"the model was sized for {cap.draft_tokens} draft tokens, not {draft_tokens}")
         self.info = RunnerInfo(lanes=cap.lanes, pages=model.pages, page_tokens=PAGE_TOKENS,
                                checkpoint_slots=CHECKPOINT_SLOTS,
                                vocab_ids=dims.vocab_ids, draft_tokens=draft_tokens,
@@ -86,47 +105,73 @@ class CudaRunner:
         used = self._used_pages(lane, tokens)
         pages = self._model.inputs.host_page_tables[lane, :used]
         return LaneImage(tokens=tokens, pages=used, has_tail=self._lanes[lane].has_tail,
-                         arrays=self._model.export_lane_arrays(lane, pages))
+                         arrays=self._model.export_lane_arrays(lane, pages) | self._context_counts(lane))
 
     def export_lane_view(self, lane: int, tokens: int) -> LaneImage:
         """`export_lane` without the host copy: device views, valid until the lane runs again (the scheduler parks
         them at once; see `streams_lane_images`)."""
         used = self._used_pages(lane, tokens)
+        views = self._model.export_lane_views(lane, self._model.inputs.host_page_tables[lane, :used])
         return LaneImage(tokens=tokens, pages=used, has_tail=self._lanes[lane].has_tail,
-                         arrays=self._model.export_lane_views(lane, self._model.inputs.host_page_tables[lane, :used]))
+                         arrays=views | self._context_counts(lane))
 
     def import_lane(self, lane: int, image: LaneImage) -> None:
         state = self._lanes[lane]
         if image.pages > state.pages:
             raise ValueError(f"lane {lane}: the image needs {image.pages} pages, the lane owns {state.pages}")
         self._model.import_lane_arrays(lane, self._model.inputs.host_page_tables[lane, : image.pages], image.arrays)
-        self._lanes[lane] = _Lane(pages=state.pages, has_tail=image.has_tail)
+        imported = self._lanes[lane] = _Lane(pages=state.pages, has_tail=image.has_tail)
+        if self._dflash:
+            lengths, pending = (_host(image.arrays[name]) for name in ("dflash/context_lengths",
+                                                                       "dflash/pending_columns"))
+            imported.context, imported.pending = int(lengths[0]), int(pending[0])
+            imported.checkpoint_context = [int(length) for length in lengths[1:]]
+
+    def _context_counts(self, lane: int) -> dict[str, np.ndarray]:
+        """With DFlash, the host side of the lane's drafter context for a lane image: the context length of the
+        running state and of each checkpoint slot, and the pending column count."""
+        if not self._dflash:
+            return {}
+        state = self._lanes[lane]
+        return {"dflash/context_lengths": np.array([state.context, *state.checkpoint_context], np.int64),
+                "dflash/pending_columns": np.array([state.pending], np.int64)}
 
     def begin_sequence(self, lane: int, start: SequenceStart) -> None:
         state, model = self._lanes[lane], self._model
         if start.source is StateSource.RESET:
             model.reset_lane(lane)
             state.has_tail = False
+            state.context = state.pending = 0
         elif start.source is StateSource.CHECKPOINT:
             model.copy_lane_state(lane, from_slot=start.checkpoint_slot)
             state.has_tail = True
+            state.context, state.pending = state.checkpoint_context[start.checkpoint_slot], 0
         state.sampler = Sampler(start.sampling, self.info.vocab_ids)
         model.device.clear(model.penalty_counts[lane])  # the device mirror of the sampler's (empty) counts
         state.drafts, state.verified = None, False
 
     def save_checkpoint(self, lane: int, slot: int) -> None:
-        if not self._lanes[lane].has_tail:
+        state = self._lanes[lane]
+        if not state.has_tail:
             raise ValueError(f"lane {lane} has no materialized token to checkpoint")
+        if state.pending:
+            self._run_drafter([lane], [])
         self._model.copy_lane_state(lane, to_slot=slot)
+        state.checkpoint_context[slot] = state.context
 
     def rewind(self, lane: int, kept: int) -> None:
         state = self._lanes[lane]
+        if self._dflash and not 0 < kept <= state.pending:
+            raise DFlashContextError(f"lane {lane}: the last round left {state.pending} pending columns, cannot "
+                                     f"keep {kept}")
         if not state.verified:
             if kept != 1:
                 raise ValueError(f"lane {lane}: an ordinary round produced one token, cannot keep {kept}")
             return
         self._select_column(lane, kept - 1)
         state.drafts = None
+        if self._dflash:  # only the kept columns join the drafter's context
+            state.pending = kept
 
     def release(self, lane: int) -> None:
         self._lanes[lane] = _Lane()
@@ -147,6 +192,8 @@ class CudaRunner:
         if chunk.has_embeddings and self._vision is None:
             raise VisionUnavailable("a prefill chunk carries embedding overrides, but this runner has no Vision tower")
         embeddings = (chunk.embedding_columns, chunk.embedding_rows) if chunk.has_embeddings else None
+        if self._dflash:
+            self._start_drafter_call(lane, start)
         if count:
             model.inputs.fill(token_ids=chunk.token_ids, positions=chunk.positions,
                               row_lane=np.full(count, lane), row_pos=start + np.arange(count),
@@ -154,6 +201,13 @@ class CudaRunner:
             final = model.forward(count, 1, PrefillSpan(lane, start), embeddings)
             # The chunk's last row becomes the tail only after the MTP bridge column has read the old tail.
             model.device.copy(self._model.last_row, final[count - 1 :])
+            if self._dflash:  # the chunk's columns are committed: project their captured features now
+                end = start + count
+                positions = np.arange(start, end)
+                model.dflash_inputs.fill(ids=[], positions=positions, row_lane=np.full(count, lane),
+                                         ring_slot=self._ring_slots(positions, end), context_source=[])
+                model.dflash_step(0, count, from_pending=False)
+                state.context = end
         elif chunk.final and not state.has_tail:
             raise ValueError(f"lane {lane}: nothing to sample from (empty chunk without a tail)")
         token = -1
@@ -162,8 +216,8 @@ class CudaRunner:
             token = self._sample_rows(row, [state.sampler], [start + count], Purpose.PREFILL)[0]
             if state.sampler.params.penalties_active and not state.sampler.params.is_greedy:
                 model.count_generated([lane], [token])
-        drafts_ready = False
-        if self._k:
+        drafts_ready = self._dflash and chunk.final and self._affords_a_round(chunk.remaining - 1)
+        if self._mtp:
             rows = self._prefill_mtp_rows(chunk, token)
             if rows is not None:
                 n = len(rows.next_ids)
@@ -185,6 +239,11 @@ class CudaRunner:
         model, k = self._model, self._k
         size = batch.size
         lanes = [int(lane) for lane in batch.lanes]
+        if self._dflash:
+            for lane, kv_length in zip(lanes, batch.kv_lengths):
+                self._check_context(lane, int(kv_length))
+            self._run_drafter(lanes, [(lane, int(batch.input_tokens[b]), int(batch.kv_lengths[b]))
+                                      for b, lane in enumerate(lanes) if batch.speculative[b]])
         columns = [1 + (k if batch.speculative[b] else 0) for b in range(size)]
         ids, row_lane, row_pos, positions, seg_row = [], [], [], [], []
         for b, lane in enumerate(lanes):
@@ -257,7 +316,13 @@ class CudaRunner:
                 counted_lanes += [lane] * n
                 counted += produced
             state.has_tail = True
-            if k:
+            if self._dflash:
+                # The round's columns wait in the lane's pending rows; the committed ones join the context next call.
+                model.device.copy(model.dflash_pending[lane, : columns[b]],
+                                  model.dflash_workspace.features[first : first + columns[b]])
+                state.pending = n
+                drafts_ready[b] = batch.speculative[b] and self._affords_a_round(batch.remaining[b] - n)
+            if self._mtp:
                 mtp_rows.append(_MtpRows(lane, start, np.array(produced, np.int32),
                                          np.broadcast_to(int(batch.positions[b]) + np.arange(n), (3, n))))
                 mtp_hidden += [("final", first + j) for j in range(n)]
@@ -334,6 +399,60 @@ class CudaRunner:
     def _affords_a_round(self, remaining: int) -> bool:
         return remaining >= self._k + 1
 
+    def _check_context(self, lane: int, kv_length: int) -> None:
+        """The lane's drafter context (committed and pending columns) covers exactly the E = `kv_length` tokens."""
+        state = self._lanes[lane]
+        if state.context + state.pending != kv_length:
+            raise DFlashContextError(f"lane {lane}: the DFlash context covers {state.context + state.pending} "
+                                     f"tokens, the call starts at E = {kv_length}")
+
+    def _start_drafter_call(self, lane: int, kv_length: int) -> None:
+        """Before a prefill chunk: commit the lane's pending columns, so the chunk's own follow them."""
+        self._check_context(lane, kv_length)
+        if self._lanes[lane].pending:
+            self._run_drafter([lane], [])
+
+    def _ring_slots(self, positions: np.ndarray, end: int) -> np.ndarray:
+        """The sliding layers' ring slot of each committed position of one lane whose context will end at `end`;
+        -1 for a position that a later one of the same call overwrites (it falls out of the window)."""
+        window = self._model.dflash.dims.sliding_window
+        return np.where(positions >= end - window, positions % window, -1)
+
+    def _run_drafter(self, lanes: list[int], blocks: list[tuple[int, int, int]]) -> None:
+        """One drafter call (a graph per lane and block count): the pending columns of every lane of `lanes`
+        projected into its context, then for each (lane, anchor, E) of `blocks` the block [anchor, MASK x k] at
+        positions E..E+k, whose mask rows' greedy proposals (§3.10: mask i proposes the token at E+1+i) become the
+        lane's drafts."""
+        model, width = self._model, self._k + 1
+        ids, positions, row_lane = [], [], []
+        for lane, anchor, start in blocks:
+            ids += [anchor] + [model.dflash.dims.mask_token_id] * self._k
+            positions += range(start, start + width)
+            row_lane += [lane] * width
+        ring_slot, source = [-1] * len(ids), []
+        for lane in lanes:  # k+1 context rows a lane: its pending columns, then padding (position -1)
+            state = self._lanes[lane]
+            end = state.context + state.pending
+            committed = np.where(np.arange(width) < state.pending, state.context + np.arange(width), -1)
+            positions += committed.tolist()
+            row_lane += [lane] * width
+            ring_slot += np.where(committed >= 0, self._ring_slots(committed, end), -1).tolist()
+            source += range(lane * width, (lane + 1) * width)
+        model.dflash_inputs.fill(ids=ids, positions=positions, row_lane=row_lane, ring_slot=ring_slot,
+                                 context_source=source)
+        block_rows, context_rows = len(ids), len(lanes) * width
+        self._step(("dflash", len(lanes), len(blocks)),
+                   lambda: model.dflash_step(block_rows, context_rows, from_pending=True))
+        for lane in lanes:
+            state = self._lanes[lane]
+            state.context, state.pending = state.context + state.pending, 0
+        if blocks:
+            chosen = model.device.read(model.argmax[:block_rows]).reshape(len(blocks), width)[:, 1:]
+            if model.draft_head_ids is not None:
+                chosen = model.draft_head_ids[chosen]
+            for (lane, *_), drafts in zip(blocks, chosen):
+                self._lanes[lane].drafts = drafts
+
     def _prefill_mtp_rows(self, chunk: PrefillChunk, token: int) -> _MtpRows | None:
         """Mirror of the CPU runner: one column behind the target, starting with the bridge column E-1."""
         start = chunk.kv_length
@@ -406,6 +525,11 @@ class CudaRunner:
             self._step(("advance", n), advance)
         for (lane, *_), row in zip(wanted, drafts):
             self._lanes[lane].drafts = row
+
+
+def _host(value: Any) -> np.ndarray:
+    """An image array on the host (a parked one is read from its arena)."""
+    return value.host() if isinstance(value, ParkedArray) else np.asarray(value)
 
 
 def _verify_greedy(argmax: np.ndarray, drafts: np.ndarray) -> tuple[int, list[int]]:
