@@ -55,3 +55,23 @@ def test_arenas_stay_consistent(operations, capacities):
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
             assert all(0 <= start and end <= arena.capacity_bytes for start, end in ranges)
         assert tier.used_bytes == sum(e.nbytes for e in tier.parked().values()) <= tier.capacity_bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=st.integers(500, 4000), parks=st.lists(st.integers(1, 5000), max_size=12),
+       capacity=st.integers(4_096, 12_000))
+def test_parks_made_during_a_restore_never_overwrite_the_entry_in_transit(first, parks, capacity):
+    """The scheduler parks the lanes it takes between `take` and the import: the taken range stays reserved."""
+    tier = ColdTier([HostArena(capacity)])
+    original = np.random.default_rng(first).integers(0, 255, first, dtype=np.uint8)
+    assert tier.park(resident(1), LaneImage(tokens=1, pages=1, has_tail=True, arrays={"bytes": original}))
+    key, _ = tier.best_match(PreparedPrompt(token_ids=resident(1).ledger.ids[:2]))
+    _, taken = tier.take(key)
+    for n, size in enumerate(parks):
+        data = np.full(size, n + 1, np.uint8)
+        tier.park(resident(2 + n), LaneImage(tokens=2 + n, pages=1, has_tail=True, arrays={"bytes": data}))
+        assert tier.used_bytes <= tier.capacity_bytes
+    np.testing.assert_array_equal(taken.arrays["bytes"].host(), original)
+    before = tier.used_bytes
+    tier.finish(key, restored=True)
+    assert tier.used_bytes == before - (-(-first // 256) * 256) and tier.counters.restores == 1
