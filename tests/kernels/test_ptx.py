@@ -1,21 +1,29 @@
-"""Every registered kernel compiles to PTX for sm_90 with the signatures its launchers use (no GPU needed)."""
+"""Every registered kernel compiles to PTX for sm_90 with the signatures its launchers use (no GPU needed). The
+compiles (minutes in all) are spread over one worker process per core, once per session; each case's test reports its
+own result."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 pytest.importorskip("numba.cuda")
 
-import ninfer.kernels_numba as package  # noqa: E402
-from ninfer.kernels_numba.numba_setup import COMPUTE_CAPABILITY, REGISTRY, cuda  # noqa: E402
+from ninfer.kernels_numba.numba_setup import REGISTRY  # noqa: E402
+from tests.support.ptx_cases import cases, compile_case  # noqa: E402
 
-for module in pkgutil.iter_modules(package.__path__):
-    importlib.import_module(f"{package.__name__}.{module.name}")
+CASES = cases()
 
-CASES = [(entry, signature) for entry in REGISTRY for signature in entry.signatures]
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[int, str | None]:
+    workers = max(1, min(len(os.sched_getaffinity(0)), 8))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {i: pool.submit(compile_case, i, entry.name) for i, (entry, _) in enumerate(CASES)}
+        return {i: future.result() for i, future in futures.items()}
 
 
 def test_every_kernel_is_registered_with_a_signature():
@@ -23,9 +31,6 @@ def test_every_kernel_is_registered_with_a_signature():
     assert all(entry.signatures for entry in REGISTRY), [e.name for e in REGISTRY if not e.signatures]
 
 
-@pytest.mark.parametrize("entry,signature", CASES, ids=[f"{e.name}:{i}" for i, (e, _) in enumerate(CASES)])
-def test_kernel_compiles_to_ptx_for_hopper(entry, signature):
-    options = {k: v for k, v in entry.options.items() if k in ("fastmath", "lineinfo", "debug", "opt")}
-    ptx, _ = cuda.compile_ptx(entry.function, signature, cc=COMPUTE_CAPABILITY, **options)
-    assert ".target sm_90" in ptx
-    assert ".entry" in ptx
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{e.name}:{i}" for i, (e, _) in enumerate(CASES)])
+def test_kernel_compiles_to_ptx_for_hopper(compiled, index):
+    assert compiled[index] is None, compiled[index]
