@@ -25,9 +25,13 @@ class RegisteredKernel:
     function: Callable[..., Any]  # the Python source function (compile_ptx takes it)
     signatures: tuple[Any, ...]  # numba signatures CI compiles to PTX
     options: dict[str, Any]  # cuda.jit options (fastmath, ...)
+    # (defining module, registrations in that module before this one): the same in every process that imports the
+    # module, whatever order modules were imported in (kernel factories share a function name)
+    key: tuple[str, int] = ("", 0)
 
 
 REGISTRY: list[RegisteredKernel] = []
+_REGISTERED_PER_MODULE: dict[str, int] = {}
 
 
 def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], Any]:
@@ -35,8 +39,11 @@ def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], A
     each one to PTX. Signatures are those of real launches: a kernel launched with other argument types recompiles."""
 
     def wrap(function: Callable[..., Any]) -> Any:
-        REGISTRY.append(RegisteredKernel(f"{function.__module__}.{function.__qualname__}", function, signatures,
-                                         dict(options)))
+        module = function.__module__
+        sequence = _REGISTERED_PER_MODULE.get(module, 0)
+        _REGISTERED_PER_MODULE[module] = sequence + 1
+        REGISTRY.append(RegisteredKernel(f"{module}.{function.__qualname__}", function, signatures, dict(options),
+                                         (module, sequence)))
         return cuda.jit(**options)(function)
 
     return wrap

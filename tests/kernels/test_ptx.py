@@ -22,8 +22,8 @@ CASES = cases()
 def compiled() -> dict[int, str | None]:
     workers = max(1, min(len(os.sched_getaffinity(0)), 8))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {i: pool.submit(compile_case, i, entry.name) for i, (entry, _) in enumerate(CASES)}
-        return {i: future.result() for i, future in futures.items()}
+        futures = {n: pool.submit(compile_case, entry.key, i) for n, (entry, i, _) in enumerate(CASES)}
+        return {n: future.result() for n, future in futures.items()}
 
 
 def test_every_kernel_is_registered_with_a_signature():
@@ -31,6 +31,6 @@ def test_every_kernel_is_registered_with_a_signature():
     assert all(entry.signatures for entry in REGISTRY), [e.name for e in REGISTRY if not e.signatures]
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{e.name}:{i}" for i, (e, _) in enumerate(CASES)])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{e.name}#{e.key[1]}:{i}" for e, i, _ in CASES])
 def test_kernel_compiles_to_ptx_for_hopper(compiled, index):
     assert compiled[index] is None, compiled[index]

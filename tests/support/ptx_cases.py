@@ -1,5 +1,7 @@
 """The kernel/signature pairs CI compiles to PTX, and the compile of one of them: importable by the worker processes
-that tests/kernels/test_ptx.py spreads the compiles over (numba compiles one kernel at a time per process)."""
+that tests/kernels/test_ptx.py spreads the compiles over (numba compiles one kernel at a time per process). A case is
+named by its kernel's registration key and signature index, which every process agrees on whatever order it imported
+the kernel modules in."""
 
 from __future__ import annotations
 
@@ -8,25 +10,30 @@ import pkgutil
 
 
 def cases() -> list:
-    """(registered kernel, signature) for every kernel module of ninfer.kernels_numba, in a fixed order."""
+    """(registered kernel, signature index, signature) for every kernel of ninfer.kernels_numba registered so far,
+    by registration key."""
     import ninfer.kernels_numba as package
     from ninfer.kernels_numba.numba_setup import REGISTRY
 
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{module.name}")
-    return [(entry, signature) for entry in REGISTRY for signature in entry.signatures]
+    return [(entry, i, signature) for entry in sorted(REGISTRY, key=lambda e: e.key)
+            for i, signature in enumerate(entry.signatures)]
 
 
-def compile_case(index: int, name: str) -> str | None:
-    """None when case `index` (whose kernel is `name`) compiles to PTX for sm_90 with an entry point; else why not."""
+def compile_case(key: tuple[str, int], signature_index: int) -> str | None:
+    """None when the kernel registered as `key` compiles to PTX for sm_90 with its signature `signature_index` and
+    has an entry point; else why not."""
     from ninfer.kernels_numba.numba_setup import COMPUTE_CAPABILITY, cuda
 
-    entry, signature = cases()[index]
-    if entry.name != name:
-        return f"case {index} is {entry.name} in the worker, {name} in the test"
+    found = [entry for entry, i, _ in cases() if entry.key == tuple(key) and i == signature_index]
+    if not found:
+        return f"no kernel registered as {key} with signature {signature_index} in a fresh process"
+    entry = found[0]
     options = {k: v for k, v in entry.options.items() if k in ("fastmath", "lineinfo", "debug", "opt")}
     try:
-        ptx, _ = cuda.compile_ptx(entry.function, signature, cc=COMPUTE_CAPABILITY, **options)
+        ptx, _ = cuda.compile_ptx(entry.function, entry.signatures[signature_index], cc=COMPUTE_CAPABILITY,
+                                  **options)
     except Exception as exc:  # noqa: BLE001 - reported by the test that owns the case
         return f"{type(exc).__name__}: {exc}"
     if ".target sm_90" not in ptx or ".entry" not in ptx:
