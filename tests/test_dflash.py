@@ -26,7 +26,7 @@ from ninfer.backends.cpu.runner import CpuRunner, build_cpu_runner, runner_state
 from ninfer.engine.config import EngineConfig, EngineConfigError
 from ninfer.engine.engine import Engine
 from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES
-from ninfer.engine.request import FinishReason, PreparedPrompt, RequestOptions, StopTokenPolicy
+from ninfer.engine.request import RequestOptions
 from ninfer.engine.runner import DecodeBatch, SequenceStart, StateSource
 from ninfer.engine.sampler import Sampler, SamplingOverrides, SamplingParams
 from ninfer.models.dflash import DFlashMismatchError
@@ -35,7 +35,7 @@ from ninfer.targets.registry import QWEN_35B_A3B_PRESETS
 from tests.support.tiny_dflash import reference_block, tiny_dflash_dims, tiny_dflash_qwen
 from tests.test_prefix_reuse import SCRIPT, run_chat
 from tests.test_runner_cpu import Lane, decode_round, generate, prompt, text_positions, tiny_qwen
-from tests.test_speculative import run, work
+from tests.test_speculative import run, stop_inside_a_round_then_continue, work
 
 
 @pytest.fixture(scope="module")
@@ -261,24 +261,9 @@ def test_lm_head_draft_proposes_shortlist_ids_only(model, monkeypatch):
 # ---- commits, reuse, lane images, sizing ----
 
 def test_a_stop_inside_a_round_commits_exactly_and_the_next_turn_reuses_it(model, plain_tokens):
-    longest = int(np.argmax([len(t) for t in plain_tokens]))
-    first_prompt, tokens = work(6)[longest][0], plain_tokens[longest]
     options = RequestOptions(max_tokens=40)
     with engine(model, k=4, concurrency=1) as eng:
-        for cut in range(3, len(tokens)):  # the first stop position that falls inside a verify round
-            if tokens[cut] in tokens[:cut]:
-                continue
-            first = eng.submit(first_prompt, options, StopTokenPolicy({tokens[cut]})).result(60)
-            c = first.usage.speculative
-            if c.rounds + c.accepted_tokens + c.fallback_steps > len(first.tokens) - 1:  # produced more than kept
-                break
-        else:
-            pytest.fail("no stop position fell inside a round")
-        assert first.finish is FinishReason.STOP_TOKEN and first.tokens == tokens[: cut + 1]
-        follow = PreparedPrompt(token_ids=np.concatenate([first_prompt.token_ids, first.tokens, [7, 8, 9]]))
-        second = eng.submit(follow, options).result(60)
-    assert second.usage.reuse_path == "append_frontier"
-    assert second.usage.cached_tokens == len(first_prompt) + len(first.tokens) - 1
+        follow, second = stop_inside_a_round_then_continue(eng, plain_tokens, options)
     with engine(model, k=4, concurrency=1) as eng:
         fresh = eng.submit(follow, options).result(60)
     assert fresh.tokens == second.tokens and fresh.usage.speculative == second.usage.speculative

@@ -135,25 +135,33 @@ def test_greedy_mtp_is_token_identical_to_plain_greedy(model, plain_tokens, k):
     assert sum(c.accepted_tokens for c in counters) > 0
 
 
-def test_a_stop_inside_a_round_commits_exactly_and_the_next_turn_reuses_it(model, plain_tokens):
+def stop_inside_a_round_then_continue(eng: Engine, plain_tokens, options: RequestOptions):
+    """On a speculative engine: stop the longest work prompt at the first stop token that falls inside a verify
+    round, check the exact commit, then send the next turn; returns (the follow-up prompt, its result), which reused
+    the whole committed sequence."""
     longest = int(np.argmax([len(t) for t in plain_tokens]))
     first_prompt, tokens = work(6)[longest][0], plain_tokens[longest]
-    options = RequestOptions(max_tokens=40)
-    with engine(model, draft_tokens=4, concurrency=1) as eng:
-        for cut in range(3, len(tokens)):  # the first stop position that falls inside a verify round
-            if tokens[cut] in tokens[:cut]:
-                continue
-            first = eng.submit(first_prompt, options, StopTokenPolicy({tokens[cut]})).result(60)
-            c = first.usage.speculative
-            if c.rounds + c.accepted_tokens + c.fallback_steps > len(first.tokens) - 1:  # produced more than kept
-                break
-        else:
-            pytest.fail("no stop position fell inside a round")
-        assert first.finish is FinishReason.STOP_TOKEN and first.tokens == tokens[: cut + 1]
-        follow = PreparedPrompt(token_ids=np.concatenate([first_prompt.token_ids, first.tokens, [7, 8, 9]]))
-        second = eng.submit(follow, options).result(60)
+    for cut in range(3, len(tokens)):  # the first stop position that falls inside a verify round
+        if tokens[cut] in tokens[:cut]:
+            continue
+        first = eng.submit(first_prompt, options, StopTokenPolicy({tokens[cut]})).result(60)
+        c = first.usage.speculative
+        if c.rounds + c.accepted_tokens + c.fallback_steps > len(first.tokens) - 1:  # produced more than kept
+            break
+    else:
+        pytest.fail("no stop position fell inside a round")
+    assert first.finish is FinishReason.STOP_TOKEN and first.tokens == tokens[: cut + 1]
+    follow = PreparedPrompt(token_ids=np.concatenate([first_prompt.token_ids, first.tokens, [7, 8, 9]]))
+    second = eng.submit(follow, options).result(60)
     assert second.usage.reuse_path == "append_frontier"
     assert second.usage.cached_tokens == len(first_prompt) + len(first.tokens) - 1
+    return follow, second
+
+
+def test_a_stop_inside_a_round_commits_exactly_and_the_next_turn_reuses_it(model, plain_tokens):
+    options = RequestOptions(max_tokens=40)
+    with engine(model, draft_tokens=4, concurrency=1) as eng:
+        follow, second = stop_inside_a_round_then_continue(eng, plain_tokens, options)
     with engine(model, concurrency=1) as eng:
         assert eng.submit(follow, options).result(60).tokens == second.tokens
 
