@@ -65,6 +65,32 @@ def test_gemm_bf16_matches_numpy(device, m, n, k, accumulate):
     blas.close()
 
 
+def test_grouped_gemm_multiplies_each_row_group_by_its_own_weight_block(device):
+    """The MoE prefill's per-expert GEMMs: groups of varied size, empty ones included, rows past the last group
+    left as they were."""
+    from ninfer.backends.cuda.blas import Blas
+    from ninfer.backends.cuda.host import HostBlas
+
+    rng = np.random.default_rng(3)
+    n, k, sizes = 48, 128, [5, 0, 130, 1, 0, 17]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    rows = int(offsets[-1]) + 3
+    x = f32_to_bf16_bits(rng.standard_normal((rows, k)))
+    w = f32_to_bf16_bits(rng.standard_normal((len(sizes) * n, k)) * 0.1)
+    y = device.upload(np.full((rows, n), 7.0, np.float32), "test")
+    blas = Blas(device)
+    blas.grouped_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, offsets, n)
+    device.synchronize()
+    want = np.full((rows, n), 7.0, np.float32)
+    HostBlas().grouped_gemm_bf16(x, w, want, offsets, n)
+    got = y.copy_to_host()
+    assert np.array_equal(got[offsets[-1]:], want[offsets[-1]:])
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    with pytest.raises(ValueError, match="grouped gemm"):
+        blas.grouped_gemm_bf16(device.upload(x, "test"), device.upload(w[:-1], "test"), y, offsets, n)
+    blas.close()
+
+
 def test_a_captured_graph_replays_numba_launches_and_cublas_together(device):
     from ninfer.backends.cuda.blas import Blas
     from ninfer.backends.cuda.graphs import capture

@@ -42,6 +42,27 @@ class Blas:
                        device_pointer(w), CUDA_R_16BF, k, device_pointer(x), CUDA_R_16BF, k, beta.ctypes.data,
                        device_pointer(y), CUDA_R_32F, n, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
 
+    def grouped_gemm_bf16(self, x: Any, w: Any, y: Any, offsets: np.ndarray, rows_per_group: int) -> None:
+        """For each group g with rows: y[offsets[g]:offsets[g+1]] (fp32 [., N]) = x[those rows] (bf16 [., K]) @
+        w[g N:(g+1) N]^T (w bf16 [G N, K], N = rows_per_group). The MoE prefill: tokens sorted by expert, one GEMM
+        per expert that has tokens. Operands are addressed by pointer arithmetic: slicing a numba device array
+        costs ~50 us of Python, more than the GEMM itself at a few hundred rows."""
+        groups = len(offsets) - 1
+        n, k = int(rows_per_group), x.shape[1]
+        if w.shape != (groups * n, k) or y.shape[1] != n or y.shape[0] < int(offsets[-1]) or \
+                x.shape[0] < int(offsets[-1]):
+            raise ValueError(f"grouped gemm shapes x{tuple(x.shape)} w{tuple(w.shape)} y{tuple(y.shape)}, "
+                             f"{groups} groups of {n} rows")
+        cublas = self._cublas
+        x0, w0, y0 = device_pointer(x), device_pointer(w), device_pointer(y)
+        x_row, w_group, y_row = k * x.dtype.itemsize, n * k * w.dtype.itemsize, n * y.dtype.itemsize
+        for group, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+            if stop > start:
+                cublas.gemm_ex(self._handle, cublas.Operation.T, cublas.Operation.N, n, stop - start, k,
+                               self._one.ctypes.data, w0 + group * w_group, CUDA_R_16BF, k, x0 + start * x_row,
+                               CUDA_R_16BF, k, self._zero.ctypes.data, y0 + start * y_row, CUDA_R_32F, n,
+                               cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+
     def batched_scores(self, q: Any, k: Any, keys: int, scores: Any) -> None:
         """scores[b] (fp32 [M, keys]) = q[b] (bf16 [M, D]) @ k[b, :keys]^T (k bf16 [B, S >= keys, D]). q and k may
         be views whose rows are contiguous ([B, rows, D] slices of bigger head-major arrays): their batch strides

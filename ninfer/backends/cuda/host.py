@@ -83,6 +83,13 @@ class HostBlas:
         product = (bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T).astype(np.float32)
         y[...] = (y + product) if accumulate else product
 
+    def grouped_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, offsets: np.ndarray,
+                          rows_per_group: int) -> None:
+        n = int(rows_per_group)
+        for group, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+            if stop > start:
+                self.gemm_bf16(x[start:stop], w[group * n:(group + 1) * n], y[start:stop])
+
     def batched_scores(self, q: np.ndarray, k: np.ndarray, keys: int, scores: np.ndarray) -> None:
         scores[...] = np.matmul(bf16_bits_to_f32(q), bf16_bits_to_f32(k[:, :keys]).transpose(0, 2, 1))
 

@@ -586,10 +586,6 @@ class Linear:
             outputs.append(out[:rows])
         self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._device.stream)
 
-    def gemm(self, x_bf16: Any, w_bf16: Any, y: Any) -> None:
-        """cuBLAS on operands already in bf16 (the grouped MoE prefill)."""
-        self.blas.gemm_bf16(x_bf16, w_bf16, y)
-
     def bf16_weight(self, w: Matrix) -> Any:
         """A bf16 [N, K] view of the weight: itself, or its dequantization into the shared scratch."""
         if not is_quantized(w):
@@ -1039,7 +1035,8 @@ class CudaQwen:
         return bf16
 
     def _moe_grouped(self, w: MoeFfn, rows: int) -> None:
-        """Prefill MoE: tokens grouped by expert, one cuBLAS GEMM per expert that has tokens (not captured)."""
+        """Prefill MoE: tokens grouped by expert, one cuBLAS GEMM per expert that has tokens (not captured: the
+        group sizes are read back to the host)."""
         ws, stream, d = self.workspace, self.device.stream, self.dims
         s, e, inter, hidden = d.moe_top_k, d.moe_experts, d.moe_intermediate, d.hidden
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
@@ -1049,23 +1046,14 @@ class CudaQwen:
         permuted = ws.perm_in[: rows * s]
         self.k.moe_gather(ws.h[:rows], slot_of, s, permuted, stream=stream)
         offsets = self.device.read(ws.moe_offsets)
-        gate_up_all = self.linear.bf16_weight(w.routed_gate_up)
         gate_up = ws.perm_gate_up[: rows * s]
-        for expert in range(e):
-            start, stop = int(offsets[expert]), int(offsets[expert + 1])
-            if stop > start:
-                self.linear.gemm(permuted[start:stop], gate_up_all[expert * 2 * inter:(expert + 1) * 2 * inter],
-                                            gate_up[start:stop])
+        self.linear.blas.grouped_gemm_bf16(permuted, self.linear.bf16_weight(w.routed_gate_up), gate_up, offsets,
+                                           2 * inter)
         act, act_bf16 = ws.perm_act[: rows * s], ws.perm_act_bf16[: rows * s]
         self.k.silu_mul_rows(gate_up, act, stream=stream)
         self.k.to_bf16_rows(act, act_bf16, stream=stream)
-        down_all = self.linear.bf16_weight(w.routed_down)
         out = ws.perm_out[: rows * s]
-        for expert in range(e):
-            start, stop = int(offsets[expert]), int(offsets[expert + 1])
-            if stop > start:
-                self.linear.gemm(act_bf16[start:stop], down_all[expert * hidden:(expert + 1) * hidden],
-                                            out[start:stop])
+        self.linear.blas.grouped_gemm_bf16(act_bf16, self.linear.bf16_weight(w.routed_down), out, offsets, hidden)
         self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=position_of, stream=stream)
 
     # ---- state operations ----
