@@ -156,7 +156,8 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
-                 decode_only: bool = False, decode_quant: str = "simt") -> dict:
+                 decode_only: bool = False, decode_quant: str = "simt", batches: tuple[int, ...] = (1, 2, 4, 8),
+                 prefill_attentions: tuple[str, ...] = ("kernel", "gemm")) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -181,7 +182,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
         model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else capacity.decode_rows
-        for batch in (1, 2, 4, 8):
+        for batch in batches:
             setup_lanes(model, batch, context)
 
             def step():
@@ -225,7 +226,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
 
     result["prefill"] = []
-    for attention in ("kernel", "gemm"):
+    for attention in prefill_attentions:
         model.prefill_attention = attention
         prefill()
         device.synchronize()
@@ -315,6 +316,9 @@ def main() -> None:
     parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas",
                         help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
                              "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
+    parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes to time (at most 8)")
+    parser.add_argument("--prefill-attention", default="kernel,gemm",
+                        help="8K prefill attention paths to time: the numba kernel, the tensor cores (cuBLAS)")
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
     parser.add_argument("--decode-quant", default="simt", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
@@ -337,6 +341,8 @@ def main() -> None:
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
                                                           decode_linears=linears, profile=args.profile,
                                                           decode_only=args.decode_only,
+                                                          batches=tuple(int(b) for b in args.batches.split(",")),
+                                                          prefill_attentions=tuple(args.prefill_attention.split(",")),
                                                           decode_quant=args.decode_quant))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
