@@ -39,6 +39,7 @@ from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa
 MODELS = {"27b": QWEN36_27B_DIMS, "35b": QWEN36_35B_A3B_DIMS}
 CONTEXT = 1024  # tokens already in each lane's KV during decode timing
 PREFILL = 8192
+SUFFIX = 32  # a returning turn's new prompt tokens, prefilled after the 8K context
 
 
 def event_time(stream, run, repeats: int) -> list[float]:
@@ -239,9 +240,42 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         print(f"  prefill [{attention}] {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} "
               f"tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}", flush=True)
     model.prefill_attention = "kernel"
+    result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
+                                              profile=profile)
 
     result["mtp_round"] = mtp_rounds(model, dims, context)
     return result
+
+
+def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile: bool) -> dict:
+    """A returning turn: `tokens` new prompt tokens after the `context` tokens the 8K prefill left in lane 0's
+    cache, prefilled eagerly to their greedy token. Wall-clock with the host work (what a multi-turn request waits
+    for before its first token; the GPU work is small). Each run writes the same positions again."""
+    ids = np.random.default_rng(1).integers(0, dims.vocab_ids, tokens)
+    positions = np.arange(context, context + tokens)
+
+    def run():
+        model.inputs.fill(token_ids=ids, positions=np.tile(positions, (3, 1)), row_lane=np.zeros(tokens),
+                          row_pos=positions, seg_lane=[0], seg_row=[0], seg_count=[tokens], seg_record=[0])
+        final = model.forward(tokens, 1, PrefillSpan(0, context))
+        model.greedy(model.head_logits(final[tokens - 1:]))
+        model.device.synchronize()
+
+    run()
+    times = []
+    for _ in range(5):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    out = {"context": context, "tokens": tokens, "seconds": float(np.median(times))}
+    print(f"  suffix prefill {tokens} tokens after {context}: {out['seconds'] * 1e3:7.1f} ms (eager, host included)",
+          flush=True)
+    if profile:
+        from bench.kernel_profile import host_profile
+
+        out["host_profile"] = host_profile(run, sort="tottime", top=20)
+        print(out["host_profile"], flush=True)
+    return out
 
 
 def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:

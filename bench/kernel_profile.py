@@ -9,6 +9,9 @@ between kernels (launch latency inside the graph).
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from collections import defaultdict
 from typing import Callable
@@ -87,3 +90,12 @@ def print_profile(title: str, report: dict, top: int = 14) -> None:
           f"{report['busy_us_per_replay'] / 1e3:.2f} ms per replay", flush=True)
     for k in report["kernels"][:top]:
         print(f"    {k['us_per_replay']:9.1f} us  x{k['launches_per_replay']:5.0f}  {k['name']}", flush=True)
+
+
+def host_profile(run: Callable[[], object], *, sort: str = "cumulative", top: int = 15) -> str:
+    """The top host functions of one `run()` under cProfile (where the wall time that is not GPU time goes)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(top)
+    return text.getvalue()

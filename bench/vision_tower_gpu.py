@@ -14,11 +14,8 @@ $OUT/vision_tower_gpu.json.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -29,19 +26,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ninfer.artifact.codec import f32_to_bf16_bits  # noqa: E402
+from bench.kernel_profile import host_profile  # noqa: E402
 from ninfer.backends.cuda.vision import SCORE_BYTES, CudaVisionTower  # noqa: E402
 
 TIMED_ENCODES = 3
-TOP_HOST_FUNCTIONS = 15
-
-
-def host_profile(encode) -> str:
-    """The top host functions of one `encode()` under cProfile, by cumulative time."""
-    profiler = cProfile.Profile()
-    profiler.runcall(encode)
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(TOP_HOST_FUNCTIONS)
-    return text.getvalue()
 
 
 def time_tower(device, tower, sizes, *, parity_size: int | None, max_patches: int, score_bytes: int = SCORE_BYTES,

@@ -21,6 +21,19 @@ def bench():
     return module
 
 
+def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
+                                context=70, prefill_tokens=128, repeats=4, batches=(1, 8),
+                                prefill_attentions=("gemm",), profile=False)
+    assert [row["batch"] for row in result["decode"]] == [1, 8]
+    assert [row["attention"] for row in result["prefill"]] == ["gemm"]
+    from bench.kernel_profile import host_profile
+
+    assert "function calls" in host_profile(lambda: sum(range(100)), sort="tottime", top=3)
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("recipe,decode_quant", [("bf16", "simt"), ("ninfer-v2", "simt"), ("ninfer-v2", "mma")])
 def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_quant):
@@ -35,4 +48,5 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     assert all(row["bytes"] > 0 and row["step_ms"] > 0 for row in result["decode"])
     assert [row["attention"] for row in result["prefill"]] == ["kernel", "gemm"]
     assert all(row["tokens"] == 128 and row["flops"] > 0 for row in result["prefill"])
+    assert result["suffix_prefill"]["context"] == 128 and result["suffix_prefill"]["seconds"] > 0
     assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]
