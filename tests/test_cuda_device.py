@@ -65,6 +65,28 @@ def test_gemm_bf16_matches_numpy(device, m, n, k, accumulate):
     blas.close()
 
 
+def test_views_are_built_once_and_element_reads_are_read_every_time(device):
+    from ninfer.backends.cuda.views import VIEWS_PER_ARRAY, ViewMemoArray
+    from ninfer.kernels_numba.elementwise import to_bf16_rows
+
+    a = device.upload(np.arange(24, dtype=np.float32).reshape(6, 4), "test")
+    rows = a[:3]
+    assert isinstance(rows, ViewMemoArray) and a[:3] is rows and a[:4] is not rows
+    assert rows.copy_to_host().tolist() == np.arange(12).reshape(3, 4).tolist()
+    assert a.reshape(24) is a.reshape((24,)) and a.reshape(24)[5:7].copy_to_host().tolist() == [5, 6]
+    assert a[:, 1].copy_to_host().tolist() == [1, 5, 9, 13, 17, 21]
+    assert a[1, 2] == 6.0
+    device.write(a, np.zeros((6, 4), np.float32))
+    assert a[1, 2] == 0.0 and not rows.copy_to_host().any()
+    for stop in range(2 * VIEWS_PER_ARRAY):  # ever new bounds: the memo stays bounded
+        a[: stop % 6 + 1, stop % 4 :]
+    assert len(a.__dict__["_memo"]) <= VIEWS_PER_ARRAY
+    out = device.empty((3, 4), np.uint16, "test")
+    device.write(a, np.full((6, 4), 1.5, np.float32))
+    to_bf16_rows(a[:3], out[:3], stream=device.stream)  # kernels take remembered views
+    assert out.copy_to_host().tolist() == [[0x3FC0] * 4] * 3
+
+
 def test_grouped_gemm_multiplies_each_row_group_by_its_own_weight_block(device):
     """The MoE prefill's per-expert GEMMs: groups of varied size, empty ones included, rows past the last group
     left as they were."""

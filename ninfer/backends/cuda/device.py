@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
+from ninfer.backends.cuda.views import remembering_views
 from ninfer.kernels_numba.numba_setup import cuda
 
 GIB = 1 << 30
@@ -95,7 +96,7 @@ class CudaDevice:
 
     def empty(self, shape: Any, dtype: Any, purpose: str) -> Any:
         """A new device array (uninitialised), charged to `purpose` in the ledger."""
-        array = cuda.device_array(shape, dtype=np.dtype(dtype), stream=self.stream)
+        array = remembering_views(cuda.device_array(shape, dtype=np.dtype(dtype), stream=self.stream))
         self.ledger[purpose] += int(array.nbytes)
         return array
 
@@ -105,7 +106,7 @@ class CudaDevice:
         return array
 
     def upload(self, host: np.ndarray, purpose: str) -> Any:
-        array = cuda.to_device(np.ascontiguousarray(host), stream=self.stream)
+        array = remembering_views(cuda.to_device(np.ascontiguousarray(host), stream=self.stream))
         self.ledger[purpose] += int(array.nbytes)
         return array
 
