@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA backend's checks on the GPU machine, one device call each (carry .whl; run tools/device_wheels.sh here
 # first). Logs and JSON land in $OUT (./device-out without it).
-#   bash tools/device_check.sh tests [SECONDS]      GPU tests: device plumbing, every kernel vs its twin, the runner
+#   bash tools/device_check.sh tests [SECONDS [TEST PATHS]]  GPU tests: device plumbing, every kernel vs its twin,
+#                                                   the runner (or only the paths given)
 #   bash tools/device_check.sh bench [BENCH ARGS]   bench/cuda_model.py (e.g. --models 27b --recipes bf16 --kv int8)
 #   bash tools/device_check.sh peers                bench/transformers_side_by_side.py
 #   bash tools/device_check.sh cold [BENCH ARGS]    bench/cold_tier_ttft.py (needs 2 GPUs: kind nvidia-h200-x2)
@@ -20,10 +21,12 @@ case "$what" in
   tests)
     # xdist workers on 3/4 of the cores (numba compiles per process: ~3 min with 12 on 16 cores); SIGINT at the
     # limit makes pytest print the summary of what ran, failures named, instead of dying silently.
-    timeout -s INT "${1:-540}" python3 -m pytest -q -n $(( $(nproc) * 3 / 4 )) -p no:cacheprovider -m gpu -o addopts="-ra" \
-      --timeout 400 tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py tests/test_cuda_vision.py \
-      tests/test_lane_image.py tests/test_cold_tier.py tests/test_cuda_dflash.py \
-      > "$OUT/gpu_tests.log" 2>&1
+    seconds="${1:-540}"; shift || true
+    paths=("$@")
+    [ ${#paths[@]} -gt 0 ] || paths=(tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py
+      tests/test_cuda_vision.py tests/test_lane_image.py tests/test_cold_tier.py tests/test_cuda_dflash.py)
+    timeout -s INT "$seconds" python3 -m pytest -q -n $(( $(nproc) * 3 / 4 )) -p no:cacheprovider -m gpu \
+      -o addopts="-ra" --timeout 400 "${paths[@]}" > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
   bench)
     python3 bench/cuda_model.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cuda_model.log" | tail -60 ;;
