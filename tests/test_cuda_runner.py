@@ -143,9 +143,10 @@ def test_cublas_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
-    """decode_quant="mma": ninfer-v2 matrices in the tensor-core layout (the gathered MoE experts stay SIMT), bf16
-    activations at decode (8-row launches; 9+ rows exercise the chunking) and the layout's own dequantization for
-    prefill: logits within the bf16 tolerance (measured 0.6-0.7% here), greedy MTP equal to greedy. Greedy tokens
+    """decode_quant="mma": ninfer-v2 matrices in the tensor-core layout (the stacked MoE experts too, read by the
+    gathered tensor-core kernel), bf16 activations at decode (8-row launches; 9+ rows exercise the chunking, the
+    gathered launches' too) and the layout's own dequantization for prefill: logits within the bf16 tolerance
+    (measured 0.6-0.7% here before the experts moved to the tensor cores), greedy MTP equal to greedy. Greedy tokens
     equal the CPU runner's up to ties for the dense model; the tiny MoE's router has near-ties that bf16-rounded
     activations flip (one of these prompts diverges with a 0.45 logit gap), so there only the logits are compared."""
     from ninfer.backends.cuda.model import SKINNY_ROWS
@@ -154,6 +155,9 @@ def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifa
     cpu = load_model(path)
     build = cuda_build(device_kind, path, decode_quant="mma")
     assert any(getattr(m, "tensor_core", False) for m in build.model._matrices())
+    if kind == "moe":
+        assert all(getattr(layer.ffn.routed_gate_up, "tensor_core", False)
+                   and getattr(layer.ffn.routed_down, "tensor_core", False) for layer in build.model.layers)
     for length in (1, 7, 9, 64, SKINNY_ROWS + 1):
         got, want = prompt_logits(build.model, cpu, prompt(length, length))
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length

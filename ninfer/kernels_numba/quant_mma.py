@@ -24,6 +24,13 @@ B-fragment order, 32 bytes per lane per block (two 16-byte loads, the same for e
 Geometry: a block of WARPS warps owns TILES row tiles; its warps split the K blocks (warp w takes blocks w, w + WARPS,
 ...) and their fragments are summed in shared memory in warp order. Each output element is one column of the mma
 whatever M is, accumulated in the same order: a row's result does not depend on the other rows in the launch.
+
+MoE decode (`linear_quant_mma_gathered`): a stacked expert matrix [E * rpe, K] repacked whole is also the layout of
+each expert when rpe % 16 == 0 (expert e's rows are tiles e * rpe / 16 onwards). Block (tile group, slot s, row m)
+does the same per-block work (`make_tile_sums`) over the tiles of expert ids[m, s], with the fragments of x [M, K]
+(`x_fragments`: every slot of row m reads row m) or, when each slot has its own input x [M, S, K], with fragment set
+s of `x_slot_fragments`; it keeps mma column m and drops the others (decode is bound by the weight bytes, not the
+tensor cores). A slot's result equals bitwise `linear_quant_mma` of its row on its expert's rows.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from numba.cuda.extending import intrinsic
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_pair, bf16_to_f32
-from ninfer.kernels_numba.linear import load2, load4
+from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 TILE_ROWS = 16
@@ -253,22 +260,43 @@ def x_fragment_words(K: int) -> int:
     return K // BLOCK * FRAGMENT_WORDS
 
 
-@kernel((float32[:, ::1], uint32[::1]), fastmath=False)
-def _x_fragments_kernel(x, out):
-    """out[(q * 32 + lane) * 8 + 2 j + b] = the bf16 pair x[g, 64 q + 16 j + 2 t + 8 b (+1)] (0 for g >= M)."""
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i >= out.shape[0]:
-        return
+@device_function
+def fragment_source(i):
+    """(row g, column c) of word i of a fragment set: the bf16 pair x[g, c], x[g, c + 1], with
+    i = (q * 32 + lane) * 8 + 2 j + b and c = 64 q + 16 j + 2 t + 8 b."""
     q = i >> 8
     lane = (i >> 3) & 31
     j = (i >> 1) & 3
     b = i & 1
-    g = lane >> 2
-    col = q * BLOCK + 16 * j + 2 * (lane & 3) + 8 * b
+    return lane >> 2, q * BLOCK + 16 * j + 2 * (lane & 3) + 8 * b
+
+
+@kernel((float32[:, ::1], uint32[::1]), fastmath=False)
+def _x_fragments_kernel(x, out):
+    """out[i] = the bf16 pair of `fragment_source(i)` (0 for rows g >= M)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= out.shape[0]:
+        return
+    g, col = fragment_source(i)
     word = uint32(0)
     if g < x.shape[0]:
         word = bf16_pair(x[g, col], x[g, col + 1])
     out[i] = word
+
+
+@kernel((float32[:, :, ::1], uint32[::1]), fastmath=False)
+def _x_slot_fragments_kernel(x, out):
+    """Set s = blockIdx.y of out (its x_fragment_words(K) words) from x[:, s, :], as `_x_fragments_kernel`."""
+    slot = cuda.blockIdx.y
+    set_words = x.shape[2] * (FRAGMENT_WORDS // BLOCK)
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= set_words:
+        return
+    g, col = fragment_source(i)
+    word = uint32(0)
+    if g < x.shape[0]:
+        word = bf16_pair(x[g, slot, col], x[g, slot, col + 1])
+    out[slot * set_words + i] = word
 
 
 def x_fragments(x, out, *, stream) -> None:
@@ -281,9 +309,27 @@ def x_fragments(x, out, *, stream) -> None:
     _x_fragments_kernel[math.ceil(words / 256), 256, stream](x, out[:words])
 
 
-def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
-    """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
-    blocks per warp step whose loads are all issued before the first mma of the step."""
+def x_slot_fragments(x, out, *, stream) -> None:
+    """x (fp32 [M <= 8, S, K]: an input per (row, slot), the MoE down projection's) into S fragment sets one after
+    another, set s those of x[:, s, :] (`x_fragments` order): what `linear_quant_mma_gathered` reads with
+    x_per_slot (out: uint32 [S * x_fragment_words(K)])."""
+    M, S, K = x.shape
+    words = x_fragment_words(K)
+    if M > MAX_X_ROWS or K % BLOCK or out.shape[0] < S * words:
+        raise ValueError(f"x slot fragments: x{tuple(x.shape)} (M <= 8, K % {BLOCK} == 0) into {out.shape[0]} "
+                         f"words ({S * words} needed)")
+    if M * S == 0:
+        return
+    _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
+
+
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int):
+    """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
+    the x fragments from word `x_base`, summed into warp 0's `acc` (acc[4 r + i]: C register i of tile r; the other
+    warps' acc are their own partial sums). Tiles past `last_tile` reload it, so every load stays inside the matrix
+    (or inside one expert's rows); the caller drops their sums. Warp w takes the K blocks w, w + warps, ..., `unroll`
+    blocks per step whose loads are all issued before the step's first mma; the warps' sums meet in `partials`
+    (shared, warps * 4 * tiles * 32 floats) and are added in warp order."""
     ACC = 4 * tiles
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -294,21 +340,13 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)  # W8: the high nibble's offset
     MINUS_LOW = _minus_pair(0)
 
-    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
-    def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
-        """xf: x fragments (`x_fragments`); base/high/scales: the planes of `repack_quant_mma`."""
-        partials = cuda.shared.array(0, float32)
-        M = y.shape[0]
-        N = int32(y.shape[1])
+    @device_function
+    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
-        t = lane & 3
-        tile0 = int32(cuda.blockIdx.x) * tiles
-        total_tiles = (N + 15) >> 4
         minus = uint32(MINUS)
         minus_low = uint32(MINUS_LOW)
-        acc = cuda.local.array(ACC, float32)
         words = cuda.local.array(WORDS, uint32)
         highs = cuda.local.array(HIGHS, uint32)
         scale_pairs = cuda.local.array(SCALES, uint32)
@@ -319,7 +357,7 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
             for u in range(unroll):  # every load of the step first
                 q = min(q0 + u * warps, blocks - 1)
                 for r in range(tiles):
-                    at = min(tile0 + r, total_tiles - 1) * blocks + q
+                    at = min(first_tile + r, last_tile) * blocks + q
                     w0 = 4 * (r * unroll + u)
                     words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load4(base, (at * 32 + lane) * 4)
                     if bits != 4:
@@ -333,7 +371,7 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
                             highs[h0 + 3] = a3
                     for k in range(SW):
                         scale_pairs[SW * (r * unroll + u) + k] = scales[(at * SW + k) * 8 + g]
-                x0 = (q * 32 + lane) * 8
+                x0 = x_base + (q * 32 + lane) * 8
                 xs[8 * u], xs[8 * u + 1], xs[8 * u + 2], xs[8 * u + 3] = load4(xf, x0)
                 xs[8 * u + 4], xs[8 * u + 5], xs[8 * u + 6], xs[8 * u + 7] = load4(xf, x0 + 4)
             for u in range(unroll):
@@ -400,20 +438,87 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
                 total = float32(0.0)
                 for w in range(warps):
                     total += partials[(w * ACC + a) * 32 + lane]
-                r = a >> 2
-                i = a & 3
-                n = (tile0 + r) * 16 + g + 8 * (i >> 1)
-                m = 2 * t + (i & 1)
-                if m < M and n < N and tile0 + r < total_tiles:
+                acc[a] = total
+
+    return tile_sums
+
+
+@device_function
+def c_position(a, lane):
+    """(row inside the block's tiles, x column) of warp 0's sum acc[a] (mma C layout: register i of tile a // 4
+    holds row g (+8 for i >= 2), column 2 t (+1 for odd i))."""
+    return (a >> 2) * TILE_ROWS + (lane >> 2) + 8 * ((a & 3) >> 1), 2 * (lane & 3) + (a & 1)
+
+
+def _partials_bytes(tiles: int, warps: int) -> int:
+    """Dynamic shared memory of a block (`make_tile_sums`)."""
+    return warps * 4 * tiles * 32 * 4
+
+
+def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
+    """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
+    blocks per warp step whose loads are all issued before the first mma of the step."""
+    ACC = 4 * tiles
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll)
+
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
+    def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
+        """xf: x fragments (`x_fragments`); base/high/scales: the planes of `repack_quant_mma`."""
+        partials = cuda.shared.array(0, float32)
+        M = y.shape[0]
+        N = int32(y.shape[1])
+        tile0 = int32(cuda.blockIdx.x) * tiles
+        acc = cuda.local.array(ACC, float32)
+        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks)
+        if cuda.threadIdx.x < 32:
+            lane = int32(cuda.threadIdx.x)
+            for a in range(ACC):
+                row, m = c_position(a, lane)
+                n = tile0 * TILE_ROWS + row
+                if m < M and n < N:
                     if accumulate != 0:
-                        y[m, n] += total
+                        y[m, n] += acc[a]
                     else:
-                        y[m, n] = total
+                        y[m, n] = acc[a]
 
     return quant_mma_kernel
 
 
+def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
+    """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
+    `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
+    ACC = 4 * tiles
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll)
+
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32),
+            fastmath=False)
+    def quant_mma_gathered_kernel(xf, base, high, scales, ids, y, blocks, x_set_words):
+        """y[row, slot, n] = x(row, slot) . W[ids[row, slot] * rpe + n] (rpe = y.shape[2], a multiple of 16: an
+        expert's rows are whole tiles of the stacked layout); x(row, slot) is column `row` of fragment set
+        slot * x_set_words (0: one set that every slot shares)."""
+        partials = cuda.shared.array(0, float32)
+        slot = int32(cuda.blockIdx.y)
+        row = int32(cuda.blockIdx.z)
+        rpe = int32(y.shape[2])
+        expert_tiles = rpe >> 4
+        tile0 = int32(cuda.blockIdx.x) * tiles  # inside the expert
+        expert_tile0 = ids[row, slot] * expert_tiles
+        acc = cuda.local.array(ACC, float32)
+        tile_sums(acc, partials, xf, slot * x_set_words, base, high, scales, expert_tile0 + tile0,
+                  expert_tile0 + expert_tiles - 1, blocks)
+        if cuda.threadIdx.x < 32:
+            lane = int32(cuda.threadIdx.x)
+            for a in range(ACC):
+                tile_row, m = c_position(a, lane)
+                n = tile0 * TILE_ROWS + tile_row
+                if m == row and n < rpe:
+                    y[row, slot, n] = acc[a]
+
+    return quant_mma_gathered_kernel
+
+
 QUANT_MMA_KERNELS = {bits: make_quant_mma_kernel(bits) for bits in (4, 5, 6, 8)}
+QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
@@ -427,8 +532,48 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
         return
     fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt]]
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[grid, 32 * warps, stream, warps * 4 * tiles * 32 * 4](xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks),
-                                                            int32(1 if accumulate else 0))
+    fn[grid, 32 * warps, stream, _partials_bytes(tiles, warps)](xf, qw.base, qw.high, qw.scales, y,
+                                                               int32(qw.blocks), int32(1 if accumulate else 0))
+
+
+def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape: tuple[int, int],
+                          y_shape: tuple[int, ...], *, rows_per_expert: int, x_per_slot: bool) -> None:
+    """The ValueError of `linear_quant_mma_gathered` (and its host twin) for shapes it cannot run."""
+    (N, K), (M, S), rpe = weight_shape, ids_shape, int(rows_per_expert)
+    problems = []
+    if M > MAX_X_ROWS:
+        problems.append(f"{M} rows of expert ids (at most {MAX_X_ROWS}: the mma's N)")
+    if rpe <= 0 or rpe % TILE_ROWS or N % rpe:
+        problems.append(f"rows_per_expert {rpe} must be a multiple of {TILE_ROWS} dividing the {N} stacked rows")
+    if K % BLOCK:
+        problems.append(f"K = {K} must be a multiple of {BLOCK}")
+    if tuple(y_shape) != (M, S, rpe):
+        problems.append(f"y{tuple(y_shape)} is not [M, S, rows_per_expert] = {(M, S, rpe)}")
+    sets = S if x_per_slot else 1
+    if x_words < sets * x_fragment_words(K):
+        problems.append(f"{x_words} x fragment words, {sets} set(s) of {x_fragment_words(K)} needed")
+    if problems:
+        raise ValueError("tensor-core gathered linear: " + "; ".join(problems))
+
+
+def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool,
+                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS) -> None:
+    """MoE decode: y[m, s, :] = X(m, s) @ W_e^T, e = expert_ids[m, s] (int32 [M <= 8, S]), W_e = rows e * rpe ..
+    (e + 1) * rpe - 1 of the stacked matrix qw [E * rpe, K] (rpe % 16 == 0); y float32 [M, S, rpe]. X(m, s) comes
+    as fragments: of x [M, K] (`x_fragments`, every slot of a row reads that row) or, x_per_slot, of x [M, S, K]
+    (`x_slot_fragments`, one set per slot). Each (m, s) equals bitwise row m of `linear_quant_mma` on expert e's
+    rows, whatever M. Capture-safe."""
+    check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape, rows_per_expert=rows_per_expert,
+                          x_per_slot=x_per_slot)
+    M, S = expert_ids.shape
+    if M * S == 0:
+        return
+    rpe = int(rows_per_expert)
+    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt]]
+    groups = math.ceil(rpe // TILE_ROWS / tiles)
+    x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
+    fn[(groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps)](
+        xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(x_set_words))
 
 
 def make_dequantize_mma_kernel(bits: int):
@@ -506,6 +651,11 @@ def x_fragments_reference(x: np.ndarray) -> np.ndarray:
     return words.reshape(-1)
 
 
+def x_slot_fragments_reference(x: np.ndarray) -> np.ndarray:
+    """`x_slot_fragments` on the host: uint32 [S * x_fragment_words(K)], the sets of x[:, s, :] in slot order."""
+    return np.concatenate([x_fragments_reference(x[:, s]) for s in range(x.shape[1])])
+
+
 def x_from_fragments(xf: np.ndarray, rows: int, K: int) -> np.ndarray:
     """The bf16 x (as fp32 [rows, K]) that `x_fragments` wrote into `xf` (the inverse of its twin)."""
     words = np.asarray(xf[: x_fragment_words(K)], np.uint32).reshape(K // BLOCK, 32, 4, 2)
@@ -518,13 +668,33 @@ def x_from_fragments(xf: np.ndarray, rows: int, K: int) -> np.ndarray:
     return codec.bf16_bits_to_f32(bits[:rows].astype(np.uint16))
 
 
+def x_from_slot_fragments(xf: np.ndarray, rows: int, slots: int, K: int) -> np.ndarray:
+    """The bf16 x (as fp32 [rows, slots, K]) that `x_slot_fragments` wrote into `xf`."""
+    words = x_fragment_words(K)
+    return np.stack([x_from_fragments(xf[s * words : (s + 1) * words], rows, K) for s in range(slots)], axis=1)
+
+
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """fp32 x rounded to bf16 (what the x fragments hold), as fp32."""
+    return codec.bf16_bits_to_f32(codec.f32_to_bf16_bits(np.asarray(x, np.float32)))
+
+
 def linear_quant_mma_reference(x: np.ndarray, fmt: str, shape: tuple[int, int], payload: np.ndarray,
                                y: np.ndarray | None = None, *, accumulate: bool = False) -> np.ndarray:
     """fp32 y of x rounded to bf16 times the codec's exact fp32 decode (float64 sums: the kernel's order is its
     own)."""
     weights = codec.decode(np.asarray(payload, np.uint8), fmt, tuple(shape)).astype(np.float64)
-    x_bf16 = codec.bf16_bits_to_f32(codec.f32_to_bf16_bits(np.asarray(x, np.float32))).astype(np.float64)
-    product = (x_bf16 @ weights.T).astype(np.float32)
+    product = (bf16_rounded(x).astype(np.float64) @ weights.T).astype(np.float32)
     if y is None or not accumulate:
         return product
     return (y + product).astype(np.float32)
+
+
+def linear_quant_mma_gathered_reference(x: np.ndarray, fmt: str, shape: tuple[int, int], payload: np.ndarray,
+                                        expert_ids: np.ndarray, *, rows_per_expert: int,
+                                        x_per_slot: bool) -> np.ndarray:
+    """`linear_quant_mma_gathered` from x itself ([M, K], or [M, S, K] with x_per_slot): y [M, S, rpe] of x rounded
+    to bf16 times the codec's exact fp32 decode of each slot's expert (`gathered_reference`)."""
+    weights = codec.decode(np.asarray(payload, np.uint8), fmt, tuple(shape))
+    return gathered_reference(bf16_rounded(x), weights, expert_ids, rows_per_expert=rows_per_expert,
+                              x_per_slot=x_per_slot)

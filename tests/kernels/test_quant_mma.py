@@ -1,6 +1,6 @@
-"""Tensor-core quantized decode linear (Q4/Q5/Q6 G64, W8 G32): the repacked fragment layout checked on the CPU
-against the codec, the kernels on a GPU against their twin (bf16 x, exact fp32 weights), with accumulation and batch
-invariance."""
+"""Tensor-core quantized decode linear (Q4/Q5/Q6 G64, W8 G32) and its gathered MoE variant: the repacked fragment
+layout and the twins checked on the CPU against the codec, the kernels on a GPU against their twins (bf16 x, exact
+fp32 weights), with accumulation and batch invariance."""
 
 from __future__ import annotations
 
@@ -98,6 +98,84 @@ def test_x_fragments_hold_each_lanes_b_registers():
     assert not words[:, 12:].any()  # lanes of rows g >= M hold zeros
 
 
+def _expert_ids(rng, rows, slots, experts):
+    """Distinct experts per row, as top-k routing picks them (rows may share experts)."""
+    return np.stack([rng.permutation(experts)[:slots] for _ in range(rows)]).astype(np.int32)
+
+
+def test_slot_fragments_are_each_slots_x_fragments():
+    x = np.random.default_rng(3).standard_normal((3, 4, 128)).astype(np.float32)
+    sets = QM.x_slot_fragments_reference(x).reshape(4, QM.x_fragment_words(128))
+    for s in range(4):
+        np.testing.assert_array_equal(sets[s], QM.x_fragments_reference(x[:, s]))
+    bits = codec.f32_to_bf16_bits(x)
+    lane, q, j, b = 9, 1, 2, 1  # g = 2, t = 1: columns 64 + 32 + 2 + 8 (+1), as in the plain fragments
+    assert sets[3].reshape(2, 32, 4, 2)[q, lane, j, b] == bits[2, 3, 106] | (np.uint32(bits[2, 3, 107]) << 16)
+    np.testing.assert_array_equal(QM.x_from_slot_fragments(QM.x_slot_fragments_reference(x), 3, 4, 128),
+                                  QM.bf16_rounded(x))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("x_per_slot", [False, True])
+def test_the_gathered_twin_is_each_slots_expert_product(fmt, x_per_slot):
+    rng = np.random.default_rng(4)
+    experts, rpe, K, M, S = 5, 32, 128, 3, 2
+    shape = (experts * rpe, K)
+    payload = _payload(rng, shape, fmt)
+    ids = _expert_ids(rng, M, S, experts)
+    x = rng.standard_normal((M, S, K) if x_per_slot else (M, K)).astype(np.float32)
+    got = QM.linear_quant_mma_gathered_reference(x, fmt, shape, payload, ids, rows_per_expert=rpe,
+                                                 x_per_slot=x_per_slot)
+    weights = codec.decode(payload, fmt, shape).astype(np.float64)
+    x_bf16 = codec.bf16_bits_to_f32(codec.f32_to_bf16_bits(x)).astype(np.float64)
+    assert got.shape == (M, S, rpe)
+    for m in range(M):
+        for s in range(S):
+            e = ids[m, s]
+            want = weights[e * rpe : (e + 1) * rpe] @ (x_bf16[m, s] if x_per_slot else x_bf16[m])
+            np.testing.assert_allclose(got[m, s], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("x_per_slot", [False, True])
+def test_the_host_twin_reads_x_back_from_its_fragments(x_per_slot):
+    from ninfer.backends.cuda import host_kernels
+
+    rng = np.random.default_rng(5)
+    experts, rpe, K, M, S = 4, 16, 192, 8, 3
+    shape = (experts * rpe, K)
+    payload = _payload(rng, shape, Q6G64)
+    ids = _expert_ids(rng, M, S, experts)
+    x = rng.standard_normal((M, S, K) if x_per_slot else (M, K)).astype(np.float32)
+    xf = np.zeros(S * QM.x_fragment_words(K), np.uint32)
+    (host_kernels.x_slot_fragments if x_per_slot else host_kernels.x_fragments)(x, xf, stream=0)
+    y = np.full((M, S, rpe), np.nan, np.float32)
+    host_kernels.linear_quant_mma_gathered(xf, host_kernels.upload_quant_mma(Q6G64, shape, payload), ids, y,
+                                           rows_per_expert=rpe, x_per_slot=x_per_slot, stream=0)
+    np.testing.assert_array_equal(y, QM.linear_quant_mma_gathered_reference(x, Q6G64, shape, payload, ids,
+                                                                            rows_per_expert=rpe,
+                                                                            x_per_slot=x_per_slot))
+
+
+@pytest.mark.parametrize("ids_shape,rpe,y_shape,words,match", [
+    ((9, 2), 16, (9, 2, 16), 10**6, "at most 8"),
+    ((2, 2), 24, (2, 2, 24), 10**6, "multiple of 16"),
+    ((2, 2), 48, (2, 2, 48), 10**6, "dividing the 64"),
+    ((2, 2), 16, (2, 16), 10**6, r"not \[M, S, rows_per_expert\]"),
+    ((2, 2), 16, (2, 2, 16), 511, r"2 set\(s\) of 256"),
+])
+def test_gathered_shapes_are_checked_before_launch(ids_shape, rpe, y_shape, words, match):
+    qw = QM.QuantMmaWeight(Q4G64, (64, 64), None, None, None, 1, 0)
+    with pytest.raises(ValueError, match=match):
+        QM.linear_quant_mma_gathered(np.zeros(words, np.uint32), qw, np.zeros(ids_shape, np.int32),
+                                     np.zeros(y_shape, np.float32), rows_per_expert=rpe, x_per_slot=True, stream=0)
+
+
+def test_slot_fragments_take_at_most_8_rows_of_whole_blocks():
+    for shape in ((9, 2, 64), (2, 2, 96)):
+        with pytest.raises(ValueError, match="M <= 8, K % 64 == 0"):
+            QM.x_slot_fragments(np.zeros(shape, np.float32), np.zeros(1024, np.uint32), stream=0)
+
+
 def _run(x, qw, y0=None, accumulate=False):
     from ninfer.kernels_numba.numba_setup import cuda
 
@@ -151,3 +229,51 @@ def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
     got = out.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(got, dequantize_bf16_reference(fmt, shape, payload))
+
+
+def _run_gathered(x, qw, ids, rpe, x_per_slot):
+    """The gathered kernel's y, after checking the fragments it read against their twin."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    stream = cuda.stream()
+    M, S = ids.shape
+    K = qw.shape[1]
+    xf = cuda.device_array((S if x_per_slot else 1) * QM.x_fragment_words(K), np.uint32, stream=stream)
+    if x_per_slot:
+        QM.x_slot_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
+        want_xf = QM.x_slot_fragments_reference(x)
+    else:
+        QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
+        want_xf = QM.x_fragments_reference(x)
+    np.testing.assert_array_equal(xf.copy_to_host(stream=stream), want_xf)
+    dy = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
+    QM.linear_quant_mma_gathered(xf, qw, cuda.to_device(ids, stream=stream), dy, rows_per_expert=rpe,
+                                 x_per_slot=x_per_slot, stream=stream)
+    out = dy.copy_to_host(stream=stream)
+    stream.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("x_per_slot", [False, True])
+@pytest.mark.parametrize("experts,s,rpe,k", [(6, 4, 48, 192), (16, 8, 128, 1024)])
+def test_quant_mma_gathered_gpu_matches_the_twin_and_the_plain_kernel(fmt, m, x_per_slot, experts, s, rpe, k):
+    rng = np.random.default_rng(m + s + rpe + k)
+    shape = (experts * rpe, k)
+    payload = _payload(rng, shape, fmt)
+    qw = QM.upload_quant_mma(fmt, shape, payload)
+    ids = _expert_ids(rng, m, s, experts)
+    x = rng.standard_normal((m, s, k) if x_per_slot else (m, k)).astype(np.float32)
+    got = _run_gathered(x, qw, ids, rpe, x_per_slot)
+    assert np.isfinite(got).all()
+    want = QM.linear_quant_mma_gathered_reference(x, fmt, shape, payload, ids, rows_per_expert=rpe,
+                                                  x_per_slot=x_per_slot)
+    assert _rel(got, want) < 1e-5
+    # bitwise the plain kernel on the whole stacked matrix, at the slot's expert rows: same tiles, same order
+    plains = [_run(np.ascontiguousarray(x[:, slot]), qw) for slot in range(s)] if x_per_slot else [_run(x, qw)] * s
+    for slot, plain in enumerate(plains):
+        for row in range(m):
+            e = ids[row, slot]
+            assert np.array_equal(got[row, slot], plain[row, e * rpe : (e + 1) * rpe]), (row, slot)

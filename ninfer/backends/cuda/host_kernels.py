@@ -92,10 +92,25 @@ def x_fragments(x, out, *, stream):
     out[:words] = _quant_mma.x_fragments_reference(x)
 
 
+def x_slot_fragments(x, out, *, stream):
+    words = x.shape[1] * _quant_mma.x_fragment_words(x.shape[2])
+    out[:words] = _quant_mma.x_slot_fragments_reference(x)
+
+
 def linear_quant_mma(xf, qw, y, *, stream, accumulate=False):
     rows, K = y.shape[0], qw.shape[1]
     out = row_linear(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded())
     y[...] = (y + out) if accumulate else out
+
+
+def linear_quant_mma_gathered(xf, qw, expert_ids, y, *, rows_per_expert, x_per_slot, stream):
+    _quant_mma.check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape,
+                                     rows_per_expert=rows_per_expert, x_per_slot=x_per_slot)
+    (rows, slots), K = expert_ids.shape, qw.shape[1]
+    x = (_quant_mma.x_from_slot_fragments(xf, rows, slots, K) if x_per_slot
+         else _quant_mma.x_from_fragments(xf, rows, K))
+    y[...] = _linear.gathered_reference(x, qw.decoded(), expert_ids, rows_per_expert=rows_per_expert,
+                                        x_per_slot=x_per_slot)
 
 
 def dequantize_mma_bf16(qw, out, *, stream):

@@ -73,7 +73,8 @@ class Capacity:
     decode_linear: str = "cublas"
     # Quantized (ninfer-v2) linear layers of up to SKINNY_ROWS rows: "simt" (`quant_linear`, fp32 activations) or
     # "mma" (`quant_mma`: the tensor cores, activations rounded to bf16, in launches of 8 rows; 1.7x faster at M=1
-    # and 10x at M=8 on the 27B Q4 shapes, measured for Q4 only so far). The gathered MoE experts keep "simt".
+    # and 10x at M=8 on the 27B Q4 shapes, measured for Q4 only so far). With "mma" the stacked MoE experts use the
+    # tensor-core gathered kernel too (`linear_quant_mma_gathered`).
     decode_quant: str = "simt"
 
     def __attrs_post_init__(self) -> None:
@@ -433,7 +434,7 @@ class Workspace:
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
                  decode_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0,
-                 dflash: DFlashDims | None = None) -> None:
+                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -511,6 +512,8 @@ class Workspace:
         self.w_bf16 = buf(dequant_elements, dtype=np.uint16) if dequant_elements else None
         # bf16 B fragments of up to 8 activation rows for the tensor-core quantized layers (`quant_mma`)
         self.x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
+        # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
+        self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -647,7 +650,8 @@ class CudaQwen:
                                    decode_rows=capacity.decode_rows,
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
                                    tensor_core_attention=capacity.tensor_core_attention,
-                                   fragment_words=self._fragment_words(), dflash=drafter)
+                                   fragment_words=self._fragment_words(),
+                                   slot_fragment_words=self._slot_fragment_words(), dflash=drafter)
         # DFlash: the sliding layers' rings, each lane's committed columns not yet projected (their context
         # features, k+1 rows a lane), which target layer fills which column block of the features, the call buffers.
         self.dflash_rings: dict[int, DFlashRing] = {}
@@ -724,6 +728,14 @@ class CudaQwen:
         """x-fragment words of the widest input a tensor-core quantized matrix reads."""
         widths = [m.shape[1] for m in (*self._matrices(), self.head) if _tensor_core(m)]
         return self.k.x_fragment_words(max(widths)) if widths else 0
+
+    def _slot_fragment_words(self) -> int:
+        """x-fragment words of the per-slot inputs of the MoE down projections, when they are tensor-core: one set
+        per expert slot."""
+        layers = self.layers + ([self.mtp.layer] if self.mtp else [])
+        if not any(isinstance(layer.ffn, MoeFfn) and _tensor_core(layer.ffn.routed_down) for layer in layers):
+            return 0
+        return self.dims.moe_top_k * self.k.x_fragment_words(self.dims.moe_intermediate)
 
     def _matrices(self):
         layers = self.layers + ([self.mtp.layer] if self.mtp else [])
@@ -1009,11 +1021,9 @@ class CudaQwen:
         inter = d.moe_intermediate
         if rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
-            gathered = self._gathered(w.routed_gate_up)
-            gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False, stream=stream)
+            self._gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False)
             self.k.silu_mul_slots(gate_up, act, stream=stream)
-            gathered = self._gathered(w.routed_down)
-            gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True, stream=stream)
+            self._gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True)
             self.k.moe_combine(out, weights, x, stream=stream)
         else:
             self._moe_grouped(w, rows)
@@ -1024,15 +1034,24 @@ class CudaQwen:
         self.linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16)
         self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
 
-    def _gathered(self, w: Matrix) -> Any:
-        """The MoE decode launcher for a stacked expert matrix's format."""
-        if is_quantized(w):
-            return self.k.linear_quant_gathered
-
-        def bf16(x: Any, matrix: Bf16Matrix, *args: Any, **kwargs: Any) -> None:
-            self.k.linear_bf16_gathered(x, matrix.data, *args, **kwargs)
-
-        return bf16
+    def _gathered(self, x: Any, w: Matrix, ids: Any, y: Any, *, rows_per_expert: int, x_per_slot: bool) -> None:
+        """MoE decode: y[m, s] = X(m, s) @ W_e^T, e = ids[m, s], for a stacked expert matrix in its stored layout;
+        X(m, s) = x[m], or x[m, s] with x_per_slot. The tensor-core kernel takes x as fragments, 8 rows a launch."""
+        k, stream = self.k, self.device.stream
+        if _tensor_core(w):
+            fragments, xf = ((k.x_slot_fragments, self.workspace.slot_x_fragments) if x_per_slot
+                             else (k.x_fragments, self.workspace.x_fragments))
+            for first in range(0, x.shape[0], MMA_ROWS):  # each row's result is independent of its neighbours
+                last = min(x.shape[0], first + MMA_ROWS)
+                fragments(x[first:last], xf, stream=stream)
+                k.linear_quant_mma_gathered(xf, w, ids[first:last], y[first:last], rows_per_expert=rows_per_expert,
+                                            x_per_slot=x_per_slot, stream=stream)
+        elif is_quantized(w):
+            k.linear_quant_gathered(x, w, ids, y, rows_per_expert=rows_per_expert, x_per_slot=x_per_slot,
+                                    stream=stream)
+        else:
+            k.linear_bf16_gathered(x, w.data, ids, y, rows_per_expert=rows_per_expert, x_per_slot=x_per_slot,
+                                   stream=stream)
 
     def _moe_grouped(self, w: MoeFfn, rows: int) -> None:
         """Prefill MoE: tokens grouped by expert, one cuBLAS GEMM per expert that has tokens (not captured: the

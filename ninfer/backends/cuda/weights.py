@@ -3,8 +3,9 @@ shapes (generated on the GPU, for benchmarks).
 
 Matrices stay in their artifact format: bf16 as uint16 bit arrays, the ninfer-v2 formats as `QuantWeight`s that the
 quantized kernels read, or, with `quant_layout = "mma"`, in the tensor-core layout of `kernels_numba.quant_mma`
-(matrices the gathered MoE kernels read keep the SIMT layout). Several tensors that one projection reads together (the 27B's `query_key` + `gate_value`) are
-concatenated by rows without decoding (`codec.concat_rows`). Norm vectors and small parameters are fp32.
+(stacked MoE expert matrices too, when their rows are whole 16-row tiles). Several tensors that one projection reads
+together (the 27B's `query_key` + `gate_value`) are concatenated by rows without decoding (`codec.concat_rows`). Norm
+vectors and small parameters are fp32.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class DeviceWeights(Protocol):
     def has(self, name: str) -> bool: ...
 
     def matrix(self, *names: str, gathered: bool = False) -> Matrix:
-        """The row-wise concatenation of the named [N_i, K] tensors, in their stored format (`gathered`: read by
-        the gathered MoE kernels, which take the SIMT layout)."""
+        """The row-wise concatenation of the named [N_i, K] tensors, in their stored format (`gathered`: the
+        stacked experts the gathered MoE kernels read, see `tensor_core_layout`)."""
 
     def table(self, name: str) -> Any:
         """An embedding table [V, H]: bf16 bits when stored as BF16, else its exact fp32 decoding (a quantized
@@ -76,9 +77,12 @@ class DeviceWeights(Protocol):
 
 
 def tensor_core_layout(quant_layout: str, shape: tuple[int, int], gathered: bool) -> bool:
-    from ninfer.kernels_numba.quant_mma import BLOCK
+    """Whether a quantized matrix goes to the device in the tensor-core layout: K in whole 64-column blocks, and for
+    stacked experts whole 16-row tiles (the gathered kernel reads an expert as tiles of the stacked layout; the rows
+    per expert, unknown here, are checked by its launcher)."""
+    from ninfer.kernels_numba.quant_mma import BLOCK, TILE_ROWS
 
-    return quant_layout == "mma" and not gathered and shape[1] % BLOCK == 0
+    return quant_layout == "mma" and shape[1] % BLOCK == 0 and (not gathered or shape[0] % TILE_ROWS == 0)
 
 
 class ArtifactDeviceWeights:
