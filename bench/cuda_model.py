@@ -157,7 +157,7 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
-                 decode_only: bool = False, decode_quant: str = "simt", batches: tuple[int, ...] = (1, 2, 4, 8),
+                 decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm")) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
@@ -354,7 +354,7 @@ def main() -> None:
     parser.add_argument("--prefill-attention", default="kernel,gemm",
                         help="8K prefill attention paths to time: the numba kernel, the tensor cores (cuBLAS)")
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
-    parser.add_argument("--decode-quant", default="simt", choices=("simt", "mma"),
+    parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs (CUPTI through torch.profiler)")

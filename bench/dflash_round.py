@@ -39,7 +39,7 @@ PENDING = 5  # committed columns of the previous round that the drafter call pro
 
 
 def bench_dflash(recipe: str, *, device=None, dims=None, drafter=None, k: int = 7, contexts=(1024, 8192),
-                 batches=(1, 2, 4), repeats: int = 20, decode_quant: str = "simt") -> dict:
+                 batches=(1, 2, 4), repeats: int = 20, decode_quant: str = "mma") -> dict:
     """Round timings of one recipe. `device`, `dims`, `drafter` and the sizes exist for the CPU smoke test (a
     HostDevice and a tiny model); the GPU run uses the defaults."""
     from ninfer.backends.cuda.device import CudaDevice
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,8192")
     parser.add_argument("--batches", default="1,2,4")
     parser.add_argument("--k", type=int, default=7)
-    parser.add_argument("--decode-quant", default="simt", choices=("simt", "mma"))
+    parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"))
     args = parser.parse_args()
     from ninfer.kernels_numba.numba_setup import cuda
 
