@@ -115,15 +115,21 @@ def test_slot_fragments_are_each_slots_x_fragments():
                                   QM.bf16_rounded(x))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("x_per_slot", [False, True])
-def test_the_gathered_twin_is_each_slots_expert_product(fmt, x_per_slot):
-    rng = np.random.default_rng(4)
-    experts, rpe, K, M, S = 5, 32, 128, 3, 2
+def _gathered_problem(seed: int, fmt: str, *, experts: int, rpe: int, K: int, M: int, S: int, x_per_slot: bool):
+    """A stacked expert matrix [experts * rpe, K] (shape, payload), expert ids [M, S] and x ([M, S, K] per slot)."""
+    rng = np.random.default_rng(seed)
     shape = (experts * rpe, K)
     payload = _payload(rng, shape, fmt)
     ids = _expert_ids(rng, M, S, experts)
     x = rng.standard_normal((M, S, K) if x_per_slot else (M, K)).astype(np.float32)
+    return shape, payload, ids, x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("x_per_slot", [False, True])
+def test_the_gathered_twin_is_each_slots_expert_product(fmt, x_per_slot):
+    rpe, M, S = 32, 3, 2
+    shape, payload, ids, x = _gathered_problem(4, fmt, experts=5, rpe=rpe, K=128, M=M, S=S, x_per_slot=x_per_slot)
     got = QM.linear_quant_mma_gathered_reference(x, fmt, shape, payload, ids, rows_per_expert=rpe,
                                                  x_per_slot=x_per_slot)
     weights = codec.decode(payload, fmt, shape).astype(np.float64)
@@ -140,12 +146,8 @@ def test_the_gathered_twin_is_each_slots_expert_product(fmt, x_per_slot):
 def test_the_host_twin_reads_x_back_from_its_fragments(x_per_slot):
     from ninfer.backends.cuda import host_kernels
 
-    rng = np.random.default_rng(5)
-    experts, rpe, K, M, S = 4, 16, 192, 8, 3
-    shape = (experts * rpe, K)
-    payload = _payload(rng, shape, Q6G64)
-    ids = _expert_ids(rng, M, S, experts)
-    x = rng.standard_normal((M, S, K) if x_per_slot else (M, K)).astype(np.float32)
+    rpe, K, M, S = 16, 192, 8, 3
+    shape, payload, ids, x = _gathered_problem(5, Q6G64, experts=4, rpe=rpe, K=K, M=M, S=S, x_per_slot=x_per_slot)
     xf = np.zeros(S * QM.x_fragment_words(K), np.uint32)
     (host_kernels.x_slot_fragments if x_per_slot else host_kernels.x_fragments)(x, xf, stream=0)
     y = np.full((M, S, rpe), np.nan, np.float32)
@@ -260,12 +262,9 @@ def _run_gathered(x, qw, ids, rpe, x_per_slot):
 @pytest.mark.parametrize("x_per_slot", [False, True])
 @pytest.mark.parametrize("experts,s,rpe,k", [(6, 4, 48, 192), (16, 8, 128, 1024)])
 def test_quant_mma_gathered_gpu_matches_the_twin_and_the_plain_kernel(fmt, m, x_per_slot, experts, s, rpe, k):
-    rng = np.random.default_rng(m + s + rpe + k)
-    shape = (experts * rpe, k)
-    payload = _payload(rng, shape, fmt)
+    shape, payload, ids, x = _gathered_problem(m + s + rpe + k, fmt, experts=experts, rpe=rpe, K=k, M=m, S=s,
+                                               x_per_slot=x_per_slot)
     qw = QM.upload_quant_mma(fmt, shape, payload)
-    ids = _expert_ids(rng, m, s, experts)
-    x = rng.standard_normal((m, s, k) if x_per_slot else (m, k)).astype(np.float32)
     got = _run_gathered(x, qw, ids, rpe, x_per_slot)
     assert np.isfinite(got).all()
     want = QM.linear_quant_mma_gathered_reference(x, fmt, shape, payload, ids, rows_per_expert=rpe,
