@@ -249,31 +249,54 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
 def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile: bool) -> dict:
     """A returning turn: `tokens` new prompt tokens after the `context` tokens the 8K prefill left in lane 0's
-    cache, prefilled eagerly to their greedy token. Wall-clock with the host work (what a multi-turn request waits
-    for before its first token; the GPU work is small). Each run writes the same positions again."""
+    cache, to their greedy token. Wall-clock with the host work (what a multi-turn request waits for before its
+    first token; the GPU work is small): eagerly through the tiled prefill attention, and as the runner runs a short
+    chunk (`CudaQwen.short_prefill`): the decode path replayed as a captured graph. Each run writes the same
+    positions again."""
     ids = np.random.default_rng(1).integers(0, dims.vocab_ids, tokens)
     positions = np.arange(context, context + tokens)
+    device = model.device
 
-    def run():
+    def fill():
         model.inputs.fill(token_ids=ids, positions=np.tile(positions, (3, 1)), row_lane=np.zeros(tokens),
                           row_pos=positions, seg_lane=[0], seg_row=[0], seg_count=[tokens], seg_record=[0])
+
+    def eager():
+        fill()
         final = model.forward(tokens, 1, PrefillSpan(0, context))
         model.greedy(model.head_logits(final[tokens - 1:]))
-        model.device.synchronize()
+        device.synchronize()
 
-    run()
-    times = []
-    for _ in range(5):
-        began = time.perf_counter()
+    def wall_seconds(run) -> float:
         run()
-        times.append(time.perf_counter() - began)
-    out = {"context": context, "tokens": tokens, "seconds": float(np.median(times))}
-    print(f"  suffix prefill {tokens} tokens after {context}: {out['seconds'] * 1e3:7.1f} ms (eager, host included)",
-          flush=True)
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - began)
+        return float(np.median(times))
+
+    out = {"context": context, "tokens": tokens, "seconds": wall_seconds(eager)}
+    if model.short_prefill(tokens, context):
+        fill()
+        model.forward(tokens, 1)
+        device.synchronize()
+        graph = device.capture(lambda: model.forward(tokens, 1))
+
+        def replayed():
+            fill()
+            graph.replay(device.stream_handle)
+            model.greedy(model.head_logits(model.workspace.final[tokens - 1 : tokens]))
+            device.synchronize()
+
+        out["graph_seconds"] = wall_seconds(replayed)
+        graph.close()
+    print(f"  suffix prefill {tokens} tokens after {context}: eager {out['seconds'] * 1e3:7.1f} ms, graph "
+          f"{out.get('graph_seconds', float('nan')) * 1e3:7.1f} ms (host included)", flush=True)
     if profile:
         from bench.kernel_profile import host_profile
 
-        out["host_profile"] = host_profile(run, sort="tottime", top=20)
+        out["host_profile"] = host_profile(eager, sort="tottime", top=20)
         print(out["host_profile"], flush=True)
     return out
 

@@ -172,6 +172,43 @@ def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifa
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_short_prefill_chunks_replay_graphs_with_the_tokens_of_the_tiled_path(device_kind, artifacts, kind,
+                                                                              monkeypatch):
+    """Prefill chunks of at most 64 rows (and few enough keys) run the decode path, captured by row count, their MTP
+    columns too; the tokens equal those of the same chunks through the tiled prefill attention (the bound set to 0)
+    up to float ties, greedy MTP included."""
+    import ninfer.backends.cuda.model as cuda_model
+
+    path = artifacts[(kind, "bf16")]
+    cpu = load_model(path)
+    prompts = [prompt(1, 40), prompt(2, 90), prompt(3, 23)]  # chunks: 32 + 8, 32 + 58, 23
+    build = cuda_build(device_kind, path, draft_tokens=3)
+    got = run_lanes(build.runner, prompts, 16, chunk=32)
+    prefill_keys = {key for key in build.runner._graphs if key[0] == "prefill"}
+    assert prefill_keys == {("prefill", n) for n in (32, 8, 58, 23)}
+    # the MTP head over each chunk's columns: 31 (a first chunk drops its first token), 9 and 59 (the bridge column
+    # of a later chunk, and the sampled token of a final one), 23
+    assert {("mtp", n) for n in (31, 9, 59, 23)} <= set(build.runner._graphs)
+    monkeypatch.setattr(cuda_model, "SHORT_PREFILL_ROW_KEYS", 0)
+    tiled = cuda_build(device_kind, path, draft_tokens=3)
+    want = run_lanes(tiled.runner, prompts, 16, chunk=32)
+    assert not any(key[0] == "prefill" for key in tiled.runner._graphs)
+    for g, w, p in zip(got, want, prompts):
+        assert_same_or_near_tie(g, w, cpu, p)
+
+
+def test_the_short_prefill_bound(device_kind, artifacts):
+    from ninfer.backends.cuda.model import SHORT_PREFILL_ROW_KEYS, SKINNY_ROWS
+
+    model = cuda_build(device_kind, artifacts[("dense", "bf16")]).model
+    assert model.capacity.short_prefill_rows == SKINNY_ROWS  # prefill_chunk 128
+    assert model.short_prefill(SKINNY_ROWS, SHORT_PREFILL_ROW_KEYS // SKINNY_ROWS - SKINNY_ROWS)
+    assert not model.short_prefill(SKINNY_ROWS, SHORT_PREFILL_ROW_KEYS // SKINNY_ROWS - SKINNY_ROWS + 1)
+    assert not model.short_prefill(SKINNY_ROWS + 1, 0) and not model.short_prefill(0, 0)
+    assert model.short_prefill(1, SHORT_PREFILL_ROW_KEYS - 1)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifacts, kind):
     """prefill_attention="gemm": bf16 queries and probabilities through cuBLAS, within bf16 tolerance."""
     path = artifacts[(kind, "bf16")]

@@ -41,6 +41,12 @@ from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
 SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
 MMA_ROWS = 8  # activation rows per tensor-core quantized launch (the mma's N)
 PAGE_TOKENS = 64
+# A prefill chunk of at most SKINNY_ROWS rows whose rows x keys stay within this bound runs the decode path (decode
+# attention, each row over the lane's pages; the gathered MoE route) and is captured as a graph keyed by its row
+# count. Eager, such a chunk costs its ~500-2,500 numba launches of Python (0.13-0.19 s for 32 rows at the 27B and
+# 35B shapes on the H200), far more than its GPU work. The bound keeps the decode kernel's per-row re-reads of the
+# lane's keys (64 rows at 8K context) from outgrowing what the tiled prefill attention would cost.
+SHORT_PREFILL_ROW_KEYS = 64 * 8192
 SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
 
 
@@ -106,6 +112,11 @@ class Capacity:
         """Rows of a DFlash drafter call in a decode round: per lane a proposal block and its committed columns, k+1
         rows each (0 without DFlash)."""
         return 2 * self.decode_rows if self.dflash else 0
+
+    @property
+    def short_prefill_rows(self) -> int:
+        """The most rows of a prefill chunk that may run the decode path (see SHORT_PREFILL_ROW_KEYS)."""
+        return min(self.prefill_rows, SKINNY_ROWS)
 
     @property
     def max_rows(self) -> int:
@@ -433,7 +444,7 @@ class Workspace:
     """Activation buffers for up to `rows` rows, allocated once."""
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0,
+                 decode_attention_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0,
                  slot_fragment_words: int = 0, dflash: DFlashDims | None = None) -> None:
         d, f32 = dims, np.float32
 
@@ -447,7 +458,8 @@ class Workspace:
         self.qkgv = buf(rows, 2 * d.q_width + 2 * d.kv_width)
         self.q = buf(rows, d.attn_heads, d.head_dim)
         self.attended = buf(rows, d.q_width)
-        self.partials = buf(*device.kernels.decode_partials_shape(decode_rows, d.attn_heads, d.head_dim))
+        # split partials of the decode attention kernel: decode and verify rows, and short prefill chunks
+        self.partials = buf(*device.kernels.decode_partials_shape(decode_attention_rows, d.attn_heads, d.head_dim))
         channels = d.gdn_conv_channels
         self.projected = buf(rows, channels + d.gdn_v_width)
         self.ab = buf(rows, 2 * d.gdn_v_heads)
@@ -647,7 +659,7 @@ class CudaQwen:
         drafter = self.dflash.dims if self.dflash is not None else None
         self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
-                                   decode_rows=capacity.decode_rows,
+                                   decode_attention_rows=max(capacity.decode_rows, capacity.short_prefill_rows),
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
                                    tensor_core_attention=capacity.tensor_core_attention,
                                    fragment_words=self._fragment_words(),
@@ -756,6 +768,11 @@ class CudaQwen:
             yield from (matrix.parts if isinstance(matrix, SplitMatrix) else (matrix,))
 
     # ---- the decoder ----
+
+    def short_prefill(self, rows: int, kv_start: int) -> bool:
+        """Whether a prefill chunk of `rows` rows after `kv_start` cached tokens runs the decode path, whose steps
+        the runner captures as graphs (`forward` without a PrefillSpan; see SHORT_PREFILL_ROW_KEYS)."""
+        return 0 < rows <= self.capacity.short_prefill_rows and rows * (kv_start + rows) <= SHORT_PREFILL_ROW_KEYS
 
     def forward(self, rows: int, segments: int, prefill: PrefillSpan | None = None,
                 embeddings: tuple[np.ndarray, np.ndarray] | None = None) -> Any:

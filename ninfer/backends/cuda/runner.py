@@ -5,7 +5,9 @@ lanes) (ordinary rows are one column, speculative rows k+1; all per-row facts li
 with the same counts shares a graph), the MTP head over a round's produced columns by its row count, each MTP draft
 step by its lane count, and a DFlash drafter call by its lane and block counts. The first call of a shape runs
 eagerly (compiling the kernels) and captures the graph for the next one; ordinary decode graphs are captured at
-startup. Prefill chunks run eagerly. The host keeps only what the engine contract needs per lane: the page table,
+startup. A short prefill chunk (`CudaQwen.short_prefill`: at most 64 rows, few enough keys) runs the decode path
+and is captured by its row count, as is the MTP head over its columns; longer chunks, and chunks with Vision
+embeddings, run eagerly with the tiled prefill attention. The host keeps only what the engine contract needs per lane: the page table,
 the sampler, the drafts, whether the last round verified and, with DFlash, how far the drafter's context reaches;
 all tensors stay on the device.
 
@@ -198,7 +200,11 @@ class CudaRunner:
             model.inputs.fill(token_ids=chunk.token_ids, positions=chunk.positions,
                               row_lane=np.full(count, lane), row_pos=start + np.arange(count),
                               seg_lane=[lane], seg_row=[0], seg_count=[count], seg_record=[0])
-            final = model.forward(count, 1, PrefillSpan(lane, start), embeddings)
+            if embeddings is None and model.short_prefill(count, start):  # a graph per row count: launches cost most
+                self._step(("prefill", count), lambda: model.forward(count, 1))
+                final = model.workspace.final[:count]
+            else:
+                final = model.forward(count, 1, PrefillSpan(lane, start), embeddings)
             # The chunk's last row becomes the tail only after the MTP bridge column has read the old tail.
             model.device.copy(self._model.last_row, final[count - 1 :])
             if self._dflash:  # the chunk's columns are committed: project their captured features now
@@ -485,7 +491,9 @@ class CudaRunner:
         row_pos = np.concatenate([item.first + np.arange(len(item.next_ids)) for item in items])
         model.inputs.fill(token_ids=next_ids, next_ids=next_ids, positions=positions, row_lane=row_lane,
                           row_pos=row_pos, seg_lane=[], seg_row=[], seg_count=[], seg_record=[])
-        if prefill and len(items) == 1 and rows > 1:  # a prefill chunk's columns: tiled attention, eager
+        if prefill and len(items) == 1 and rows > 1 and (embeddings is not None
+                                                         or not model.short_prefill(rows, items[0].first)):
+            # a long prefill chunk's columns: tiled attention, eager (short ones take the graph below)
             return model.mtp_forward(hidden, rows, PrefillSpan(items[0].lane, items[0].first), embeddings)
         if embeddings is not None:
             return model.mtp_forward(hidden, rows, None, embeddings)
