@@ -9,6 +9,7 @@
 #   bash tools/device_check.sh vision [BENCH ARGS]  bench/vision_tower_gpu.py
 #   bash tools/device_check.sh quant [BENCH ARGS]   bench/quant_gemv.py (SIMT vs tensor-core quantized GEMV)
 #   bash tools/device_check.sh dflash [BENCH ARGS]  bench/dflash_round.py (the DFlash round at the real 35B shape)
+#   bash tools/device_check.sh moe [--sweep]        bench/moe_gathered.py (SIMT vs tensor-core gathered MoE experts)
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -40,5 +41,7 @@ case "$what" in
     python3 bench/quant_gemv.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/quant_gemv.log" | tail -40 ;;
   dflash)
     python3 bench/dflash_round.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/dflash_round.log" | tail -20 ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash [args]" >&2; exit 2 ;;
+  moe)
+    python3 bench/moe_gathered.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/moe_gathered.log" | tail -20 ;;
+  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe [args]" >&2; exit 2 ;;
 esac
