@@ -30,6 +30,11 @@ class Blas:
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
+    @property
+    def handle(self) -> int:
+        """The cuBLAS handle (bound to the device's stream), for calls this class does not wrap (probes)."""
+        return self._handle
+
     def gemm_bf16(self, x: Any, w: Any, y: Any, *, accumulate: bool = False) -> None:
         """y (fp32 [M, N]) (+)= x (bf16 [M, K]) @ w (bf16 [N, K])^T."""
         m, k = x.shape
