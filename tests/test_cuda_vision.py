@@ -9,7 +9,9 @@ import pytest
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from tests.support.tiny_vision_artifact import tiny_vision_qwen
 
-GRIDS = [(1, 4, 8), (4, 4, 4)]  # an image; a video of 4 temporal slices (attention stays inside each)
+# an image; a video of 4 temporal slices (attention stays inside each); a video whose 12-patch slices straddle the
+# small arena's 8-row chunks
+GRIDS = [(1, 4, 8), (4, 4, 4), (2, 2, 6)]
 
 
 def make_device(kind: str):
@@ -58,6 +60,8 @@ def test_the_arena_is_allocated_once_and_reused(tower):
     again = [gpu.encode_item(patches, grid) for grid, patches in reversed(items)]
     for a, b in zip(first, reversed(again)):
         np.testing.assert_array_equal(a, b)  # nothing of the previous item leaks through the shared scratch
+    # the second pass reused every grid's position embeddings (computed once each, unchanged by the encodes)
+    assert gpu._slice_embedding.cache_info().hits >= len(GRIDS)
     assert device.ledger["vision scratch"] == gpu.scratch_bytes
     with pytest.raises(ValueError, match="exceeds"):
         gpu.encode_item(np.zeros((128, tower.dims.patch_row), np.uint16), (2, 8, 8))
