@@ -44,8 +44,8 @@ PAGE_TOKENS = 64
 # A prefill chunk of at most SKINNY_ROWS rows whose rows x keys stay within this bound runs the decode path (decode
 # attention, each row over the lane's pages; the gathered MoE route) and is captured as a graph keyed by its row
 # count. Eager, such a chunk costs its ~500-2,500 numba launches of Python (0.13-0.19 s for 32 rows at the 27B and
-# 35B shapes on the H200), far more than its GPU work. The bound keeps the decode kernel's per-row re-reads of the
-# lane's keys (64 rows at 8K context) from outgrowing what the tiled prefill attention would cost.
+# 35B shapes on the H200), far more than its GPU work. The bound limits the decode kernel's per-row re-reads of the
+# lane's keys (64 rows at 8K context, 16 at 32K); where it should sit is still to be measured on the GPU.
 SHORT_PREFILL_ROW_KEYS = 64 * 8192
 SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
 
