@@ -35,7 +35,7 @@ from ninfer.targets.registry import QWEN_35B_A3B_PRESETS
 from tests.support.tiny_dflash import reference_block, tiny_dflash_dims, tiny_dflash_qwen
 from tests.test_prefix_reuse import SCRIPT, run_chat
 from tests.test_runner_cpu import Lane, decode_round, generate, prompt, text_positions, tiny_qwen
-from tests.test_speculative import run, stop_inside_a_round_then_continue, work
+from tests.test_speculative import assert_speculative_counters_add_up, run, stop_inside_a_round_then_continue, work
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +157,7 @@ def plain_tokens(model):
 def test_greedy_dflash_is_token_identical_to_plain_greedy(model, plain_tokens, k):
     results = run(engine(model, k=k, lm_head_draft=k == 4), work(6))
     assert [r.tokens for r in results] == plain_tokens
-    counters = [r.usage.speculative for r in results]
-    for result, c in zip(results, counters):
-        assert c.draft_window == k and c.drafted_tokens == k * c.rounds
-        assert c.rounds + c.accepted_tokens + c.fallback_steps == result.usage.completion_tokens - 1
-    assert sum(c.accepted_tokens for c in counters) > 0
+    assert_speculative_counters_add_up(results, k)
 
 
 def test_every_draft_window_keeps_greedy_output(model):

@@ -128,6 +128,12 @@ def plain_tokens(model):
 def test_greedy_mtp_is_token_identical_to_plain_greedy(model, plain_tokens, k):
     results = run(engine(model, draft_tokens=k, lm_head_draft=k == 3), work(6))
     assert [r.tokens for r in results] == plain_tokens
+    assert_speculative_counters_add_up(results, k)
+
+
+def assert_speculative_counters_add_up(results, k: int) -> None:
+    """Every result's counters: k drafts a round, one token from every round, accepted draft and fallback step but
+    the first (prefill) one; some drafts accepted over all."""
     counters = [r.usage.speculative for r in results]
     for result, c in zip(results, counters):
         assert c.draft_window == k and c.drafted_tokens == k * c.rounds
