@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (numpy shim first)
 
+from bench.kernel_profile import wall_seconds  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
 from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
@@ -267,16 +268,7 @@ def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile:
         model.greedy(model.head_logits(final[tokens - 1:]))
         device.synchronize()
 
-    def wall_seconds(run) -> float:
-        run()
-        times = []
-        for _ in range(5):
-            began = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - began)
-        return float(np.median(times))
-
-    out = {"context": context, "tokens": tokens, "seconds": wall_seconds(eager)}
+    out = {"context": context, "tokens": tokens, "seconds": wall_seconds(eager, device.synchronize, repeats=5)}
     if model.short_prefill(tokens, context):
         fill()
         model.forward(tokens, 1)
@@ -289,7 +281,7 @@ def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile:
             model.greedy(model.head_logits(model.workspace.final[tokens - 1 : tokens]))
             device.synchronize()
 
-        out["graph_seconds"] = wall_seconds(replayed)
+        out["graph_seconds"] = wall_seconds(replayed, device.synchronize, repeats=5)
         graph.close()
     print(f"  suffix prefill {tokens} tokens after {context}: eager {out['seconds'] * 1e3:7.1f} ms, graph "
           f"{out.get('graph_seconds', float('nan')) * 1e3:7.1f} ms (host included)", flush=True)
@@ -348,15 +340,7 @@ def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
                 if step < k - 1:
                     graphs["advance"].replay(device.stream_handle)
 
-        for _ in range(3):
-            round_()
-        times = []
-        for _ in range(20):
-            began = time.perf_counter()
-            round_()
-            device.synchronize()
-            times.append(time.perf_counter() - began)
-        seconds = float(np.median(times))
+        seconds = wall_seconds(round_, device.synchronize, repeats=20, warmup=3)
         for graph in graphs.values():
             graph.close()
         out.append({"k": k, "round_ms": seconds * 1e3,

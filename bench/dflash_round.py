@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cuda_model import event_time  # noqa: E402  (the repository root on sys.path first)
+from bench.kernel_profile import wall_seconds  # noqa: E402
 from ninfer.backends.cuda.model import Capacity, CudaQwen  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
@@ -116,15 +117,7 @@ def time_round(model: CudaQwen, batch: int, context: int, repeats: int) -> dict:
 
     gpu = {name: float(np.median(event_time(device.stream, lambda g=graph: g.replay(device.stream_handle),
                                             repeats)[1:])) for name, graph in graphs.items()}
-    for _ in range(3):
-        round_()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        round_()
-        device.synchronize()
-        times.append(time.perf_counter() - began)
-    seconds = float(np.median(times))
+    seconds = wall_seconds(round_, device.synchronize, repeats=repeats, warmup=3)
     for graph in graphs.values():
         graph.close()
     row = {"batch": batch, "context": context, "draft_graph_ms": gpu["draft"] * 1e3,

@@ -16,27 +16,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.kernel_profile import wall_seconds  # noqa: E402
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 
 EXPERTS, ROWS_PER_EXPERT, K, TOKENS, SLOTS = 256, 1024, 2048, 8192, 8
 CUDA_R_32F, CUDA_R_16BF = 0, 14
-
-
-def wall(run, repeats: int = 5) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -64,9 +54,8 @@ def main() -> None:
 
     def loop():
         blas.grouped_gemm_bf16(x, w, y_loop, offsets, ROWS_PER_EXPERT)
-        device.synchronize()
 
-    seconds = wall(loop)
+    seconds = wall_seconds(loop, device.synchronize, repeats=5)
     report["variants"]["per-expert loop"] = {"seconds": seconds, "tflop_s": flops / seconds / 1e12}
     want = y_loop.copy_to_host().astype(np.float64)
     live = [e for e in range(EXPERTS) if counts[e]]
@@ -91,10 +80,9 @@ def main() -> None:
                 device_pointer(a_pointers), CUDA_R_16BF, k_array, device_pointer(b_pointers), CUDA_R_16BF, k_array,
                 zeros.ctypes.data, device_pointer(c_pointers), ctype, m_array, groups, group_size,
                 cublas.ComputeType.COMPUTE_32F)
-            device.synchronize()
 
         try:
-            seconds = wall(grouped)
+            seconds = wall_seconds(grouped, device.synchronize, repeats=5)
         except Exception as error:  # the probe's question: which type combinations this cuBLAS accepts
             report["variants"][name] = {"error": f"{type(error).__name__}: {error}"}
             print(f"{name}: {type(error).__name__}: {error}", flush=True)

@@ -36,6 +36,21 @@ def short_name(name: str) -> str:
     return ".".join(parts[-2:]) if parts else name[:60]
 
 
+def wall_seconds(run: Callable[[], object], synchronize: Callable[[], None], *, repeats: int,
+                 warmup: int = 1) -> float:
+    """Median wall seconds of `run()` and a `synchronize()` (host work included), after `warmup` untimed runs."""
+    for _ in range(warmup):
+        run()
+        synchronize()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - began)
+    return float(np.median(times))
+
+
 def captured_repeats(device, launch: Callable[[], None], repeats: int, replays: int = 20):
     """`launch` issued `repeats` times back to back, captured as one graph (after one eager run, which compiles),
     then replayed: (the graph, median wall seconds per `launch`, device synchronised)."""
@@ -46,16 +61,8 @@ def captured_repeats(device, launch: Callable[[], None], repeats: int, replays: 
     body()
     device.synchronize()
     graph = device.capture(body)
-    for _ in range(3):
-        graph.replay(device.stream_handle)
-    device.synchronize()
-    times = []
-    for _ in range(replays):
-        began = time.perf_counter()
-        graph.replay(device.stream_handle)
-        device.synchronize()
-        times.append(time.perf_counter() - began)
-    return graph, float(np.median(times)) / repeats
+    seconds = wall_seconds(lambda: graph.replay(device.stream_handle), device.synchronize, repeats=replays, warmup=3)
+    return graph, seconds / repeats
 
 
 def profile_replays(replay: Callable[[], None], synchronize: Callable[[], None], replays: int = 5) -> dict:
