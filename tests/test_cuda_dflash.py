@@ -36,14 +36,13 @@ from ninfer.backends.cuda.model import Capacity
 from ninfer.engine.cold_tier import ColdTier, ParkedArray
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.prefix import Residency
-from ninfer.engine.runner import DecodeBatch, SequenceStart, StateSource
-from ninfer.engine.sampler import SamplingParams
+from ninfer.engine.runner import DecodeBatch
 from ninfer.kernels_numba import dflash as kernels
 from ninfer.models.loader import build_model
 from tests.support.tiny_dflash import write_cuda_tiny_dflash_artifact
 from tests.test_cold_tier import HostArena
 from tests.test_cuda_runner import assert_same_or_near_tie, make_device
-from tests.test_dflash import DraftRows
+from tests.test_dflash import DraftRows, continue_moved_then_restored
 from tests.test_runner_cpu import SAMPLED, Lane, decode_round, prompt
 
 PROMPTS = [prompt(1, 20), prompt(4, 45), prompt(2, 33)]  # 45 and 33 tokens wrap the 24-slot ring
@@ -204,19 +203,7 @@ def test_a_checkpoint_and_a_moved_lane_continue_like_an_uninterrupted_run(device
         assert tier.park(Residency(), image)
         image = tier.take(next(iter(tier.parked())))[1]
         assert isinstance(image.arrays["dflash/context_lengths"], ParkedArray)
-    runner.assign_pages(1, np.arange(8, 12))
-    runner.import_lane(1, image)
-    runner.release(0)
-    runner.begin_sequence(1, SequenceStart(source=StateSource.RESIDENT, sampling=SamplingParams.greedy()))
-    lane.lane = 1
-    while not lane.done:
-        decode_round(runner, [lane])
-    assert lane.tokens == expected
-    restored = Lane(runner, 1, ids, budget=BUDGET, checkpoint=(1, 40))
-    restored.prefill(64)
-    while not restored.done:
-        decode_round(runner, [restored])
-    assert restored.tokens == expected
+    continue_moved_then_restored(runner, lane, image, np.arange(8, 12), expected, checkpoint=(1, 40), chunk=64)
     assert len(rows.calls) == 2 * len(reference_rows.calls)
     for got, want in zip(rows.calls, reference_rows.calls * 2):
         np.testing.assert_allclose(got, want, atol=ROW_TOLERANCE[device_kind])

@@ -282,6 +282,26 @@ def test_prefix_reuse_restores_the_drafter_context_exactly(model, monkeypatch):
         np.testing.assert_array_equal(reused, fresh)
 
 
+def continue_moved_then_restored(runner, lane, image, pages: np.ndarray, expected: list[int], *,
+                                 checkpoint: tuple[int, int], chunk: int) -> None:
+    """`lane`'s sequence, exported from lane 0 as `image`, continues on lane 1 (`pages`) to the `expected` tokens;
+    then a new sequence restored from `checkpoint` (slot, tokens) on lane 1, prefilled in chunks of `chunk`,
+    reaches them too."""
+    runner.assign_pages(1, pages)
+    runner.import_lane(1, image)
+    runner.release(0)
+    runner.begin_sequence(1, SequenceStart(source=StateSource.RESIDENT, sampling=SamplingParams.greedy()))
+    lane.lane = 1
+    while not lane.done:
+        decode_round(runner, [lane])
+    assert lane.tokens == expected
+    restored = Lane(runner, 1, lane.prompt, budget=lane.budget, checkpoint=checkpoint)
+    restored.prefill(chunk)
+    while not restored.done:
+        decode_round(runner, [restored])
+    assert restored.tokens == expected
+
+
 def test_an_imported_lane_continues_with_its_drafter_context(model, monkeypatch):
     """A lane image carries the drafter context (cyclic caches, pending columns, full-layer pages) and the
     checkpoints' cyclic caches: the moved sequence, and a restore of its checkpoint, propose bitwise as unmoved."""
@@ -300,19 +320,7 @@ def test_an_imported_lane_continues_with_its_drafter_context(model, monkeypatch)
     image = runner.export_lane(0, lane.frontier)
     assert any(name.startswith("dflash/ring/") for name in image.arrays)
     assert any(name.startswith("checkpoint/1/dflash/") for name in image.arrays)
-    runner.assign_pages(1, np.arange(8, 16))
-    runner.import_lane(1, image)
-    runner.release(0)
-    runner.begin_sequence(1, SequenceStart(source=StateSource.RESIDENT, sampling=SamplingParams.greedy()))
-    lane.lane = 1
-    while not lane.done:
-        decode_round(runner, [lane])
-    assert lane.tokens == expected
-    restored = Lane(runner, 1, ids, budget=30, checkpoint=(1, 20))
-    restored.prefill(100)
-    while not restored.done:
-        decode_round(runner, [restored])
-    assert restored.tokens == expected
+    continue_moved_then_restored(runner, lane, image, np.arange(8, 16), expected, checkpoint=(1, 20), chunk=100)
     assert len(rows.calls) == 2 * len(expected_rows)
     for got, want in zip(rows.calls, expected_rows * 2):
         np.testing.assert_array_equal(got, want)
