@@ -1106,30 +1106,23 @@ class CudaQwen:
         """Checkpoint save (`to_slot`), restore (`from_slot`) or verify-column selection (`from_column`) of every
         recurrent layer's lane state and the tail row."""
         copy = self.device.copy
-        for state in self.gdn.values():
-            if to_slot is not None:
-                copy(state.conv_checkpoints[lane, to_slot], state.conv[lane])
-                copy(state.ssm_checkpoints[lane, to_slot], state.ssm[lane])
-            elif from_slot is not None:
-                copy(state.conv[lane], state.conv_checkpoints[lane, from_slot])
-                copy(state.ssm[lane], state.ssm_checkpoints[lane, from_slot])
-            else:
+        if from_column is not None:  # a verify column: only the recurrent layers keep per-column states
+            for state in self.gdn.values():
                 copy(state.conv[lane], state.conv_columns[lane, from_column])
                 copy(state.ssm[lane], state.ssm_columns[lane, from_column])
-        # The DFlash rings change only by commits, never by a verify column: a checkpoint carries them, and the full
-        # layer's prefix stays in the pages.
-        for ring in self.dflash_rings.values():
+            return
+        # (live, checkpoints) of every part a checkpoint carries. The DFlash rings change only by commits, never by a
+        # verify column: a checkpoint carries them, and the full layer's prefix stays in the pages.
+        parts = [pair for state in self.gdn.values()
+                 for pair in ((state.conv, state.conv_checkpoints), (state.ssm, state.ssm_checkpoints))]
+        parts += [pair for ring in self.dflash_rings.values()
+                  for pair in ((ring.k, ring.k_checkpoints), (ring.v, ring.v_checkpoints))]
+        parts.append((self.tails, self.tail_checkpoints))
+        for live, saved in parts:
             if to_slot is not None:
-                copy(ring.k_checkpoints[lane, to_slot], ring.k[lane])
-                copy(ring.v_checkpoints[lane, to_slot], ring.v[lane])
-            elif from_slot is not None:
-                copy(ring.k[lane], ring.k_checkpoints[lane, from_slot])
-                copy(ring.v[lane], ring.v_checkpoints[lane, from_slot])
-        if to_slot is not None:
-            copy(self.tail_checkpoints[lane, to_slot], self.tails[lane])
-        elif from_slot is not None:
-            copy(self.tails[lane], self.tail_checkpoints[lane, from_slot])
-
+                copy(saved[lane, to_slot], live[lane])
+            else:
+                copy(live[lane], saved[lane, from_slot])
 
     def export_lane_views(self, lane: int, pages: np.ndarray) -> dict[str, Any]:
         """A lane's sequence state in place, named for `import_lane_arrays`: the KV of these pages in every attention
