@@ -3,8 +3,7 @@ run spends its minutes measuring."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 from ninfer.artifact.reader import Artifact
 from ninfer.backends.cuda.build import build_cuda_runner
@@ -13,13 +12,8 @@ from ninfer.engine.config import EngineConfig
 from tests.support.cuda_models import write_tiny_qwen_artifact
 from tests.test_cold_tier import HostArena
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "cold_tier_ttft.py"
-
-
 def test_the_measurement_runs_and_the_restored_turn_continues_the_sequence(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_cold_tier_ttft", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("bench.cold_tier_ttft")
     path = write_tiny_qwen_artifact(tmp_path / "tiny.ninfer", moe=False, recipe="bf16")
     config = EngineConfig(max_concurrency=2, max_context=512, prefill_chunk=128, kv_capacity=1024)
     runner = build_cuda_runner(Artifact.open(path), config, device=HostDevice(8 << 30)).runner

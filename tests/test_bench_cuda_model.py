@@ -3,22 +3,16 @@ spends its minutes measuring, not finding bugs in the script."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 
 from tests.support.cuda_models import cuda_tiny_dims
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "cuda_model.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_cuda_model", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.cuda_model")
 
 
 def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):

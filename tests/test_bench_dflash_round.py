@@ -3,23 +3,17 @@ GPU run spends its minutes measuring, not finding bugs in the script."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 
 from tests.support.cuda_models import cuda_tiny_dims
 from tests.support.tiny_dflash import tiny_dflash_dims
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "dflash_round.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_dflash_round", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.dflash_round")
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
