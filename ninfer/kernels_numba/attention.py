@@ -21,7 +21,8 @@ from numba.cuda import libdevice
 from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import FULL_MASK, bf16_to_f32, f32_to_bf16, sigmoid_f32, warp_max, warp_sum
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_to_f32, block_sum, f32_to_bf16, sigmoid_f32, warp_max,
+                                         warp_sum)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 F32 = np.float32
@@ -102,7 +103,6 @@ def _prepare_kernel(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos
     t = cuda.threadIdx.x
     lane = t % 32
     warp = t // 32
-    nwarps = head_dim // 32
     red = cuda.shared.array(32, float32)
     vals = cuda.shared.array(256, float32)
     amax_sh = cuda.shared.array(16, float32)
@@ -114,15 +114,7 @@ def _prepare_kernel(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos
         col = heads * head_dim + (slot - heads) * head_dim
         w = k_norm[t]
     x = qkgv[r, col + t]
-    s = warp_sum(x * x)
-    if lane == 0:
-        red[warp] = s
-    cuda.syncthreads()
-    total = float32(0.0)
-    for i in range(nwarps):
-        total += red[i]
-    mean = total / float32(head_dim)
-    inv = float32(1.0) / math.sqrt(mean + eps)
+    inv = float32(1.0) / math.sqrt(block_sum(x * x, red) / float32(head_dim) + eps)
     y = (x * inv) * (float32(1.0) + w)
     vals[t] = y
     cuda.syncthreads()

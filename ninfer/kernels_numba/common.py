@@ -54,6 +54,22 @@ def warp_sum(value):
 
 
 @device_function
+def block_sum(value, buf):
+    """Sum of `value` over the block (any size that is a multiple of 32), the same in every thread, in a fixed order:
+    each warp's sum, then the warps' in warp order (buf: shared [32]). Ends on a barrier, so buf may be reused."""
+    value = warp_sum(value)
+    t = cuda.threadIdx.x
+    if (t & 31) == 0:
+        buf[t >> 5] = value
+    cuda.syncthreads()
+    total = float32(0.0)
+    for w in range(cuda.blockDim.x >> 5):
+        total += buf[w]
+    cuda.syncthreads()
+    return total
+
+
+@device_function
 def warp_max(value):
     for offset in (16, 8, 4, 2, 1):
         other = cuda.shfl_xor_sync(FULL_MASK, value, offset)

@@ -34,8 +34,8 @@ from ninfer.backends.cpu import ops
 from ninfer.kernels_numba.attention import (DEFAULT_SPLITS, MAX_E, MAX_G, MAX_GE, NEG_INF, init_online_state,
                                             merge_partials, online_scores, online_values, split_keys,
                                             store_block_partials)
-from ninfer.kernels_numba.common import bf16_to_f32, blocks_for, f32_to_bf16, warp_sum
-from ninfer.kernels_numba.numba_setup import cuda, kernel
+from ninfer.kernels_numba.common import bf16_to_f32, block_sum, blocks_for, f32_to_bf16
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 THREADS = 256
 WARPS = 4  # warps of an attention split block: each takes every WARPS-th key of the split
@@ -115,14 +115,7 @@ def _heads_kernel(qkv, q_norm, k_norm, inv_freq, positions, row_lane, ring_slot,
         col = heads * head_dim + (slot - heads) * head_dim
         w = k_norm[t]
     x = qkv[r, col + t]
-    s = warp_sum(x * x)
-    if t % 32 == 0:
-        red[t // 32] = s
-    cuda.syncthreads()
-    total = float32(0.0)
-    for i in range(head_dim // 32):
-        total += red[i]
-    inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
+    inv = float32(1.0) / math.sqrt(block_sum(x * x, red) / float32(head_dim) + eps)
     y = (x * inv) * w
     vals[t] = y
     cuda.syncthreads()
@@ -198,6 +191,18 @@ def dflash_heads_reference(qkv, q_norm, k_norm, inv_freq, positions, row_lane, r
 # attention of the block rows
 
 
+@device_function
+def load_head_dims(kx, cache, block, context_key, page, offset, row, kvh, dbase, per_lane):
+    """kx[e] = this lane's dims of kv head `kvh` of one key (or value): from the bf16 cache at (page, offset) for a
+    context key, else from the block's own fp32 rows."""
+    for e in range(MAX_E):
+        if e < per_lane:
+            if context_key:
+                kx[e] = bf16_to_f32(cache[page, offset, kvh, dbase + e])
+            else:
+                kx[e] = block[row, kvh, dbase + e]
+
+
 @kernel((f32_3d, f32_3d, f32_3d, i32_1d, i32_1d, i32_2d, u16_4d, u16_4d, f32_4d, int32, int32, int32, int32, int32,
          int32), fastmath=False)
 def _attention_split_kernel(q, k_block, v_block, positions, row_lane, page_tables, cache_k, cache_v, partials,
@@ -255,19 +260,9 @@ def _attention_split_kernel(q, k_block, v_block, positions, row_lane, page_table
             offset = j % span
             if paged != 0:
                 page = page_tables[lane_id, j // span]
-        for e in range(MAX_E):
-            if e < per_lane:
-                if context_key:
-                    kx[e] = bf16_to_f32(cache_k[page, offset, kvh, dbase + e])
-                else:
-                    kx[e] = k_block[row, kvh, dbase + e]
+        load_head_dims(kx, cache_k, k_block, context_key, page, offset, row, kvh, dbase, per_lane)
         online_scores(qv, kx, m, lsum, ag, pg, group_heads, per_lane)
-        for e in range(MAX_E):
-            if e < per_lane:
-                if context_key:
-                    kx[e] = bf16_to_f32(cache_v[page, offset, kvh, dbase + e])
-                else:
-                    kx[e] = v_block[row, kvh, dbase + e]
+        load_head_dims(kx, cache_v, v_block, context_key, page, offset, row, kvh, dbase, per_lane)
         online_values(acc, kx, ag, pg, group_heads)
     sm_m = cuda.shared.array((WARPS, MAX_G), float32)
     sm_l = cuda.shared.array((WARPS, MAX_G), float32)

@@ -16,33 +16,15 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu import ops
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_target, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32,
-                                         warp_sum)
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_target, bf16_to_f32, block_sum, blocks_for, f32_to_bf16,
+                                         sigmoid_f32)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 ROW_THREADS = 256  # threads of a one-block-per-row kernel (8 warps)
-ROW_WARPS = ROW_THREADS // 32
 TILE = 256  # threads of the 2-D elementwise kernels (grid: column tiles x rows)
 
 F32_2D = float32[:, ::1]
 F32_1D = float32[::1]
-
-
-@device_function
-def block_sum(value, buf):
-    """Sum of `value` over a ROW_THREADS block, the same in every thread, in a fixed order (buf: shared [ROW_WARPS])."""
-    value = warp_sum(value)
-    t = cuda.threadIdx.x
-    if (t & 31) == 0:
-        buf[t >> 5] = value
-    cuda.syncthreads()
-    total = float32(0.0)
-    for w in range(ROW_WARPS):
-        total += buf[w]
-    cuda.syncthreads()  # buf may be reused right after
-    return total
-
-
 
 
 # ---------------------------------------------------------------------------------------------------- embed_rows
@@ -106,21 +88,6 @@ def norm_threads(width: int) -> int:
 
 
 @device_function
-def block_sum_dyn(value, buf):
-    """block_sum for any block size that is a multiple of 32 (buf: shared [32]); fixed order."""
-    value = warp_sum(value)
-    t = cuda.threadIdx.x
-    if (t & 31) == 0:
-        buf[t >> 5] = value
-    cuda.syncthreads()
-    total = float32(0.0)
-    for w in range(cuda.blockDim.x >> 5):
-        total += buf[w]
-    cuda.syncthreads()
-    return total
-
-
-@device_function
 def load_row(x, weight, values, weights, r, offset):
     """values[j] = x[r, t + j * threads] and weights[j] the matching (offset +) weight, all loads issued together
     (the weights are not waited for after the reduction); returns this thread's sum of squares."""
@@ -163,7 +130,7 @@ def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, eps, offset):
     weights = cuda.local.array(NORM_ITEMS, float32)
     r = cuda.blockIdx.x
     acc = load_row(x, weight, values, weights, r, offset)
-    total = block_sum_dyn(acc, buf)  # its barrier also orders the reads of x before writes to an aliased out
+    total = block_sum(acc, buf)  # its barrier also orders the reads of x before writes to an aliased out
     scale_row(values, weights, out, out_bf16, write_bf16, r, total, x.shape[1], eps)
 
 
@@ -181,7 +148,7 @@ def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset)
         if i < width:
             residual[r, i] = residual[r, i] + delta[r, i]
     acc = load_row(residual, weight, values, weights, r, offset)
-    total = block_sum_dyn(acc, buf)
+    total = block_sum(acc, buf)
     scale_row(values, weights, out, unused_bf16, int32(0), r, total, width, eps)
 
 
@@ -318,4 +285,4 @@ def sigmoid_gate_add_reference(residual, delta, gate_logit):
 
 
 __all__ = ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "silu_mul_rows", "silu_mul_slots", "to_bf16_rows",
-           "sigmoid_gate_add", "block_sum", "sigmoid_f32", "FULL_MASK"]
+           "sigmoid_gate_add", "sigmoid_f32", "FULL_MASK"]

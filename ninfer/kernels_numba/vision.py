@@ -17,8 +17,8 @@ from numba.cuda import libdevice
 
 from ninfer.artifact.codec import f32_to_bf16_bits
 from ninfer.backends.cpu import ops
-from ninfer.kernels_numba.common import WARP, bf16_pair, blocks_for, f32_to_bf16, warp_max
-from ninfer.kernels_numba.elementwise import NORM_ITEMS, block_sum_dyn, norm_threads
+from ninfer.kernels_numba.common import WARP, bf16_pair, block_sum, blocks_for, f32_to_bf16, warp_max
+from ninfer.kernels_numba.elementwise import NORM_ITEMS, norm_threads
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 TILE = 256
@@ -58,13 +58,13 @@ def _layer_norm_bf16(x, weight, bias, out, pending_bias, add_pending, eps):
                 x[r, i] = v
         values[j] = v
         acc += v
-    mean = block_sum_dyn(acc, buf) / float32(width)
+    mean = block_sum(acc, buf) / float32(width)
     acc = float32(0.0)
     for j in range(NORM_ITEMS):
         if t + j * step < width:
             centred = values[j] - mean
             acc += centred * centred
-    inv = float32(1.0) / math.sqrt(block_sum_dyn(acc, buf) / float32(width) + eps)
+    inv = float32(1.0) / math.sqrt(block_sum(acc, buf) / float32(width) + eps)
     for j in range(NORM_ITEMS):
         i = t + j * step
         if i < width:
@@ -258,7 +258,7 @@ def _vision_softmax_held(scores, probs):
         e = math.exp(held[j] - best)
         held[j] = e
         total += e
-    total = block_sum_dyn(total, buf)
+    total = block_sum(total, buf)
     for j in range(SOFTMAX_PAIRS):
         p = t + j * step
         if p < pairs:
@@ -281,7 +281,7 @@ def _vision_softmax_streamed(scores, probs):
             best = top
         total += math.exp(low - best) + math.exp(high - best)
     row_best = block_max_dyn(best, buf)
-    total = block_sum_dyn(total * math.exp(best - row_best), buf)
+    total = block_sum(total * math.exp(best - row_best), buf)
     for p in range(cuda.threadIdx.x, pairs, cuda.blockDim.x):
         word = scores[r, p]
         probs[r, p] = bf16_pair(math.exp(f32_low(word) - row_best) / total,
