@@ -95,6 +95,30 @@ def load_kv(pool, scales, page, off, kvh, d, group, quant):
 # 1. prepare: norms + rope + KV append
 
 
+@device_function
+def head_normalized(rows, r, slot, heads, head_dim, q_norm, k_norm, red, eps):
+    """(thread t's value of head `slot` of row r over the head's rms, its norm weight): a q head for slot < heads,
+    else kv head slot - heads, whose columns follow the heads * head_dim q columns. A block of head_dim threads;
+    red: shared [32]."""
+    t = cuda.threadIdx.x
+    if slot < heads:
+        col = slot * head_dim
+        w = q_norm[t]
+    else:
+        col = heads * head_dim + (slot - heads) * head_dim
+        w = k_norm[t]
+    x = rows[r, col + t]
+    return x * (float32(1.0) / math.sqrt(block_sum(x * x, red) / float32(head_dim) + eps)), w
+
+
+@device_function
+def rotate_half(y, vals, t, pairs, c, sn):
+    """Split-half RoPE of element t (< 2 pairs) of a head whose values are in `vals`: t pairs with t +- pairs."""
+    if t < pairs:
+        return y * c - vals[t + pairs] * sn
+    return y * c + vals[t - pairs] * sn
+
+
 def _prepare_kernel(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, page_tables, k_pool, v_pool,
                     k_scale, v_scale, q_out, heads, kv_heads, head_dim, pairs, sec1, sec2, eps, quant):
     """grid (R, Hq + Hkv), block head_dim threads. Head slot < Hq: a q head; else kv head (k normed+roped, v raw)."""
@@ -107,15 +131,8 @@ def _prepare_kernel(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos
     vals = cuda.shared.array(256, float32)
     amax_sh = cuda.shared.array(16, float32)
     is_q = slot < heads
-    if is_q:
-        col = slot * head_dim
-        w = q_norm[t]
-    else:
-        col = heads * head_dim + (slot - heads) * head_dim
-        w = k_norm[t]
-    x = qkgv[r, col + t]
-    inv = float32(1.0) / math.sqrt(block_sum(x * x, red) / float32(head_dim) + eps)
-    y = (x * inv) * (float32(1.0) + w)
+    normalized, w = head_normalized(qkgv, r, slot, heads, head_dim, q_norm, k_norm, red, eps)
+    y = normalized * (float32(1.0) + w)
     vals[t] = y
     cuda.syncthreads()
     if t < 2 * pairs:
@@ -126,12 +143,7 @@ def _prepare_kernel(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos
         elif i % 3 == 2 and i < 3 * sec2:
             axis = 2
         angle = float32(positions[axis, r]) * inv_freq[i]
-        c = libdevice.cosf(angle)
-        sn = libdevice.sinf(angle)
-        if t < pairs:
-            y = y * c - vals[t + pairs] * sn
-        else:
-            y = y * c + vals[t - pairs] * sn
+        y = rotate_half(y, vals, t, pairs, libdevice.cosf(angle), libdevice.sinf(angle))
     if is_q:
         q_out[r, slot, t] = y
         return

@@ -31,10 +31,10 @@ from numba import float32, int32, uint16
 
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
-from ninfer.kernels_numba.attention import (DEFAULT_SPLITS, MAX_E, MAX_G, MAX_GE, NEG_INF, init_online_state,
-                                            merge_partials, online_scores, online_values, split_keys,
-                                            store_block_partials)
-from ninfer.kernels_numba.common import bf16_to_f32, block_sum, blocks_for, f32_to_bf16
+from ninfer.kernels_numba.attention import (DEFAULT_SPLITS, MAX_E, MAX_G, MAX_GE, NEG_INF, head_normalized,
+                                            init_online_state, merge_partials, online_scores, online_values,
+                                            rotate_half, split_keys, store_block_partials)
+from ninfer.kernels_numba.common import bf16_to_f32, blocks_for, f32_to_bf16
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 THREADS = 256
@@ -108,25 +108,13 @@ def _heads_kernel(qkv, q_norm, k_norm, inv_freq, positions, row_lane, ring_slot,
             return
     red = cuda.shared.array(32, float32)
     vals = cuda.shared.array(256, float32)
-    if is_q:
-        col = slot * head_dim
-        w = q_norm[t]
-    else:
-        col = heads * head_dim + (slot - heads) * head_dim
-        w = k_norm[t]
-    x = qkv[r, col + t]
-    inv = float32(1.0) / math.sqrt(block_sum(x * x, red) / float32(head_dim) + eps)
-    y = (x * inv) * w
+    normalized, w = head_normalized(qkv, r, slot, heads, head_dim, q_norm, k_norm, red, eps)
+    y = normalized * w
     vals[t] = y
     cuda.syncthreads()
     half = head_dim // 2
     angle = float32(position) * inv_freq[t % half]
-    c = math.cos(angle)
-    sn = math.sin(angle)
-    if t < half:
-        y = y * c - vals[t + half] * sn
-    else:
-        y = y * c + vals[t - half] * sn
+    y = rotate_half(y, vals, t, half, math.cos(angle), math.sin(angle))
     if is_q:
         q_out[r, slot, t] = y
         return
