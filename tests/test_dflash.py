@@ -28,14 +28,15 @@ from ninfer.engine.engine import Engine
 from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES
 from ninfer.engine.request import RequestOptions
 from ninfer.engine.runner import DecodeBatch, SequenceStart, StateSource
-from ninfer.engine.sampler import Sampler, SamplingOverrides, SamplingParams
+from ninfer.engine.sampler import Sampler, SamplingParams
 from ninfer.models.dflash import DFlashMismatchError
 from ninfer.models.qwen3_6 import Qwen36Model
 from ninfer.targets.registry import QWEN_35B_A3B_PRESETS
 from tests.support.tiny_dflash import reference_block, tiny_dflash_dims, tiny_dflash_qwen
 from tests.test_prefix_reuse import SCRIPT, run_chat
 from tests.test_runner_cpu import Lane, decode_round, generate, prompt, text_positions, tiny_qwen
-from tests.test_speculative import assert_speculative_counters_add_up, run, stop_inside_a_round_then_continue, work
+from tests.test_speculative import (assert_sampled_output_does_not_depend_on_the_batch,
+                                    assert_speculative_counters_add_up, run, stop_inside_a_round_then_continue, work)
 
 
 @pytest.fixture(scope="module")
@@ -226,12 +227,8 @@ def test_sampled_rounds_keep_the_target_distribution(model):
 
 
 def test_sampled_dflash_output_does_not_depend_on_the_batch(model):
-    sampled = RequestOptions(max_tokens=24, sampling=SamplingOverrides(temperature=0.8, seed=77))
-    items = [(p, sampled) for p, _ in work(4)]
-    batched = run(engine(model, k=3, greedy=False), items)
-    alone = [run(engine(model, k=3, concurrency=1, greedy=False), [item])[0] for item in items]
-    assert [r.tokens for r in batched] == [r.tokens for r in alone]
-    assert [r.usage.speculative for r in batched] == [r.usage.speculative for r in alone]
+    assert_sampled_output_does_not_depend_on_the_batch(
+        lambda concurrency: engine(model, k=3, concurrency=concurrency, greedy=False), 4)
 
 
 def test_lm_head_draft_proposes_shortlist_ids_only(model, monkeypatch):

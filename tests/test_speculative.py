@@ -172,10 +172,17 @@ def test_a_stop_inside_a_round_commits_exactly_and_the_next_turn_reuses_it(model
         assert eng.submit(follow, options).result(60).tokens == second.tokens
 
 
-def test_sampled_mtp_output_does_not_depend_on_the_batch(model):
+def assert_sampled_output_does_not_depend_on_the_batch(make_engine, prompts: int) -> None:
+    """Seeded sampled requests of the first `prompts` work prompts: the tokens and speculative counters of a batched
+    run equal those of each request alone. make_engine(concurrency) builds the speculative sampling engine."""
     sampled = RequestOptions(max_tokens=24, sampling=SamplingOverrides(temperature=0.8, seed=77))
-    items = [(prompt, sampled) for prompt, _ in work(5)]
-    batched = run(engine(model, draft_tokens=3, greedy=False), items)
-    alone = [run(engine(model, draft_tokens=3, concurrency=1, greedy=False), [item])[0] for item in items]
+    items = [(prompt, sampled) for prompt, _ in work(prompts)]
+    batched = run(make_engine(4), items)
+    alone = [run(make_engine(1), [item])[0] for item in items]
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
     assert [r.usage.speculative for r in batched] == [r.usage.speculative for r in alone]
+
+
+def test_sampled_mtp_output_does_not_depend_on_the_batch(model):
+    assert_sampled_output_does_not_depend_on_the_batch(
+        lambda concurrency: engine(model, draft_tokens=3, concurrency=concurrency, greedy=False), 5)
