@@ -10,6 +10,8 @@
 #   bash tools/device_check.sh quant [BENCH ARGS]   bench/quant_gemv.py (SIMT vs tensor-core quantized GEMV)
 #   bash tools/device_check.sh dflash [BENCH ARGS]  bench/dflash_round.py (the DFlash round at the real 35B shape)
 #   bash tools/device_check.sh moe [--sweep]        bench/moe_gathered.py (SIMT vs tensor-core gathered MoE experts)
+#   bash tools/device_check.sh ncu MODEL RECIPE REGEX [COUNT]  Nsight Compute on the decode kernels whose names match
+#                                                   REGEX (bench/ncu_decode.py: one eager step, 4 layers + head)
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -43,5 +45,16 @@ case "$what" in
     python3 bench/dflash_round.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/dflash_round.log" | tail -20 ;;
   moe)
     python3 bench/moe_gathered.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/moe_gathered.log" | tail -20 ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe [args]" >&2; exit 2 ;;
+  ncu)
+    # Counters with the clocks left alone (METHOD.md); the sections that say what bounds a kernel: throughput against
+    # the peaks, memory traffic per level, occupancy and its limiter, registers, and where warps stall.
+    model="${1:-27b}"; recipe="${2:-ninfer-v2}"; regex="${3:-.}"; count="${4:-60}"
+    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+    log="$OUT/ncu_${model}_${recipe}.txt"
+    "$NCU" --clock-control none -k "regex:$regex" --launch-count "$count" --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis \
+      python3 bench/ncu_decode.py --model "$model" --recipe "$recipe" --steps 1 > "$log" 2>&1
+    grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit Reg|Warp Cycles Per Issued|Local" "$log" | head -400 ;;
+  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu [args]" >&2; exit 2 ;;
 esac

@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int8, int32, uint16, uint32, uint64
+from numba import float32, int8, int32, int64, uint16, uint32, uint64
 from numba.cuda import libdevice
 
 from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_to_f32, block_sum, f32_to_bf16, sigmoid_f32, warp_max,
-                                         warp_sum)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, f32_to_bf16,
+                                         load_words2_at, load_words4_at, sigmoid_f32, warp_max, warp_sum)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 F32 = np.float32
@@ -272,12 +272,19 @@ def attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, row_l
 # scratch. A row's split boundaries depend on its own length only: batch invariant. (Splits of a fixed 4 pages left
 # 16 blocks busy at 1K context: 175 us per 27B layer on the H200.)
 DEFAULT_SPLITS = 32
+MAX_SPLITS = 32  # one per lane when the combine merges them (`merge_partials`)
 SPLIT_ALIGN = 4  # = FAST_KEYS, the keys of one warp step
 
 
 def decode_partials_shape(rows, heads, head_dim, splits=DEFAULT_SPLITS):
     """Scratch for attention_decode: per (row, q head, split) the running max, the sum and D accumulators."""
+    check_splits(splits)
     return (rows, heads, splits, head_dim + 2)
+
+
+def check_splits(splits: int) -> None:
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"attention partials hold 1..{MAX_SPLITS} splits per row, got {splits}")
 
 
 @device_function
@@ -369,21 +376,40 @@ def store_block_partials(m, lsum, acc, sm_m, sm_l, sm_acc, partials, r, kvh, spl
             partials[r, h, split, 1] = total_l
 
 
+MERGE_LOADS = 8  # accumulator loads a thread issues together while merging splits
+
+
 @device_function
 def merge_partials(partials, r, h, d, splits):
-    """(accumulator d, softmax sum) of row r, q head h over its first `splits` partials, in split order (empty
-    splits, max -inf, skipped)."""
-    mx = float32(NEG_INF)
-    for s in range(splits):
-        mx = max(mx, partials[r, h, s, 0])
+    """(accumulator d, softmax sum) of row r, q head h over its first `splits` (<= 32) partials, in split order
+    (empty splits, max -inf, skipped). Called by whole warps: lane s loads split s's max and sum, the warp's max is
+    the row's, and each thread then walks the splits in order with `MERGE_LOADS` accumulator loads in flight (a
+    chain of one load per split took 9 us at 32 splits)."""
+    lane = cuda.threadIdx.x & 31
+    last = partials.shape[2] - 1
+    m_lane = float32(NEG_INF)
+    l_lane = float32(0.0)
+    if lane < splits:
+        m_lane = partials[r, h, lane, 0]
+        l_lane = partials[r, h, lane, 1]
+    mx = warp_max(m_lane)
+    f_lane = float32(0.0)
+    if m_lane != float32(NEG_INF):
+        f_lane = math.exp(m_lane - mx)
+    values = cuda.local.array(MERGE_LOADS, float32)
     total_l = float32(0.0)
     total_a = float32(0.0)
-    for s in range(splits):
-        ms = partials[r, h, s, 0]
-        if ms != float32(NEG_INF):
-            f = math.exp(ms - mx)
-            total_l += partials[r, h, s, 1] * f
-            total_a += partials[r, h, s, 2 + d] * f
+    for s0 in range(0, 32, MERGE_LOADS):
+        for i in range(MERGE_LOADS):  # in bounds whatever `splits`: unused loads are never summed
+            values[i] = partials[r, h, min(s0 + i, last), 2 + d]
+        for i in range(MERGE_LOADS):
+            s = s0 + i
+            f = cuda.shfl_sync(FULL_MASK, f_lane, s)
+            l_s = cuda.shfl_sync(FULL_MASK, l_lane, s)
+            empty = cuda.shfl_sync(FULL_MASK, m_lane, s) == float32(NEG_INF)
+            if s < splits and not empty:
+                total_l += l_s * f
+                total_a += values[i] * f
     return total_a, total_l
 
 
@@ -452,17 +478,16 @@ FAST_BLOCK_WARPS = 12
 
 @device_function
 def _int8_lane(word, i):
-    """Signed byte i of a uint64 word as float32."""
-    return float32(int32(uint32(word >> uint64(8 * i)) << uint32(24)) >> int32(24))
+    """Signed byte i (0..3) of a uint32 word as float32."""
+    return float32(int32(word << uint32(24 - 8 * i)) >> int32(24))
 
 
 @device_function
 def _bf16_lane(word, i):
-    """bf16 element i (0..3) of a uint64 word as float32."""
-    half = uint32(word >> uint64(32 * (i // 2)))
-    if i % 2 == 0:
-        return libdevice.int_as_float(int32(half << uint32(16)))
-    return libdevice.int_as_float(int32(half & uint32(0xFFFF0000)))
+    """bf16 element i (0..1) of a uint32 word as float32."""
+    if i == 0:
+        return bf16_to_f32(word)
+    return bf16_hi_to_f32(word)
 
 
 def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
@@ -481,7 +506,7 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     key_warps = cuda.blockDim.x // (32 * group_heads)
     g = warp % group_heads
     kw_i = warp // group_heads
-    page_tokens = k_words.shape[1]
+    page_tokens = int32(k_words.shape[1])
     length = row_pos[r] + 1
     chunk = split_keys(length, partials.shape[2])
     start = split * chunk
@@ -494,8 +519,8 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     acc = cuda.local.array(8, float32)
     vals = cuda.local.array(4, float32)
     kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
-    kw = cuda.local.array(8, uint64)
-    vw = cuda.local.array(8, uint64)
+    kw = cuda.local.array(16, uint32)  # 4 keys x this lane's 16 (bf16) or 8 (int8) bytes
+    vw = cuda.local.array(16, uint32)
     ksc = cuda.local.array(4, float32)
     vsc = cuda.local.array(4, float32)
     for e in range(8):
@@ -504,27 +529,35 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     m_l = float32(NEG_INF)
     l_l = float32(0.0)
     lane_id = row_lane[r]
+    # Raw addresses (`address_of`): a token's K row of this kv head and lane is `token_bytes` times its pool row past
+    # the first; the page lookup and the division run once per step (a step's keys share a page), in 32 bits.
+    token_bytes = int64(k_words.shape[2] * k_words.shape[3] * 8)
+    lane_bytes = int64(kvh * k_words.shape[3] * 8 + lane * (8 if quant else 16))
+    k_lane = address_of(k_words) + lane_bytes
+    v_lane = address_of(v_words) + lane_bytes
     for key0 in range(start + kw_i * FAST_KEYS, stop, key_warps * FAST_KEYS):
+        key32 = int32(key0)
+        slot = key32 // page_tokens
+        page = page_tables[lane_id, slot]
+        off0 = key32 - slot * page_tokens
+        last = int32(stop - 1) - key32  # keys past the row's end repeat its last key (same page: 4 | page_tokens)
         for j in range(FAST_KEYS):
-            key = min(key0 + j, stop - 1)
-            page = page_tables[lane_id, key // page_tokens]
-            off = key % page_tokens
+            off = off0 + min(int32(j), last)
+            at = (int64(page) * page_tokens + off) * token_bytes
             if quant:
-                kw[j] = k_words[page, off, kvh, lane]
-                vw[j] = v_words[page, off, kvh, lane]
+                kw[4 * j], kw[4 * j + 1] = load_words2_at(k_lane + at)
+                vw[4 * j], vw[4 * j + 1] = load_words2_at(v_lane + at)
                 ksc[j] = f16_bits_to_f32(k_scale[page, off, kvh, lane // 8])
                 vsc[j] = f16_bits_to_f32(v_scale[page, off, kvh, lane // 8])
             else:
-                kw[2 * j] = k_words[page, off, kvh, 2 * lane]
-                kw[2 * j + 1] = k_words[page, off, kvh, 2 * lane + 1]
-                vw[2 * j] = v_words[page, off, kvh, 2 * lane]
-                vw[2 * j + 1] = v_words[page, off, kvh, 2 * lane + 1]
+                kw[4 * j], kw[4 * j + 1], kw[4 * j + 2], kw[4 * j + 3] = load_words4_at(k_lane + at)
+                vw[4 * j], vw[4 * j + 1], vw[4 * j + 2], vw[4 * j + 3] = load_words4_at(v_lane + at)
         for j in range(FAST_KEYS):
             for e in range(8):
                 if quant:
-                    kx[j * 8 + e] = _int8_lane(kw[j], e) * ksc[j]
+                    kx[j * 8 + e] = _int8_lane(kw[4 * j + e // 4], e % 4) * ksc[j]
                 else:
-                    kx[j * 8 + e] = _bf16_lane(kw[2 * j + e // 4], e % 4)
+                    kx[j * 8 + e] = _bf16_lane(kw[4 * j + e // 2], e % 2)
         for j in range(FAST_KEYS):
             dot = float32(0.0)
             for e in range(8):
@@ -559,9 +592,9 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
         for j in range(FAST_KEYS):
             for e in range(8):
                 if quant:
-                    kx[j * 8 + e] = _int8_lane(vw[j], e) * vsc[j]
+                    kx[j * 8 + e] = _int8_lane(vw[4 * j + e // 4], e % 4) * vsc[j]
                 else:
-                    kx[j * 8 + e] = _bf16_lane(vw[2 * j + e // 4], e % 4)
+                    kx[j * 8 + e] = _bf16_lane(vw[4 * j + e // 2], e % 2)
         for e in range(8):
             acc[e] = acc[e] * alpha + p0 * kx[e] + p1 * kx[8 + e] + p2 * kx[16 + e] + p3 * kx[24 + e]
     sm_m = cuda.shared.array(FAST_MAX_WARPS, float32)
@@ -629,6 +662,7 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
         return
     quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
     splits = partials.shape[2]
+    check_splits(splits)
     if head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
         group = heads // kv_heads
         decode_fast_kernel[(splits, kv_heads, rows), 32 * group * max(1, FAST_BLOCK_WARPS // group), stream](

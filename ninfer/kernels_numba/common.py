@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from numba import float32, int32, uint32
+from llvmlite import ir
+from numba import float32, int32, int64, types, uint32
 from numba.cuda import libdevice
+from numba.cuda.extending import intrinsic
 
 from ninfer.kernels_numba.numba_setup import cuda, device_function
 
@@ -86,8 +87,57 @@ def sigmoid_f32(x):
     return e / (float32(1.0) + e)
 
 
+# ---- raw global addresses ----------------------------------------------------------------------------------------
+# Array indexing makes numba compute each address from the index (sign extension, multiply, add: all 64-bit), and
+# the clamped indices of a streaming loop keep LLVM from turning that into pointer increments. A kernel that streams
+# a matrix takes the array's address once and adds byte offsets itself: one 64-bit add per stream per step, and
+# constant offsets fold into the load instruction.
+
+@intrinsic
+def address_of(typingctx, array):
+    """The device address of an array's first element, as int64."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, ir.IntType(64))
+
+    return int64(array), codegen
+
+
+def _make_global_load(count: int):
+    @intrinsic
+    def load_words(typingctx, address):
+        """`count` uint32 words at a global byte address aligned to 4 * count bytes, as one load."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            value_type = i32 if count == 1 else ir.VectorType(i32, count)
+            pointer = builder.inttoptr(args[0], value_type.as_pointer(1))  # addrspace 1: ld.global
+            value = builder.load(pointer, align=4 * count)
+            if count == 1:
+                return value
+            values = [builder.extract_element(value, ir.Constant(i32, i)) for i in range(count)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        result = uint32 if count == 1 else types.UniTuple(uint32, count)
+        return result(int64), codegen
+
+    return load_words
+
+
+load_word_at = _make_global_load(1)
+load_words2_at = _make_global_load(2)
+load_words4_at = _make_global_load(4)
+
+
 def blocks_for(items: int, per_block: int) -> int:
     return max(1, math.ceil(items / per_block))
+
+
+def fragment_target(out, fragments) -> tuple:
+    """(array, flag) for a kernel's optional tensor-core x fragments (uint32 words, written as bf16 halves): without
+    them, `out` viewed as flat uint16 stands in (never written)."""
+    if fragments is None:
+        return out.reshape(-1).view(np.uint16), np.int32(0)
+    return fragments.view(np.uint16), np.int32(1)
 
 
 def bf16_target(out, out_bf16) -> tuple:

@@ -31,9 +31,9 @@ from numba import float32, int32, uint16
 
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
-from ninfer.kernels_numba.attention import (DEFAULT_SPLITS, MAX_E, MAX_G, MAX_GE, NEG_INF, head_normalized,
-                                            init_online_state, merge_partials, online_scores, online_values,
-                                            rotate_half, split_keys, store_block_partials)
+from ninfer.kernels_numba.attention import (DEFAULT_SPLITS, MAX_E, MAX_G, MAX_GE, NEG_INF, check_splits,
+                                            head_normalized, init_online_state, merge_partials, online_scores,
+                                            online_values, rotate_half, split_keys, store_block_partials)
 from ninfer.kernels_numba.common import bf16_to_f32, blocks_for, f32_to_bf16
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -59,6 +59,7 @@ def check_geometry(heads: int, kv_heads: int, head_dim: int) -> None:
 
 def attention_partials_shape(rows: int, heads: int, head_dim: int, splits: int = DEFAULT_SPLITS) -> tuple:
     """Scratch of `dflash_attention`: per (block row, q head, split) the running max, the sum and D accumulators."""
+    check_splits(splits)
     return (rows, heads, splits, head_dim + 2)
 
 
@@ -283,6 +284,7 @@ def dflash_attention(q, k_block, v_block, positions, row_lane, page_tables, cach
     if rows % block_width:
         raise ValueError(f"{rows} block rows are not whole blocks of {block_width}")
     splits = partials.shape[2]
+    check_splits(splits)
     _attention_split_kernel[(splits, kv_heads, rows), WARPS * 32, stream](
         q, k_block, v_block, positions, row_lane, page_tables, cache_k, cache_v, partials, np.int32(block_width),
         np.int32(window), np.int32(bool(paged)), np.int32(heads), np.int32(kv_heads), np.int32(head_dim))

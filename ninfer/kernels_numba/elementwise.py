@@ -17,7 +17,8 @@ from numba import float32, int32, uint16, uint32, uint64
 from ninfer.backends.cpu import ops
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, bf16_target, bf16_to_f32, block_sum, blocks_for, f32_to_bf16,
-                                         sigmoid_f32)
+                                         fragment_target, sigmoid_f32)
+from ninfer.kernels_numba.quant_mma import FRAGMENT_HALVES_PER_COLUMN, check_fragment_output, fragment_half
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 ROW_THREADS = 256  # threads of a one-block-per-row kernel (8 warps)
@@ -109,8 +110,9 @@ def load_row(x, weight, values, weights, r, offset):
 
 
 @device_function
-def scale_row(values, weights, out, out_bf16, write_bf16, r, total, width, eps):
-    """out[r, t + j * threads] = values[j] * rsqrt(total / width + eps) * weights[j] (and the bf16 copy)."""
+def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragments, r, total, width, eps):
+    """out[r, t + j * threads] = values[j] * rsqrt(total / width + eps) * weights[j] (and the bf16 copy, and the
+    bf16 x fragments of row r)."""
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
@@ -121,17 +123,19 @@ def scale_row(values, weights, out, out_bf16, write_bf16, r, total, width, eps):
             out[r, i] = value
             if write_bf16 != 0:
                 out_bf16[r, i] = uint16(f32_to_bf16(value))
+            if write_fragments != 0:
+                fragments[fragment_half(int32(r), int32(i))] = uint16(f32_to_bf16(value))
 
 
-@kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, float32, int32), fastmath=False)
-def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, eps, offset):
+@kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
+def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, eps, offset):
     buf = cuda.shared.array(32, float32)
     values = cuda.local.array(NORM_ITEMS, float32)
     weights = cuda.local.array(NORM_ITEMS, float32)
     r = cuda.blockIdx.x
     acc = load_row(x, weight, values, weights, r, offset)
     total = block_sum(acc, buf)  # its barrier also orders the reads of x before writes to an aliased out
-    scale_row(values, weights, out, out_bf16, write_bf16, r, total, x.shape[1], eps)
+    scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragments, r, total, x.shape[1], eps)
 
 
 @kernel((F32_2D, F32_2D, F32_1D, F32_2D, uint16[:, ::1], float32, int32), fastmath=False)
@@ -149,17 +153,22 @@ def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset)
             residual[r, i] = residual[r, i] + delta[r, i]
     acc = load_row(residual, weight, values, weights, r, offset)
     total = block_sum(acc, buf)
-    scale_row(values, weights, out, unused_bf16, int32(0), r, total, width, eps)
+    scale_row(values, weights, out, unused_bf16, int32(0), unused_bf16[0], int32(0), r, total, width, eps)
 
 
-def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None):
+def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):
     """out = ops.rms_norm(x, weight, eps, offset=offset). x, out fp32 [R, H] (may alias); weight fp32 [H].
     With `out_bf16` (uint16 [R, H]) the same values rounded to bf16 bits are written there too: the input of the
-    cuBLAS linear layers that follow, without a separate conversion launch."""
+    cuBLAS linear layers that follow, without a separate conversion launch. With `out_fragments` (uint32, R <= 8)
+    they are written as the tensor-core x fragments (`quant_mma.x_fragments` of out; rows R..7 left as they were:
+    the mma keeps each x row's column apart, so no output reads them)."""
     rows = x.shape[0]
+    if out_fragments is not None:
+        check_fragment_output(rows, x.shape[1], out_fragments)
     if rows:
-        _rms_norm_kernel[rows, norm_threads(x.shape[1]), stream](x, weight, out, *bf16_target(out, out_bf16),
-                                                                 np.float32(eps), np.int32(bool(offset)))
+        _rms_norm_kernel[rows, norm_threads(x.shape[1]), stream](
+            x, weight, out, *bf16_target(out, out_bf16), *fragment_target(out, out_fragments), np.float32(eps),
+            np.int32(bool(offset)))
 
 
 def rms_norm_rows_reference(x, weight, *, eps, offset):
@@ -183,8 +192,9 @@ def add_rms_norm_rows_reference(residual, delta, weight, *, eps, offset):
 # ---------------------------------------------------------------------------------------------------- silu_mul
 
 
-@kernel((F32_2D, F32_2D, uint16[:, ::1], int32), fastmath=False)
-def _silu_mul_kernel(gate_up, out, out_bf16, write_bf16):
+@kernel((F32_2D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, int32), fastmath=False)
+def _silu_mul_kernel(gate_up, out, out_bf16, write_bf16, fragments, write_fragments, slots):
+    """Row r of [R * slots, I] is slot r % slots of x row r // slots: its fragments are set r % slots."""
     c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     r = cuda.blockIdx.x
     inter = out.shape[1]
@@ -194,26 +204,38 @@ def _silu_mul_kernel(gate_up, out, out_bf16, write_bf16):
         out[r, c] = value
         if write_bf16 != 0:
             out_bf16[r, c] = uint16(f32_to_bf16(value))
+        if write_fragments != 0:
+            set_halves = int32(inter) * int32(FRAGMENT_HALVES_PER_COLUMN)
+            at = (int32(r) % slots) * set_halves + fragment_half(int32(r) // slots, int32(c))
+            fragments[at] = uint16(f32_to_bf16(value))
 
 
-def silu_mul_rows(gate_up, out, *, stream, out_bf16=None):
+def silu_mul_rows(gate_up, out, *, stream, out_bf16=None, out_fragments=None):
     """out = silu(gate) * up: gate_up fp32 [R, 2I] = [gate | up] -> out fp32 [R, I]; also [R, S, 2I] -> [R, S, I].
-    With `out_bf16` (uint16 [R, I]) also the bf16 bits of out (see `rms_norm_rows`)."""
+    With `out_bf16` (uint16 [R, I]) also the bf16 bits of out, with `out_fragments` its tensor-core x fragments
+    (see `rms_norm_rows`)."""
     if gate_up.ndim == 3:
-        silu_mul_slots(gate_up, out, stream=stream)
+        silu_mul_slots(gate_up, out, stream=stream, out_fragments=out_fragments)
         return
     rows, inter = out.shape
+    if out_fragments is not None:
+        check_fragment_output(rows, inter, out_fragments)
     if rows and inter:
-        _silu_mul_kernel[(rows, blocks_for(inter, TILE)), TILE, stream](gate_up, out, *bf16_target(out, out_bf16))
+        _silu_mul_kernel[(rows, blocks_for(inter, TILE)), TILE, stream](
+            gate_up, out, *bf16_target(out, out_bf16), *fragment_target(out, out_fragments), np.int32(1))
 
 
-def silu_mul_slots(gate_up, out, *, stream):
-    """[R, S, 2I] -> [R, S, I] (each slot's gate | up halves)."""
+def silu_mul_slots(gate_up, out, *, stream, out_fragments=None):
+    """[R, S, 2I] -> [R, S, I] (each slot's gate | up halves). With `out_fragments` also the x fragments of each
+    slot, set s those of out[:, s] (`quant_mma.x_slot_fragments` of out)."""
     rows, slots, inter = out.shape
+    if out_fragments is not None:
+        check_fragment_output(rows, inter, out_fragments, slots)
     if rows * slots and inter:
         g2 = gate_up.reshape(rows * slots, 2 * inter)
         o2 = out.reshape(rows * slots, inter)
-        _silu_mul_kernel[(rows * slots, blocks_for(inter, TILE)), TILE, stream](g2, o2, *bf16_target(o2, None))
+        _silu_mul_kernel[(rows * slots, blocks_for(inter, TILE)), TILE, stream](
+            g2, o2, *bf16_target(o2, None), *fragment_target(o2, out_fragments), np.int32(slots))
 
 
 def silu_mul_rows_reference(gate_up: np.ndarray) -> np.ndarray:

@@ -23,8 +23,9 @@ from numba import float32, int32, uint16, uint64  # noqa: F401 (uint64: template
 from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rule
 from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softplus
 from ninfer.kernels_numba.common import (FULL_MASK, WARP, bf16_target, blocks_for, f32_to_bf16,  # noqa: F401
-                                         sigmoid_f32, warp_sum)  # (FULL_MASK: templates)
+                                         fragment_target, sigmoid_f32, warp_sum)  # (FULL_MASK: templates)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.quant_mma import check_fragment_output, fragment_half
 
 F32 = np.float32
 
@@ -480,12 +481,13 @@ def gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns
 
 OUT_WARPS = 4
 
-_OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], uint16[:, ::1], int32, int32, int32,
-            int32, float32)
+_OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], uint16[:, ::1], int32, uint16[::1],
+            int32, int32, int32, int32, float32)
 
 
 @kernel(_OUT_SIG)
-def _gdn_output_kernel(o, z_source, weight, result, result_bf16, write_bf16, v_heads, v_dim, z_offset, eps):
+def _gdn_output_kernel(o, z_source, weight, result, result_bf16, write_bf16, fragments, write_fragments, v_heads,
+                       v_dim, z_offset, eps):
     item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
     rows = o.shape[0]
@@ -512,17 +514,24 @@ def _gdn_output_kernel(o, z_source, weight, result, result_bf16, write_bf16, v_h
             result[row, h * v_dim + j] = value
             if write_bf16 != 0:
                 result_bf16[row, h * v_dim + j] = uint16(f32_to_bf16(value))
+            if write_fragments != 0:
+                fragments[fragment_half(int32(row), int32(h * v_dim + j))] = uint16(f32_to_bf16(value))
 
 
-def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps, stream, result_bf16=None):
+def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps, stream, result_bf16=None,
+               result_fragments=None):
     """result[r, h*Dv + j] = rms_norm(out[r, h], norm_weight, eps, offset=False)[j] * silu(z_source[r, z_offset +
-    h*Dv + j]). With `result_bf16` (uint16 [R, Hv*Dv]) also its bf16 bits (see `elementwise.rms_norm_rows`)."""
+    h*Dv + j]). With `result_bf16` (uint16 [R, Hv*Dv]) also its bf16 bits, with `result_fragments` its tensor-core x
+    fragments (see `elementwise.rms_norm_rows`)."""
     if v_dim > MAX_HEAD_DIM:
         raise ValueError(f"gdn_output supports v_dim <= {MAX_HEAD_DIM}, got {v_dim}")
     rows = out.shape[0]
+    if result_fragments is not None:
+        check_fragment_output(rows, result.shape[1], result_fragments)
     grid = blocks_for(rows * v_heads, OUT_WARPS)
     _gdn_output_kernel[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight, result,
-                                                      *bf16_target(result, result_bf16), np.int32(v_heads),
+                                                      *bf16_target(result, result_bf16),
+                                                      *fragment_target(result, result_fragments), np.int32(v_heads),
                                                       np.int32(v_dim), np.int32(z_offset), np.float32(eps))
 
 

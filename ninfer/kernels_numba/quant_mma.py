@@ -40,12 +40,13 @@ import math
 import attrs
 import numpy as np
 from llvmlite import ir
-from numba import float32, int32, types, uint32
+from numba import float32, int32, int64, types, uint32
 from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_pair, bf16_to_f32
+from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
+                                         load_words2_at, load_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -254,6 +255,7 @@ def half_pair_to_f32(typingctx, word):
 
 
 FRAGMENT_WORDS = 8 * 32  # x fragment words per 64-column block: 32 lanes x (4 k-steps x 2 registers)
+FRAGMENT_HALVES_PER_COLUMN = 2 * FRAGMENT_WORDS // BLOCK  # a set's bf16 halves per x column (rows 0..7)
 
 
 def x_fragment_words(K: int) -> int:
@@ -269,6 +271,25 @@ def fragment_source(i):
     j = (i >> 1) & 3
     b = i & 1
     return lane >> 2, q * BLOCK + 16 * j + 2 * (lane & 3) + 8 * b
+
+
+@device_function
+def fragment_half(g, c):
+    """Where x[g, c] goes in a fragment set, as the index of a bf16 half (uint16) of the words: the inverse of
+    `fragment_source` (word i holds x[g, c] and x[g, c + 1] for even c, low half first). Lets a kernel that produces
+    x write the fragments itself (`fragment_target`), saving the `x_fragments` launch."""
+    q = c >> 6
+    j = (c >> 4) & 3
+    b = (c >> 3) & 1
+    t = (c >> 1) & 3
+    return ((((q * 32 + g * 4 + t) << 3) + 2 * j + b) << 1) + (c & 1)
+
+
+def check_fragment_output(rows: int, width: int, fragments, sets: int = 1) -> None:
+    """The ValueError of a producer asked to write x fragments for [rows, width] (`sets` sets, one per slot)."""
+    if rows > MAX_X_ROWS or width % BLOCK or fragments.shape[0] < sets * x_fragment_words(width):
+        raise ValueError(f"x fragments of {rows} rows x {width} ({sets} set(s); at most {MAX_X_ROWS} rows, width % "
+                         f"{BLOCK} == 0) into {fragments.shape[0]} words")
 
 
 @kernel((float32[:, ::1], uint32[::1]), fastmath=False)
@@ -329,7 +350,12 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int):
     warps' acc are their own partial sums). Tiles past `last_tile` reload it, so every load stays inside the matrix
     (or inside one expert's rows); the caller drops their sums. Warp w takes the K blocks w, w + warps, ..., `unroll`
     blocks per step whose loads are all issued before the step's first mma; the warps' sums meet in `partials`
-    (shared, warps * 4 * tiles * 32 floats) and are added in warp order."""
+    (shared, warps * 4 * tiles * 32 floats) and are added in warp order.
+
+    Loads go through raw addresses (`address_of`): a block q of the weight planes, of the scales and of the x
+    fragments sits q times a fixed stride past the warp's first, so a step costs one add per stream and the unrolled
+    blocks are constant offsets. Steps whose `unroll` blocks all exist run unclamped; the last, partial step of a
+    warp clamps its missing blocks onto the last one (loaded, never summed), in the same order as before."""
     ACC = 4 * tiles
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -339,97 +365,133 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int):
     XS = 8 * unroll
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)  # W8: the high nibble's offset
     MINUS_LOW = _minus_pair(0)
+    # bytes per K block of each stream, for one lane's slot of a (tile, block)
+    BASE_BLOCK = 32 * 4 * 4  # 32 lanes x 4 words
+    HIGH_BLOCK = 32 * HW * 4
+    SCALE_BLOCK = SW * 8 * 4
+    X_BLOCK = FRAGMENT_WORDS * 4
+
+    @device_function
+    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, clamp):
+        """Every load of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
+        `clamp`)."""
+        for u in range(unroll):
+            q = q0 + u * warps
+            if clamp:
+                q = min(q, blocks - 1)
+            q64 = int64(q)
+            for r in range(tiles):
+                w0 = 4 * (r * unroll + u)
+                words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load_words4_at(
+                    tile_base[r] + q64 * BASE_BLOCK)
+                if bits != 4:
+                    h0 = HW * (r * unroll + u)
+                    at = tile_high[r] + q64 * HIGH_BLOCK
+                    if bits == 5:
+                        highs[h0] = load_word_at(at)
+                    elif bits == 6:
+                        highs[h0], highs[h0 + 1] = load_words2_at(at)
+                    else:
+                        highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load_words4_at(at)
+                for k in range(SW):
+                    scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
+            at = x_lane + q64 * X_BLOCK
+            xs[8 * u], xs[8 * u + 1], xs[8 * u + 2], xs[8 * u + 3] = load_words4_at(at)
+            xs[8 * u + 4], xs[8 * u + 5], xs[8 * u + 6], xs[8 * u + 7] = load_words4_at(at + 16)
+
+    @device_function
+    def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
+        """Add the step's blocks (those that exist) to acc: per tile and block, the mma chain of its k-steps times
+        the block's scales."""
+        minus = uint32(MINUS)
+        minus_low = uint32(MINUS_LOW)
+        for u in range(unroll):
+            if q0 + u * warps < blocks:
+                for r in range(tiles):
+                    w0 = 4 * (r * unroll + u)
+                    h0 = HW * (r * unroll + u)
+                    if bits == 8:
+                        for k in range(2):  # two 32-column scale groups, two k-steps each
+                            c0 = float32(0.0)
+                            c1 = float32(0.0)
+                            c2 = float32(0.0)
+                            c3 = float32(0.0)
+                            d0 = float32(0.0)
+                            d1 = float32(0.0)
+                            d2 = float32(0.0)
+                            d3 = float32(0.0)
+                            for jj in range(2):
+                                j = 2 * k + jj
+                                hw = highs[h0 + j]
+                                lw = words[w0 + j]
+                                b0 = xs[8 * u + 2 * j]
+                                b1 = xs[8 * u + 2 * j + 1]
+                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
+                                    nibble_pair(hw, 0, minus), nibble_pair(hw, 1, minus),
+                                    nibble_pair(hw, 2, minus), nibble_pair(hw, 3, minus), b0, b1, c0, c1, c2, c3)
+                                d0, d1, d2, d3 = mma_bf16_m16n8k16(
+                                    nibble_pair(lw, 0, minus_low), nibble_pair(lw, 1, minus_low),
+                                    nibble_pair(lw, 2, minus_low), nibble_pair(lw, 3, minus_low), b0, b1,
+                                    d0, d1, d2, d3)
+                            s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u) + k])
+                            acc[4 * r] += s_lo * (float32(16.0) * c0 + d0)
+                            acc[4 * r + 1] += s_lo * (float32(16.0) * c1 + d1)
+                            acc[4 * r + 2] += s_hi * (float32(16.0) * c2 + d2)
+                            acc[4 * r + 3] += s_hi * (float32(16.0) * c3 + d3)
+                    else:
+                        c0 = float32(0.0)
+                        c1 = float32(0.0)
+                        c2 = float32(0.0)
+                        c3 = float32(0.0)
+                        hw0 = uint32(0)
+                        hw1 = uint32(0)
+                        if bits == 5:
+                            hw0 = highs[h0]
+                        elif bits == 6:
+                            hw0 = highs[h0]
+                            hw1 = highs[h0 + 1]
+                        for j in range(4):
+                            w = words[w0 + j]
+                            c0, c1, c2, c3 = mma_bf16_m16n8k16(
+                                code_pair(w, hw0, hw1, j, 0, bits, minus), code_pair(w, hw0, hw1, j, 1, bits, minus),
+                                code_pair(w, hw0, hw1, j, 2, bits, minus), code_pair(w, hw0, hw1, j, 3, bits, minus),
+                                xs[8 * u + 2 * j], xs[8 * u + 2 * j + 1], c0, c1, c2, c3)
+                        s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u)])
+                        acc[4 * r] += s_lo * c0
+                        acc[4 * r + 1] += s_lo * c1
+                        acc[4 * r + 2] += s_hi * c2
+                        acc[4 * r + 3] += s_hi * c3
 
     @device_function
     def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
-        minus = uint32(MINUS)
-        minus_low = uint32(MINUS_LOW)
         words = cuda.local.array(WORDS, uint32)
         highs = cuda.local.array(HIGHS, uint32)
         scale_pairs = cuda.local.array(SCALES, uint32)
         xs = cuda.local.array(XS, uint32)
+        tile_base = cuda.local.array(tiles, int64)  # block 0 of tile r, this lane's slot
+        tile_high = cuda.local.array(tiles, int64)
+        tile_scale = cuda.local.array(tiles, int64)
+        for r in range(tiles):
+            at = int64(min(first_tile + r, last_tile)) * int64(blocks)  # (tile, block 0)
+            tile_base[r] = address_of(base) + at * BASE_BLOCK + lane * 16
+            tile_high[r] = address_of(high) + at * HIGH_BLOCK + lane * (HW * 4)
+            tile_scale[r] = address_of(scales) + at * SCALE_BLOCK + g * 4
+        x_lane = address_of(xf) + int64(x_base) * 4 + lane * 32
         for a in range(ACC):
             acc[a] = float32(0.0)
-        for q0 in range(warp, blocks, warps * unroll):
-            for u in range(unroll):  # every load of the step first
-                q = min(q0 + u * warps, blocks - 1)
-                for r in range(tiles):
-                    at = min(first_tile + r, last_tile) * blocks + q
-                    w0 = 4 * (r * unroll + u)
-                    words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load4(base, (at * 32 + lane) * 4)
-                    if bits != 4:
-                        h0 = HW * (r * unroll + u)
-                        a0, a1, a2, a3 = load_high_words(high, at * 32 + lane, bits)
-                        highs[h0] = a0
-                        if bits != 5:
-                            highs[h0 + 1] = a1
-                        if bits == 8:
-                            highs[h0 + 2] = a2
-                            highs[h0 + 3] = a3
-                    for k in range(SW):
-                        scale_pairs[SW * (r * unroll + u) + k] = scales[(at * SW + k) * 8 + g]
-                x0 = x_base + (q * 32 + lane) * 8
-                xs[8 * u], xs[8 * u + 1], xs[8 * u + 2], xs[8 * u + 3] = load4(xf, x0)
-                xs[8 * u + 4], xs[8 * u + 5], xs[8 * u + 6], xs[8 * u + 7] = load4(xf, x0 + 4)
-            for u in range(unroll):
-                if q0 + u * warps < blocks:
-                    for r in range(tiles):
-                        w0 = 4 * (r * unroll + u)
-                        h0 = HW * (r * unroll + u)
-                        if bits == 8:
-                            for k in range(2):  # two 32-column scale groups, two k-steps each
-                                c0 = float32(0.0)
-                                c1 = float32(0.0)
-                                c2 = float32(0.0)
-                                c3 = float32(0.0)
-                                d0 = float32(0.0)
-                                d1 = float32(0.0)
-                                d2 = float32(0.0)
-                                d3 = float32(0.0)
-                                for jj in range(2):
-                                    j = 2 * k + jj
-                                    hw = highs[h0 + j]
-                                    lw = words[w0 + j]
-                                    b0 = xs[8 * u + 2 * j]
-                                    b1 = xs[8 * u + 2 * j + 1]
-                                    c0, c1, c2, c3 = mma_bf16_m16n8k16(
-                                        nibble_pair(hw, 0, minus), nibble_pair(hw, 1, minus),
-                                        nibble_pair(hw, 2, minus), nibble_pair(hw, 3, minus), b0, b1, c0, c1, c2, c3)
-                                    d0, d1, d2, d3 = mma_bf16_m16n8k16(
-                                        nibble_pair(lw, 0, minus_low), nibble_pair(lw, 1, minus_low),
-                                        nibble_pair(lw, 2, minus_low), nibble_pair(lw, 3, minus_low), b0, b1,
-                                        d0, d1, d2, d3)
-                                s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u) + k])
-                                acc[4 * r] += s_lo * (float32(16.0) * c0 + d0)
-                                acc[4 * r + 1] += s_lo * (float32(16.0) * c1 + d1)
-                                acc[4 * r + 2] += s_hi * (float32(16.0) * c2 + d2)
-                                acc[4 * r + 3] += s_hi * (float32(16.0) * c3 + d3)
-                        else:
-                            c0 = float32(0.0)
-                            c1 = float32(0.0)
-                            c2 = float32(0.0)
-                            c3 = float32(0.0)
-                            hw0 = uint32(0)
-                            hw1 = uint32(0)
-                            if bits == 5:
-                                hw0 = highs[h0]
-                            elif bits == 6:
-                                hw0 = highs[h0]
-                                hw1 = highs[h0 + 1]
-                            for j in range(4):
-                                w = words[w0 + j]
-                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
-                                    code_pair(w, hw0, hw1, j, 0, bits, minus), code_pair(w, hw0, hw1, j, 1, bits, minus),
-                                    code_pair(w, hw0, hw1, j, 2, bits, minus), code_pair(w, hw0, hw1, j, 3, bits, minus),
-                                    xs[8 * u + 2 * j], xs[8 * u + 2 * j + 1], c0, c1, c2, c3)
-                            s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u)])
-                            acc[4 * r] += s_lo * c0
-                            acc[4 * r + 1] += s_lo * c1
-                            acc[4 * r + 2] += s_hi * c2
-                            acc[4 * r + 3] += s_hi * c3
+        full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
+        q0 = warp
+        while q0 < full:
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, False)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+            q0 += warps * unroll
+        while q0 < blocks:  # the warp's last step lacks blocks: at most one
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, True)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+            q0 += warps * unroll
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
         cuda.syncthreads()
@@ -649,6 +711,15 @@ def x_fragments_reference(x: np.ndarray) -> np.ndarray:
     q = np.arange(K // BLOCK)[:, None, None, None] * BLOCK
     words = bits[g, q + cols] | (bits[g, q + cols + 1] << np.uint32(16))  # [groups, 32, 4, 2]
     return words.reshape(-1)
+
+
+def write_fragment_rows_reference(fragments: np.ndarray, x: np.ndarray) -> None:
+    """What a producer writing x fragments (`fragment_half`) leaves in `fragments` (uint32, in place): rows 0..R-1
+    of the set replaced by x [R <= 8, K] rounded to bf16, rows R..7 as they were."""
+    rows, K = x.shape
+    held = x_from_fragments(fragments, MAX_X_ROWS, K)
+    held[:rows] = bf16_rounded(x)
+    fragments[: x_fragment_words(K)] = x_fragments_reference(held)
 
 
 def x_slot_fragments_reference(x: np.ndarray) -> np.ndarray:

@@ -200,3 +200,84 @@ def test_gpu_sigmoid_gate_add(rows, width):
     one, _, _ = _run(lambda r, d, g, stream: ew.sigmoid_gate_add(r, d, g, stream=stream),
                      [res[-1:].copy(), d[-1:].copy(), g[-1:].copy()], [], stream)
     np.testing.assert_array_equal(one[0], new[-1])
+
+
+# ------------------------------------------------------------------------------------ tensor-core x fragments
+
+FRAGMENT_SHAPES = [(1, 64), (3, 5120), (8, 2048)]
+
+
+def _poisoned_fragments(words):
+    """A fragment buffer full of a pattern no producer writes: rows the kernel must leave alone keep it."""
+    return np.full(words, 0xDEADBEEF, dtype=np.uint32)
+
+
+def _expected_fragments(held, x):
+    from ninfer.kernels_numba import quant_mma as qm
+
+    want = held.copy()
+    qm.write_fragment_rows_reference(want, x)
+    return want
+
+
+def test_fragment_rows_twin_writes_only_the_given_rows():
+    from ninfer.kernels_numba import quant_mma as qm
+
+    rng = np.random.default_rng(11)
+    x = rand(rng, 3, 128)
+    held = qm.x_fragments_reference(rand(rng, 8, 128))
+    got = _expected_fragments(held, x)
+    np.testing.assert_array_equal(qm.x_from_fragments(got, 3, 128), qm.bf16_rounded(x))
+    np.testing.assert_array_equal(qm.x_from_fragments(got, 8, 128)[3:], qm.x_from_fragments(held, 8, 128)[3:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", FRAGMENT_SHAPES)
+def test_gpu_rms_norm_writes_x_fragments(rows, width):
+    from ninfer.kernels_numba import quant_mma as qm
+
+    stream = _cuda().stream()
+    rng = np.random.default_rng(12)
+    x, w = rand(rng, rows, width, scale=3.0), rand(rng, width, scale=0.2)
+    held = _poisoned_fragments(qm.x_fragment_words(width))
+
+    def launch(x, w, o, f, stream):
+        ew.rms_norm_rows(x, w, o, eps=1e-6, offset=True, stream=stream, out_fragments=f)
+
+    *_, out, fragments = _run(launch, [x, w], [_nan((rows, width)), held], stream)
+    *_, plain = _run(lambda x, w, o, stream: ew.rms_norm_rows(x, w, o, eps=1e-6, offset=True, stream=stream),
+                     [x, w], [_nan((rows, width))], stream)
+    np.testing.assert_array_equal(out, plain)  # the fp32 output does not change
+    np.testing.assert_array_equal(fragments, _expected_fragments(held, out))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", FRAGMENT_SHAPES)
+def test_gpu_silu_mul_writes_x_fragments(rows, width):
+    from ninfer.kernels_numba import quant_mma as qm
+
+    stream = _cuda().stream()
+    rng = np.random.default_rng(13)
+    gu = rand(rng, rows, 2 * width, scale=4.0)
+    held = _poisoned_fragments(qm.x_fragment_words(width))
+    _, out, fragments = _run(lambda g, o, f, stream: ew.silu_mul_rows(g, o, stream=stream, out_fragments=f), [gu],
+                             [_nan((rows, width)), held], stream)
+    np.testing.assert_array_equal(fragments, _expected_fragments(held, out))
+    slots = 3
+    gu3 = rand(rng, rows, slots, 2 * width)
+    words = qm.x_fragment_words(width)
+    held3 = _poisoned_fragments(slots * words)
+    _, out3, fragments3 = _run(lambda g, o, f, stream: ew.silu_mul_slots(g, o, stream=stream, out_fragments=f),
+                               [gu3], [_nan((rows, slots, width)), held3], stream)
+    for s in range(slots):
+        np.testing.assert_array_equal(fragments3[s * words:(s + 1) * words],
+                                      _expected_fragments(held3[s * words:(s + 1) * words], out3[:, s]))
+
+
+def test_fragment_outputs_refuse_more_rows_than_a_set_holds():
+    from ninfer.kernels_numba import quant_mma as qm
+
+    with pytest.raises(ValueError, match="x fragments of 9 rows"):
+        qm.check_fragment_output(9, 64, np.zeros(qm.x_fragment_words(64), np.uint32))
+    with pytest.raises(ValueError, match="2 set"):
+        qm.check_fragment_output(2, 64, np.zeros(qm.x_fragment_words(64), np.uint32), 2)

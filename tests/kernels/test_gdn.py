@@ -393,3 +393,26 @@ def test_gpu_state_carries_across_launches():
     assert _rel(np.concatenate(outs), want["result"]) < 1e-5
     np.testing.assert_array_equal(state["conv_state"], want["conv_state"])
     assert _rel(state["ssm_state"], want["ssm_state"]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_output_writes_x_fragments(rows):
+    """gdn_output's tensor-core x fragments are those of its fp32 result, rows past `rows` untouched."""
+    from ninfer.kernels_numba import quant_mma as qm
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    hv, dv, c = 4, 128, 64
+    rng = np.random.default_rng(21)
+    out = rng.standard_normal((rows, hv, dv)).astype(F32)
+    projected = rng.standard_normal((rows, c + hv * dv)).astype(F32)
+    norm = rng.standard_normal(dv).astype(F32)
+    held = np.full(qm.x_fragment_words(hv * dv), 0xDEADBEEF, np.uint32)
+    stream = cuda.stream()
+    dev = [cuda.to_device(a, stream=stream) for a in (out, projected, norm, np.zeros((rows, hv * dv), F32), held)]
+    gdn.gdn_output(*dev[:4], v_heads=hv, v_dim=dv, z_offset=c, eps=EPS, stream=stream, result_fragments=dev[4])
+    result, fragments = dev[3].copy_to_host(stream=stream), dev[4].copy_to_host(stream=stream)
+    stream.synchronize()
+    want = held.copy()
+    qm.write_fragment_rows_reference(want, result)
+    np.testing.assert_array_equal(fragments, want)

@@ -126,17 +126,31 @@ def _bf16_copy(values, out_bf16) -> None:
         out_bf16.reshape(values.shape)[...] = codec.f32_to_bf16_bits(values)
 
 
-def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None):
+def _fragment_rows(values, fragments, slots: int = 1) -> None:
+    """The x fragments a producer kernel writes beside its fp32 output (one set per slot of [R, S, K])."""
+    if fragments is None:
+        return
+    per_slot = values if values.ndim == 3 else values[:, None, :]
+    _quant_mma.check_fragment_output(per_slot.shape[0], per_slot.shape[2], fragments, slots)
+    words = _quant_mma.x_fragment_words(per_slot.shape[2])
+    for s in range(slots):
+        _quant_mma.write_fragment_rows_reference(fragments[s * words : (s + 1) * words], per_slot[:, s])
+
+
+def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):
     out[...] = _elementwise.rms_norm_rows_reference(x, weight, eps=eps, offset=offset)
     _bf16_copy(out, out_bf16)
+    _fragment_rows(out, out_fragments)
 
 
-def silu_mul_rows(gate_up, out, *, stream, out_bf16=None):
+def silu_mul_rows(gate_up, out, *, stream, out_bf16=None, out_fragments=None):
     out[...] = _elementwise.silu_mul_rows_reference(gate_up)
     _bf16_copy(out, out_bf16)
+    _fragment_rows(out, out_fragments, out.shape[1] if out.ndim == 3 else 1)
 
 
-silu_mul_slots = silu_mul_rows  # the twin works on any leading shape
+def silu_mul_slots(gate_up, out, *, stream, out_fragments=None):
+    silu_mul_rows(gate_up, out, stream=stream, out_fragments=out_fragments)
 
 
 def to_bf16_rows(x, out, *, stream):
@@ -173,9 +187,10 @@ def gdn_recurrent(*args, stream, **kwargs):
     _gdn.gdn_recurrent_reference(*args, **kwargs)
 
 
-def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, **kwargs):
+def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, result_fragments=None, **kwargs):
     _gdn.gdn_output_reference(out, z_source, norm_weight, result, **kwargs)
     _bf16_copy(result, result_bf16)
+    _fragment_rows(result, result_fragments)
 
 
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream):

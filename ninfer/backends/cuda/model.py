@@ -554,14 +554,17 @@ class Linear:
         return sibling
 
     def __call__(self, x: Any, w: Matrix, y: Any, *, rows: int | None = None, accumulate: bool = False,
-                 x_bf16: Any = None) -> None:
+                 x_bf16: Any = None, x_fragments: Any = None) -> None:
         stream, k = self._device.stream, self._k
         rows = x.shape[0] if rows is None else rows
         if isinstance(w, SplitMatrix):
-            self._split(x, w, y, rows, accumulate)
+            self._split(x, w, y, rows, accumulate, x_fragments)
             return
         if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if _tensor_core(w):
+                if x_fragments is not None and rows <= MMA_ROWS:  # the producer of x wrote them
+                    k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate)
+                    return
                 for first in range(0, rows, MMA_ROWS):  # each row's result is independent of its neighbours
                     last = min(rows, first + MMA_ROWS)
                     k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
@@ -586,18 +589,35 @@ class Linear:
             return None
         return self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
 
+    def fragment_input(self, rows: int, *consumers: Matrix) -> Any:
+        """The shared x-fragment buffer for the producer of an activation to write (`out_fragments`) when some
+        consumer runs on the tensor cores at this row count (<= 8 rows: one set), else None. Pass it to every
+        consumer as `x_fragments` (the others ignore it): none then converts its own input, and the fragments stay
+        valid until the next linear call without them."""
+        if rows > MMA_ROWS or not any(self._reads_fragments(w, rows) for w in consumers):
+            return None
+        return self._ws.x_fragments
+
+    def _reads_fragments(self, w: Matrix, rows: int) -> bool:
+        if isinstance(w, SplitMatrix):
+            return any(self._reads_fragments(part, rows) for part in w.parts)
+        return _tensor_core(w) and rows <= SKINNY_ROWS
+
     def _reads_bf16(self, w: Matrix, rows: int) -> bool:
         return isinstance(w, Bf16Matrix) and (rows > SKINNY_ROWS or self.cublas_decode)
 
-    def _split(self, x: Any, w: SplitMatrix, y: Any, rows: int, accumulate: bool) -> None:
+    def _split(self, x: Any, w: SplitMatrix, y: Any, rows: int, accumulate: bool, x_fragments: Any) -> None:
         """Both row blocks into scratch rows, then joined side by side into y (two blocks: every fused projection
         of the 27B inventory has exactly two)."""
         if accumulate or len(w.parts) != 2:
             raise ValueError("a split projection must have two blocks and overwrite its output")
         capacity, outputs = min(x.shape[0], y.shape[0]), []
+        if x_fragments is None and self.fragment_input(rows, w) is not None:  # one conversion for both blocks
+            x_fragments = self.fragment_input(rows, w)
+            self._k.x_fragments(x[:rows], x_fragments, stream=self._device.stream)
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
             out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
-            self(x, part, out, rows=rows)
+            self(x, part, out, rows=rows, x_fragments=x_fragments)
             outputs.append(out[:rows])
         self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._device.stream)
 
@@ -934,30 +954,35 @@ class CudaQwen:
         x, h = ws.x[:rows], ws.h[:rows]
         mixer = (layer.attention.in_proj,) if layer.attention is not None else (layer.gdn.in_proj, layer.gdn.ab_proj)
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *mixer)
-        self.k.rms_norm_rows(x, layer.input_norm, h, eps=d.rms_eps, offset=True, stream=stream, out_bf16=h_bf16)
+        h_frag = self.linear.fragment_input(rows, *mixer)
+        self.k.rms_norm_rows(x, layer.input_norm, h, eps=d.rms_eps, offset=True, stream=stream, out_bf16=h_bf16,
+                             out_fragments=h_frag)
         if layer.attention is not None:
-            self._attention(layer.attention, rows, prefill, kv, h_bf16)
+            self._attention(layer.attention, rows, prefill, kv, h_bf16, h_frag)
         else:
-            self._gdn(layer, self.gdn[index], rows, segments, h_bf16)
+            self._gdn(layer, self.gdn[index], rows, segments, h_bf16, h_frag)
         ffn = layer.ffn
-        consumers = (ffn.gate_up,) if isinstance(ffn, DenseFfn) else (ffn.router, ffn.shared_gate, ffn.shared_gate_up)
-        h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers)
+        consumers = ((ffn.gate_up,) if isinstance(ffn, DenseFfn)
+                     else (ffn.router, ffn.shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
+        h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers[:3])
+        h_frag = self.linear.fragment_input(rows, *consumers)
         self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream,
-                             out_bf16=h_bf16)
+                             out_bf16=h_bf16, out_fragments=h_frag)
         if isinstance(ffn, DenseFfn):
             gate_up, act = ws.gate_up[:rows], ws.act[:rows]
-            self.linear(ws.h, ffn.gate_up, ws.gate_up, rows=rows, x_bf16=h_bf16)
+            self.linear(ws.h, ffn.gate_up, ws.gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
             act_bf16 = self.linear.bf16_input(rows, act.shape[1], ffn.down)
-            self.k.silu_mul_rows(gate_up, act, stream=stream, out_bf16=act_bf16)
-            self.linear(ws.act, ffn.down, ws.x, rows=rows, accumulate=True, x_bf16=act_bf16)
+            act_frag = self.linear.fragment_input(rows, ffn.down)
+            self.k.silu_mul_rows(gate_up, act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
+            self.linear(ws.act, ffn.down, ws.x, rows=rows, accumulate=True, x_bf16=act_bf16, x_fragments=act_frag)
         else:
-            self._moe(ffn, rows, h_bf16)
+            self._moe(ffn, rows, h_bf16, h_frag)
 
     def _attention(self, w: AttentionWeights, rows: int, prefill: PrefillSpan | None, kv: KvPool,
-                   h_bf16: Any) -> None:
+                   h_bf16: Any, h_frag: Any) -> None:
         ws, stream, d, inputs = self.workspace, self.device.stream, self.dims, self.inputs
         qkgv, q, out = ws.qkgv[:rows], ws.q[:rows], ws.attended[:rows]
-        self.linear(ws.h, w.in_proj, ws.qkgv, rows=rows, x_bf16=h_bf16)
+        self.linear(ws.h, w.in_proj, ws.qkgv, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         self.k.attention_prepare(qkgv, w.query_norm, w.key_norm, self.inv_freq, inputs.positions,
                                inputs.row_lane[:rows], inputs.row_pos[:rows], inputs.page_tables, kv.k, kv.v,
                                kv.k_scale, kv.v_scale, q, heads=d.attn_heads, kv_heads=d.kv_heads,
@@ -1005,11 +1030,12 @@ class CudaQwen:
             blas.batched_values(probs, values_bf16, keys, attended)
             k.unpack_gated(attended, qkgv, out, first=first, rows=count, group=group, stream=stream)
 
-    def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int, h_bf16: Any) -> None:
+    def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int, h_bf16: Any,
+             h_frag: Any) -> None:
         ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
         projected, ab, mixed = ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
-        self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16)
-        self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16)
+        self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+        self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         seg = (inputs.seg_lane[:segments], inputs.seg_row[:segments], inputs.seg_count[:segments],
                inputs.seg_record[:segments])
         self.k.gdn_conv(projected, w.conv, state.conv, state.conv_columns, *seg, mixed,
@@ -1023,39 +1049,51 @@ class CudaQwen:
                           channels_qk=2 * d.gdn_qk_width, stream=stream)
         normed = ws.gdn_normed[:rows]
         normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
+        normed_frag = self.linear.fragment_input(rows, layer.gdn_output)
         self.k.gdn_output(out, projected, w.norm, normed, v_heads=d.gdn_v_heads, v_dim=d.gdn_v_dim,
-                          z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream, result_bf16=normed_bf16)
-        self.linear(ws.gdn_normed, layer.gdn_output, ws.x, rows=rows, accumulate=True, x_bf16=normed_bf16)
+                          z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream, result_bf16=normed_bf16,
+                          result_fragments=normed_frag)
+        self.linear(ws.gdn_normed, layer.gdn_output, ws.x, rows=rows, accumulate=True, x_bf16=normed_bf16,
+                    x_fragments=normed_frag)
 
-    def _moe(self, w: MoeFfn, rows: int, h_bf16: Any) -> None:
+    def _moe(self, w: MoeFfn, rows: int, h_bf16: Any, h_frag: Any) -> None:
         ws, stream, d = self.workspace, self.device.stream, self.dims
         h, x = ws.h[:rows], ws.x[:rows]
         router_logits, gate_logit = ws.router_logits[:rows], ws.gate_logit[:rows]
-        self.linear(ws.h, w.router, ws.router_logits, rows=rows, x_bf16=h_bf16)
-        self.linear(ws.h, w.shared_gate, ws.gate_logit, rows=rows, x_bf16=h_bf16)
+        self.linear(ws.h, w.router, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+        self.linear(ws.h, w.shared_gate, ws.gate_logit, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
         self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream)
         inter = d.moe_intermediate
         if rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
-            self._gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False)
-            self.k.silu_mul_slots(gate_up, act, stream=stream)
-            self._gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True)
+            self._gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False,
+                           x_fragments=h_frag)
+            act_frag = (ws.slot_x_fragments if rows <= MMA_ROWS and _tensor_core(w.routed_down) else None)
+            self.k.silu_mul_slots(gate_up, act, stream=stream, out_fragments=act_frag)
+            self._gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True,
+                           x_fragments=act_frag)
             self.k.moe_combine(out, weights, x, stream=stream)
         else:
             self._moe_grouped(w, rows)
         shared_gate_up, shared_act, shared_out = ws.shared_gate_up[:rows], ws.shared_act[:rows], ws.shared_out[:rows]
-        self.linear(ws.h, w.shared_gate_up, ws.shared_gate_up, rows=rows, x_bf16=h_bf16)
+        self.linear(ws.h, w.shared_gate_up, ws.shared_gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         act_bf16 = self.linear.bf16_input(rows, shared_act.shape[1], w.shared_down)
-        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream, out_bf16=act_bf16)
-        self.linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16)
+        act_frag = self.linear.fragment_input(rows, w.shared_down)
+        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
+        self.linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16, x_fragments=act_frag)
         self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
 
-    def _gathered(self, x: Any, w: Matrix, ids: Any, y: Any, *, rows_per_expert: int, x_per_slot: bool) -> None:
+    def _gathered(self, x: Any, w: Matrix, ids: Any, y: Any, *, rows_per_expert: int, x_per_slot: bool,
+                  x_fragments: Any = None) -> None:
         """MoE decode: y[m, s] = X(m, s) @ W_e^T, e = ids[m, s], for a stacked expert matrix in its stored layout;
-        X(m, s) = x[m], or x[m, s] with x_per_slot. The tensor-core kernel takes x as fragments, 8 rows a launch."""
+        X(m, s) = x[m], or x[m, s] with x_per_slot. The tensor-core kernel takes x as fragments, 8 rows a launch;
+        `x_fragments` are those of x written by its producer (at most 8 rows)."""
         k, stream = self.k, self.device.stream
-        if _tensor_core(w):
+        if _tensor_core(w) and x_fragments is not None and x.shape[0] <= MMA_ROWS:
+            k.linear_quant_mma_gathered(x_fragments, w, ids, y, rows_per_expert=rows_per_expert,
+                                        x_per_slot=x_per_slot, stream=stream)
+        elif _tensor_core(w):
             fragments, xf = ((k.x_slot_fragments, self.workspace.slot_x_fragments) if x_per_slot
                              else (k.x_fragments, self.workspace.x_fragments))
             for first in range(0, x.shape[0], MMA_ROWS):  # each row's result is independent of its neighbours

@@ -1,0 +1,55 @@
+"""One eager decode step of a reduced-layer model at the real Qwen3.6 widths: the program Nsight Compute profiles.
+
+The first LAYERS decoder layers (3 Gated DeltaNet + 1 gated attention) and the head, random weights on the GPU, one
+lane with CONTEXT tokens of KV, batch `--batch`. The step runs `--steps` times eagerly (graph replay would hide the
+kernels' launch order from `--launch-skip`), so `ncu -k regex:NAME --launch-count N` sees every decode kernel of the
+real model, with the real grid, at a fraction of the build time.
+
+Run on the GPU machine (tools/device_check.sh ncu wraps it):
+  ncu --clock-control none --set full -k regex:quant_mma python3 bench/ncu_decode.py --model 27b --recipe ninfer-v2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import attrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402,F401  (numpy shim first)
+
+from bench.cuda_model import MODELS, setup_lanes  # noqa: E402
+from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
+from ninfer.backends.cuda.model import Capacity, CudaQwen  # noqa: E402
+from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
+from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
+
+LAYERS = 4
+CONTEXT = 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="27b", choices=sorted(MODELS))
+    parser.add_argument("--recipe", default="ninfer-v2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    dims = attrs.evolve(MODELS[args.model], layer_types=MODELS[args.model].layer_types[:LAYERS], vision=None)
+    device = CudaDevice(0)
+    specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith(("vision/", "mtp/"))]
+    capacity = Capacity(lanes=8, max_context=CONTEXT + 64, kv_dtype="bf16", prefill_rows=64, draft_tokens=0)
+    model = CudaQwen(dims, RandomDeviceWeights(specs, args.recipe, device), device, capacity)
+    model.allocate_kv(8 * capacity.max_pages_per_lane)
+    setup_lanes(model, args.batch, CONTEXT)
+    for _ in range(args.steps):
+        model.greedy(model.head_logits(model.forward(args.batch, args.batch), args.batch))
+    device.synchronize()
+    print(f"{args.model} {args.recipe} B={args.batch}: {args.steps} eager steps of {LAYERS} layers", flush=True)
+
+
+if __name__ == "__main__":
+    main()
