@@ -128,6 +128,39 @@ load_words2_at = _make_global_load(2)
 load_words4_at = _make_global_load(4)
 
 
+def _store_codegen(count: int):
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        if count == 1:
+            value = args[1]
+        else:
+            value = ir.Constant(ir.VectorType(i32, count), None)
+            for i in range(count):
+                value = builder.insert_element(value, args[1 + i], ir.Constant(i32, i))
+        builder.store(value, builder.inttoptr(args[0], value.type.as_pointer(1)), align=4 * count)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def store_word_at(typingctx, address, w0):
+    """Store a uint32 word at a global byte address (4-byte aligned)."""
+    return types.void(int64, uint32), _store_codegen(1)
+
+
+@intrinsic
+def store_words2_at(typingctx, address, w0, w1):
+    """Store two uint32 words at a global byte address aligned to 8 bytes, as one store."""
+    return types.void(int64, uint32, uint32), _store_codegen(2)
+
+
+@intrinsic
+def store_words4_at(typingctx, address, w0, w1, w2, w3):
+    """Store four uint32 words at a global byte address aligned to 16 bytes, as one store."""
+    return types.void(int64, uint32, uint32, uint32, uint32), _store_codegen(4)
+
+
 def blocks_for(items: int, per_block: int) -> int:
     return max(1, math.ceil(items / per_block))
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int32, uint16, uint32, uint64
+from numba import float32, int32, int64, uint16, uint32, uint64
+from numba.cuda import libdevice
 
 from ninfer.backends.cpu import ops
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_target, bf16_to_f32, block_sum, blocks_for, f32_to_bf16,
-                                         fragment_target, sigmoid_f32)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, bf16_target, bf16_to_f32, block_sum,
+                                         blocks_for, f32_to_bf16, fragment_target, load_words4_at, sigmoid_f32,
+                                         store_word_at, store_words2_at, store_words4_at)
 from ninfer.kernels_numba.quant_mma import FRAGMENT_HALVES_PER_COLUMN, check_fragment_output, fragment_half
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -75,56 +77,84 @@ def embed_rows_reference(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------- rms_norm
 # One block per row, latency-bound at decode (a 5120-wide row is 20 KB): every thread loads its NORM_ITEMS columns
-# (t + j * threads) at once into registers, so the row is read from memory once and in one round trip; the block
-# size depends only on the width, so a row's reduction order never depends on the number of rows.
+# at once into registers, so the row is read from memory once and in one round trip; the block size depends only on
+# the width, so a row's reduction order never depends on the number of rows. A block runs on one multiprocessor, so
+# its instruction count is its time: the row moves in 16-byte vectors (thread t takes vectors t + j * threads, 4
+# columns each) through raw addresses, and the outputs (fp32, bf16, x fragments) are written the same way.
 
 NORM_ITEMS = 16
+NORM_VECTORS = NORM_ITEMS // 4
 NORM_MAX_WIDTH = 1024 * NORM_ITEMS
 
 
 def norm_threads(width: int) -> int:
-    if width > NORM_MAX_WIDTH:
-        raise ValueError(f"row norms hold a row in registers: width {width} > {NORM_MAX_WIDTH}")
+    if width > NORM_MAX_WIDTH or width % 4:
+        raise ValueError(f"row norms hold a row in registers in 4-column vectors: width {width} must be a multiple "
+                         f"of 4 and at most {NORM_MAX_WIDTH}")
     return int(max(32, 32 * -(-width // (32 * NORM_ITEMS))))
 
 
 @device_function
 def load_row(x, weight, values, weights, r, offset):
-    """values[j] = x[r, t + j * threads] and weights[j] the matching (offset +) weight, all loads issued together
-    (the weights are not waited for after the reduction); returns this thread's sum of squares."""
+    """values[4 j + e] = x[r, 4 (t + j * threads) + e] and weights the matching (offset +) weight, all loads issued
+    together (the weights are not waited for after the reduction); returns this thread's sum of squares."""
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     width = x.shape[1]
+    row = address_of(x) + int64(r) * int64(width) * 4
+    weight_at = address_of(weight)
     acc = float32(0.0)
-    for j in range(NORM_ITEMS):
-        i = t + j * step
-        v = float32(0.0)
-        w = float32(0.0)
-        if i < width:
-            v = x[r, i]
-            w = weight[i]
-        values[j] = v
-        weights[j] = w + float32(1.0) if offset != 0 else w
-        acc += v * v
+    for j in range(NORM_VECTORS):
+        v = t + j * step
+        x0 = uint32(0)
+        x1 = uint32(0)
+        x2 = uint32(0)
+        x3 = uint32(0)
+        w0 = uint32(0)
+        w1 = uint32(0)
+        w2 = uint32(0)
+        w3 = uint32(0)
+        if 4 * v < width:
+            x0, x1, x2, x3 = load_words4_at(row + int64(v) * 16)
+            w0, w1, w2, w3 = load_words4_at(weight_at + int64(v) * 16)
+        for e in range(4):
+            xv = libdevice.int_as_float(int32(x0 if e == 0 else (x1 if e == 1 else (x2 if e == 2 else x3))))
+            wv = libdevice.int_as_float(int32(w0 if e == 0 else (w1 if e == 1 else (w2 if e == 2 else w3))))
+            values[4 * j + e] = xv
+            weights[4 * j + e] = wv + float32(1.0) if offset != 0 else wv
+            acc += xv * xv
     return acc
 
 
 @device_function
 def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragments, r, total, width, eps):
-    """out[r, t + j * threads] = values[j] * rsqrt(total / width + eps) * weights[j] (and the bf16 copy, and the
-    bf16 x fragments of row r)."""
+    """out[r, 4 (t + j * threads) + e] = values[4 j + e] * rsqrt(total / width + eps) * weights[4 j + e] (and the
+    bf16 copy, and the bf16 x fragments of row r: a vector's columns 4v, 4v + 1 and 4v + 2, 4v + 3 are two words)."""
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
-    for j in range(NORM_ITEMS):
-        i = t + j * step
-        if i < width:
-            value = (values[j] * inv) * weights[j]
-            out[r, i] = value
-            if write_bf16 != 0:
-                out_bf16[r, i] = uint16(f32_to_bf16(value))
-            if write_fragments != 0:
-                fragments[fragment_half(int32(r), int32(i))] = uint16(f32_to_bf16(value))
+    out_row = address_of(out) + int64(r) * int64(width) * 4
+    bf16_row = address_of(out_bf16) + int64(r) * int64(width) * 2
+    fragment_words = address_of(fragments)
+    for j in range(NORM_VECTORS):
+        v = t + j * step
+        if 4 * v < width:
+            y0 = (values[4 * j] * inv) * weights[4 * j]
+            y1 = (values[4 * j + 1] * inv) * weights[4 * j + 1]
+            y2 = (values[4 * j + 2] * inv) * weights[4 * j + 2]
+            y3 = (values[4 * j + 3] * inv) * weights[4 * j + 3]
+            store_words4_at(out_row + int64(v) * 16, uint32(libdevice.float_as_int(y0)),
+                            uint32(libdevice.float_as_int(y1)), uint32(libdevice.float_as_int(y2)),
+                            uint32(libdevice.float_as_int(y3)))
+            if write_bf16 != 0 or write_fragments != 0:
+                low = bf16_pair(y0, y1)
+                high = bf16_pair(y2, y3)
+                if write_bf16 != 0:
+                    store_words2_at(bf16_row + int64(v) * 8, low, high)
+                if write_fragments != 0:
+                    c = int32(4 * v)
+                    store_word_at(fragment_words + int64(fragment_half(int32(r), c) >> 1) * 4, low)
+                    store_word_at(fragment_words + int64(fragment_half(int32(r), c + 2) >> 1) * 4, high)
 
 
 @kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
@@ -147,10 +177,12 @@ def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset)
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     width = residual.shape[1]
-    for j in range(NORM_ITEMS):  # residual += delta; the same thread reads it back in load_row
-        i = t + j * step
-        if i < width:
-            residual[r, i] = residual[r, i] + delta[r, i]
+    for j in range(NORM_VECTORS):  # residual += delta over this thread's vectors; load_row reads them back
+        v = t + j * step
+        for e in range(4):
+            i = 4 * v + e
+            if i < width:
+                residual[r, i] = residual[r, i] + delta[r, i]
     acc = load_row(residual, weight, values, weights, r, offset)
     total = block_sum(acc, buf)
     scale_row(values, weights, out, unused_bf16, int32(0), unused_bf16[0], int32(0), r, total, width, eps)

@@ -274,6 +274,13 @@ def test_gpu_silu_mul_writes_x_fragments(rows, width):
                                       _expected_fragments(held3[s * words:(s + 1) * words], out3[:, s]))
 
 
+def test_row_norms_need_whole_four_column_vectors():
+    assert ew.norm_threads(100) == 32
+    assert ew.norm_threads(5120) == 320
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ew.norm_threads(102)
+
+
 def test_fragment_outputs_refuse_more_rows_than_a_set_holds():
     from ninfer.kernels_numba import quant_mma as qm
 

@@ -582,10 +582,11 @@ class Linear:
                             accumulate=accumulate)
 
     def bf16_input(self, rows: int, width: int, *consumers: Matrix) -> Any:
-        """The shared scratch for a [rows, width] bf16 copy of an activation, or None when not every consumer would
-        read it (with consumers given: the producer then skips writing it). The copy is valid until the next linear
-        call that converts its own input."""
-        if consumers and not all(self._reads_bf16(w, rows) for w in consumers):
+        """The shared scratch for a [rows, width] bf16 copy of an activation, or None when no consumer would read it
+        (with consumers given: the producer then skips writing it). Pass it to every consumer as `x_bf16` (those
+        that read fp32 or fragments ignore it). The copy is valid until the next linear call that converts its own
+        input."""
+        if consumers and not any(self._reads_bf16(w, rows) for w in consumers):
             return None
         return self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
 
@@ -604,7 +605,11 @@ class Linear:
         return _tensor_core(w) and rows <= SKINNY_ROWS
 
     def _reads_bf16(self, w: Matrix, rows: int) -> bool:
-        return isinstance(w, Bf16Matrix) and (rows > SKINNY_ROWS or self.cublas_decode)
+        """Whether `__call__` multiplies w through cuBLAS (bf16 input) at this row count (a split projection
+        converts per block)."""
+        if isinstance(w, SplitMatrix):
+            return False
+        return rows > SKINNY_ROWS or (isinstance(w, Bf16Matrix) and self.cublas_decode)
 
     def _split(self, x: Any, w: SplitMatrix, y: Any, rows: int, accumulate: bool, x_fragments: Any) -> None:
         """Both row blocks into scratch rows, then joined side by side into y (two blocks: every fused projection
@@ -964,7 +969,7 @@ class CudaQwen:
         ffn = layer.ffn
         consumers = ((ffn.gate_up,) if isinstance(ffn, DenseFfn)
                      else (ffn.router, ffn.shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
-        h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers[:3])
+        h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers)
         h_frag = self.linear.fragment_input(rows, *consumers)
         self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream,
                              out_bf16=h_bf16, out_fragments=h_frag)
