@@ -371,6 +371,10 @@ def main() -> None:
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
           flush=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # The device machine gets a copy of the working tree over an older checkout: HEAD there can be stale. Say so.
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True).stdout.strip()
+    commit += "+changes" if changed else ""
     report = {"device": device.info.name, "commit": commit, "copy_bandwidth_bytes_s": bandwidth,
               "gemm_bf16_flop_s": gemm, "decode_context": CONTEXT, "configs": []}
     del device

@@ -23,16 +23,19 @@ from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geomet
 SHAPES = {"gate_up 34816x5120": (34816, 5120), "down 5120x17408": (5120, 17408), "query_key 7168x5120": (7168, 5120),
           "gdn out 5120x6144": (5120, 6144)}
 REPEAT = 20
-VARIANTS = [(1, 8, 2), (1, 8, 4), (1, 4, 4), (1, 4, 2), (1, 16, 2), (2, 4, 2), (2, 8, 2), (2, 4, 4)]
+# (tiles, warps, unroll, pipeline): pipelined kernels load a warp's next step before the mma of its current one
+VARIANTS = [(1, 8, 2, False), (1, 8, 2, True), (1, 8, 1, True), (1, 4, 2, True), (1, 16, 1, True), (2, 4, 2, True),
+            (1, 4, 2, False)]
 _VARIANT_KERNELS: dict = {}
 
 
-def variant(tiles: int, warps: int, unroll: int):
+def variant(tiles: int, warps: int, unroll: int, pipeline: bool):
     from ninfer.kernels_numba import quant_mma as QM
 
-    if (tiles, warps, unroll) not in _VARIANT_KERNELS:
-        _VARIANT_KERNELS[tiles, warps, unroll] = QM.make_quant_mma_kernel(4, tiles, warps, unroll)
-    return _VARIANT_KERNELS[tiles, warps, unroll]
+    key = (tiles, warps, unroll, pipeline)
+    if key not in _VARIANT_KERNELS:
+        _VARIANT_KERNELS[key] = QM.make_quant_mma_kernel(4, tiles, warps, unroll, pipeline)
+    return _VARIANT_KERNELS[key]
 
 
 def random_payload(fmt: str, shape: tuple[int, int], rng) -> np.ndarray:
@@ -105,13 +108,23 @@ def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep
                         QM.linear_quant_mma_reference(x[:1], fmt, shape, payload))
                 row[f"{kernel}_rel_to_twin"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         if sweep and m in (1, 8):
-            for tiles, warps, unroll in VARIANTS:  # geometry search for the tensor-core kernel
-                fn = variant(tiles, warps, unroll)
-                seconds = timed(device, lambda m=m, fn=fn, tiles=tiles, warps=warps: QM.linear_quant_mma(
-                    dxf, mma, y[:m], stream=stream, _kernel=fn, tiles=tiles, warps=warps))
-                row[f"mma_t{tiles}_w{warps}_u{unroll}_us"] = seconds * 1e6
-            print("   variants " + "  ".join(f"{k[4:-3]} {v:.1f}" for k, v in row.items() if k.startswith("mma_t")),
-                  flush=True)
+            QM.linear_quant_mma(dxf, mma, y[:m], stream=stream)
+            default_y = device.read(y[:m])
+            for tiles, warps, unroll, pipeline in VARIANTS:  # geometry search for the tensor-core kernel
+                fn = variant(tiles, warps, unroll, pipeline)
+
+                def launch_variant(m=m, fn=fn, tiles=tiles, warps=warps):
+                    QM.linear_quant_mma(dxf, mma, y[:m], stream=stream, _kernel=fn, tiles=tiles, warps=warps)
+
+                label = f"mma_t{tiles}_w{warps}_u{unroll}{'_pipe' if pipeline else ''}"
+                row[f"{label}_us"] = timed(device, launch_variant) * 1e6
+                if warps == QM.WARPS:  # the same warps sum the same blocks in the same order: the same bits
+                    launch_variant()
+                    row[f"{label}_bitwise_default"] = bool(np.array_equal(device.read(y[:m]), default_y))
+            print("   variants " + "  ".join(f"{k[4:-3]} {v:.1f}" for k, v in row.items()
+                                           if k.startswith("mma_t") and k.endswith("_us"))
+                  + ("" if all(v for k, v in row.items() if k.endswith("_bitwise_default"))
+                     else "  (A VARIANT WITH THE DEFAULT'S WARPS GAVE OTHER BITS)"), flush=True)
         rows.append(row)
         print(f"{fmt} {name:22s} M={m}: simt {row['simt_us']:7.1f} us ({row['simt_ratio_to_copy']:.2f})  "
               f"mma {row['mma_us']:7.1f} us ({row['mma_ratio_to_copy']:.2f})"

@@ -344,7 +344,7 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     the x fragments from word `x_base`, summed into warp 0's `acc` (acc[4 r + i]: C register i of tile r; the other
     warps' acc are their own partial sums). Tiles past `last_tile` reload it, so every load stays inside the matrix
@@ -355,7 +355,11 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int):
     Loads go through raw addresses (`address_of`): a block q of the weight planes, of the scales and of the x
     fragments sits q times a fixed stride past the warp's first, so a step costs one add per stream and the unrolled
     blocks are constant offsets. Steps whose `unroll` blocks all exist run unclamped; the last, partial step of a
-    warp clamps its missing blocks onto the last one (loaded, never summed), in the same order as before."""
+    warp clamps its missing blocks onto the last one (loaded, never summed), in the same order as before.
+
+    With `pipeline`, two register sets alternate: the loads of a warp's next step are issued before the mma of its
+    current one, so a warp keeps loads in flight while it computes (missing blocks are not loaded at all). The sums
+    and their order are the same: only the time of the loads moves."""
     ACC = 4 * tiles
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -372,13 +376,16 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int):
     X_BLOCK = FRAGMENT_WORDS * 4
 
     @device_function
-    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, clamp):
+    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, clamp,
+                  guard):
         """Every load of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
-        `clamp`)."""
+        `clamp`; skipped past the last one when `guard`)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
                 q = min(q, blocks - 1)
+            if guard and q >= blocks:
+                continue
             q64 = int64(q)
             for r in range(tiles):
                 w0 = 4 * (r * unroll + u)
@@ -482,16 +489,37 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int):
         x_lane = address_of(xf) + int64(x_base) * 4 + lane * 32
         for a in range(ACC):
             acc[a] = float32(0.0)
-        full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
         q0 = warp
-        while q0 < full:
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, False)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-            q0 += warps * unroll
-        while q0 < blocks:  # the warp's last step lacks blocks: at most one
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, True)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-            q0 += warps * unroll
+        if pipeline:
+            words_b = cuda.local.array(WORDS, uint32)
+            highs_b = cuda.local.array(HIGHS, uint32)
+            scale_pairs_b = cuda.local.array(SCALES, uint32)
+            xs_b = cuda.local.array(XS, uint32)
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, False,
+                      True)
+            while q0 < blocks:
+                load_step(words_b, highs_b, scale_pairs_b, xs_b, tile_base, tile_high, tile_scale, x_lane,
+                          q0 + warps * unroll, blocks, False, True)
+                step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+                q0 += warps * unroll
+                if q0 >= blocks:
+                    break
+                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane,
+                          q0 + warps * unroll, blocks, False, True)
+                step_sums(acc, words_b, highs_b, scale_pairs_b, xs_b, q0, blocks)
+                q0 += warps * unroll
+        else:
+            full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
+            while q0 < full:
+                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks,
+                          False, False)
+                step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+                q0 += warps * unroll
+            while q0 < blocks:  # the warp's last step lacks blocks: at most one
+                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks,
+                          True, False)
+                step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+                q0 += warps * unroll
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
         cuda.syncthreads()
@@ -517,11 +545,13 @@ def _partials_bytes(tiles: int, warps: int) -> int:
     return warps * 4 * tiles * 32 * 4
 
 
-def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
+def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
+                          pipeline: bool = False):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
-    blocks per warp step whose loads are all issued before the first mma of the step."""
+    blocks per warp step whose loads are all issued before the first mma of the step (`pipeline`: one step
+    ahead, `make_tile_sums`)."""
     ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
@@ -546,11 +576,12 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     return quant_mma_kernel
 
 
-def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
+def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
+                                   pipeline: bool = False):
     """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
     `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
     ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32),
             fastmath=False)
@@ -579,8 +610,9 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
     return quant_mma_gathered_kernel
 
 
-QUANT_MMA_KERNELS = {bits: make_quant_mma_kernel(bits) for bits in (4, 5, 6, 8)}
-QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
+PIPELINE = False  # load a step ahead (`make_tile_sums`): chosen by bench/quant_gemv.py --sweep-only
+QUANT_MMA_KERNELS = {bits: make_quant_mma_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
+QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,

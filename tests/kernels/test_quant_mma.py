@@ -4,6 +4,8 @@ fp32 weights), with accumulation and batch invariance."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -178,7 +180,7 @@ def test_slot_fragments_take_at_most_8_rows_of_whole_blocks():
             QM.x_slot_fragments(np.zeros(shape, np.float32), np.zeros(1024, np.uint32), stream=0)
 
 
-def _run(x, qw, y0=None, accumulate=False):
+def _run(x, qw, y0=None, accumulate=False, kernel=None):
     from ninfer.kernels_numba.numba_setup import cuda
 
     stream = cuda.stream()
@@ -187,7 +189,7 @@ def _run(x, qw, y0=None, accumulate=False):
     xf = cuda.device_array(QM.x_fragment_words(x.shape[1]), np.uint32, stream=stream)
     QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
     np.testing.assert_array_equal(xf.copy_to_host(stream=stream), QM.x_fragments_reference(x))
-    QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate)
+    QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate, _kernel=kernel)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -233,7 +235,7 @@ def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
     np.testing.assert_array_equal(got, dequantize_bf16_reference(fmt, shape, payload))
 
 
-def _run_gathered(x, qw, ids, rpe, x_per_slot):
+def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None):
     """The gathered kernel's y, after checking the fragments it read against their twin."""
     from ninfer.kernels_numba.numba_setup import cuda
 
@@ -250,7 +252,7 @@ def _run_gathered(x, qw, ids, rpe, x_per_slot):
     np.testing.assert_array_equal(xf.copy_to_host(stream=stream), want_xf)
     dy = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
     QM.linear_quant_mma_gathered(xf, qw, cuda.to_device(ids, stream=stream), dy, rows_per_expert=rpe,
-                                 x_per_slot=x_per_slot, stream=stream)
+                                 x_per_slot=x_per_slot, stream=stream, _kernel=kernel)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -276,3 +278,29 @@ def test_quant_mma_gathered_gpu_matches_the_twin_and_the_plain_kernel(fmt, m, x_
         for row in range(m):
             e = ids[row, slot]
             assert np.array_equal(got[row, slot], plain[row, e * rpe : (e + 1) * rpe]), (row, slot)
+
+
+@functools.lru_cache(maxsize=None)
+def _pipelined_kernels(bits):
+    """(plain, gathered) kernels that load a step ahead, compiled once per format."""
+    return QM.make_quant_mma_kernel(bits, pipeline=True), QM.make_quant_mma_gathered_kernel(bits, pipeline=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 33, 192), (8, 70, 1024), (3, 40, 5120), (1, 20, 17408), (5, 160, 512)])
+def test_the_pipelined_kernels_give_the_same_bits(fmt, m, n, k):
+    """Loading a step ahead moves only the loads: plain and gathered results equal the default kernels' bitwise,
+    K blocks a multiple of a step's or not."""
+    bits = QM.FORMAT_BITS[fmt]
+    rng = np.random.default_rng(m * n + k)
+    payload = _payload(rng, (n, k), fmt)
+    qw = QM.upload_quant_mma(fmt, (n, k), payload)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    plain_kernel, gathered_kernel = _pipelined_kernels(bits)
+    piped = _run(x, qw, kernel=plain_kernel)
+    np.testing.assert_array_equal(piped, _run(x, qw))
+    shape, payload, ids, xs = _gathered_problem(m + k, fmt, experts=6, rpe=48, K=k, M=m, S=4, x_per_slot=True)
+    qw = QM.upload_quant_mma(fmt, shape, payload)
+    piped = _run_gathered(xs, qw, ids, 48, True, kernel=gathered_kernel)
+    np.testing.assert_array_equal(piped, _run_gathered(xs, qw, ids, 48, True))
