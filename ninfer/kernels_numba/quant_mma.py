@@ -610,7 +610,10 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
     return quant_mma_gathered_kernel
 
 
-PIPELINE = False  # load a step ahead (`make_tile_sums`): chosen by bench/quant_gemv.py --sweep-only
+# Load a step ahead (`make_tile_sums`)? bench/quant_gemv.py --sweep-only on the H200: 1% (gate_up 34816x5120) to 11%
+# (down 5120x17408) faster alone, bitwise the same, but the whole 27B ninfer-v2 step did not gain (B=1 9.35 vs 9.14
+# ms, B=8 12.77 vs 12.88; results/quant_gemv_session5_pipeline.json): off until a step measures better with it.
+PIPELINE = False
 QUANT_MMA_KERNELS = {bits: make_quant_mma_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
 QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
 
