@@ -31,6 +31,22 @@ LAYERS = 4
 CONTEXT = 1024
 
 
+def eager_steps(device, dims, recipe: str, batch: int, steps: int, *, context: int = CONTEXT) -> list[int]:
+    """`steps` eager decode steps of the first LAYERS layers of `dims` on `device`; the greedy tokens of the last
+    one (a check that the step ran, not a result)."""
+    dims = attrs.evolve(dims, layer_types=dims.layer_types[:LAYERS], vision=None)
+    specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith(("vision/", "mtp/"))]
+    capacity = Capacity(lanes=8, max_context=context + 64, kv_dtype="bf16", prefill_rows=64, draft_tokens=0)
+    model = CudaQwen(dims, RandomDeviceWeights(specs, recipe, device), device, capacity)
+    model.allocate_kv(8 * capacity.max_pages_per_lane)
+    setup_lanes(model, batch, context)
+    tokens = None
+    for _ in range(steps):
+        tokens = model.greedy(model.head_logits(model.forward(batch, batch), batch))
+    device.synchronize()
+    return [int(t) for t in device.read(tokens)[:batch]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="27b", choices=sorted(MODELS))
@@ -38,16 +54,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    dims = attrs.evolve(MODELS[args.model], layer_types=MODELS[args.model].layer_types[:LAYERS], vision=None)
-    device = CudaDevice(0)
-    specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith(("vision/", "mtp/"))]
-    capacity = Capacity(lanes=8, max_context=CONTEXT + 64, kv_dtype="bf16", prefill_rows=64, draft_tokens=0)
-    model = CudaQwen(dims, RandomDeviceWeights(specs, args.recipe, device), device, capacity)
-    model.allocate_kv(8 * capacity.max_pages_per_lane)
-    setup_lanes(model, args.batch, CONTEXT)
-    for _ in range(args.steps):
-        model.greedy(model.head_logits(model.forward(args.batch, args.batch), args.batch))
-    device.synchronize()
+    eager_steps(CudaDevice(0), MODELS[args.model], args.recipe, args.batch, args.steps)
     print(f"{args.model} {args.recipe} B={args.batch}: {args.steps} eager steps of {LAYERS} layers", flush=True)
 
 

@@ -45,3 +45,13 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     suffix = result["suffix_prefill"]
     assert suffix["context"] == 128 and suffix["seconds"] > 0 and suffix["graph_seconds"] > 0
     assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_ncu_program_runs_its_eager_steps_on_the_host_device(moe):
+    from ninfer.backends.cuda.host import HostDevice
+
+    ncu = importlib.import_module("bench.ncu_decode")
+    dims = cuda_tiny_dims(moe=moe)
+    tokens = ncu.eager_steps(HostDevice(), dims, "ninfer-v2", 2, 1, context=70)
+    assert len(tokens) == 2 and all(0 <= t < dims.vocab_ids for t in tokens)
