@@ -27,6 +27,15 @@ REPEAT = 20
 VARIANTS = [(1, 8, 2, False), (1, 8, 2, True), (1, 8, 1, True), (1, 4, 2, True), (1, 16, 1, True), (2, 4, 2, True),
             (1, 4, 2, False)]
 _VARIANT_KERNELS: dict = {}
+WIDE_SETS = 4  # x-fragment sets of the widest kernel timed (M = 32)
+
+
+def wide_kernel(bits: int, sets: int):
+    from ninfer.kernels_numba import quant_mma as QM
+
+    if ("wide", bits, sets) not in _VARIANT_KERNELS:
+        _VARIANT_KERNELS["wide", bits, sets] = QM.make_quant_mma_kernel(bits, sets=sets)
+    return _VARIANT_KERNELS["wide", bits, sets]
 
 
 def variant(tiles: int, warps: int, unroll: int, pipeline: bool):
@@ -79,6 +88,40 @@ def eager_launches() -> None:
         device.synchronize()
 
 
+def wide_rows(device, bandwidth, fmt: str, name: str, mma, dx, dxf, y) -> list[dict]:
+    """M = 16 and 32 x rows: one launch per 8 rows (the one-set kernel, what ROW_SETS = 1 runs) against one launch
+    of the kernel over 2 or 4 fragment sets, whose rows must hold the same bits."""
+    from ninfer.kernels_numba import quant_mma as QM
+
+    out = []
+    for m in (16, 32):
+        sets = m // 8
+        fn = wide_kernel(QM.FORMAT_BITS[fmt], sets)
+        QM.x_fragments(dx[:m], dxf, stream=device.stream)
+
+        set_words = QM.x_fragment_words(dx.shape[1])
+
+        def per_set(m=m):
+            for first in range(0, m, 8):
+                QM.linear_quant_mma(dxf[first // 8 * set_words:], mma, y[first:first + 8], stream=device.stream)
+
+        def wide(m=m, fn=fn, sets=sets):
+            QM.linear_quant_mma(dxf, mma, y[:m], stream=device.stream, _kernel=fn, sets=sets)
+
+        row = {"format": fmt, "matrix": name, "rows": m, "per_set_launches_us": timed(device, per_set) * 1e6,
+               "wide_us": timed(device, wide) * 1e6}
+        per_set()
+        narrow_y = device.read(y[:m])
+        wide()
+        row["wide_bitwise_per_set"] = bool(np.array_equal(device.read(y[:m]), narrow_y))
+        row["wide_ratio_to_copy"] = mma.nbytes / (row["wide_us"] * 1e-6) / bandwidth
+        print(f"{fmt} {name:22s} M={m}: {sets} one-set launches {row['per_set_launches_us']:7.1f} us, one launch of "
+              f"{sets} sets {row['wide_us']:7.1f} us ({row['wide_ratio_to_copy']:.2f})"
+              + ("" if row["wide_bitwise_per_set"] else "  (ROWS DIFFER FROM ONE-SET LAUNCHES)"), flush=True)
+        out.append(row)
+    return out
+
+
 def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep: bool) -> list[dict]:
     from ninfer.kernels_numba import quant_linear as Q
     from ninfer.kernels_numba import quant_mma as QM
@@ -86,10 +129,10 @@ def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep
     payload = random_payload(fmt, shape, rng)
     simt = Q.upload_quant_weight(fmt, shape, payload, stream=stream)
     mma = QM.upload_quant_mma(fmt, shape, payload, stream=stream)
-    x = rng.standard_normal((8, shape[1])).astype(np.float32)
+    x = rng.standard_normal((8 * WIDE_SETS, shape[1])).astype(np.float32)
     dx = device.upload(x, "bench")
-    dxf = device.empty(QM.x_fragment_words(shape[1]), np.uint32, "bench")
-    y = device.empty((8, shape[0]), np.float32, "bench")
+    dxf = device.empty(WIDE_SETS * QM.x_fragment_words(shape[1]), np.uint32, "bench")
+    y = device.empty((8 * WIDE_SETS, shape[0]), np.float32, "bench")
     rows = []
     for m in (1, 2, 4, 8):
         row = {"format": fmt, "matrix": name, "rows": m}
@@ -130,6 +173,8 @@ def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep
               f"mma {row['mma_us']:7.1f} us ({row['mma_ratio_to_copy']:.2f})"
               + (f"  rel simt {row['simt_rel_to_twin']:.1e} mma {row['mma_rel_to_twin']:.1e}" if m == 1 else ""),
               flush=True)
+    if sweep:
+        rows += wide_rows(device, bandwidth, fmt, name, mma, dx, dxf, y)
     return rows
 
 

@@ -52,7 +52,11 @@ from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 TILE_ROWS = 16
 BLOCK = 64  # columns per (tile, block) fragment set: 4 mma k-steps
-MAX_X_ROWS = 8  # the mma's N dimension
+MAX_X_ROWS = 8  # the mma's N dimension: x rows per fragment set
+# Fragment sets (8 x rows each) one plain launch multiplies by each decoded weight fragment: rows 9..8 ROW_SETS (MTP
+# verify at batch >= 3, short prefill chunks) then read the weights once instead of once per 8 rows. 1 until the
+# wider kernels have run on a GPU (tests/kernels/test_quant_mma.py checks them bitwise against one set).
+ROW_SETS = 1
 WARPS = 8
 TILES = 1
 UNROLL = 2
@@ -294,14 +298,18 @@ def check_fragment_output(rows: int, width: int, fragments, sets: int = 1) -> No
 
 @kernel((float32[:, ::1], uint32[::1]), fastmath=False)
 def _x_fragments_kernel(x, out):
-    """out[i] = the bf16 pair of `fragment_source(i)` (0 for rows g >= M)."""
+    """out[i] = the bf16 pair of `fragment_source` of word i of set i // set_words (x rows 8 set .. 8 set + 7; 0 for
+    rows >= M)."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i >= out.shape[0]:
         return
-    g, col = fragment_source(i)
+    set_words = int32(x.shape[1] * (FRAGMENT_WORDS // BLOCK))
+    fragment_set = int32(i) // set_words
+    g, col = fragment_source(int32(i) - fragment_set * set_words)
+    row = fragment_set * MAX_X_ROWS + g
     word = uint32(0)
-    if g < x.shape[0]:
-        word = bf16_pair(x[g, col], x[g, col + 1])
+    if row < x.shape[0]:
+        word = bf16_pair(x[row, col], x[row, col + 1])
     out[i] = word
 
 
@@ -320,13 +328,20 @@ def _x_slot_fragments_kernel(x, out):
     out[slot * set_words + i] = word
 
 
+def x_sets(rows: int) -> int:
+    """Fragment sets (8 x rows each) that hold `rows` rows (at least one)."""
+    return max(1, -(-int(rows) // MAX_X_ROWS))
+
+
 def x_fragments(x, out, *, stream) -> None:
-    """x (fp32 [M <= 8, K]) rounded to bf16 into the mma B-fragment order `linear_quant_mma` reads (out: uint32
-    [x_fragment_words(K)]). One launch serves every tensor-core layer that reads the same x."""
+    """x (fp32 [M, K]) rounded to bf16 into the mma B-fragment order `linear_quant_mma` reads: set s (x rows 8 s ..
+    8 s + 7) at word s * x_fragment_words(K) (out: uint32 [x_sets(M) * x_fragment_words(K)]). One launch serves
+    every tensor-core layer that reads the same x."""
     M, K = x.shape
-    if M > MAX_X_ROWS or out.shape[0] < x_fragment_words(K):
-        raise ValueError(f"x fragments: x{tuple(x.shape)} (M <= 8) into {out.shape[0]} words")
-    words = x_fragment_words(K)
+    words = x_sets(M) * x_fragment_words(K)
+    if K % BLOCK or out.shape[0] < words:
+        raise ValueError(f"x fragments: x{tuple(x.shape)} (K % {BLOCK} == 0) into {out.shape[0]} words ({words} "
+                         f"needed)")
     _x_fragments_kernel[math.ceil(words / 256), 256, stream](x, out[:words])
 
 
@@ -344,10 +359,11 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False, sets: int = 1):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
-    the x fragments from word `x_base`, summed into warp 0's `acc` (acc[4 r + i]: C register i of tile r; the other
-    warps' acc are their own partial sums). Tiles past `last_tile` reload it, so every load stays inside the matrix
+    `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
+    (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
+    Each weight fragment is decoded once and multiplied by every set: a set's sums are those a one-set block gives. Tiles past `last_tile` reload it, so every load stays inside the matrix
     (or inside one expert's rows); the caller drops their sums. Warp w takes the K blocks w, w + warps, ..., `unroll`
     blocks per step whose loads are all issued before the step's first mma; the warps' sums meet in `partials`
     (shared, warps * 4 * tiles * 32 floats) and are added in warp order.
@@ -360,13 +376,14 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
     With `pipeline`, two register sets alternate: the loads of a warp's next step are issued before the mma of its
     current one, so a warp keeps loads in flight while it computes (missing blocks are not loaded at all). The sums
     and their order are the same: only the time of the loads moves."""
-    ACC = 4 * tiles
+    ACC = 4 * tiles * sets
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
     WORDS = 4 * tiles * unroll
     HIGHS = HW * tiles * unroll
     SCALES = SW * tiles * unroll
-    XS = 8 * unroll
+    XS = 8 * unroll * sets  # xs[8 (u sets + s) + w]: word w of block u's fragments of set s
+    CHAIN = 4 * sets  # an mma chain's C registers, per set
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)  # W8: the high nibble's offset
     MINUS_LOW = _minus_pair(0)
     # bytes per K block of each stream, for one lane's slot of a (tile, block)
@@ -376,8 +393,8 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
     X_BLOCK = FRAGMENT_WORDS * 4
 
     @device_function
-    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, clamp,
-                  guard):
+    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
+                  clamp, guard):
         """Every load of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
         `clamp`; skipped past the last one when `guard`)."""
         for u in range(unroll):
@@ -402,16 +419,20 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                         highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load_words4_at(at)
                 for k in range(SW):
                     scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
-            at = x_lane + q64 * X_BLOCK
-            xs[8 * u], xs[8 * u + 1], xs[8 * u + 2], xs[8 * u + 3] = load_words4_at(at)
-            xs[8 * u + 4], xs[8 * u + 5], xs[8 * u + 6], xs[8 * u + 7] = load_words4_at(at + 16)
+            for t in range(sets):
+                at = x_lane + t * set_bytes + q64 * X_BLOCK
+                x0 = 8 * (u * sets + t)
+                xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
+                xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
 
     @device_function
     def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
         """Add the step's blocks (those that exist) to acc: per tile and block, the mma chain of its k-steps times
-        the block's scales."""
+        the block's scales, for each set (the A fragment of a k-step decoded once)."""
         minus = uint32(MINUS)
         minus_low = uint32(MINUS_LOW)
+        chain = cuda.local.array(CHAIN, float32)
+        chain_low = cuda.local.array(CHAIN, float32)  # W8: the low nibbles' chain
         for u in range(unroll):
             if q0 + u * warps < blocks:
                 for r in range(tiles):
@@ -419,37 +440,41 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                     h0 = HW * (r * unroll + u)
                     if bits == 8:
                         for k in range(2):  # two 32-column scale groups, two k-steps each
-                            c0 = float32(0.0)
-                            c1 = float32(0.0)
-                            c2 = float32(0.0)
-                            c3 = float32(0.0)
-                            d0 = float32(0.0)
-                            d1 = float32(0.0)
-                            d2 = float32(0.0)
-                            d3 = float32(0.0)
+                            for c in range(CHAIN):
+                                chain[c] = float32(0.0)
+                                chain_low[c] = float32(0.0)
                             for jj in range(2):
                                 j = 2 * k + jj
                                 hw = highs[h0 + j]
                                 lw = words[w0 + j]
-                                b0 = xs[8 * u + 2 * j]
-                                b1 = xs[8 * u + 2 * j + 1]
-                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
-                                    nibble_pair(hw, 0, minus), nibble_pair(hw, 1, minus),
-                                    nibble_pair(hw, 2, minus), nibble_pair(hw, 3, minus), b0, b1, c0, c1, c2, c3)
-                                d0, d1, d2, d3 = mma_bf16_m16n8k16(
-                                    nibble_pair(lw, 0, minus_low), nibble_pair(lw, 1, minus_low),
-                                    nibble_pair(lw, 2, minus_low), nibble_pair(lw, 3, minus_low), b0, b1,
-                                    d0, d1, d2, d3)
+                                a0 = nibble_pair(hw, 0, minus)
+                                a1 = nibble_pair(hw, 1, minus)
+                                a2 = nibble_pair(hw, 2, minus)
+                                a3 = nibble_pair(hw, 3, minus)
+                                e0 = nibble_pair(lw, 0, minus_low)
+                                e1 = nibble_pair(lw, 1, minus_low)
+                                e2 = nibble_pair(lw, 2, minus_low)
+                                e3 = nibble_pair(lw, 3, minus_low)
+                                for t in range(sets):
+                                    b0 = xs[8 * (u * sets + t) + 2 * j]
+                                    b1 = xs[8 * (u * sets + t) + 2 * j + 1]
+                                    chain[4 * t], chain[4 * t + 1], chain[4 * t + 2], chain[4 * t + 3] = (
+                                        mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, chain[4 * t], chain[4 * t + 1],
+                                                          chain[4 * t + 2], chain[4 * t + 3]))
+                                    (chain_low[4 * t], chain_low[4 * t + 1], chain_low[4 * t + 2],
+                                     chain_low[4 * t + 3]) = mma_bf16_m16n8k16(
+                                        e0, e1, e2, e3, b0, b1, chain_low[4 * t], chain_low[4 * t + 1],
+                                        chain_low[4 * t + 2], chain_low[4 * t + 3])
                             s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u) + k])
-                            acc[4 * r] += s_lo * (float32(16.0) * c0 + d0)
-                            acc[4 * r + 1] += s_lo * (float32(16.0) * c1 + d1)
-                            acc[4 * r + 2] += s_hi * (float32(16.0) * c2 + d2)
-                            acc[4 * r + 3] += s_hi * (float32(16.0) * c3 + d3)
+                            for t in range(sets):
+                                a = 4 * (t * tiles + r)
+                                acc[a] += s_lo * (float32(16.0) * chain[4 * t] + chain_low[4 * t])
+                                acc[a + 1] += s_lo * (float32(16.0) * chain[4 * t + 1] + chain_low[4 * t + 1])
+                                acc[a + 2] += s_hi * (float32(16.0) * chain[4 * t + 2] + chain_low[4 * t + 2])
+                                acc[a + 3] += s_hi * (float32(16.0) * chain[4 * t + 3] + chain_low[4 * t + 3])
                     else:
-                        c0 = float32(0.0)
-                        c1 = float32(0.0)
-                        c2 = float32(0.0)
-                        c3 = float32(0.0)
+                        for c in range(CHAIN):
+                            chain[c] = float32(0.0)
                         hw0 = uint32(0)
                         hw1 = uint32(0)
                         if bits == 5:
@@ -459,15 +484,22 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                             hw1 = highs[h0 + 1]
                         for j in range(4):
                             w = words[w0 + j]
-                            c0, c1, c2, c3 = mma_bf16_m16n8k16(
-                                code_pair(w, hw0, hw1, j, 0, bits, minus), code_pair(w, hw0, hw1, j, 1, bits, minus),
-                                code_pair(w, hw0, hw1, j, 2, bits, minus), code_pair(w, hw0, hw1, j, 3, bits, minus),
-                                xs[8 * u + 2 * j], xs[8 * u + 2 * j + 1], c0, c1, c2, c3)
+                            a0 = code_pair(w, hw0, hw1, j, 0, bits, minus)
+                            a1 = code_pair(w, hw0, hw1, j, 1, bits, minus)
+                            a2 = code_pair(w, hw0, hw1, j, 2, bits, minus)
+                            a3 = code_pair(w, hw0, hw1, j, 3, bits, minus)
+                            for t in range(sets):
+                                chain[4 * t], chain[4 * t + 1], chain[4 * t + 2], chain[4 * t + 3] = (
+                                    mma_bf16_m16n8k16(a0, a1, a2, a3, xs[8 * (u * sets + t) + 2 * j],
+                                                      xs[8 * (u * sets + t) + 2 * j + 1], chain[4 * t],
+                                                      chain[4 * t + 1], chain[4 * t + 2], chain[4 * t + 3]))
                         s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u)])
-                        acc[4 * r] += s_lo * c0
-                        acc[4 * r + 1] += s_lo * c1
-                        acc[4 * r + 2] += s_hi * c2
-                        acc[4 * r + 3] += s_hi * c3
+                        for t in range(sets):
+                            a = 4 * (t * tiles + r)
+                            acc[a] += s_lo * chain[4 * t]
+                            acc[a + 1] += s_lo * chain[4 * t + 1]
+                            acc[a + 2] += s_hi * chain[4 * t + 2]
+                            acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @device_function
     def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
@@ -487,6 +519,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
             tile_high[r] = address_of(high) + at * HIGH_BLOCK + lane * (HW * 4)
             tile_scale[r] = address_of(scales) + at * SCALE_BLOCK + g * 4
         x_lane = address_of(xf) + int64(x_base) * 4 + lane * 32
+        set_bytes = int64(blocks) * X_BLOCK  # one fragment set (8 x rows) of K
         for a in range(ACC):
             acc[a] = float32(0.0)
         q0 = warp
@@ -495,29 +528,29 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
             highs_b = cuda.local.array(HIGHS, uint32)
             scale_pairs_b = cuda.local.array(SCALES, uint32)
             xs_b = cuda.local.array(XS, uint32)
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks, False,
-                      True)
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False, True)
             while q0 < blocks:
                 load_step(words_b, highs_b, scale_pairs_b, xs_b, tile_base, tile_high, tile_scale, x_lane,
-                          q0 + warps * unroll, blocks, False, True)
+                          set_bytes, q0 + warps * unroll, blocks, False, True)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
                 if q0 >= blocks:
                     break
                 load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane,
-                          q0 + warps * unroll, blocks, False, True)
+                          set_bytes, q0 + warps * unroll, blocks, False, True)
                 step_sums(acc, words_b, highs_b, scale_pairs_b, xs_b, q0, blocks)
                 q0 += warps * unroll
         else:
             full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
             while q0 < full:
-                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks,
-                          False, False)
+                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                          blocks, False, False)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
             while q0 < blocks:  # the warp's last step lacks blocks: at most one
-                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, q0, blocks,
-                          True, False)
+                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                          blocks, True, False)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
         for a in range(ACC):
@@ -540,18 +573,19 @@ def c_position(a, lane):
     return (a >> 2) * TILE_ROWS + (lane >> 2) + 8 * ((a & 3) >> 1), 2 * (lane & 3) + (a & 1)
 
 
-def _partials_bytes(tiles: int, warps: int) -> int:
+def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
     """Dynamic shared memory of a block (`make_tile_sums`)."""
-    return warps * 4 * tiles * 32 * 4
+    return warps * 4 * tiles * sets * 32 * 4
 
 
 def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                          pipeline: bool = False):
+                          pipeline: bool = False, sets: int = 1):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
     blocks per warp step whose loads are all issued before the first mma of the step (`pipeline`: one step
-    ahead, `make_tile_sums`)."""
-    ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline)
+    ahead, `make_tile_sums`), for up to 8 `sets` x rows (x row m: column m % 8 of set m // 8)."""
+    TILE_ACC = 4 * tiles
+    ACC = TILE_ACC * sets
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, sets)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
@@ -565,7 +599,8 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
             for a in range(ACC):
-                row, m = c_position(a, lane)
+                row, column = c_position(a % TILE_ACC, lane)
+                m = MAX_X_ROWS * (a // TILE_ACC) + column
                 n = tile0 * TILE_ROWS + row
                 if m < M and n < N:
                     if accumulate != 0:
@@ -614,23 +649,29 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
 # (down 5120x17408) faster alone, bitwise the same, but the whole 27B ninfer-v2 step did not gain (B=1 9.35 vs 9.14
 # ms, B=8 12.77 vs 12.88; results/quant_gemv_session5_pipeline.json): off until a step measures better with it.
 PIPELINE = False
-QUANT_MMA_KERNELS = {bits: make_quant_mma_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
+QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, pipeline=PIPELINE, sets=sets)
+                     for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
 QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
-                     tiles: int = TILES, warps: int = WARPS) -> None:
-    """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8, x given as its fragments (`x_fragments`). Capture-safe."""
+                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None) -> None:
+    """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8 ROW_SETS, x given as its fragments (`x_fragments`): one
+    launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe. (`_kernel`
+    with `sets`: a variant from `make_quant_mma_kernel`, for benchmarks and tests.)"""
     M, N = y.shape
     K = qw.shape[1]
-    if N != qw.shape[0] or M > MAX_X_ROWS or xf.shape[0] < x_fragment_words(K):
-        raise ValueError(f"tensor-core linear: W{qw.shape} y{tuple(y.shape)} (M <= 8), {xf.shape[0]} x words")
+    sets = x_sets(M) if sets is None else sets
+    if N != qw.shape[0] or M > MAX_X_ROWS * sets or xf.shape[0] < sets * x_fragment_words(K) or (
+            _kernel is None and sets > ROW_SETS):
+        raise ValueError(f"tensor-core linear: W{qw.shape} y{tuple(y.shape)} (M <= {MAX_X_ROWS * ROW_SETS}), "
+                         f"{xf.shape[0]} x words")
     if M == 0:
         return
-    fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt]]
+    fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt], sets]
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[grid, 32 * warps, stream, _partials_bytes(tiles, warps)](xf, qw.base, qw.high, qw.scales, y,
-                                                               int32(qw.blocks), int32(1 if accumulate else 0))
+    fn[grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets)](
+        xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(1 if accumulate else 0))
 
 
 def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape: tuple[int, int],
@@ -737,8 +778,11 @@ def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream) -> None:
 # ---- NumPy twins ---------------------------------------------------------------------------------------------------
 
 def x_fragments_reference(x: np.ndarray) -> np.ndarray:
-    """`x_fragments` on the host: uint32 [x_fragment_words(K)]."""
+    """`x_fragments` on the host: uint32 [x_sets(M) * x_fragment_words(K)]."""
     M, K = x.shape
+    if M > MAX_X_ROWS:
+        return np.concatenate([x_fragments_reference(x[first:first + MAX_X_ROWS])
+                               for first in range(0, M, MAX_X_ROWS)])
     bits = np.zeros((MAX_X_ROWS, K), np.uint32)
     bits[:M] = codec.f32_to_bf16_bits(np.asarray(x, np.float32))
     lane, j, b = np.meshgrid(np.arange(32), np.arange(4), np.arange(2), indexing="ij")
@@ -764,7 +808,11 @@ def x_slot_fragments_reference(x: np.ndarray) -> np.ndarray:
 
 def x_from_fragments(xf: np.ndarray, rows: int, K: int) -> np.ndarray:
     """The bf16 x (as fp32 [rows, K]) that `x_fragments` wrote into `xf` (the inverse of its twin)."""
-    words = np.asarray(xf[: x_fragment_words(K)], np.uint32).reshape(K // BLOCK, 32, 4, 2)
+    words_per_set = x_fragment_words(K)
+    if rows > MAX_X_ROWS:
+        return np.concatenate([x_from_fragments(xf[s * words_per_set:], min(MAX_X_ROWS, rows - s * MAX_X_ROWS), K)
+                               for s in range(x_sets(rows))])
+    words = np.asarray(xf[:words_per_set], np.uint32).reshape(K // BLOCK, 32, 4, 2)
     bits = np.zeros((MAX_X_ROWS, K), np.uint32)
     lane, j, b = np.meshgrid(np.arange(32), np.arange(4), np.arange(2), indexing="ij")
     g, cols = lane // 4, 16 * j + 2 * (lane % 4) + 8 * b

@@ -304,3 +304,63 @@ def test_the_pipelined_kernels_give_the_same_bits(fmt, m, n, k):
     qw = QM.upload_quant_mma(fmt, shape, payload)
     piped = _run_gathered(xs, qw, ids, 48, True, kernel=gathered_kernel)
     np.testing.assert_array_equal(piped, _run_gathered(xs, qw, ids, 48, True))
+
+
+def test_fragment_sets_hold_eight_rows_each():
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((19, 128)).astype(np.float32)
+    words = QM.x_fragments_reference(x)
+    assert QM.x_sets(19) == 3 and QM.x_sets(0) == 1
+    assert words.shape == (3 * QM.x_fragment_words(128),)
+    for s in range(3):
+        one = QM.x_fragments_reference(x[8 * s:8 * s + 8])
+        np.testing.assert_array_equal(words[s * one.size:(s + 1) * one.size], one)
+    np.testing.assert_array_equal(QM.x_from_fragments(words, 19, 128), QM.bf16_rounded(x))
+
+
+def test_the_host_twin_takes_at_most_one_launchs_rows():
+    from ninfer.backends.cuda import host_kernels as hk
+
+    rows = QM.MAX_X_ROWS * QM.ROW_SETS + 1
+    payload = _payload(np.random.default_rng(32), (16, 64), QM.Q4G64)
+    qw = hk.upload_quant_mma(QM.Q4G64, (16, 64), payload)
+    xf = QM.x_fragments_reference(np.ones((rows, 64), np.float32))
+    with pytest.raises(ValueError, match="tensor-core linear"):
+        hk.linear_quant_mma(xf, qw, np.zeros((rows, 16), np.float32), stream=None)
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_kernel(bits, sets):
+    return QM.make_quant_mma_kernel(bits, sets=sets)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,sets", [(9, 2), (16, 2), (17, 4), (32, 4)])
+@pytest.mark.parametrize("n,k", [(70, 1024), (40, 5120)])
+def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
+    """A launch over several fragment sets decodes each weight fragment once for all of them; every row's result is
+    bitwise what a one-set launch gives it (and the twin's within float tolerance), accumulation included."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    rng = np.random.default_rng(m * sets + n + k)
+    payload = _payload(rng, (n, k), fmt)
+    qw = QM.upload_quant_mma(fmt, (n, k), payload)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y0 = rng.standard_normal((m, n)).astype(np.float32)
+    stream = cuda.stream()
+    xf = cuda.device_array(sets * QM.x_fragment_words(k), np.uint32, stream=stream)
+    QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
+    np.testing.assert_array_equal(xf.copy_to_host(stream=stream)[:QM.x_sets(m) * QM.x_fragment_words(k)],
+                                  QM.x_fragments_reference(x))
+    results = []
+    for accumulate in (False, True):
+        dy = cuda.to_device(y0 if accumulate else np.full((m, n), np.nan, np.float32), stream=stream)
+        QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate,
+                            _kernel=_wide_kernel(QM.FORMAT_BITS[fmt], sets), sets=sets)
+        results.append(dy.copy_to_host(stream=stream))
+    stream.synchronize()
+    wide, wide_acc = results
+    one_set = np.concatenate([_run(x[first:first + 8], qw) for first in range(0, m, 8)])
+    np.testing.assert_array_equal(wide, one_set)
+    assert _rel(wide_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5

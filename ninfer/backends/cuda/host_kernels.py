@@ -85,10 +85,13 @@ def upload_quant_mma_planes(fmt, shape, planes, *, stream=0) -> QuantMmaWeight:
 
 
 x_fragment_words = _quant_mma.x_fragment_words
+ROW_SETS = _quant_mma.ROW_SETS
 
 
 def x_fragments(x, out, *, stream):
-    words = _quant_mma.x_fragment_words(x.shape[1])
+    words = _quant_mma.x_sets(x.shape[0]) * _quant_mma.x_fragment_words(x.shape[1])
+    if out.shape[0] < words:
+        raise ValueError(f"x fragments: x{tuple(x.shape)} into {out.shape[0]} words ({words} needed)")
     out[:words] = _quant_mma.x_fragments_reference(x)
 
 
@@ -99,6 +102,9 @@ def x_slot_fragments(x, out, *, stream):
 
 def linear_quant_mma(xf, qw, y, *, stream, accumulate=False):
     rows, K = y.shape[0], qw.shape[1]
+    if rows > _quant_mma.MAX_X_ROWS * ROW_SETS or xf.shape[0] < _quant_mma.x_sets(rows) * x_fragment_words(K):
+        raise ValueError(f"tensor-core linear: y{tuple(y.shape)} (at most {_quant_mma.MAX_X_ROWS * ROW_SETS} rows), "
+                         f"{xf.shape[0]} x words")
     out = row_linear(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded())
     y[...] = (y + out) if accumulate else out
 

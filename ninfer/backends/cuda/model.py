@@ -39,7 +39,7 @@ from ninfer.models.dflash import DFlashMismatchError
 from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
 
 SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
-MMA_ROWS = 8  # activation rows per tensor-core quantized launch (the mma's N)
+MMA_ROWS = 8  # activation rows per x-fragment set (the mma's N); a plain launch takes k.ROW_SETS sets
 PAGE_TOKENS = 64
 # A prefill chunk of at most SKINNY_ROWS rows whose rows x keys stay within this bound runs the decode path (decode
 # attention, each row over the lane's pages; the gathered MoE route) and is captured as a graph keyed by its row
@@ -562,11 +562,12 @@ class Linear:
             return
         if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if _tensor_core(w):
-                if x_fragments is not None and rows <= MMA_ROWS:  # the producer of x wrote them
+                launch_rows = MMA_ROWS * k.ROW_SETS
+                if x_fragments is not None and rows <= launch_rows:  # the producer of x wrote them
                     k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate)
                     return
-                for first in range(0, rows, MMA_ROWS):  # each row's result is independent of its neighbours
-                    last = min(rows, first + MMA_ROWS)
+                for first in range(0, rows, launch_rows):  # each row's result is independent of its neighbours
+                    last = min(rows, first + launch_rows)
                     k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
                     k.linear_quant_mma(self._ws.x_fragments, w, y[first:last], stream=stream, accumulate=accumulate)
             elif is_quantized(w):
@@ -617,8 +618,8 @@ class Linear:
         if accumulate or len(w.parts) != 2:
             raise ValueError("a split projection must have two blocks and overwrite its output")
         capacity, outputs = min(x.shape[0], y.shape[0]), []
-        if x_fragments is None and self.fragment_input(rows, w) is not None:  # one conversion for both blocks
-            x_fragments = self.fragment_input(rows, w)
+        if x_fragments is None and rows <= MMA_ROWS * self._k.ROW_SETS and self._reads_fragments(w, rows):
+            x_fragments = self._ws.x_fragments  # one conversion for both blocks
             self._k.x_fragments(x[:rows], x_fragments, stream=self._device.stream)
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
             out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
@@ -762,9 +763,9 @@ class CudaQwen:
         return max([m.shape[0] * m.shape[1] for m in self._matrices() if is_quantized(m)], default=0)
 
     def _fragment_words(self) -> int:
-        """x-fragment words of the widest input a tensor-core quantized matrix reads."""
+        """x-fragment words of the widest input a tensor-core quantized matrix reads, for the sets of one launch."""
         widths = [m.shape[1] for m in (*self._matrices(), self.head) if _tensor_core(m)]
-        return self.k.x_fragment_words(max(widths)) if widths else 0
+        return self.k.ROW_SETS * self.k.x_fragment_words(max(widths)) if widths else 0
 
     def _slot_fragment_words(self) -> int:
         """x-fragment words of the per-slot inputs of the MoE down projections, when they are tensor-core: one set
