@@ -4,7 +4,8 @@ timed apart), x rows 1/2/4/8, each launch captured 20 times in one graph. Report
 weight bytes read per second, the ratio to the measured copy bandwidth and, at M = 1, the relative difference of
 each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on two shapes.
 
-Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OUT/quant_gemv.json (bench/results without OUT).
+Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OUT/quant_gemv.json (bench/results
+without OUT).
 """
 
 from __future__ import annotations

@@ -197,6 +197,22 @@ def test_short_prefill_chunks_replay_graphs_with_the_tokens_of_the_tiled_path(de
         assert_same_or_near_tie(g, w, cpu, p)
 
 
+def test_a_bounded_graph_cache_frees_old_shapes_and_changes_no_token(device_kind, artifacts):
+    """With room for 2 shapes beyond the pinned decode graphs, a run through many shapes (prefill lengths, verify
+    rounds, MTP head) frees the least recently used ones and recaptures them when they return; tokens are those of
+    the unbounded cache."""
+    path = artifacts[("dense", "bf16")]
+    prompts = [prompt(1, 40), prompt(2, 90), prompt(3, 23)]
+    want = run_lanes(cuda_build(device_kind, path, draft_tokens=3).runner, prompts, 16, chunk=32)
+    bounded = cuda_build(device_kind, path, draft_tokens=3)
+    bounded.runner._graphs.spare = 2
+    assert run_lanes(bounded.runner, prompts, 16, chunk=32) == want
+    cache = bounded.runner._graphs
+    assert cache.evictions > 0
+    pinned = {("decode", size, size, False) for size in range(1, bounded.runner.info.lanes + 1)}
+    assert pinned <= set(cache) and len(cache) <= len(pinned) + 2
+
+
 def test_the_short_prefill_bound(device_kind, artifacts):
     from ninfer.backends.cuda.model import SHORT_PREFILL_ROW_KEYS, SKINNY_ROWS
 

@@ -672,7 +672,8 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
         decode_split_kernel[(splits, kv_heads, rows), DECODE_WARPS * 32, stream](
             q, page_tables, row_lane, row_pos, k_pool, v_pool, ks, vs, partials,
             *_i32(heads, kv_heads, head_dim, quant))
-    decode_combine_kernel[(rows, heads), head_dim, stream](partials, qkgv, row_pos, out, *_i32(heads, kv_heads, head_dim))
+    decode_combine_kernel[(rows, heads), head_dim, stream](partials, qkgv, row_pos, out,
+                                                           *_i32(heads, kv_heads, head_dim))
 
 
 def _gather_kv(page_tables, lane, length, k_pool, v_pool, k_scale, v_scale):

@@ -363,10 +363,11 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
-    Each weight fragment is decoded once and multiplied by every set: a set's sums are those a one-set block gives. Tiles past `last_tile` reload it, so every load stays inside the matrix
-    (or inside one expert's rows); the caller drops their sums. Warp w takes the K blocks w, w + warps, ..., `unroll`
-    blocks per step whose loads are all issued before the step's first mma; the warps' sums meet in `partials`
-    (shared, warps * 4 * tiles * 32 floats) and are added in warp order.
+    Each weight fragment is decoded once and multiplied by every set: a set's sums are those a one-set block gives.
+    Tiles past `last_tile` reload it, so every load stays inside the matrix (or inside one expert's rows); the
+    caller drops their sums. Warp w takes the K blocks w, w + warps, ..., `unroll` blocks per step whose loads are
+    all issued before the step's first mma; the warps' sums meet in `partials` (shared, warps * 4 * tiles * sets * 32
+    floats) and are added in warp order.
 
     Loads go through raw addresses (`address_of`): a block q of the weight planes, of the scales and of the x
     fragments sits q times a fixed stride past the warp's first, so a step costs one add per stream and the unrolled

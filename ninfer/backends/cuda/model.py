@@ -731,7 +731,8 @@ class CudaQwen:
         self.count_ids = device.zeros(decode_rows, np.int32, "inputs")
         self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
         cublas = capacity.decode_linear == "cublas"
-        self.linear = Linear(device, self.workspace, cublas_decode=cublas, pad_rows=capacity.decode_rows if cublas else 0)
+        self.linear = Linear(device, self.workspace, cublas_decode=cublas,
+                             pad_rows=capacity.decode_rows if cublas else 0)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
 
     @property

@@ -7,9 +7,10 @@ step by its lane count, and a DFlash drafter call by its lane and block counts. 
 eagerly (compiling the kernels) and captures the graph for the next one; ordinary decode graphs are captured at
 startup. A short prefill chunk (`CudaQwen.short_prefill`: at most 64 rows, few enough keys) runs the decode path
 and is captured by its row count, as is the MTP head over its columns; longer chunks, and chunks with Vision
-embeddings, run eagerly with the tiled prefill attention. The host keeps only what the engine contract needs per lane: the page table,
-the sampler, the drafts, whether the last round verified and, with DFlash, how far the drafter's context reaches;
-all tensors stay on the device.
+embeddings, run eagerly with the tiled prefill attention. Graphs other than startup's are kept up to a bound, least
+recently used freed first (`GraphCache`). The host keeps only what the engine contract needs per lane: the page
+table, the sampler, the drafts, whether the last round verified and, with DFlash, how far the drafter's context
+reaches; all tensors stay on the device.
 
 DFlash rounds follow the CPU runner (`ninfer.backends.cpu.runner`): a decode call starts with one drafter call that
 projects every batch lane's pending committed columns into its context (k+1 context rows a lane, those past its
@@ -28,6 +29,7 @@ import attrs
 import numpy as np
 
 from ninfer.backends.cpu.dflash import DFlashContextError
+from ninfer.backends.cuda.graph_cache import GraphCache
 from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, PAGE_TOKENS, CudaQwen, PrefillSpan
 from ninfer.engine.cold_tier import ParkedArray
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillChunk, PrefillResult, RunnerInfo,
@@ -89,7 +91,7 @@ class CudaRunner:
                                vocab_ids=dims.vocab_ids, draft_tokens=draft_tokens,
                                kv_bytes_per_token=model.kv_bytes_per_token, vision=vision_tower is not None)
         self._lanes = [_Lane() for _ in range(cap.lanes)]
-        self._graphs: dict[tuple, Any] = {}  # step shape -> captured graph
+        self._graphs = GraphCache()  # step shape -> captured graph (bounded: graph_cache.py)
 
     # ---- state operations ----
 
@@ -355,20 +357,22 @@ class CudaRunner:
                                     row_lane=lanes, row_pos=np.zeros(size), seg_lane=lanes, seg_row=lanes,
                                     seg_count=np.ones(size), seg_record=np.zeros(size))
             if ("decode", size, size, False) not in self._graphs:
-                self._step(("decode", size, size, False), lambda size=size: self._decode_step(size, size))
+                self._step(("decode", size, size, False), lambda size=size: self._decode_step(size, size),
+                           pinned=True)
 
     # ---- internals ----
 
-    def _step(self, key: tuple, body: Any) -> None:
+    def _step(self, key: tuple, body: Any, *, pinned: bool = False) -> None:
         """Run a decode-time step: replay its graph, or run it eagerly once (that call's real work, which also
-        compiles its kernels) and capture it for the next call. Capturing records without executing."""
+        compiles its kernels) and capture it for the next call. Capturing records without executing. `pinned`
+        graphs (startup's decode graphs) are never freed; others may be (`GraphCache`)."""
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay(self._model.device.stream_handle)
             return
         body()
         if self._graphs_on:
-            self._graphs[key] = self._model.device.capture(body)
+            self._graphs.add(key, self._model.device.capture(body), pinned=pinned)
 
     def _decode_step(self, rows: int, segments: int, sampled: bool = False) -> None:
         """A decode or verify round: decoder, head, argmax, and the penalised top candidates when a row samples."""
