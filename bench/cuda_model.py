@@ -193,15 +193,20 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
             step()
             device.synchronize()
+            free_before = device.info.free_bytes
             graph = device.capture(step)
+            device.synchronize()
+            graph_bytes = max(0, free_before - device.info.free_bytes)  # what one captured step holds on the device
             times = event_time(device.stream, lambda: graph.replay(device.stream_handle), repeats)
             seconds = float(np.median(times[3:]))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
             decode.append({"linear": linear, "batch": batch, "step_ms": seconds * 1e3, "tok_s": batch / seconds,
-                           "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds})
+                           "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
+                           "graph_device_bytes": graph_bytes})
             print(f"  decode [{linear}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
-                  f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}", flush=True)
+                  f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
+                  f"MiB", flush=True)
             if profile and batch in (1, 8) and linear in ("cublas", "kernels"):
                 from bench.kernel_profile import print_profile, profile_replays
 

@@ -39,7 +39,7 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     assert result["decode_quant"] == decode_quant
     assert [(row["linear"], row["batch"]) for row in result["decode"]] == [
         (linear, batch) for linear in ("kernels", "cublas") for batch in (1, 2, 4, 8)]
-    assert all(row["bytes"] > 0 and row["step_ms"] > 0 for row in result["decode"])
+    assert all(row["bytes"] > 0 and row["step_ms"] > 0 and row["graph_device_bytes"] >= 0 for row in result["decode"])
     assert [row["attention"] for row in result["prefill"]] == ["kernel", "gemm"]
     assert all(row["tokens"] == 128 and row["flops"] > 0 for row in result["prefill"])
     suffix = result["suffix_prefill"]
