@@ -399,7 +399,7 @@ def merge_partials(partials, r, h, d, splits):
     values = cuda.local.array(MERGE_LOADS, float32)
     total_l = float32(0.0)
     total_a = float32(0.0)
-    for s0 in range(0, 32, MERGE_LOADS):
+    for s0 in range(0, MAX_SPLITS, MERGE_LOADS):
         for i in range(MERGE_LOADS):  # in bounds whatever `splits`: unused loads are never summed
             values[i] = partials[r, h, min(s0 + i, last), 2 + d]
         for i in range(MERGE_LOADS):

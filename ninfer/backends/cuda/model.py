@@ -562,12 +562,11 @@ class Linear:
             return
         if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if _tensor_core(w):
-                launch_rows = MMA_ROWS * k.ROW_SETS
-                if x_fragments is not None and rows <= launch_rows:  # the producer of x wrote them
+                if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
                     k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate)
                     return
-                for first in range(0, rows, launch_rows):  # each row's result is independent of its neighbours
-                    last = min(rows, first + launch_rows)
+                for first in range(0, rows, self.mma_launch_rows):  # a row's result is independent of the others
+                    last = min(rows, first + self.mma_launch_rows)
                     k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
                     k.linear_quant_mma(self._ws.x_fragments, w, y[first:last], stream=stream, accumulate=accumulate)
             elif is_quantized(w):
@@ -581,6 +580,11 @@ class Linear:
             k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=stream)
         self.blas.gemm_bf16(self.bf16_input(gemm_rows, width), self.bf16_weight(w), y[:gemm_rows],
                             accumulate=accumulate)
+
+    @property
+    def mma_launch_rows(self) -> int:
+        """x rows one tensor-core launch takes: its x-fragment sets of MMA_ROWS rows."""
+        return MMA_ROWS * self._k.ROW_SETS
 
     def bf16_input(self, rows: int, width: int, *consumers: Matrix) -> Any:
         """The shared scratch for a [rows, width] bf16 copy of an activation, or None when no consumer would read it
@@ -618,7 +622,7 @@ class Linear:
         if accumulate or len(w.parts) != 2:
             raise ValueError("a split projection must have two blocks and overwrite its output")
         capacity, outputs = min(x.shape[0], y.shape[0]), []
-        if x_fragments is None and rows <= MMA_ROWS * self._k.ROW_SETS and self._reads_fragments(w, rows):
+        if x_fragments is None and rows <= self.mma_launch_rows and self._reads_fragments(w, rows):
             x_fragments = self._ws.x_fragments  # one conversion for both blocks
             self._k.x_fragments(x[:rows], x_fragments, stream=self._device.stream)
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
@@ -1097,10 +1101,11 @@ class CudaQwen:
         X(m, s) = x[m], or x[m, s] with x_per_slot. The tensor-core kernel takes x as fragments, 8 rows a launch;
         `x_fragments` are those of x written by its producer (at most 8 rows)."""
         k, stream = self.k, self.device.stream
-        if _tensor_core(w) and x_fragments is not None and x.shape[0] <= MMA_ROWS:
-            k.linear_quant_mma_gathered(x_fragments, w, ids, y, rows_per_expert=rows_per_expert,
-                                        x_per_slot=x_per_slot, stream=stream)
-        elif _tensor_core(w):
+        if _tensor_core(w):
+            if x_fragments is not None and x.shape[0] <= MMA_ROWS:  # the producer of x wrote them
+                k.linear_quant_mma_gathered(x_fragments, w, ids, y, rows_per_expert=rows_per_expert,
+                                            x_per_slot=x_per_slot, stream=stream)
+                return
             fragments, xf = ((k.x_slot_fragments, self.workspace.slot_x_fragments) if x_per_slot
                              else (k.x_fragments, self.workspace.x_fragments))
             for first in range(0, x.shape[0], MMA_ROWS):  # each row's result is independent of its neighbours
