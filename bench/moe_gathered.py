@@ -4,7 +4,7 @@ kernel (`quant_linear.linear_quant_gathered`, fp32 x) against the tensor-core ke
 (`quant_mma.linear_quant_mma_gathered`, x fragments prepared once per x and timed apart), at 1 and 8 rows (decode
 batch sizes), each launch captured 20 times in one graph. Reported: microseconds per launch, the bytes of the distinct
 experts read per second as a ratio to the measured copy bandwidth, and each kernel's relative difference to its NumPy
-twin. `--sweep` adds tensor-core geometries (tiles, warps, unroll, shared-ring stages): the down projection's K = 512 is only 8 blocks of
+twin. `--sweep` adds tensor-core geometries (tiles, warps, unroll): the down projection's K = 512 is only 8 blocks of
 64 columns for the default 8 warps x unroll 2.
 
 Run on the GPU machine: `python bench/moe_gathered.py [--sweep]`; JSON to $OUT/moe_gathered.json (bench/results
@@ -29,17 +29,16 @@ from ninfer.artifact.formats import Q4G64  # noqa: E402
 
 EXPERTS, SLOTS = 256, 8
 PROJECTIONS = {"gate_up": (1024, 2048, False), "down": (2048, 512, True)}  # rows per expert, K, x per slot
-VARIANTS = [(1, 8, 2, 0), (1, 4, 2, 0), (1, 4, 1, 0), (2, 4, 1, 0), (1, 2, 2, 0), (1, 8, 1, 3), (1, 4, 1, 3),
-            (1, 2, 1, 4)]
+VARIANTS = [(1, 8, 2), (1, 4, 2), (1, 4, 1), (2, 4, 1), (1, 2, 2), (2, 2, 1)]
 _VARIANT_KERNELS: dict = {}
 
 
-def variant(bits: int, tiles: int, warps: int, unroll: int, stages: int):
+def variant(bits: int, tiles: int, warps: int, unroll: int):
     from ninfer.kernels_numba import quant_mma as QM
 
-    key = (bits, tiles, warps, unroll, stages)
+    key = (bits, tiles, warps, unroll)
     if key not in _VARIANT_KERNELS:
-        _VARIANT_KERNELS[key] = QM.make_quant_mma_gathered_kernel(bits, tiles, warps, unroll, stages=stages)
+        _VARIANT_KERNELS[key] = QM.make_quant_mma_gathered_kernel(bits, tiles, warps, unroll)
     return _VARIANT_KERNELS[key]
 
 
@@ -84,15 +83,12 @@ def measure(device, bandwidth: float, fmt: str, name: str, rows_per_expert: int,
             launch()
             got, want = device.read(y).astype(np.float64), twins[kernel]().astype(np.float64)
             row[f"{kernel}_rel_to_twin"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        for tiles, warps, unroll, stages in variants:
-            fn = variant(QM.FORMAT_BITS[fmt], tiles, warps, unroll, stages)
-
-            def launch_variant(fn=fn, tiles=tiles, warps=warps, stages=stages):
-                QM.linear_quant_mma_gathered(dxf, mma, dids, y, rows_per_expert=rpe, x_per_slot=x_per_slot,
-                                             stream=stream, _kernel=fn, tiles=tiles, warps=warps, stages=stages)
-
-            seconds = timed(device, launch_variant)
-            row[f"mma_t{tiles}_w{warps}_u{unroll}{f'_s{stages}' if stages else ''}_us"] = seconds * 1e6
+        for tiles, warps, unroll in variants:
+            fn = variant(QM.FORMAT_BITS[fmt], tiles, warps, unroll)
+            seconds = timed(device, lambda fn=fn, tiles=tiles, warps=warps: QM.linear_quant_mma_gathered(
+                dxf, mma, dids, y, rows_per_expert=rpe, x_per_slot=x_per_slot, stream=stream, _kernel=fn,
+                tiles=tiles, warps=warps))
+            row[f"mma_t{tiles}_w{warps}_u{unroll}_us"] = seconds * 1e6
         out.append(row)
         print(f"{fmt} {name:8s} M={m} ({row['distinct_experts']} experts): simt {row['simt_us']:7.1f} us "
               f"({row['simt_ratio_to_copy']:.2f})  mma {row['mma_us']:7.1f} us ({row['mma_ratio_to_copy']:.2f})  "
@@ -106,7 +102,7 @@ def measure(device, bandwidth: float, fmt: str, name: str, rows_per_expert: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true", help="time tensor-core geometries (tiles, warps, unroll, stages)")
+    parser.add_argument("--sweep", action="store_true", help="time tensor-core geometries (tiles, warps, unroll)")
     args = parser.parse_args()
     from bench.cuda_model import copy_bandwidth
     from ninfer.backends.cuda.device import CudaDevice

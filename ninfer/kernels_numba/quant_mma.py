@@ -45,9 +45,6 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.async_copy import (copy_async_4, copy_async_8, copy_async_16, copy_async_commit,
-                                             copy_async_wait, load_shared_word, load_shared_words2,
-                                             load_shared_words4, shared_address)
 from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
                                          load_words2_at, load_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
@@ -362,8 +359,7 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False, sets: int = 1,
-                   stages: int = 0):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False, sets: int = 1):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
@@ -380,17 +376,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
 
     With `pipeline`, two register sets alternate: the loads of a warp's next step are issued before the mma of its
     current one, so a warp keeps loads in flight while it computes (missing blocks are not loaded at all). The sums
-    and their order are the same: only the time of the loads moves.
-
-    With `stages` (>= 2; unroll 1), each warp streams its blocks through a ring of `stages` slots of shared memory
-    with `cp.async` (`async_copy`): stages - 1 blocks are in flight while one is summed, and no register holds them
-    in flight. Each lane reads back only what it copied, so the ring needs no barrier. Same sums, same order.
-
-    x lanes outside [x_first, x_end) (a row past M, or not the gathered kernel's row) load nothing: at M = 1 the
-    x fragments would otherwise be 8 times the bytes the products need."""
-    if stages and (stages < 2 or unroll != 1 or pipeline):
-        raise ValueError(f"a shared-memory ring needs stages >= 2, unroll 1 and no register pipeline, got stages "
-                         f"{stages}, unroll {unroll}, pipeline {pipeline}")
+    and their order are the same: only the time of the loads moves."""
     ACC = 4 * tiles * sets
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -406,17 +392,12 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
     HIGH_BLOCK = 32 * HW * 4
     SCALE_BLOCK = SW * 8 * 4
     X_BLOCK = FRAGMENT_WORDS * 4
-    HIGH_AT, SCALE_AT, X_AT, STAGE_BYTES = stage_layout(bits, tiles, sets)  # one slot of the ring
-    PARTIALS_BYTES = _partials_bytes(tiles, warps, sets)
-    wait_oldest = copy_async_wait(max(stages - 2, 0))
-    wait_all = copy_async_wait(0)
 
     @device_function
-    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, x_row, x_first,
-                  x_end, q0, blocks, clamp, guard):
+    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
+                  clamp, guard):
         """Every load of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
-        `clamp`; skipped past the last one when `guard`). x fragments load only in lanes whose x row (`x_row`, set
-        t: x_row + 8 t) lies in [x_first, x_end): the others hold columns the caller drops, so they take zeros."""
+        `clamp`; skipped past the last one when `guard`)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
@@ -440,14 +421,10 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                 for k in range(SW):
                     scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
             for t in range(sets):
+                at = x_lane + t * set_bytes + q64 * X_BLOCK
                 x0 = 8 * (u * sets + t)
-                if x_first <= x_row + MAX_X_ROWS * t < x_end:
-                    at = x_lane + t * set_bytes + q64 * X_BLOCK
-                    xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
-                    xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
-                else:
-                    for w in range(8):
-                        xs[x0 + w] = uint32(0)
+                xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
+                xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
 
     @device_function
     def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
@@ -526,51 +503,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @device_function
-    def copy_step(stage, tile_base, tile_high, tile_scale, x_lane, set_bytes, x_row, x_first, x_end, lane, q):
-        """Start the copies of block q into one stage of the warp's shared ring (`stages`): the lane's words of every
-        stream at its own offsets (`STAGE_LAYOUT`); x lanes outside [x_first, x_end) copy zeros (read nothing)."""
-        q64 = int64(q)
-        for r in range(tiles):
-            copy_async_16(stage + (r * 32 + lane) * 16, tile_base[r] + q64 * BASE_BLOCK, uint32(16))
-            at = stage + HIGH_AT + (r * 32 + lane) * (HW * 4)
-            if bits == 5:
-                copy_async_4(at, tile_high[r] + q64 * HIGH_BLOCK)
-            elif bits == 6:
-                copy_async_8(at, tile_high[r] + q64 * HIGH_BLOCK)
-            elif bits == 8:
-                copy_async_16(at, tile_high[r] + q64 * HIGH_BLOCK, uint32(16))
-            for k in range(SW):
-                copy_async_4(stage + SCALE_AT + ((r * SW + k) * 32 + lane) * 4,
-                             tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
-        for t in range(sets):
-            size = uint32(16) if x_first <= x_row + MAX_X_ROWS * t < x_end else uint32(0)
-            at = x_lane + t * set_bytes + q64 * X_BLOCK
-            copy_async_16(stage + X_AT + ((2 * t) * 32 + lane) * 16, at, size)
-            copy_async_16(stage + X_AT + ((2 * t + 1) * 32 + lane) * 16, at + 16, size)
-
-    @device_function
-    def read_step(words, highs, scale_pairs, xs, stage, lane):
-        """The lane's words of one landed stage into the registers `step_sums` reads (unroll 1)."""
-        for r in range(tiles):
-            words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = load_shared_words4(
-                stage + (r * 32 + lane) * 16)
-            at = stage + HIGH_AT + (r * 32 + lane) * (HW * 4)
-            if bits == 5:
-                highs[r] = load_shared_word(at)
-            elif bits == 6:
-                highs[2 * r], highs[2 * r + 1] = load_shared_words2(at)
-            elif bits == 8:
-                highs[4 * r], highs[4 * r + 1], highs[4 * r + 2], highs[4 * r + 3] = load_shared_words4(at)
-            for k in range(SW):
-                scale_pairs[SW * r + k] = load_shared_word(stage + SCALE_AT + ((r * SW + k) * 32 + lane) * 4)
-        for t in range(sets):
-            x0 = 8 * t
-            xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_shared_words4(stage + X_AT + ((2 * t) * 32 + lane) * 16)
-            xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_shared_words4(
-                stage + X_AT + ((2 * t + 1) * 32 + lane) * 16)
-
-    @device_function
-    def tile_sums(acc, partials, xf, x_base, x_first, x_end, base, high, scales, first_tile, last_tile, blocks):
+    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
@@ -591,54 +524,34 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
         for a in range(ACC):
             acc[a] = float32(0.0)
         q0 = warp
-        if stages > 0:
-            # The warp's ring of `stages` slots after the partials: block i of the warp (q = warp + i warps) lands
-            # in slot i % stages, stages - 1 blocks ahead of the one being summed.
-            ring = shared_address(address_of(partials)) + uint32(PARTIALS_BYTES + warp * stages * STAGE_BYTES)
-            count = (blocks - warp + warps - 1) // warps  # the warp's blocks
-            for i in range(stages - 1):
-                if i < count:
-                    copy_step(ring + i * STAGE_BYTES, tile_base, tile_high, tile_scale, x_lane, set_bytes, g,
-                              x_first, x_end, lane, warp + i * warps)
-                copy_async_commit()
-            for i in range(count):
-                wait_oldest()  # block i's group has landed
-                read_step(words, highs, scale_pairs, xs, ring + (i % stages) * STAGE_BYTES, lane)
-                ahead = i + stages - 1  # into the slot block i - 1 used, read in the previous round
-                if ahead < count:
-                    copy_step(ring + (ahead % stages) * STAGE_BYTES, tile_base, tile_high, tile_scale, x_lane,
-                              set_bytes, g, x_first, x_end, lane, warp + ahead * warps)
-                copy_async_commit()
-                step_sums(acc, words, highs, scale_pairs, xs, warp + i * warps, blocks)
-            wait_all()
-        elif pipeline:
+        if pipeline:
             words_b = cuda.local.array(WORDS, uint32)
             highs_b = cuda.local.array(HIGHS, uint32)
             scale_pairs_b = cuda.local.array(SCALES, uint32)
             xs_b = cuda.local.array(XS, uint32)
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, g, x_first,
-                      x_end, q0, blocks, False, True)
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False, True)
             while q0 < blocks:
                 load_step(words_b, highs_b, scale_pairs_b, xs_b, tile_base, tile_high, tile_scale, x_lane,
-                          set_bytes, g, x_first, x_end, q0 + warps * unroll, blocks, False, True)
+                          set_bytes, q0 + warps * unroll, blocks, False, True)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
                 if q0 >= blocks:
                     break
                 load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane,
-                          set_bytes, g, x_first, x_end, q0 + warps * unroll, blocks, False, True)
+                          set_bytes, q0 + warps * unroll, blocks, False, True)
                 step_sums(acc, words_b, highs_b, scale_pairs_b, xs_b, q0, blocks)
                 q0 += warps * unroll
         else:
             full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
             while q0 < full:
-                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, g,
-                          x_first, x_end, q0, blocks, False, False)
+                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                          blocks, False, False)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
             while q0 < blocks:  # the warp's last step lacks blocks: at most one
-                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, g,
-                          x_first, x_end, q0, blocks, True, False)
+                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                          blocks, True, False)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
         for a in range(ACC):
@@ -662,42 +575,18 @@ def c_position(a, lane):
 
 
 def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
-    """Shared memory where a block's warps meet (`make_tile_sums`)."""
+    """Dynamic shared memory of a block (`make_tile_sums`)."""
     return warps * 4 * tiles * sets * 32 * 4
 
 
-def stage_layout(bits: int, tiles: int, sets: int) -> tuple[int, int, int, int]:
-    """Byte offsets of the high plane, the scales and the x fragments in one slot of a warp's shared ring, and the
-    slot's size: per tile the 32 lanes' base words (16 bytes each), then their high words, their scale words, and
-    per set the lanes' x words in two 16-byte halves."""
-    high_at = tiles * 32 * 16
-    scale_at = high_at + (0 if bits == 4 else tiles * 32 * HIGH_WORDS[bits] * 4)
-    x_at = scale_at + tiles * SCALE_WORDS[bits] * 32 * 4
-    return high_at, scale_at, x_at, x_at + sets * 2 * 32 * 16
-
-
-MAX_STATIC_SHARED = 48 * 1024  # dynamic shared memory a launch gets without opting in
-
-
-def shared_bytes(bits: int, tiles: int, warps: int, sets: int = 1, stages: int = 0) -> int:
-    """Dynamic shared memory of a block: the partials, then (`stages`) each warp's ring."""
-    ring = warps * stages * stage_layout(bits, tiles, sets)[3]
-    total = _partials_bytes(tiles, warps, sets) + ring
-    if total > MAX_STATIC_SHARED:
-        raise ValueError(f"{warps} warps x {stages} stages of {tiles} tile(s), {sets} set(s) need {total} bytes of "
-                         f"shared memory (at most {MAX_STATIC_SHARED})")
-    return total
-
-
 def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                          pipeline: bool = False, sets: int = 1, stages: int = 0):
+                          pipeline: bool = False, sets: int = 1):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
     blocks per warp step whose loads are all issued before the first mma of the step (`pipeline`: one step
-    ahead; `stages`: through a shared ring, `make_tile_sums`), for up to 8 `sets` x rows (x row m: column m % 8 of
-    set m // 8)."""
+    ahead, `make_tile_sums`), for up to 8 `sets` x rows (x row m: column m % 8 of set m // 8)."""
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, sets, stages)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, sets)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
@@ -707,8 +596,7 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
         N = int32(y.shape[1])
         tile0 = int32(cuda.blockIdx.x) * tiles
         acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, int32(0), int32(0), int32(M), base, high, scales, tile0, ((N + 15) >> 4) - 1,
-                  blocks)
+        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks)
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
             for a in range(ACC):
@@ -725,12 +613,11 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
 
 
 def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                                   pipeline: bool = False, stages: int = 0):
+                                   pipeline: bool = False):
     """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
-    `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row` (the only x
-    row it loads)."""
+    `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
     ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, stages=stages)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32),
             fastmath=False)
@@ -746,7 +633,7 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
         tile0 = int32(cuda.blockIdx.x) * tiles  # inside the expert
         expert_tile0 = ids[row, slot] * expert_tiles
         acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, slot * x_set_words, row, row + 1, base, high, scales, expert_tile0 + tile0,
+        tile_sums(acc, partials, xf, slot * x_set_words, base, high, scales, expert_tile0 + tile0,
                   expert_tile0 + expert_tiles - 1, blocks)
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
@@ -763,23 +650,16 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
 # (down 5120x17408) faster alone, bitwise the same, but the whole 27B ninfer-v2 step did not gain (B=1 9.35 vs 9.14
 # ms, B=8 12.77 vs 12.88; results/quant_gemv_session5_pipeline.json): off until a step measures better with it.
 PIPELINE = False
-# Stream each warp's blocks through a shared-memory ring of this many slots (`make_tile_sums`; 0: registers). 0 until
-# `bench/quant_gemv.py --sweep-only` and a whole step have measured it on the GPU.
-STAGES = 0
-QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, unroll=1 if STAGES else UNROLL, pipeline=PIPELINE,
-                                                         sets=sets, stages=STAGES)
+QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, pipeline=PIPELINE, sets=sets)
                      for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
-QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits, unroll=1 if STAGES else UNROLL,
-                                                                   pipeline=PIPELINE, stages=STAGES)
-                              for bits in (4, 5, 6, 8)}
+QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
-                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None, stages: int = STAGES) -> None:
+                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None) -> None:
     """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8 ROW_SETS, x given as its fragments (`x_fragments`): one
     launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe. (`_kernel`
-    with its `tiles`, `warps`, `sets`, `stages`: a variant from `make_quant_mma_kernel`, for benchmarks and
-    tests.)"""
+    with `sets`: a variant from `make_quant_mma_kernel`, for benchmarks and tests.)"""
     M, N = y.shape
     K = qw.shape[1]
     sets = x_sets(M) if sets is None else sets
@@ -789,10 +669,9 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
                          f"{xf.shape[0]} x words")
     if M == 0:
         return
-    bits = FORMAT_BITS[qw.fmt]
-    fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[bits, sets]
+    fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt], sets]
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[grid, 32 * warps, stream, shared_bytes(bits, tiles, warps, sets, stages)](
+    fn[grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets)](
         xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(1 if accumulate else 0))
 
 
@@ -817,8 +696,7 @@ def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape
 
 
 def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool,
-                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS,
-                              stages: int = STAGES) -> None:
+                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS) -> None:
     """MoE decode: y[m, s, :] = X(m, s) @ W_e^T, e = expert_ids[m, s] (int32 [M <= 8, S]), W_e = rows e * rpe ..
     (e + 1) * rpe - 1 of the stacked matrix qw [E * rpe, K] (rpe % 16 == 0); y float32 [M, S, rpe]. X(m, s) comes
     as fragments: of x [M, K] (`x_fragments`, every slot of a row reads that row) or, x_per_slot, of x [M, S, K]
@@ -830,11 +708,10 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     if M * S == 0:
         return
     rpe = int(rows_per_expert)
-    bits = FORMAT_BITS[qw.fmt]
-    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits]
+    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt]]
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
-    fn[(groups, S, M), 32 * warps, stream, shared_bytes(bits, tiles, warps, 1, stages)](
+    fn[(groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps)](
         xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(x_set_words))
 
 

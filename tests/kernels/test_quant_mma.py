@@ -180,19 +180,16 @@ def test_slot_fragments_take_at_most_8_rows_of_whole_blocks():
             QM.x_slot_fragments(np.zeros(shape, np.float32), np.zeros(1024, np.uint32), stream=0)
 
 
-def _run(x, qw, y0=None, accumulate=False, kernel=None, rows=None, **geometry):
-    """y of the first `rows` (all) rows of x, the fragments of every row of x written (rows past `rows` are ones
-    the kernel must not read into the kept columns)."""
+def _run(x, qw, y0=None, accumulate=False, kernel=None):
     from ninfer.kernels_numba.numba_setup import cuda
 
     stream = cuda.stream()
-    rows = x.shape[0] if rows is None else rows
-    y = y0 if y0 is not None else np.full((rows, qw.shape[0]), np.nan, np.float32)
+    y = y0 if y0 is not None else np.full((x.shape[0], qw.shape[0]), np.nan, np.float32)
     dy = cuda.to_device(y, stream=stream)
     xf = cuda.device_array(QM.x_fragment_words(x.shape[1]), np.uint32, stream=stream)
     QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
     np.testing.assert_array_equal(xf.copy_to_host(stream=stream), QM.x_fragments_reference(x))
-    QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate, _kernel=kernel, **geometry)
+    QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate, _kernel=kernel)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -238,7 +235,7 @@ def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
     np.testing.assert_array_equal(got, dequantize_bf16_reference(fmt, shape, payload))
 
 
-def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None, **geometry):
+def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None):
     """The gathered kernel's y, after checking the fragments it read against their twin."""
     from ninfer.kernels_numba.numba_setup import cuda
 
@@ -255,7 +252,7 @@ def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None, **geometry):
     np.testing.assert_array_equal(xf.copy_to_host(stream=stream), want_xf)
     dy = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
     QM.linear_quant_mma_gathered(xf, qw, cuda.to_device(ids, stream=stream), dy, rows_per_expert=rpe,
-                                 x_per_slot=x_per_slot, stream=stream, _kernel=kernel, **geometry)
+                                 x_per_slot=x_per_slot, stream=stream, _kernel=kernel)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -367,60 +364,3 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
     one_set = np.concatenate([_run(x[first:first + 8], qw) for first in range(0, m, 8)])
     np.testing.assert_array_equal(wide, one_set)
     assert _rel(wide_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5
-
-
-@functools.lru_cache(maxsize=None)
-def _register_kernel(bits, warps):
-    return QM.make_quant_mma_kernel(bits, warps=warps)
-
-
-@functools.lru_cache(maxsize=None)
-def _ring_kernels(bits, warps, stages):
-    """(plain, gathered) kernels that stream through a shared ring, compiled once per geometry."""
-    return (QM.make_quant_mma_kernel(bits, warps=warps, unroll=1, stages=stages),
-            QM.make_quant_mma_gathered_kernel(bits, warps=warps, unroll=1, stages=stages))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("warps,stages", [(8, 3), (4, 6), (2, 8)])
-@pytest.mark.parametrize("m,n,k", [(1, 33, 192), (8, 70, 1024), (3, 40, 5120), (1, 20, 17408)])
-def test_ring_kernels_give_the_default_bits_per_warp_count(fmt, warps, stages, m, n, k):
-    """A warp streaming its K blocks through a cp.async ring sums the same blocks in the same order as the register
-    kernel with as many warps: bitwise the same, plain and gathered, for any count of blocks per warp (fewer than
-    the ring's slots too)."""
-    bits = QM.FORMAT_BITS[fmt]
-    rng = np.random.default_rng(m * n + k + stages)
-    payload = _payload(rng, (n, k), fmt)
-    qw = QM.upload_quant_mma(fmt, (n, k), payload)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    plain_kernel, gathered_kernel = _ring_kernels(bits, warps, stages)
-    register = _run(x, qw, kernel=_register_kernel(bits, warps), warps=warps, stages=0)
-    np.testing.assert_array_equal(_run(x, qw, kernel=plain_kernel, warps=warps, stages=stages), register)
-    assert _rel(register, QM.linear_quant_mma_reference(x, fmt, (n, k), payload)) < 1e-5
-    shape, payload, ids, xs = _gathered_problem(m + k, fmt, experts=6, rpe=48, K=k, M=m, S=4, x_per_slot=True)
-    qw = QM.upload_quant_mma(fmt, shape, payload)
-    ring = _run_gathered(xs, qw, ids, 48, True, kernel=gathered_kernel, warps=warps, stages=stages)
-    want = QM.linear_quant_mma_gathered_reference(xs, fmt, shape, payload, ids, rows_per_expert=48, x_per_slot=True)
-    assert _rel(ring, want) < 1e-5
-    if warps == QM.WARPS:
-        np.testing.assert_array_equal(ring, _run_gathered(xs, qw, ids, 48, True, stages=0))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", [QM.Q4G64, QM.W8G32])
-@pytest.mark.parametrize("stages", [0, 3])
-def test_x_rows_past_m_are_never_read(fmt, stages):
-    """A producer that writes x fragments leaves rows M..7 as they were: NaN there must not reach rows < M (the
-    kernel loads only the x lanes of rows it keeps)."""
-    bits = QM.FORMAT_BITS[fmt]
-    rng = np.random.default_rng(40 + stages)
-    n, k, m = 48, 1024, 3
-    payload = _payload(rng, (n, k), fmt)
-    qw = QM.upload_quant_mma(fmt, (n, k), payload)
-    x = rng.standard_normal((8, k)).astype(np.float32)
-    x[m:] = np.nan
-    kernel = _ring_kernels(bits, QM.WARPS, stages)[0] if stages else None
-    got = _run(x, qw, kernel=kernel, rows=m, stages=stages)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got, _run(x[:m], qw, kernel=kernel, stages=stages))
