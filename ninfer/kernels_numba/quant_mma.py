@@ -54,9 +54,10 @@ TILE_ROWS = 16
 BLOCK = 64  # columns per (tile, block) fragment set: 4 mma k-steps
 MAX_X_ROWS = 8  # the mma's N dimension: x rows per fragment set
 # Fragment sets (8 x rows each) one plain launch multiplies by each decoded weight fragment: rows 9..8 ROW_SETS (MTP
-# verify at batch >= 3, short prefill chunks) then read the weights once instead of once per 8 rows. 1 until the
-# wider kernels have run on a GPU (tests/kernels/test_quant_mma.py checks them bitwise against one set).
-ROW_SETS = 1
+# verify at batch >= 3, short prefill chunks) then read the weights once instead of once per 8 rows. On the H200 at
+# M = 32 (4 sets, Q4): down 5120x17408 60.3 us against 88.8 for four one-set launches, query_key 7168x5120 27.1
+# against 35.6, gate_up 34816x5120 131 against 136; at M = 16 no slower (bench/results/quant_gemv_session6.json).
+ROW_SETS = 4
 WARPS = 8
 TILES = 1
 UNROLL = 2
