@@ -96,7 +96,7 @@ def layer_matrices(model: CudaQwen):
         for part in (layer.attention, layer.gdn, layer.ffn):
             if part is None:
                 continue
-            for name in ("in_proj", "ab_proj", "output", "gate_up", "down", "router", "shared_gate",
+            for name in ("in_proj", "ab_proj", "output", "gate_up", "down", "router_shared_gate",
                          "shared_gate_up", "shared_down", "routed_gate_up", "routed_down"):
                 value = getattr(part, name, None)
                 if value is not None:

@@ -5,7 +5,8 @@ weight bytes read per second, the ratio to the measured copy bandwidth and, at M
 each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on two shapes.
 
 Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OUT/quant_gemv.json (bench/results
-without OUT).
+without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 27B split Q4/Q5) at M = 1, JSON to
+quant_gemv_small.json.
 """
 
 from __future__ import annotations
@@ -179,6 +180,53 @@ def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep
     return rows
 
 
+# The 35B-A3B ninfer-v2 projections outside the experts (all W8G32) and the 27B split ones: small grids, where the
+# block geometry decides how much of the GPU a launch keeps busy.
+SMALL_SHAPES = {"35b gdn in_proj 12288x2048": (W8G32, (12288, 2048)),
+                "35b attn in_proj 9216x2048": (W8G32, (9216, 2048)), "35b output 2048x4096": (W8G32, (2048, 4096)), "35b shared gate_up 1024x2048": (W8G32, (1024, 2048)),
+                "35b shared down 2048x512": (W8G32, (2048, 512)), "27b gdn query_key 4096x5120": (Q4G64, (4096, 5120)),
+                "27b gdn value_z 12288x5120": (Q5G64, (12288, 5120)), "27b gdn output 5120x6144": (Q5G64, (5120, 6144))}
+SMALL_GEOMETRIES = [(8, 2), (4, 2), (16, 2), (16, 1), (32, 1), (8, 1)]  # (warps, unroll), one tile per block
+
+
+def small_sweep(device, bandwidth, rng) -> list[dict]:
+    """M = 1 on the small projections: microseconds per launch for each (warps, unroll), the ratio to the copy
+    bandwidth, and the relative difference of each geometry to the NumPy twin (other warps sum in another order)."""
+    from ninfer.kernels_numba import quant_mma as QM
+
+    rows = []
+    for name, (fmt, shape) in SMALL_SHAPES.items():
+        payload = random_payload(fmt, shape, rng)
+        mma = QM.upload_quant_mma(fmt, shape, payload, stream=device.stream)
+        x = rng.standard_normal((1, shape[1])).astype(np.float32)
+        dxf = device.empty(QM.x_fragment_words(shape[1]), np.uint32, "bench")
+        QM.x_fragments(device.upload(x, "bench"), dxf, stream=device.stream)
+        y = device.empty((1, shape[0]), np.float32, "bench")
+        want = QM.linear_quant_mma_reference(x, fmt, shape, payload).astype(np.float64)
+        row = {"format": fmt, "matrix": name, "rows": 1}
+        for warps, unroll in SMALL_GEOMETRIES:
+            key = ("small", QM.FORMAT_BITS[fmt], warps, unroll)
+            if key not in _VARIANT_KERNELS:
+                _VARIANT_KERNELS[key] = QM.make_quant_mma_kernel(QM.FORMAT_BITS[fmt], 1, warps, unroll)
+            fn = _VARIANT_KERNELS[key]
+
+            def launch(fn=fn, warps=warps):
+                QM.linear_quant_mma(dxf, mma, y, stream=device.stream, _kernel=fn, tiles=1, warps=warps)
+
+            seconds = timed(device, launch)
+            launch()
+            got = device.read(y).astype(np.float64)
+            label = f"w{warps}_u{unroll}"
+            row[f"{label}_us"] = seconds * 1e6
+            row[f"{label}_ratio_to_copy"] = mma.nbytes / seconds / bandwidth
+            row[f"{label}_rel_to_twin"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        rows.append(row)
+        print(f"{fmt} {name:30s} " + "  ".join(f"{label[:-3]} {value:5.1f}" for label, value in row.items()
+                                               if label.endswith("_us"))
+              + f"  (rel {max(v for k, v in row.items() if k.endswith('_rel_to_twin')):.1e})", flush=True)
+    return rows
+
+
 def main() -> None:
     if "--ncu" in sys.argv:
         eager_launches()
@@ -191,6 +239,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     report = {"device": device.info.name, "copy_bandwidth_bytes_s": bandwidth, "rows": []}
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    if "--small" in sys.argv:  # the geometry search on the small projections alone
+        report["rows"] = small_sweep(device, bandwidth, rng)
+        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_small.json"
+        out.write_text(json.dumps(report, indent=1))
+        return
     sweep_only = "--sweep-only" in sys.argv  # the Q4 geometry search alone
     for fmt in (Q4G64,) if sweep_only else (Q4G64, Q5G64, Q6G64, W8G32):
         for name, shape in SHAPES.items():

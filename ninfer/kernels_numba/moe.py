@@ -23,7 +23,9 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import f32_to_bf16_bits
-from ninfer.kernels_numba.common import FULL_MASK, bf16_pair, blocks_for, f32_to_bf16, warp_max, warp_sum
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, blocks_for, f32_to_bf16, sigmoid_f32, warp_max,
+                                         warp_sum)
+from ninfer.kernels_numba.elementwise import sigmoid_gate_add_reference
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
 
@@ -41,14 +43,13 @@ I32_2D = int32[:, ::1]
 # ---------------------------------------------------------------------------------------------------- route_top_k
 
 
-@kernel((F32_2D, int32, I32_2D, F32_2D), fastmath=False)
-def _route_top_k_kernel(logits, top_k, expert_ids, weights):
+@kernel((F32_2D, int32, int32, I32_2D, F32_2D), fastmath=False)
+def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
     t = cuda.threadIdx.x
     lane = t & 31
     r = cuda.blockIdx.x * ROUTE_WARPS + (t >> 5)
     if r >= logits.shape[0]:
         return  # a whole warp leaves together
-    n_exp = logits.shape[1]
     v = cuda.local.array(8, float32)
     m = float32(-math.inf)
     for i in range(8):
@@ -104,14 +105,18 @@ def _route_top_k_kernel(logits, top_k, expert_ids, weights):
         weights[r, rank] = my_p / total
 
 
-def route_top_k(router_logits, top_k, expert_ids, weights, *, stream):
-    """router_logits fp32 [R, E] (E <= 256) -> expert_ids int32 [R, k] (ascending id), weights fp32 [R, k] (sum 1)."""
-    rows, n_exp = router_logits.shape
-    if not 0 < top_k <= min(n_exp, MAX_TOP_K) or n_exp > MAX_EXPERTS:
-        raise ValueError(f"route_top_k supports E <= {MAX_EXPERTS}, 0 < k <= min(E, 32); got E={n_exp}, k={top_k}")
+def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts: int | None = None):
+    """router_logits fp32 [R, >= E] (E = `experts`, all columns without it; E <= 256: columns past E, such as the
+    shared expert's gate logit computed in the same GEMV, are not read) -> expert_ids int32 [R, k] (ascending id),
+    weights fp32 [R, k] (sum 1)."""
+    rows, columns = router_logits.shape
+    n_exp = columns if experts is None else int(experts)
+    if not 0 < top_k <= min(n_exp, MAX_TOP_K) or not 0 < n_exp <= min(columns, MAX_EXPERTS):
+        raise ValueError(f"route_top_k supports E <= {MAX_EXPERTS} of the {columns} logit columns, 0 < k <= min(E, "
+                         f"32); got E={n_exp}, k={top_k}")
     if rows:
         _route_top_k_kernel[blocks_for(rows, ROUTE_WARPS), 32 * ROUTE_WARPS, stream](
-            router_logits, np.int32(top_k), expert_ids, weights)
+            router_logits, np.int32(n_exp), np.int32(top_k), expert_ids, weights)
 
 
 def route_top_k_reference(router_logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -136,18 +141,43 @@ def _moe_combine_kernel(expert_out, weights, residual):
         residual[r, c] += acc
 
 
-def moe_combine(expert_out, weights, residual, *, stream):
-    """residual[r] += sum_s (in slot order) weights[r, s] * expert_out[r, s]. expert_out fp32 [R, S, H]."""
+@kernel((float32[:, :, ::1], F32_2D, F32_2D, F32_2D, float32[:, :]), fastmath=False)
+def _moe_combine_shared_kernel(expert_out, weights, residual, shared_out, gate_logit):
+    """`_moe_combine_kernel`, then the shared expert's gated output added as `sigmoid_gate_add` adds it: the same
+    two roundings, one launch."""
+    c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if c < residual.shape[1]:
+        acc = float32(0.0)
+        for s in range(weights.shape[1]):
+            acc += weights[r, s] * expert_out[r, s, c]
+        routed = residual[r, c] + acc
+        residual[r, c] = routed + sigmoid_f32(gate_logit[r, 0]) * shared_out[r, c]
+
+
+def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_logit=None):
+    """residual[r] += sum_s (in slot order) weights[r, s] * expert_out[r, s]. expert_out fp32 [R, S, H]. With
+    `shared_out` (fp32 [R, H]) and `gate_logit` (fp32 [R, >= 1], a view is fine), then residual[r] +=
+    sigmoid(gate_logit[r, 0]) * shared_out[r], bitwise `sigmoid_gate_add` after the combine."""
     rows, width = residual.shape
+    if (shared_out is None) != (gate_logit is None):
+        raise ValueError("moe_combine takes the shared expert's output and its gate logit together")
     if rows and width:
-        _moe_combine_kernel[(rows, blocks_for(width, TILE)), TILE, stream](expert_out, weights, residual)
+        grid = (rows, blocks_for(width, TILE))
+        if shared_out is None:
+            _moe_combine_kernel[grid, TILE, stream](expert_out, weights, residual)
+        else:
+            _moe_combine_shared_kernel[grid, TILE, stream](expert_out, weights, residual, shared_out, gate_logit)
 
 
-def moe_combine_reference(expert_out, weights, residual):
+def moe_combine_reference(expert_out, weights, residual, shared_out=None, gate_logit=None):
     acc = np.zeros(residual.shape, dtype=np.float32)
     for s in range(weights.shape[1]):
         acc = (acc + weights[:, s:s + 1].astype(np.float32) * expert_out[:, s].astype(np.float32)).astype(np.float32)
-    return (residual.astype(np.float32) + acc).astype(np.float32)
+    routed = (residual.astype(np.float32) + acc).astype(np.float32)
+    if shared_out is None:
+        return routed
+    return sigmoid_gate_add_reference(routed, shared_out, gate_logit)
 
 
 # ---------------------------------------------------------------------------------------------------- prefill grouping

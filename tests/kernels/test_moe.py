@@ -216,3 +216,65 @@ def test_gpu_moe_group_and_gather(rows, experts, k, hidden):
     out2 = d_out2.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(out2, out)
+
+
+def test_route_top_k_checks_the_expert_columns():
+    with pytest.raises(ValueError, match="logit columns"):
+        moe.route_top_k(np.zeros((2, 9), np.float32), 2, np.zeros((2, 2), np.int32), np.zeros((2, 2), np.float32),
+                        stream=0, experts=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gpu_router_and_shared_gate_share_one_logit_row(rows):
+    """The router and the shared expert's gate come out of one GEMV: route_top_k reads the first E columns only (a
+    gate logit above every router logit is not an expert) and sigmoid_gate_add reads column E through a view."""
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(rows)
+    experts, k, hidden = 256, 8, 96
+    logits = rand(rng, rows, experts + 1, scale=2.0)
+    logits[:, experts] = 50.0
+    d_logits = cuda.to_device(logits, stream=stream)
+    d_ids = cuda.to_device(np.full((rows, k), -7, np.int32), stream=stream)
+    d_w = cuda.to_device(np.full((rows, k), np.nan, np.float32), stream=stream)
+    moe.route_top_k(d_logits, k, d_ids, d_w, stream=stream, experts=experts)
+    residual, delta = rand(rng, rows, hidden), rand(rng, rows, hidden)
+    d_residual = cuda.to_device(residual, stream=stream)
+    ew.sigmoid_gate_add(d_residual, cuda.to_device(delta, stream=stream), d_logits[:, experts:], stream=stream)
+    ids, w, got = (a.copy_to_host(stream=stream) for a in (d_ids, d_w, d_residual))
+    stream.synchronize()
+    want_ids, want_w = moe.route_top_k_reference(logits[:, :experts], k)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert rel_l2(w, want_w) < 1e-5
+    assert rel_l2(got, ew.sigmoid_gate_add_reference(residual, delta, logits[:, experts:])) < 1e-6
+
+
+def test_the_combine_twin_adds_the_gated_shared_expert_after_the_routed_sum():
+    rng = np.random.default_rng(13)
+    eo, w, res = rand(rng, 3, 4, 40), rand(rng, 3, 4), rand(rng, 3, 40)
+    shared, gate = rand(rng, 3, 40), rand(rng, 3, 2, scale=4.0)
+    np.testing.assert_array_equal(moe.moe_combine_reference(eo, w, res, shared, gate[:, 1:]),
+                                  ew.sigmoid_gate_add_reference(moe.moe_combine_reference(eo, w, res), shared,
+                                                                gate[:, 1:]))
+    with pytest.raises(ValueError, match="together"):
+        moe.moe_combine(eo, w, res, stream=0, shared_out=shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,slots,hidden", [(1, 8, 2048), (5, 8, 300)])
+def test_gpu_combine_with_the_shared_expert_is_the_two_launches_bitwise(rows, slots, hidden):
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(14)
+    eo, w, res = rand(rng, rows, slots, hidden), rand(rng, rows, slots), rand(rng, rows, hidden)
+    shared, logits = rand(rng, rows, hidden), rand(rng, rows, 264, scale=4.0)
+    d_eo, d_w, d_shared, d_logits = (cuda.to_device(a, stream=stream) for a in (eo, w, shared, logits))
+    fused, apart = cuda.to_device(res, stream=stream), cuda.to_device(res, stream=stream)
+    moe.moe_combine(d_eo, d_w, fused, stream=stream, shared_out=d_shared, gate_logit=d_logits[:, 256:257])
+    moe.moe_combine(d_eo, d_w, apart, stream=stream)
+    ew.sigmoid_gate_add(apart, d_shared, d_logits[:, 256:257], stream=stream)
+    got, want = fused.copy_to_host(stream=stream), apart.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(got, want)
+    assert rel_l2(got, moe.moe_combine_reference(eo, w, res, shared, logits[:, 256:257])) < 1e-6

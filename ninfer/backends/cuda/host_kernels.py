@@ -199,12 +199,13 @@ def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, 
     _fragment_rows(result, result_fragments)
 
 
-def route_top_k(router_logits, top_k, expert_ids, weights, *, stream):
-    expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits, top_k)
+def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=None):
+    columns = router_logits.shape[1] if experts is None else experts
+    expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits[:, :columns], top_k)
 
 
-def moe_combine(expert_out, weights, residual, *, stream):
-    residual[...] = _moe.moe_combine_reference(expert_out, weights, residual)
+def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_logit=None):
+    residual[...] = _moe.moe_combine_reference(expert_out, weights, residual, shared_out, gate_logit)
 
 
 def moe_group(expert_ids, counts, offsets, slot_of, *, experts, position_of, stream):

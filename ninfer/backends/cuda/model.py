@@ -163,8 +163,8 @@ class DenseFfn:
 
 @attrs.frozen
 class MoeFfn:
-    router: Bf16Matrix  # [E, H]
-    shared_gate: Bf16Matrix  # [1, H]
+    # [E + 1 + zero rows, H]: the router's rows, then the shared expert's gate (one GEMV), padded (ROUTER_ROWS_MULTIPLE)
+    router_shared_gate: Bf16Matrix
     routed_gate_up: Matrix  # [E * 2I, H]
     routed_down: Matrix  # [E * H, I]
     shared_gate_up: Matrix
@@ -260,17 +260,36 @@ def _gdn_weights(w: DeviceWeights, device: Device, prefix: str, fused: bool) -> 
                       w.vector(prefix + "norm"))
 
 
-def _ffn_weights(w: DeviceWeights, dims: QwenDims, prefix: str) -> DenseFfn | MoeFfn:
+# cuBLAS runs a GEMM whose fp32 output rows are not 16-byte aligned on old kernels with a split-K reduce (the router
+# and shared gate, 257 rows: 6.6 + 2 us a layer on the H200, where 256 + 1 took 5.5 + 5): their weight rows are padded
+# with zeros to a multiple of this.
+ROUTER_ROWS_MULTIPLE = 8
+
+
+def _zero_padded_rows(device: Device, matrix: Bf16Matrix, multiple: int) -> Bf16Matrix:
+    """`matrix` with zero rows appended up to a multiple of `multiple` rows; the unpadded copy is released."""
+    rows, width = matrix.shape
+    padded_rows = -(-rows // multiple) * multiple
+    if padded_rows == rows:
+        return matrix
+    padded = device.zeros((padded_rows, width), np.uint16, "weights")
+    device.copy(padded[:rows], matrix.data)
+    device.synchronize()  # the copy has read the unpadded rows before they are freed with their last reference
+    device.ledger["weights"] -= matrix.nbytes
+    return Bf16Matrix(padded)
+
+
+def _ffn_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str) -> DenseFfn | MoeFfn:
     if not dims.is_moe:
         return DenseFfn(w.matrix(prefix + "mlp/gate_up"), w.matrix(prefix + "mlp/down"))
     p = prefix + "moe/"
     router_shared_gate = w.matrix(p + "router_shared_gate")
     if is_quantized(router_shared_gate):
         raise ValueError(f"{p}router_shared_gate must be stored as BF16")
-    e = dims.moe_experts
-    return MoeFfn(router_shared_gate.rows(0, e), router_shared_gate.rows(e, 1),
-                  w.matrix(p + "routed_gate_up", gathered=True), w.matrix(p + "routed_down", gathered=True),
-                  w.matrix(p + "shared_gate_up"), w.matrix(p + "shared_down"))
+    return MoeFfn(_zero_padded_rows(device, router_shared_gate, ROUTER_ROWS_MULTIPLE),
+                  w.matrix(p + "routed_gate_up", gathered=True),
+                  w.matrix(p + "routed_down", gathered=True), w.matrix(p + "shared_gate_up"),
+                  w.matrix(p + "shared_down"))
 
 
 def _layer_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str, kind: str,
@@ -282,7 +301,7 @@ def _layer_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str
         gdn_weights = _gdn_weights(w, device, prefix + "gdn/", fused)
         gdn_output = w.matrix(prefix + "gdn/output")
     return LayerWeights(w.vector(prefix + "input_norm"), w.vector(prefix + "post_attention_norm"), attention,
-                        gdn_weights, gdn_output, _ffn_weights(w, dims, prefix))
+                        gdn_weights, gdn_output, _ffn_weights(w, device, dims, prefix))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -476,8 +495,8 @@ class Workspace:
         widths = [h, d.q_width, d.gdn_v_width, 2 * h if mtp else h]
         if d.is_moe:
             s, e = d.moe_top_k, d.moe_experts
-            self.router_logits = buf(rows, e)
-            self.gate_logit = buf(rows, 1)
+            # then the shared expert's gate logit and the padding rows' zeros
+            self.router_logits = buf(rows, -(-(e + 1) // ROUTER_ROWS_MULTIPLE) * ROUTER_ROWS_MULTIPLE)
             self.expert_ids = buf(rows, s, dtype=np.int32)
             self.expert_weights = buf(rows, s)
             slot_rows = min(rows, SKINNY_ROWS)  # the per-row expert route runs for up to SKINNY_ROWS rows
@@ -662,7 +681,7 @@ class CudaQwen:
             mtp_layer = LayerWeights(weights.vector("mtp/layer/input_norm"),
                                      weights.vector("mtp/layer/post_attention_norm"),
                                      _attention_weights(weights, "mtp/layer/attention/", True), None, None,
-                                     _ffn_weights(weights, dims, "mtp/layer/"))
+                                     _ffn_weights(weights, device, dims, "mtp/layer/"))
             self.mtp = MtpWeights(weights.matrix("mtp/input_projection"), weights.vector("mtp/embedding_norm"),
                                   weights.vector("mtp/hidden_norm"), mtp_layer, weights.vector("mtp/final_norm"))
         self.dflash = _dflash_weights(weights, device, dims, dflash, capacity.draft_tokens) if capacity.dflash \
@@ -974,7 +993,7 @@ class CudaQwen:
             self._gdn(layer, self.gdn[index], rows, segments, h_bf16, h_frag)
         ffn = layer.ffn
         consumers = ((ffn.gate_up,) if isinstance(ffn, DenseFfn)
-                     else (ffn.router, ffn.shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
+                     else (ffn.router_shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers)
         h_frag = self.linear.fragment_input(rows, *consumers)
         self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream,
@@ -1070,11 +1089,11 @@ class CudaQwen:
     def _moe(self, w: MoeFfn, rows: int, h_bf16: Any, h_frag: Any) -> None:
         ws, stream, d = self.workspace, self.device.stream, self.dims
         h, x = ws.h[:rows], ws.x[:rows]
-        router_logits, gate_logit = ws.router_logits[:rows], ws.gate_logit[:rows]
-        self.linear(ws.h, w.router, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-        self.linear(ws.h, w.shared_gate, ws.gate_logit, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+        e = d.moe_experts
+        router_logits = ws.router_logits[:rows]
+        self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
-        self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream)
+        self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
         if rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
@@ -1084,7 +1103,6 @@ class CudaQwen:
             self.k.silu_mul_slots(gate_up, act, stream=stream, out_fragments=act_frag)
             self._gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True,
                            x_fragments=act_frag)
-            self.k.moe_combine(out, weights, x, stream=stream)
         else:
             self._moe_grouped(w, rows)
         shared_gate_up, shared_act, shared_out = ws.shared_gate_up[:rows], ws.shared_act[:rows], ws.shared_out[:rows]
@@ -1093,7 +1111,12 @@ class CudaQwen:
         act_frag = self.linear.fragment_input(rows, w.shared_down)
         self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
         self.linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16, x_fragments=act_frag)
-        self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
+        gate_logit = router_logits[:, e:e + 1]
+        if rows <= SKINNY_ROWS:  # the routed experts' weighted sum and the gated shared expert in one launch
+            self.k.moe_combine(ws.slot_out[:rows], weights, x, stream=stream, shared_out=shared_out,
+                               gate_logit=gate_logit)
+        else:
+            self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
 
     def _gathered(self, x: Any, w: Matrix, ids: Any, y: Any, *, rows_per_expert: int, x_per_slot: bool,
                   x_fragments: Any = None) -> None:
