@@ -14,6 +14,7 @@ import attrs
 
 from ninfer.artifact.reader import Artifact
 from ninfer.backends.cuda.device import GIB, CudaDevice, Device
+from ninfer.backends.cuda.graph_cache import SPARE_GRAPHS
 from ninfer.backends.cuda.model import PAGE_TOKENS, Capacity, CudaQwen
 from ninfer.backends.cuda.runner import CudaRunner
 from ninfer.backends.cuda.vision import CudaVisionTower
@@ -26,7 +27,11 @@ from ninfer.models.qwen3_6 import build_vision_tower
 from ninfer.models.qwen3_6_vision import VisionTower
 from ninfer.targets.dims import QwenDims, VisionDims
 
-GRAPH_ALLOWANCE_PER_SHAPE = 8 << 20  # device memory one captured decode graph may take (nodes, kernel params)
+# Device memory one captured step graph may take (nodes, kernel parameters). Measured on the H200 by the free memory
+# before and after capturing one decode graph (bench/cuda_model.py `graph_device_bytes`; 27B and 35B-A3B, 700-930
+# kernel nodes, batch 1 and 8): no drop at all, the driver's own reserve held them. 2 MiB (its allocation granule) a
+# shape keeps room should that reserve run out, for the pinned decode graphs and the cache's spare shapes both.
+GRAPH_ALLOWANCE_PER_SHAPE = 2 << 20
 
 
 class KvCapacityDoesNotFit(ValueError):
@@ -81,7 +86,7 @@ def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_
     decode graphs. The page count is a direct calculation: free memory after the weights, minus the exact bytes of
     the rest of the runtime layout (lane state, workspace, inputs: the ledger), the graph allowance and 1 GiB."""
     capacity = model.capacity
-    graph_allowance = GRAPH_ALLOWANCE_PER_SHAPE * capacity.lanes if cuda_graphs else 0
+    graph_allowance = GRAPH_ALLOWANCE_PER_SHAPE * (capacity.lanes + SPARE_GRAPHS) if cuda_graphs else 0
     reservation = sum(size for purpose, size in device.ledger.items() if purpose not in ("weights", "kv"))
     per_token = model.kv_bytes_per_token
     plan = plan_kv_pool(kv_capacity=config.kv_capacity, max_context=config.max_context, lanes=capacity.lanes,
