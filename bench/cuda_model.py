@@ -183,7 +183,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
-        model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else capacity.decode_rows
+        model.fused_route = linear.endswith("+route")  # MoE: router GEMV and top-k in one launch
+        mode = linear.removesuffix("+route")
+        model.linear.pad_rows = int(mode.split(":")[1]) if ":" in mode else capacity.decode_rows
         for batch in batches:
             setup_lanes(model, batch, context)
 
@@ -207,7 +209,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(f"  decode [{linear}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
-            if profile and batch in (1, 8) and linear in ("cublas", "kernels"):
+            if profile and batch in (1, 8) and linear in ("cublas", "kernels", "cublas+route"):
                 from bench.kernel_profile import print_profile, profile_replays
 
                 kernels = profile_replays(lambda: graph.replay(device.stream_handle), device.synchronize)
@@ -216,6 +218,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             graph.close()
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
+    model.fused_route = False
     result["decode"] = decode
     if decode_only:
         return result
@@ -361,7 +364,8 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16")
     parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas",
                         help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
-                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
+                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded); a +route suffix "
+                             "(cublas+route) runs MoE routing as one launch (route_decode)")
     parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes to time (at most 8)")
     parser.add_argument("--prefill-attention", default="kernel,gemm",
                         help="8K prefill attention paths to time: the numba kernel, the tensor cores (cuBLAS)")
@@ -387,7 +391,9 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for kv in args.kv.split(","):
                 try:
-                    linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("cublas",)
+                    asked = tuple(args.decode_linear.split(","))  # quantized recipes: cuBLAS for their bf16 parts
+                    linears = asked if recipe == "bf16" else ("cublas",) + tuple(
+                        mode for mode in asked if mode == "cublas+route")
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
                                                           decode_linears=linears, profile=args.profile,
                                                           decode_only=args.decode_only,

@@ -22,9 +22,10 @@ import numpy as np
 from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
-from ninfer.artifact.codec import f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, blocks_for, f32_to_bf16, sigmoid_f32, warp_max,
-                                         warp_sum)
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_hi_to_f32, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16,
+                                         sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.linear import load4
 from ninfer.kernels_numba.elementwise import sigmoid_gate_add_reference
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
@@ -43,13 +44,10 @@ I32_2D = int32[:, ::1]
 # ---------------------------------------------------------------------------------------------------- route_top_k
 
 
-@kernel((F32_2D, int32, int32, I32_2D, F32_2D), fastmath=False)
-def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
-    t = cuda.threadIdx.x
-    lane = t & 31
-    r = cuda.blockIdx.x * ROUTE_WARPS + (t >> 5)
-    if r >= logits.shape[0]:
-        return  # a whole warp leaves together
+@device_function
+def _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane):
+    """One warp routes row r: softmax over the first n_exp logits, the top_k by probability (ties to the lower id),
+    written in ascending id order with their probabilities renormalised."""
     v = cuda.local.array(8, float32)
     m = float32(-math.inf)
     for i in range(8):
@@ -105,6 +103,14 @@ def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
         weights[r, rank] = my_p / total
 
 
+@kernel((F32_2D, int32, int32, I32_2D, F32_2D), fastmath=False)
+def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
+    t = cuda.threadIdx.x
+    r = cuda.blockIdx.x * ROUTE_WARPS + (t >> 5)
+    if r < logits.shape[0]:  # a whole warp leaves together
+        _route_row(logits, r, n_exp, top_k, expert_ids, weights, t & 31)
+
+
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts: int | None = None):
     """router_logits fp32 [R, >= E] (E = `experts`, all columns without it; E <= 256: columns past E, such as the
     shared expert's gate logit computed in the same GEMV, are not read) -> expert_ids int32 [R, k] (ascending id),
@@ -125,6 +131,93 @@ def route_top_k_reference(router_logits: np.ndarray, top_k: int) -> tuple[np.nda
     order = np.argsort(ids, axis=-1, kind="stable")
     return (np.take_along_axis(ids, order, axis=-1).astype(np.int32),
             np.take_along_axis(w, order, axis=-1).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------- route_decode
+
+ROUTE_GEMV_WARPS = 8  # weight rows per block of route_decode: one warp each
+MAX_ROUTE_ROWS = 8  # x rows route_decode takes (decode batch sizes)
+
+
+@kernel((F32_2D, uint32[:, ::1], F32_2D, int32, int32, I32_2D, F32_2D, int32[::1]), fastmath=False)
+def _route_decode_kernel(x, w, logits, n_exp, top_k, expert_ids, weights, arrived):
+    """Block b: logits[:, n] for the weight rows n = 8 b .. 8 b + 7 (a warp each; x rounded to bf16, fp32 sums in a
+    fixed order). The last block to finish (a counter every block bumps after its stores are fenced) routes every x
+    row from the finished logits and resets the counter for the next launch."""
+    lane = cuda.threadIdx.x & 31
+    warp = cuda.threadIdx.x >> 5
+    M = x.shape[0]
+    K = x.shape[1]
+    N = logits.shape[1]
+    words = w.shape[1]  # bf16 pairs per weight row
+    n = cuda.blockIdx.x * ROUTE_GEMV_WARPS + warp
+    if n < N:
+        acc = cuda.local.array(MAX_ROUTE_ROWS, float32)
+        for m in range(MAX_ROUTE_ROWS):
+            acc[m] = float32(0.0)
+        for j in range(4 * lane, words, 128):  # 16 bytes of the row per lane and step: pairs j .. j + 3
+            w0, w1, w2, w3 = load4(w, n * words + j)
+            for m in range(MAX_ROUTE_ROWS):  # a constant trip count keeps acc in registers
+                if m >= M:
+                    break
+                a0, a1, a2, a3 = load4(x, m * K + 2 * j)
+                a4, a5, a6, a7 = load4(x, m * K + 2 * j + 4)
+                total = acc[m]
+                total += bf16_to_f32(w0) * bf16_to_f32(f32_to_bf16(a0))
+                total += bf16_hi_to_f32(w0) * bf16_to_f32(f32_to_bf16(a1))
+                total += bf16_to_f32(w1) * bf16_to_f32(f32_to_bf16(a2))
+                total += bf16_hi_to_f32(w1) * bf16_to_f32(f32_to_bf16(a3))
+                total += bf16_to_f32(w2) * bf16_to_f32(f32_to_bf16(a4))
+                total += bf16_hi_to_f32(w2) * bf16_to_f32(f32_to_bf16(a5))
+                total += bf16_to_f32(w3) * bf16_to_f32(f32_to_bf16(a6))
+                total += bf16_hi_to_f32(w3) * bf16_to_f32(f32_to_bf16(a7))
+                acc[m] = total
+        for m in range(MAX_ROUTE_ROWS):
+            if m >= M:
+                break
+            total = warp_sum(acc[m])
+            if lane == 0:
+                logits[m, n] = total
+    cuda.threadfence()  # this block's logits are visible to every block before it counts itself
+    cuda.syncthreads()
+    last = cuda.shared.array(1, int32)
+    if cuda.threadIdx.x == 0:
+        last[0] = 1 if cuda.atomic.add(arrived, 0, 1) == cuda.gridDim.x - 1 else 0
+    cuda.syncthreads()
+    if last[0] == 0:
+        return
+    cuda.threadfence()
+    for r in range(warp, M, ROUTE_GEMV_WARPS):
+        _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane)
+    if cuda.threadIdx.x == 0:
+        arrived[0] = 0
+
+
+def route_decode(x, router_bits, logits, top_k, expert_ids, weights, arrived, *, experts: int, stream):
+    """Decode routing in one launch: logits fp32 [M, N] = bf16(x [M <= 8, K] fp32) @ W^T (W: bf16 bits [N, K], the
+    router's E rows then the shared expert's gate and zero padding), then `route_top_k` of the first `experts`
+    columns into expert_ids / weights. `arrived` (int32 [1], zero before the first launch) counts finished blocks;
+    the last one routes and zeroes it, so a captured graph replays as is. Capture-safe."""
+    M, K = x.shape
+    N = logits.shape[1]
+    if (M > MAX_ROUTE_ROWS or K % 8 or tuple(router_bits.shape) != (N, K) or logits.shape[0] < M
+            or not 0 < top_k <= min(experts, MAX_TOP_K) or not 0 < experts <= min(N, MAX_EXPERTS)):
+        raise ValueError(f"route_decode: x{tuple(x.shape)} (at most {MAX_ROUTE_ROWS} rows, K % 8 == 0), W"
+                         f"{tuple(router_bits.shape)}, logits{tuple(logits.shape)}, {experts} experts, top {top_k}")
+    if M:
+        _route_decode_kernel[blocks_for(N, ROUTE_GEMV_WARPS), 32 * ROUTE_GEMV_WARPS, stream](
+            x, router_bits.view(np.uint32), logits[:M], np.int32(experts), np.int32(top_k), expert_ids[:M],
+            weights[:M], arrived)
+
+
+def route_decode_reference(x: np.ndarray, router_bits: np.ndarray, top_k: int, experts: int):
+    """(logits, expert_ids, weights) of `route_decode`: x rounded to bf16 times the bf16 weights (float64 sums: the
+    kernel's order is its own), routed by `route_top_k_reference` over the first `experts` columns."""
+    xb = bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(x, np.float32))).astype(np.float64)
+    wf = bf16_bits_to_f32(np.asarray(router_bits, np.uint16)).astype(np.float64)
+    logits = (xb @ wf.T).astype(np.float32)
+    ids, weights = route_top_k_reference(logits[:, :experts], top_k)
+    return logits, ids, weights
 
 
 # ---------------------------------------------------------------------------------------------------- combine

@@ -278,3 +278,45 @@ def test_gpu_combine_with_the_shared_expert_is_the_two_launches_bitwise(rows, sl
     stream.synchronize()
     np.testing.assert_array_equal(got, want)
     assert rel_l2(got, moe.moe_combine_reference(eo, w, res, shared, logits[:, 256:257])) < 1e-6
+
+
+def test_route_decode_twin_routes_its_own_logits():
+    rng = np.random.default_rng(15)
+    x, w = rand(rng, 3, 64), f32_to_bf16_bits(rand(rng, 264, 64))
+    logits, ids, weights = moe.route_decode_reference(x, w, 8, 256)
+    assert logits.shape == (3, 264)
+    want_ids, want_w = moe.route_top_k_reference(logits[:, :256], 8)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(weights, want_w)
+    with pytest.raises(ValueError, match="route_decode"):
+        moe.route_decode(rand(rng, 9, 64), w, np.zeros((9, 264), np.float32), 8, np.zeros((9, 8), np.int32),
+                         np.zeros((9, 8), np.float32), np.zeros(1, np.int32), experts=256, stream=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gpu_route_decode_matches_its_twin_launch_after_launch(rows):
+    """One launch: the logits (bf16 x times bf16 router rows), then the last block's top-k; the block counter is
+    back at zero after each launch, so a second launch (a graph replay) routes new input too."""
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(16 + rows)
+    experts, k, hidden, n = 256, 8, 2048, 264
+    w = f32_to_bf16_bits(rand(rng, n, hidden, scale=0.05))
+    d_w = cuda.to_device(w, stream=stream)
+    d_logits = cuda.to_device(np.full((8, n), np.nan, np.float32), stream=stream)
+    d_ids = cuda.to_device(np.full((8, k), -7, np.int32), stream=stream)
+    d_weights = cuda.to_device(np.full((8, k), np.nan, np.float32), stream=stream)
+    arrived = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+    for launch in range(2):
+        x = rand(rng, rows, hidden)
+        moe.route_decode(cuda.to_device(x, stream=stream), d_w, d_logits, k, d_ids, d_weights, arrived,
+                         experts=experts, stream=stream)
+        logits, ids, weights, count = (a.copy_to_host(stream=stream) for a in (d_logits, d_ids, d_weights, arrived))
+        stream.synchronize()
+        want_logits, want_ids, want_w = moe.route_decode_reference(x, w, k, experts)
+        assert rel_l2(logits[:rows], want_logits) < 1e-5, launch
+        np.testing.assert_array_equal(ids[:rows], moe.route_top_k_reference(logits[:rows, :experts], k)[0])
+        np.testing.assert_array_equal(ids[:rows], want_ids)
+        assert rel_l2(weights[:rows], want_w) < 1e-5
+        assert count[0] == 0

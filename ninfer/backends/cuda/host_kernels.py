@@ -204,6 +204,14 @@ def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=No
     expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits[:, :columns], top_k)
 
 
+MAX_ROUTE_ROWS = _moe.MAX_ROUTE_ROWS
+
+
+def route_decode(x, router_bits, logits, top_k, expert_ids, weights, arrived, *, experts, stream):
+    rows = x.shape[0]
+    logits[:rows], expert_ids[:rows], weights[:rows] = _moe.route_decode_reference(x, router_bits, top_k, experts)
+
+
 def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_logit=None):
     residual[...] = _moe.moe_combine_reference(expert_out, weights, residual, shared_out, gate_logit)
 

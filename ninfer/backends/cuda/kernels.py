@@ -11,8 +11,8 @@ from ninfer.kernels_numba.fill import fill_uniform
 from ninfer.kernels_numba.gdn import gdn_conv, gdn_gates, gdn_output, gdn_recurrent
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
-from ninfer.kernels_numba.moe import (moe_combine, moe_gather, moe_group, moe_scatter_combine,
-                                      route_top_k)
+from ninfer.kernels_numba.moe import (MAX_ROUTE_ROWS, moe_combine, moe_gather, moe_group, moe_scatter_combine,
+                                      route_decode, route_top_k)
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
@@ -59,6 +59,8 @@ __all__ = [
     "repack_quant",
     "rms_norm_rows",
     "route_top_k",
+    "route_decode",
+    "MAX_ROUTE_ROWS",
     "scratch_columns",
     "sigmoid_gate_add",
     "silu_mul_rows",

@@ -499,6 +499,7 @@ class Workspace:
             self.router_logits = buf(rows, -(-(e + 1) // ROUTER_ROWS_MULTIPLE) * ROUTER_ROWS_MULTIPLE)
             self.expert_ids = buf(rows, s, dtype=np.int32)
             self.expert_weights = buf(rows, s)
+            self.route_arrived = device.zeros((1,), np.int32, "workspace")  # route_decode's block counter
             slot_rows = min(rows, SKINNY_ROWS)  # the per-row expert route runs for up to SKINNY_ROWS rows
             self.slot_gate_up = buf(slot_rows, s, 2 * d.moe_intermediate)
             self.slot_act = buf(slot_rows, s, d.moe_intermediate)
@@ -669,6 +670,10 @@ class CudaQwen:
         # Prefill attention: "kernel" (the tiled numba kernel, fp32 math) or "gemm" (bf16 tensor cores via cuBLAS,
         # which needs the model built with Capacity.tensor_core_attention for its scratch).
         self.prefill_attention = "gemm" if capacity.tensor_core_attention else "kernel"
+        # MoE decode routing: the router GEMV (cuBLAS or the skinny kernel) then route_top_k, or both in one launch
+        # (`route_decode`, for up to MAX_ROUTE_ROWS rows). The single launch has not run on a GPU yet: off until
+        # bench/cuda_model.py (`--decode-linear cublas,cublas+route`) and the GPU tests have measured it.
+        self.fused_route = False
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -1091,9 +1096,13 @@ class CudaQwen:
         h, x = ws.h[:rows], ws.x[:rows]
         e = d.moe_experts
         router_logits = ws.router_logits[:rows]
-        self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
-        self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
+        if self.fused_route and rows <= self.k.MAX_ROUTE_ROWS:
+            self.k.route_decode(h, w.router_shared_gate.data, router_logits, d.moe_top_k, ids, weights,
+                                ws.route_arrived, experts=e, stream=stream)
+        else:
+            self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+            self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
         if rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
