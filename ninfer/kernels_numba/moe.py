@@ -223,15 +223,21 @@ def route_decode_reference(x: np.ndarray, router_bits: np.ndarray, top_k: int, e
 # ---------------------------------------------------------------------------------------------------- combine
 
 
+@device_function
+def _routed_sum(expert_out, weights, r, c):
+    """sum_s (in slot order) weights[r, s] * expert_out[r, s, c]."""
+    acc = float32(0.0)
+    for s in range(weights.shape[1]):
+        acc += weights[r, s] * expert_out[r, s, c]
+    return acc
+
+
 @kernel((float32[:, :, ::1], F32_2D, F32_2D), fastmath=False)
 def _moe_combine_kernel(expert_out, weights, residual):
     c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     r = cuda.blockIdx.x
     if c < residual.shape[1]:
-        acc = float32(0.0)
-        for s in range(weights.shape[1]):
-            acc += weights[r, s] * expert_out[r, s, c]
-        residual[r, c] += acc
+        residual[r, c] += _routed_sum(expert_out, weights, r, c)
 
 
 @kernel((float32[:, :, ::1], F32_2D, F32_2D, F32_2D, float32[:, :]), fastmath=False)
@@ -241,10 +247,7 @@ def _moe_combine_shared_kernel(expert_out, weights, residual, shared_out, gate_l
     c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     r = cuda.blockIdx.x
     if c < residual.shape[1]:
-        acc = float32(0.0)
-        for s in range(weights.shape[1]):
-            acc += weights[r, s] * expert_out[r, s, c]
-        routed = residual[r, c] + acc
+        routed = residual[r, c] + _routed_sum(expert_out, weights, r, c)
         residual[r, c] = routed + sigmoid_f32(gate_logit[r, 0]) * shared_out[r, c]
 
 
