@@ -33,9 +33,6 @@ class Bf16Matrix:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
-    def rows(self, start: int, count: int) -> "Bf16Matrix":
-        return Bf16Matrix(self.data[start : start + count])
-
 
 @attrs.frozen
 class SplitMatrix:
