@@ -45,6 +45,9 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
+from ninfer.kernels_numba.async_copy import (copy_async_4, copy_async_8, copy_async_16, copy_async_commit,
+                                             copy_async_wait, load_shared_word, load_shared_words2,
+                                             load_shared_words4, shared_address)
 from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
                                          load_words2_at, load_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
@@ -360,7 +363,8 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False, sets: int = 1):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False, sets: int = 1,
+                   stages: int = 0):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
@@ -377,7 +381,16 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
 
     With `pipeline`, two register sets alternate: the loads of a warp's next step are issued before the mma of its
     current one, so a warp keeps loads in flight while it computes (missing blocks are not loaded at all). The sums
-    and their order are the same: only the time of the loads moves."""
+    and their order are the same: only the time of the loads moves.
+
+    With `stages` (>= 2; unroll 1), each warp streams the weight planes and scales of its blocks through a ring of
+    `stages` slots of shared memory with `cp.async` (`async_copy`): stages - 1 blocks are in flight while one is
+    summed, without registers to hold them. x stays out of the ring (a slot would need 1 KiB per set for it): its
+    fragments load into registers one block ahead. Each lane reads back only what it copied, so the ring needs no
+    barrier. Same sums, same order."""
+    if stages and (stages < 2 or unroll != 1 or pipeline):
+        raise ValueError(f"a shared-memory ring needs stages >= 2, unroll 1 and no register pipeline, got stages "
+                         f"{stages}, unroll {unroll}, pipeline {pipeline}")
     ACC = 4 * tiles * sets
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -393,6 +406,10 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
     HIGH_BLOCK = 32 * HW * 4
     SCALE_BLOCK = SW * 8 * 4
     X_BLOCK = FRAGMENT_WORDS * 4
+    HIGH_AT, SCALE_AT, STAGE_BYTES = stage_layout(bits, tiles)  # one slot of the ring
+    PARTIALS_BYTES = _partials_bytes(tiles, warps, sets)
+    wait_oldest = copy_async_wait(max(stages - 2, 0))
+    wait_all = copy_async_wait(0)
 
     @device_function
     def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
@@ -504,6 +521,63 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @device_function
+    def copy_step(slot, tile_base, tile_high, tile_scale, lane, q):
+        """Start the copies of block q's weight words and scales into one slot of the warp's ring: each lane its
+        own words at its own offsets (`stage_layout`)."""
+        q64 = int64(q)
+        for r in range(tiles):
+            copy_async_16(slot + (r * 32 + lane) * 16, tile_base[r] + q64 * BASE_BLOCK, uint32(16))
+            at = slot + HIGH_AT + (r * 32 + lane) * (HW * 4)
+            if bits == 5:
+                copy_async_4(at, tile_high[r] + q64 * HIGH_BLOCK)
+            elif bits == 6:
+                copy_async_8(at, tile_high[r] + q64 * HIGH_BLOCK)
+            elif bits == 8:
+                copy_async_16(at, tile_high[r] + q64 * HIGH_BLOCK, uint32(16))
+            for k in range(SW):
+                copy_async_4(slot + SCALE_AT + ((r * SW + k) * 32 + lane) * 4,
+                             tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
+
+    @device_function
+    def read_step(words, highs, scale_pairs, slot, lane):
+        """The lane's words of one landed slot into the registers `step_sums` reads (unroll 1)."""
+        for r in range(tiles):
+            words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = load_shared_words4(
+                slot + (r * 32 + lane) * 16)
+            at = slot + HIGH_AT + (r * 32 + lane) * (HW * 4)
+            if bits == 5:
+                highs[r] = load_shared_word(at)
+            elif bits == 6:
+                highs[2 * r], highs[2 * r + 1] = load_shared_words2(at)
+            elif bits == 8:
+                highs[4 * r], highs[4 * r + 1], highs[4 * r + 2], highs[4 * r + 3] = load_shared_words4(at)
+            for k in range(SW):
+                scale_pairs[SW * r + k] = load_shared_word(slot + SCALE_AT + ((r * SW + k) * 32 + lane) * 4)
+
+    @device_function
+    def load_x(xs, x_lane, set_bytes, q):
+        """Block q's x fragments of every set into registers (unroll 1 layout)."""
+        q64 = int64(q)
+        for t in range(sets):
+            at = x_lane + t * set_bytes + q64 * X_BLOCK
+            xs[8 * t], xs[8 * t + 1], xs[8 * t + 2], xs[8 * t + 3] = load_words4_at(at)
+            xs[8 * t + 4], xs[8 * t + 5], xs[8 * t + 6], xs[8 * t + 7] = load_words4_at(at + 16)
+
+    @device_function
+    def ring_step(acc, words, highs, scale_pairs, xs, ring, tile_base, tile_high, tile_scale, lane, warp, i, count,
+                  blocks):
+        """Sum the warp's block i (its weights landed in slot i % stages, its x in `xs`) after starting the copy of
+        block i + stages - 1 into the slot block i - 1 used, read back in the previous step."""
+        wait_oldest()
+        read_step(words, highs, scale_pairs, ring + (i % stages) * STAGE_BYTES, lane)
+        ahead = i + stages - 1
+        if ahead < count:
+            copy_step(ring + (ahead % stages) * STAGE_BYTES, tile_base, tile_high, tile_scale, lane,
+                      warp + ahead * warps)
+        copy_async_commit()
+        step_sums(acc, words, highs, scale_pairs, xs, warp + i * warps, blocks)
+
+    @device_function
     def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
@@ -525,7 +599,34 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
         for a in range(ACC):
             acc[a] = float32(0.0)
         q0 = warp
-        if pipeline:
+        if stages > 0:
+            # The warp's ring of `stages` slots after the partials: its block i (q = warp + i warps) lands in slot
+            # i % stages, stages - 1 blocks ahead of the one summed; x one block ahead in two register sets.
+            ring = shared_address(address_of(partials)) + uint32(PARTIALS_BYTES + warp * stages * STAGE_BYTES)
+            count = (blocks - warp + warps - 1) // warps  # the warp's blocks
+            for i in range(stages - 1):
+                if i < count:
+                    copy_step(ring + i * STAGE_BYTES, tile_base, tile_high, tile_scale, lane, warp + i * warps)
+                copy_async_commit()
+            xs_b = cuda.local.array(XS, uint32)
+            if count > 0:
+                load_x(xs, x_lane, set_bytes, warp)
+            i = 0
+            while i < count:
+                if i + 1 < count:
+                    load_x(xs_b, x_lane, set_bytes, warp + (i + 1) * warps)
+                ring_step(acc, words, highs, scale_pairs, xs, ring, tile_base, tile_high, tile_scale, lane, warp, i,
+                          count, blocks)
+                i += 1
+                if i >= count:
+                    break
+                if i + 1 < count:
+                    load_x(xs, x_lane, set_bytes, warp + (i + 1) * warps)
+                ring_step(acc, words, highs, scale_pairs, xs_b, ring, tile_base, tile_high, tile_scale, lane, warp, i,
+                          count, blocks)
+                i += 1
+            wait_all()
+        elif pipeline:
             words_b = cuda.local.array(WORDS, uint32)
             highs_b = cuda.local.array(HIGHS, uint32)
             scale_pairs_b = cuda.local.array(SCALES, uint32)
@@ -576,18 +677,39 @@ def c_position(a, lane):
 
 
 def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
-    """Dynamic shared memory of a block (`make_tile_sums`)."""
+    """Shared memory where a block's warps meet (`make_tile_sums`)."""
     return warps * 4 * tiles * sets * 32 * 4
 
 
+def stage_layout(bits: int, tiles: int) -> tuple[int, int, int]:
+    """Byte offsets of the high plane and the scales in one slot of a warp's shared ring, and the slot's size: per
+    tile the 32 lanes' base words (16 bytes each), then their high words, then their scale words."""
+    high_at = tiles * 32 * 16
+    scale_at = high_at + (0 if bits == 4 else tiles * 32 * HIGH_WORDS[bits] * 4)
+    return high_at, scale_at, scale_at + tiles * SCALE_WORDS[bits] * 32 * 4
+
+
+MAX_STATIC_SHARED = 48 * 1024  # dynamic shared memory a launch gets without opting in
+
+
+def shared_bytes(bits: int, tiles: int, warps: int, sets: int = 1, stages: int = 0) -> int:
+    """Dynamic shared memory of a block: the partials, then (`stages`) each warp's ring."""
+    total = _partials_bytes(tiles, warps, sets) + warps * stages * stage_layout(bits, tiles)[2]
+    if total > MAX_STATIC_SHARED:
+        raise ValueError(f"{warps} warps x {stages} stages of {tiles} tile(s), {sets} set(s) need {total} bytes of "
+                         f"shared memory (at most {MAX_STATIC_SHARED})")
+    return total
+
+
 def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                          pipeline: bool = False, sets: int = 1):
+                          pipeline: bool = False, sets: int = 1, stages: int = 0):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
     blocks per warp step whose loads are all issued before the first mma of the step (`pipeline`: one step
-    ahead, `make_tile_sums`), for up to 8 `sets` x rows (x row m: column m % 8 of set m // 8)."""
+    ahead; `stages`: the weights through a shared ring, `make_tile_sums`), for up to 8 `sets` x rows (x row m:
+    column m % 8 of set m // 8)."""
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, sets)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, sets, stages)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
@@ -614,11 +736,11 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
 
 
 def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                                   pipeline: bool = False):
+                                   pipeline: bool = False, stages: int = 0):
     """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
     `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
     ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, stages=stages)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32),
             fastmath=False)
@@ -657,10 +779,11 @@ QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits, pipelin
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
-                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None) -> None:
+                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None, stages: int = 0) -> None:
     """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8 ROW_SETS, x given as its fragments (`x_fragments`): one
     launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe. (`_kernel`
-    with `sets`: a variant from `make_quant_mma_kernel`, for benchmarks and tests.)"""
+    with its `tiles`, `warps`, `sets`, `stages`: a variant from `make_quant_mma_kernel`, for benchmarks and
+    tests.)"""
     M, N = y.shape
     K = qw.shape[1]
     sets = x_sets(M) if sets is None else sets
@@ -670,9 +793,10 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
                          f"{xf.shape[0]} x words")
     if M == 0:
         return
-    fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt], sets]
+    bits = FORMAT_BITS[qw.fmt]
+    fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[bits, sets]
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets)](
+    fn[grid, 32 * warps, stream, shared_bytes(bits, tiles, warps, sets, stages)](
         xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(1 if accumulate else 0))
 
 
@@ -697,7 +821,8 @@ def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape
 
 
 def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool,
-                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS) -> None:
+                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS,
+                              stages: int = 0) -> None:
     """MoE decode: y[m, s, :] = X(m, s) @ W_e^T, e = expert_ids[m, s] (int32 [M <= 8, S]), W_e = rows e * rpe ..
     (e + 1) * rpe - 1 of the stacked matrix qw [E * rpe, K] (rpe % 16 == 0); y float32 [M, S, rpe]. X(m, s) comes
     as fragments: of x [M, K] (`x_fragments`, every slot of a row reads that row) or, x_per_slot, of x [M, S, K]
@@ -709,10 +834,11 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     if M * S == 0:
         return
     rpe = int(rows_per_expert)
-    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt]]
+    bits = FORMAT_BITS[qw.fmt]
+    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits]
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
-    fn[(groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps)](
+    fn[(groups, S, M), 32 * warps, stream, shared_bytes(bits, tiles, warps, 1, stages)](
         xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(x_set_words))
 
 

@@ -180,7 +180,7 @@ def test_slot_fragments_take_at_most_8_rows_of_whole_blocks():
             QM.x_slot_fragments(np.zeros(shape, np.float32), np.zeros(1024, np.uint32), stream=0)
 
 
-def _run(x, qw, y0=None, accumulate=False, kernel=None):
+def _run(x, qw, y0=None, accumulate=False, kernel=None, **geometry):
     from ninfer.kernels_numba.numba_setup import cuda
 
     stream = cuda.stream()
@@ -189,7 +189,7 @@ def _run(x, qw, y0=None, accumulate=False, kernel=None):
     xf = cuda.device_array(QM.x_fragment_words(x.shape[1]), np.uint32, stream=stream)
     QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
     np.testing.assert_array_equal(xf.copy_to_host(stream=stream), QM.x_fragments_reference(x))
-    QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate, _kernel=kernel)
+    QM.linear_quant_mma(xf, qw, dy, stream=stream, accumulate=accumulate, _kernel=kernel, **geometry)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -235,7 +235,7 @@ def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
     np.testing.assert_array_equal(got, dequantize_bf16_reference(fmt, shape, payload))
 
 
-def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None):
+def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None, **geometry):
     """The gathered kernel's y, after checking the fragments it read against their twin."""
     from ninfer.kernels_numba.numba_setup import cuda
 
@@ -252,7 +252,7 @@ def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None):
     np.testing.assert_array_equal(xf.copy_to_host(stream=stream), want_xf)
     dy = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
     QM.linear_quant_mma_gathered(xf, qw, cuda.to_device(ids, stream=stream), dy, rows_per_expert=rpe,
-                                 x_per_slot=x_per_slot, stream=stream, _kernel=kernel)
+                                 x_per_slot=x_per_slot, stream=stream, _kernel=kernel, **geometry)
     out = dy.copy_to_host(stream=stream)
     stream.synchronize()
     return out
@@ -364,3 +364,49 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
     one_set = np.concatenate([_run(x[first:first + 8], qw) for first in range(0, m, 8)])
     np.testing.assert_array_equal(wide, one_set)
     assert _rel(wide_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def _register_kernels(bits, warps):
+    """(plain, gathered) kernels with `warps` warps and the default register loads."""
+    return QM.make_quant_mma_kernel(bits, warps=warps), QM.make_quant_mma_gathered_kernel(bits, warps=warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_kernels(bits, warps, stages):
+    """(plain, gathered) kernels that stream the weights through a shared ring, compiled once per geometry."""
+    return (QM.make_quant_mma_kernel(bits, warps=warps, unroll=1, stages=stages),
+            QM.make_quant_mma_gathered_kernel(bits, warps=warps, unroll=1, stages=stages))
+
+
+def test_a_ring_must_fit_the_shared_memory_a_launch_gets():
+    assert QM.shared_bytes(QM.FORMAT_BITS[QM.W8G32], 1, 8, 1, 4) <= QM.MAX_STATIC_SHARED
+    with pytest.raises(ValueError, match="shared memory"):
+        QM.shared_bytes(QM.FORMAT_BITS[QM.W8G32], 1, 8, 1, 8)
+    with pytest.raises(ValueError, match="unroll 1"):
+        QM.make_tile_sums(4, 1, 8, 2, stages=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("warps,stages", [(8, 4), (4, 6), (2, 8)])
+@pytest.mark.parametrize("m,n,k", [(1, 33, 192), (8, 70, 1024), (3, 40, 5120), (1, 20, 17408)])
+def test_ring_kernels_give_the_register_kernels_bits(fmt, warps, stages, m, n, k):
+    """A warp streaming its blocks' weights through a cp.async ring (x one block ahead in registers) sums the same
+    blocks in the same order as the register kernel with as many warps: bitwise the same, plain and gathered, for
+    any count of blocks per warp (fewer than the ring's slots too)."""
+    bits = QM.FORMAT_BITS[fmt]
+    rng = np.random.default_rng(m * n + k + stages)
+    payload = _payload(rng, (n, k), fmt)
+    qw = QM.upload_quant_mma(fmt, (n, k), payload)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    plain_ring, gathered_ring = _ring_kernels(bits, warps, stages)
+    plain_register, gathered_register = _register_kernels(bits, warps)
+    register = _run(x, qw, kernel=plain_register, warps=warps)
+    np.testing.assert_array_equal(_run(x, qw, kernel=plain_ring, warps=warps, stages=stages), register)
+    assert _rel(register, QM.linear_quant_mma_reference(x, fmt, (n, k), payload)) < 1e-5
+    shape, payload, ids, xs = _gathered_problem(m + k, fmt, experts=6, rpe=48, K=k, M=m, S=4, x_per_slot=True)
+    qw = QM.upload_quant_mma(fmt, shape, payload)
+    np.testing.assert_array_equal(
+        _run_gathered(xs, qw, ids, 48, True, kernel=gathered_ring, warps=warps, stages=stages),
+        _run_gathered(xs, qw, ids, 48, True, kernel=gathered_register, warps=warps))
