@@ -111,15 +111,20 @@ def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
         _route_row(logits, r, n_exp, top_k, expert_ids, weights, t & 31)
 
 
+def _check_route(top_k: int, experts: int, columns: int, problem: str = "") -> None:
+    """The ValueError of a routing launch that cannot pick top_k of the first `experts` of `columns` logits."""
+    if problem or not 0 < top_k <= min(experts, MAX_TOP_K) or not 0 < experts <= min(columns, MAX_EXPERTS):
+        raise ValueError(f"routing supports E <= {MAX_EXPERTS} of the {columns} logit columns, 0 < k <= min(E, "
+                         f"{MAX_TOP_K}); got E={experts}, k={top_k}{problem}")
+
+
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts: int | None = None):
     """router_logits fp32 [R, >= E] (E = `experts`, all columns without it; E <= 256: columns past E, such as the
     shared expert's gate logit computed in the same GEMV, are not read) -> expert_ids int32 [R, k] (ascending id),
     weights fp32 [R, k] (sum 1)."""
     rows, columns = router_logits.shape
     n_exp = columns if experts is None else int(experts)
-    if not 0 < top_k <= min(n_exp, MAX_TOP_K) or not 0 < n_exp <= min(columns, MAX_EXPERTS):
-        raise ValueError(f"route_top_k supports E <= {MAX_EXPERTS} of the {columns} logit columns, 0 < k <= min(E, "
-                         f"32); got E={n_exp}, k={top_k}")
+    _check_route(top_k, n_exp, columns)
     if rows:
         _route_top_k_kernel[blocks_for(rows, ROUTE_WARPS), 32 * ROUTE_WARPS, stream](
             router_logits, np.int32(n_exp), np.int32(top_k), expert_ids, weights)
@@ -200,10 +205,10 @@ def route_decode(x, router_bits, logits, top_k, expert_ids, weights, arrived, *,
     the last one routes and zeroes it, so a captured graph replays as is. Capture-safe."""
     M, K = x.shape
     N = logits.shape[1]
-    if (M > MAX_ROUTE_ROWS or K % 8 or tuple(router_bits.shape) != (N, K) or logits.shape[0] < M
-            or not 0 < top_k <= min(experts, MAX_TOP_K) or not 0 < experts <= min(N, MAX_EXPERTS)):
-        raise ValueError(f"route_decode: x{tuple(x.shape)} (at most {MAX_ROUTE_ROWS} rows, K % 8 == 0), W"
-                         f"{tuple(router_bits.shape)}, logits{tuple(logits.shape)}, {experts} experts, top {top_k}")
+    shapes_fit = M <= MAX_ROUTE_ROWS and K % 8 == 0 and tuple(router_bits.shape) == (N, K) and logits.shape[0] >= M
+    _check_route(top_k, experts, N, "" if shapes_fit else
+                 f"; route_decode: x{tuple(x.shape)} (at most {MAX_ROUTE_ROWS} rows, K % 8 == 0), W"
+                 f"{tuple(router_bits.shape)}, logits{tuple(logits.shape)}")
     if M:
         _route_decode_kernel[blocks_for(N, ROUTE_GEMV_WARPS), 32 * ROUTE_GEMV_WARPS, stream](
             x, router_bits.view(np.uint32), logits[:M], np.int32(experts), np.int32(top_k), expert_ids[:M],

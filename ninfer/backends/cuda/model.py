@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ninfer.artifact.formats import align_up
 from ninfer.backends.cpu.dflash import DFLASH_KV_DTYPE
 from ninfer.backends.cpu.ops import rope_inv_freq
 from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
@@ -269,7 +270,7 @@ ROUTER_ROWS_MULTIPLE = 8
 def _zero_padded_rows(device: Device, matrix: Bf16Matrix, multiple: int) -> Bf16Matrix:
     """`matrix` with zero rows appended up to a multiple of `multiple` rows; the unpadded copy is released."""
     rows, width = matrix.shape
-    padded_rows = -(-rows // multiple) * multiple
+    padded_rows = align_up(rows, multiple)
     if padded_rows == rows:
         return matrix
     padded = device.zeros((padded_rows, width), np.uint16, "weights")
@@ -496,7 +497,7 @@ class Workspace:
         if d.is_moe:
             s, e = d.moe_top_k, d.moe_experts
             # then the shared expert's gate logit and the padding rows' zeros
-            self.router_logits = buf(rows, -(-(e + 1) // ROUTER_ROWS_MULTIPLE) * ROUTER_ROWS_MULTIPLE)
+            self.router_logits = buf(rows, align_up(e + 1, ROUTER_ROWS_MULTIPLE))
             self.expert_ids = buf(rows, s, dtype=np.int32)
             self.expert_weights = buf(rows, s)
             self.route_arrived = device.zeros((1,), np.int32, "workspace")  # route_decode's block counter
