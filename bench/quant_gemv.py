@@ -25,10 +25,10 @@ from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geomet
 SHAPES = {"gate_up 34816x5120": (34816, 5120), "down 5120x17408": (5120, 17408), "query_key 7168x5120": (7168, 5120),
           "gdn out 5120x6144": (5120, 6144)}
 REPEAT = 20
-# (tiles, warps, unroll, pipeline, stages): pipelined kernels load a warp's next step before the mma of its current
-# one; kernels with stages stream each warp's weights through a shared ring of that many slots (cp.async)
-VARIANTS = [(1, 8, 2, False, 0), (1, 8, 2, True, 0), (1, 4, 2, False, 0), (1, 8, 1, False, 4), (1, 8, 1, False, 6),
-            (1, 8, 1, False, 8), (1, 4, 1, False, 8), (1, 16, 1, False, 3), (2, 4, 1, False, 6)]
+# (tiles, warps, unroll, stages): kernels with stages stream each warp's weights through a shared ring of that many
+# slots (cp.async)
+VARIANTS = [(1, 8, 2, 0), (1, 4, 2, 0), (1, 8, 1, 4), (1, 8, 1, 6), (1, 8, 1, 8), (1, 4, 1, 8), (1, 16, 1, 3),
+            (2, 4, 1, 6)]
 _VARIANT_KERNELS: dict = {}
 WIDE_SETS = 4  # x-fragment sets of the widest kernel timed (M = 32)
 
@@ -41,12 +41,12 @@ def wide_kernel(bits: int, sets: int):
     return _VARIANT_KERNELS["wide", bits, sets]
 
 
-def variant(tiles: int, warps: int, unroll: int, pipeline: bool, stages: int):
+def variant(tiles: int, warps: int, unroll: int, stages: int):
     from ninfer.kernels_numba import quant_mma as QM
 
-    key = (tiles, warps, unroll, pipeline, stages)
+    key = (tiles, warps, unroll, stages)
     if key not in _VARIANT_KERNELS:
-        _VARIANT_KERNELS[key] = QM.make_quant_mma_kernel(4, tiles, warps, unroll, pipeline, stages=stages)
+        _VARIANT_KERNELS[key] = QM.make_quant_mma_kernel(4, tiles, warps, unroll, stages=stages)
     return _VARIANT_KERNELS[key]
 
 
@@ -156,15 +156,14 @@ def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep
         if sweep and m in (1, 8):
             QM.linear_quant_mma(dxf, mma, y[:m], stream=stream)
             default_y = device.read(y[:m])
-            for tiles, warps, unroll, pipeline, stages in VARIANTS:  # geometry search for the tensor-core kernel
-                fn = variant(tiles, warps, unroll, pipeline, stages)
+            for tiles, warps, unroll, stages in VARIANTS:  # geometry search for the tensor-core kernel
+                fn = variant(tiles, warps, unroll, stages)
 
                 def launch_variant(m=m, fn=fn, tiles=tiles, warps=warps, stages=stages):
                     QM.linear_quant_mma(dxf, mma, y[:m], stream=stream, _kernel=fn, tiles=tiles, warps=warps,
                                         stages=stages)
 
-                label = (f"mma_t{tiles}_w{warps}_u{unroll}{'_pipe' if pipeline else ''}"
-                         f"{f'_s{stages}' if stages else ''}")
+                label = f"mma_t{tiles}_w{warps}_u{unroll}{f'_s{stages}' if stages else ''}"
                 row[f"{label}_us"] = timed(device, launch_variant) * 1e6
                 if warps == QM.WARPS:  # the same warps sum the same blocks in the same order: the same bits
                     launch_variant()

@@ -363,8 +363,7 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: bool = False, sets: int = 1,
-                   stages: int = 0):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1, stages: int = 0):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
@@ -379,18 +378,13 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
     blocks are constant offsets. Steps whose `unroll` blocks all exist run unclamped; the last, partial step of a
     warp clamps its missing blocks onto the last one (loaded, never summed), in the same order as before.
 
-    With `pipeline`, two register sets alternate: the loads of a warp's next step are issued before the mma of its
-    current one, so a warp keeps loads in flight while it computes (missing blocks are not loaded at all). The sums
-    and their order are the same: only the time of the loads moves.
-
     With `stages` (>= 2; unroll 1), each warp streams the weight planes and scales of its blocks through a ring of
     `stages` slots of shared memory with `cp.async` (`async_copy`): stages - 1 blocks are in flight while one is
     summed, without registers to hold them. x stays out of the ring (a slot would need 1 KiB per set for it): its
     fragments load into registers one block ahead. Each lane reads back only what it copied, so the ring needs no
     barrier. Same sums, same order."""
-    if stages and (stages < 2 or unroll != 1 or pipeline):
-        raise ValueError(f"a shared-memory ring needs stages >= 2, unroll 1 and no register pipeline, got stages "
-                         f"{stages}, unroll {unroll}, pipeline {pipeline}")
+    if stages and (stages < 2 or unroll != 1):
+        raise ValueError(f"a shared-memory ring needs stages >= 2 and unroll 1, got stages {stages}, unroll {unroll}")
     ACC = 4 * tiles * sets
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -412,16 +406,24 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
     wait_all = copy_async_wait(0)
 
     @device_function
+    def load_x(xs, first, x_lane, set_bytes, q):
+        """Block q's x fragments of every set into xs[first + 8 t ..] (set t)."""
+        q64 = int64(q)
+        for t in range(sets):
+            at = x_lane + t * set_bytes + q64 * X_BLOCK
+            x0 = first + 8 * t
+            xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
+            xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
+
+    @device_function
     def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
-                  clamp, guard):
+                  clamp):
         """Every load of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
-        `clamp`; skipped past the last one when `guard`)."""
+        `clamp`)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
                 q = min(q, blocks - 1)
-            if guard and q >= blocks:
-                continue
             q64 = int64(q)
             for r in range(tiles):
                 w0 = 4 * (r * unroll + u)
@@ -438,11 +440,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                         highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load_words4_at(at)
                 for k in range(SW):
                     scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
-            for t in range(sets):
-                at = x_lane + t * set_bytes + q64 * X_BLOCK
-                x0 = 8 * (u * sets + t)
-                xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
-                xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
+            load_x(xs, 8 * u * sets, x_lane, set_bytes, q)
 
     @device_function
     def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
@@ -554,14 +552,6 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
             for k in range(SW):
                 scale_pairs[SW * r + k] = load_shared_word(slot + SCALE_AT + ((r * SW + k) * 32 + lane) * 4)
 
-    @device_function
-    def load_x(xs, x_lane, set_bytes, q):
-        """Block q's x fragments of every set into registers (unroll 1 layout)."""
-        q64 = int64(q)
-        for t in range(sets):
-            at = x_lane + t * set_bytes + q64 * X_BLOCK
-            xs[8 * t], xs[8 * t + 1], xs[8 * t + 2], xs[8 * t + 3] = load_words4_at(at)
-            xs[8 * t + 4], xs[8 * t + 5], xs[8 * t + 6], xs[8 * t + 7] = load_words4_at(at + 16)
 
     @device_function
     def ring_step(acc, words, highs, scale_pairs, xs, ring, tile_base, tile_high, tile_scale, lane, warp, i, count,
@@ -610,50 +600,32 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, pipeline: boo
                 copy_async_commit()
             xs_b = cuda.local.array(XS, uint32)
             if count > 0:
-                load_x(xs, x_lane, set_bytes, warp)
+                load_x(xs, 0, x_lane, set_bytes, warp)
             i = 0
             while i < count:
                 if i + 1 < count:
-                    load_x(xs_b, x_lane, set_bytes, warp + (i + 1) * warps)
+                    load_x(xs_b, 0, x_lane, set_bytes, warp + (i + 1) * warps)
                 ring_step(acc, words, highs, scale_pairs, xs, ring, tile_base, tile_high, tile_scale, lane, warp, i,
                           count, blocks)
                 i += 1
                 if i >= count:
                     break
                 if i + 1 < count:
-                    load_x(xs, x_lane, set_bytes, warp + (i + 1) * warps)
+                    load_x(xs, 0, x_lane, set_bytes, warp + (i + 1) * warps)
                 ring_step(acc, words, highs, scale_pairs, xs_b, ring, tile_base, tile_high, tile_scale, lane, warp, i,
                           count, blocks)
                 i += 1
             wait_all()
-        elif pipeline:
-            words_b = cuda.local.array(WORDS, uint32)
-            highs_b = cuda.local.array(HIGHS, uint32)
-            scale_pairs_b = cuda.local.array(SCALES, uint32)
-            xs_b = cuda.local.array(XS, uint32)
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      blocks, False, True)
-            while q0 < blocks:
-                load_step(words_b, highs_b, scale_pairs_b, xs_b, tile_base, tile_high, tile_scale, x_lane,
-                          set_bytes, q0 + warps * unroll, blocks, False, True)
-                step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-                q0 += warps * unroll
-                if q0 >= blocks:
-                    break
-                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane,
-                          set_bytes, q0 + warps * unroll, blocks, False, True)
-                step_sums(acc, words_b, highs_b, scale_pairs_b, xs_b, q0, blocks)
-                q0 += warps * unroll
         else:
             full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
             while q0 < full:
                 load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                          blocks, False, False)
+                          blocks, False)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
             while q0 < blocks:  # the warp's last step lacks blocks: at most one
                 load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                          blocks, True, False)
+                          blocks, True)
                 step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
                 q0 += warps * unroll
         for a in range(ACC):
@@ -702,14 +674,14 @@ def shared_bytes(bits: int, tiles: int, warps: int, sets: int = 1, stages: int =
 
 
 def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                          pipeline: bool = False, sets: int = 1, stages: int = 0):
+                          sets: int = 1, stages: int = 0):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
-    blocks per warp step whose loads are all issued before the first mma of the step (`pipeline`: one step
-    ahead; `stages`: the weights through a shared ring, `make_tile_sums`), for up to 8 `sets` x rows (x row m:
+    blocks per warp step whose loads are all issued before the first mma of the step (`stages`: the weights
+    through a shared ring, `make_tile_sums`), for up to 8 `sets` x rows (x row m:
     column m % 8 of set m // 8)."""
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, sets, stages)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets, stages)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
@@ -736,11 +708,11 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
 
 
 def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                                   pipeline: bool = False, stages: int = 0):
+                                   stages: int = 0):
     """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
     `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
     ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, pipeline, stages=stages)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, stages=stages)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32),
             fastmath=False)
@@ -769,13 +741,9 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
     return quant_mma_gathered_kernel
 
 
-# Load a step ahead (`make_tile_sums`)? bench/quant_gemv.py --sweep-only on the H200: 1% (gate_up 34816x5120) to 11%
-# (down 5120x17408) faster alone, bitwise the same, but the whole 27B ninfer-v2 step did not gain (B=1 9.35 vs 9.14
-# ms, B=8 12.77 vs 12.88; results/quant_gemv_session5_pipeline.json): off until a step measures better with it.
-PIPELINE = False
-QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, pipeline=PIPELINE, sets=sets)
+QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, sets=sets)
                      for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
-QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits, pipeline=PIPELINE) for bits in (4, 5, 6, 8)}
+QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,

@@ -280,32 +280,6 @@ def test_quant_mma_gathered_gpu_matches_the_twin_and_the_plain_kernel(fmt, m, x_
             assert np.array_equal(got[row, slot], plain[row, e * rpe : (e + 1) * rpe]), (row, slot)
 
 
-@functools.lru_cache(maxsize=None)
-def _pipelined_kernels(bits):
-    """(plain, gathered) kernels that load a step ahead, compiled once per format."""
-    return QM.make_quant_mma_kernel(bits, pipeline=True), QM.make_quant_mma_gathered_kernel(bits, pipeline=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,n,k", [(1, 33, 192), (8, 70, 1024), (3, 40, 5120), (1, 20, 17408), (5, 160, 512)])
-def test_the_pipelined_kernels_give_the_same_bits(fmt, m, n, k):
-    """Loading a step ahead moves only the loads: plain and gathered results equal the default kernels' bitwise,
-    K blocks a multiple of a step's or not."""
-    bits = QM.FORMAT_BITS[fmt]
-    rng = np.random.default_rng(m * n + k)
-    payload = _payload(rng, (n, k), fmt)
-    qw = QM.upload_quant_mma(fmt, (n, k), payload)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    plain_kernel, gathered_kernel = _pipelined_kernels(bits)
-    piped = _run(x, qw, kernel=plain_kernel)
-    np.testing.assert_array_equal(piped, _run(x, qw))
-    shape, payload, ids, xs = _gathered_problem(m + k, fmt, experts=6, rpe=48, K=k, M=m, S=4, x_per_slot=True)
-    qw = QM.upload_quant_mma(fmt, shape, payload)
-    piped = _run_gathered(xs, qw, ids, 48, True, kernel=gathered_kernel)
-    np.testing.assert_array_equal(piped, _run_gathered(xs, qw, ids, 48, True))
-
-
 def test_fragment_sets_hold_eight_rows_each():
     rng = np.random.default_rng(31)
     x = rng.standard_normal((19, 128)).astype(np.float32)
