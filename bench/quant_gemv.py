@@ -2,7 +2,8 @@
 `quant_linear` (fp32 x) against the tensor-core kernel of `quant_mma` (bf16 x fragments, prepared once per x and
 timed apart), x rows 1/2/4/8, each launch captured 20 times in one graph. Reports microseconds per launch, the
 weight bytes read per second, the ratio to the measured copy bandwidth and, at M = 1, the relative difference of
-each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on two shapes.
+each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on
+every shape.
 
 Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OUT/quant_gemv.json (bench/results
 without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 27B split Q4/Q5) at M = 1, JSON to
@@ -25,10 +26,9 @@ from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geomet
 SHAPES = {"gate_up 34816x5120": (34816, 5120), "down 5120x17408": (5120, 17408), "query_key 7168x5120": (7168, 5120),
           "gdn out 5120x6144": (5120, 6144)}
 REPEAT = 20
-# (tiles, warps, unroll, stages): kernels with stages stream each warp's weights through a shared ring of that many
-# slots (cp.async)
-VARIANTS = [(1, 8, 2, 0), (1, 4, 2, 0), (1, 8, 1, 4), (1, 8, 1, 6), (1, 8, 1, 8), (1, 4, 1, 8), (1, 16, 1, 3),
-            (2, 4, 1, 6)]
+# (tiles, warps, unroll): more warps per tile or more blocks per warp step keep more bytes in flight on the
+# matrices with few row tiles (5,120 rows: 320 tiles)
+VARIANTS = [(1, 8, 2), (1, 4, 2), (1, 16, 2), (1, 16, 1), (1, 8, 4), (1, 32, 1), (2, 8, 2)]
 _VARIANT_KERNELS: dict = {}
 WIDE_SETS = 4  # x-fragment sets of the widest kernel timed (M = 32)
 
@@ -41,12 +41,12 @@ def wide_kernel(bits: int, sets: int):
     return _VARIANT_KERNELS["wide", bits, sets]
 
 
-def variant(tiles: int, warps: int, unroll: int, stages: int):
+def variant(tiles: int, warps: int, unroll: int):
     from ninfer.kernels_numba import quant_mma as QM
 
-    key = (tiles, warps, unroll, stages)
+    key = (tiles, warps, unroll)
     if key not in _VARIANT_KERNELS:
-        _VARIANT_KERNELS[key] = QM.make_quant_mma_kernel(4, tiles, warps, unroll, stages=stages)
+        _VARIANT_KERNELS[key] = QM.make_quant_mma_kernel(4, tiles, warps, unroll)
     return _VARIANT_KERNELS[key]
 
 
@@ -156,14 +156,13 @@ def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep
         if sweep and m in (1, 8):
             QM.linear_quant_mma(dxf, mma, y[:m], stream=stream)
             default_y = device.read(y[:m])
-            for tiles, warps, unroll, stages in VARIANTS:  # geometry search for the tensor-core kernel
-                fn = variant(tiles, warps, unroll, stages)
+            for tiles, warps, unroll in VARIANTS:  # geometry search for the tensor-core kernel
+                fn = variant(tiles, warps, unroll)
 
-                def launch_variant(m=m, fn=fn, tiles=tiles, warps=warps, stages=stages):
-                    QM.linear_quant_mma(dxf, mma, y[:m], stream=stream, _kernel=fn, tiles=tiles, warps=warps,
-                                        stages=stages)
+                def launch_variant(m=m, fn=fn, tiles=tiles, warps=warps):
+                    QM.linear_quant_mma(dxf, mma, y[:m], stream=stream, _kernel=fn, tiles=tiles, warps=warps)
 
-                label = f"mma_t{tiles}_w{warps}_u{unroll}{f'_s{stages}' if stages else ''}"
+                label = f"mma_t{tiles}_w{warps}_u{unroll}"
                 row[f"{label}_us"] = timed(device, launch_variant) * 1e6
                 if warps == QM.WARPS:  # the same warps sum the same blocks in the same order: the same bits
                     launch_variant()
@@ -249,7 +248,7 @@ def main() -> None:
     sweep_only = "--sweep-only" in sys.argv  # the Q4 geometry search alone
     for fmt in (Q4G64,) if sweep_only else (Q4G64, Q5G64, Q6G64, W8G32):
         for name, shape in SHAPES.items():
-            sweep = fmt == Q4G64 and name in ("gate_up 34816x5120", "down 5120x17408", "query_key 7168x5120")
+            sweep = fmt == Q4G64
             if sweep_only and not sweep:
                 continue
             report["rows"] += measure(device, device.stream, bandwidth, fmt, name, shape, rng, sweep=sweep)

@@ -45,9 +45,6 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.async_copy import (copy_async_4, copy_async_8, copy_async_16, copy_async_commit,
-                                             copy_async_wait, load_shared_word, load_shared_words2,
-                                             load_shared_words4, shared_address)
 from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
                                          load_words2_at, load_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
@@ -363,7 +360,7 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1, stages: int = 0):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
@@ -376,15 +373,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     Loads go through raw addresses (`address_of`): a block q of the weight planes, of the scales and of the x
     fragments sits q times a fixed stride past the warp's first, so a step costs one add per stream and the unrolled
     blocks are constant offsets. Steps whose `unroll` blocks all exist run unclamped; the last, partial step of a
-    warp clamps its missing blocks onto the last one (loaded, never summed), in the same order as before.
-
-    With `stages` (>= 2; unroll 1), each warp streams the weight planes and scales of its blocks through a ring of
-    `stages` slots of shared memory with `cp.async` (`async_copy`): stages - 1 blocks are in flight while one is
-    summed, without registers to hold them. x stays out of the ring (a slot would need 1 KiB per set for it): its
-    fragments load into registers one block ahead. Each lane reads back only what it copied, so the ring needs no
-    barrier. Same sums, same order."""
-    if stages and (stages < 2 or unroll != 1):
-        raise ValueError(f"a shared-memory ring needs stages >= 2 and unroll 1, got stages {stages}, unroll {unroll}")
+    warp clamps its missing blocks onto the last one (loaded, never summed), in the same order as before."""
     ACC = 4 * tiles * sets
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -400,10 +389,6 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     HIGH_BLOCK = 32 * HW * 4
     SCALE_BLOCK = SW * 8 * 4
     X_BLOCK = FRAGMENT_WORDS * 4
-    HIGH_AT, SCALE_AT, STAGE_BYTES = stage_layout(bits, tiles)  # one slot of the ring
-    PARTIALS_BYTES = _partials_bytes(tiles, warps, sets)
-    wait_oldest = copy_async_wait(max(stages - 2, 0))
-    wait_all = copy_async_wait(0)
 
     @device_function
     def load_x(xs, first, x_lane, set_bytes, q):
@@ -519,55 +504,6 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @device_function
-    def copy_step(slot, tile_base, tile_high, tile_scale, lane, q):
-        """Start the copies of block q's weight words and scales into one slot of the warp's ring: each lane its
-        own words at its own offsets (`stage_layout`)."""
-        q64 = int64(q)
-        for r in range(tiles):
-            copy_async_16(slot + (r * 32 + lane) * 16, tile_base[r] + q64 * BASE_BLOCK, uint32(16))
-            at = slot + HIGH_AT + (r * 32 + lane) * (HW * 4)
-            if bits == 5:
-                copy_async_4(at, tile_high[r] + q64 * HIGH_BLOCK)
-            elif bits == 6:
-                copy_async_8(at, tile_high[r] + q64 * HIGH_BLOCK)
-            elif bits == 8:
-                copy_async_16(at, tile_high[r] + q64 * HIGH_BLOCK, uint32(16))
-            for k in range(SW):
-                copy_async_4(slot + SCALE_AT + ((r * SW + k) * 32 + lane) * 4,
-                             tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
-
-    @device_function
-    def read_step(words, highs, scale_pairs, slot, lane):
-        """The lane's words of one landed slot into the registers `step_sums` reads (unroll 1)."""
-        for r in range(tiles):
-            words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = load_shared_words4(
-                slot + (r * 32 + lane) * 16)
-            at = slot + HIGH_AT + (r * 32 + lane) * (HW * 4)
-            if bits == 5:
-                highs[r] = load_shared_word(at)
-            elif bits == 6:
-                highs[2 * r], highs[2 * r + 1] = load_shared_words2(at)
-            elif bits == 8:
-                highs[4 * r], highs[4 * r + 1], highs[4 * r + 2], highs[4 * r + 3] = load_shared_words4(at)
-            for k in range(SW):
-                scale_pairs[SW * r + k] = load_shared_word(slot + SCALE_AT + ((r * SW + k) * 32 + lane) * 4)
-
-
-    @device_function
-    def ring_step(acc, words, highs, scale_pairs, xs, ring, tile_base, tile_high, tile_scale, lane, warp, i, count,
-                  blocks):
-        """Sum the warp's block i (its weights landed in slot i % stages, its x in `xs`) after starting the copy of
-        block i + stages - 1 into the slot block i - 1 used, read back in the previous step."""
-        wait_oldest()
-        read_step(words, highs, scale_pairs, ring + (i % stages) * STAGE_BYTES, lane)
-        ahead = i + stages - 1
-        if ahead < count:
-            copy_step(ring + (ahead % stages) * STAGE_BYTES, tile_base, tile_high, tile_scale, lane,
-                      warp + ahead * warps)
-        copy_async_commit()
-        step_sums(acc, words, highs, scale_pairs, xs, warp + i * warps, blocks)
-
-    @device_function
     def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
@@ -589,45 +525,17 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         for a in range(ACC):
             acc[a] = float32(0.0)
         q0 = warp
-        if stages > 0:
-            # The warp's ring of `stages` slots after the partials: its block i (q = warp + i warps) lands in slot
-            # i % stages, stages - 1 blocks ahead of the one summed; x one block ahead in two register sets.
-            ring = shared_address(address_of(partials)) + uint32(PARTIALS_BYTES + warp * stages * STAGE_BYTES)
-            count = (blocks - warp + warps - 1) // warps  # the warp's blocks
-            for i in range(stages - 1):
-                if i < count:
-                    copy_step(ring + i * STAGE_BYTES, tile_base, tile_high, tile_scale, lane, warp + i * warps)
-                copy_async_commit()
-            xs_b = cuda.local.array(XS, uint32)
-            if count > 0:
-                load_x(xs, 0, x_lane, set_bytes, warp)
-            i = 0
-            while i < count:
-                if i + 1 < count:
-                    load_x(xs_b, 0, x_lane, set_bytes, warp + (i + 1) * warps)
-                ring_step(acc, words, highs, scale_pairs, xs, ring, tile_base, tile_high, tile_scale, lane, warp, i,
-                          count, blocks)
-                i += 1
-                if i >= count:
-                    break
-                if i + 1 < count:
-                    load_x(xs, 0, x_lane, set_bytes, warp + (i + 1) * warps)
-                ring_step(acc, words, highs, scale_pairs, xs_b, ring, tile_base, tile_high, tile_scale, lane, warp, i,
-                          count, blocks)
-                i += 1
-            wait_all()
-        else:
-            full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
-            while q0 < full:
-                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                          blocks, False)
-                step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-                q0 += warps * unroll
-            while q0 < blocks:  # the warp's last step lacks blocks: at most one
-                load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                          blocks, True)
-                step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-                q0 += warps * unroll
+        full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
+        while q0 < full:
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+            q0 += warps * unroll
+        while q0 < blocks:  # the warp's last step lacks blocks: at most one
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, True)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+            q0 += warps * unroll
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
         cuda.syncthreads()
@@ -653,35 +561,14 @@ def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
     return warps * 4 * tiles * sets * 32 * 4
 
 
-def stage_layout(bits: int, tiles: int) -> tuple[int, int, int]:
-    """Byte offsets of the high plane and the scales in one slot of a warp's shared ring, and the slot's size: per
-    tile the 32 lanes' base words (16 bytes each), then their high words, then their scale words."""
-    high_at = tiles * 32 * 16
-    scale_at = high_at + (0 if bits == 4 else tiles * 32 * HIGH_WORDS[bits] * 4)
-    return high_at, scale_at, scale_at + tiles * SCALE_WORDS[bits] * 32 * 4
-
-
-MAX_STATIC_SHARED = 48 * 1024  # dynamic shared memory a launch gets without opting in
-
-
-def shared_bytes(bits: int, tiles: int, warps: int, sets: int = 1, stages: int = 0) -> int:
-    """Dynamic shared memory of a block: the partials, then (`stages`) each warp's ring."""
-    total = _partials_bytes(tiles, warps, sets) + warps * stages * stage_layout(bits, tiles)[2]
-    if total > MAX_STATIC_SHARED:
-        raise ValueError(f"{warps} warps x {stages} stages of {tiles} tile(s), {sets} set(s) need {total} bytes of "
-                         f"shared memory (at most {MAX_STATIC_SHARED})")
-    return total
-
-
 def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                          sets: int = 1, stages: int = 0):
+                          sets: int = 1):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
-    blocks per warp step whose loads are all issued before the first mma of the step (`stages`: the weights
-    through a shared ring, `make_tile_sums`), for up to 8 `sets` x rows (x row m:
-    column m % 8 of set m // 8)."""
+    blocks per warp step whose loads are all issued before the first mma of the step, for up to 8 `sets` x rows
+    (x row m: column m % 8 of set m // 8)."""
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets, stages)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
@@ -707,12 +594,11 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     return quant_mma_kernel
 
 
-def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                                   stages: int = 0):
+def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
     """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
     `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
     ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, stages=stages)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32),
             fastmath=False)
@@ -747,10 +633,10 @@ QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bit
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
-                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None, stages: int = 0) -> None:
+                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None) -> None:
     """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8 ROW_SETS, x given as its fragments (`x_fragments`): one
     launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe. (`_kernel`
-    with its `tiles`, `warps`, `sets`, `stages`: a variant from `make_quant_mma_kernel`, for benchmarks and
+    with its `tiles`, `warps`, `sets`: a variant from `make_quant_mma_kernel`, for benchmarks and
     tests.)"""
     M, N = y.shape
     K = qw.shape[1]
@@ -764,7 +650,7 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     bits = FORMAT_BITS[qw.fmt]
     fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[bits, sets]
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[grid, 32 * warps, stream, shared_bytes(bits, tiles, warps, sets, stages)](
+    fn[grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets)](
         xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(1 if accumulate else 0))
 
 
@@ -789,8 +675,7 @@ def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape
 
 
 def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool,
-                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS,
-                              stages: int = 0) -> None:
+                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS) -> None:
     """MoE decode: y[m, s, :] = X(m, s) @ W_e^T, e = expert_ids[m, s] (int32 [M <= 8, S]), W_e = rows e * rpe ..
     (e + 1) * rpe - 1 of the stacked matrix qw [E * rpe, K] (rpe % 16 == 0); y float32 [M, S, rpe]. X(m, s) comes
     as fragments: of x [M, K] (`x_fragments`, every slot of a row reads that row) or, x_per_slot, of x [M, S, K]
@@ -806,12 +691,11 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits]
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
-    fn[(groups, S, M), 32 * warps, stream, shared_bytes(bits, tiles, warps, 1, stages)](
+    fn[(groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps)](
         xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(x_set_words))
 
 
 def make_dequantize_mma_kernel(bits: int):
-    HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
     MINUS_LOW = _minus_pair(0)
