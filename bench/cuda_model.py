@@ -183,9 +183,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
-        model.fused_route = linear.endswith("+route")  # MoE: router GEMV and top-k in one launch
-        mode = linear.removesuffix("+route")
-        model.linear.pad_rows = int(mode.split(":")[1]) if ":" in mode else capacity.decode_rows
+        model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else capacity.decode_rows
         for batch in batches:
             setup_lanes(model, batch, context)
 
@@ -209,7 +207,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(f"  decode [{linear}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
-            if profile and batch in (1, 8) and linear in ("cublas", "kernels", "cublas+route"):
+            if profile and batch in (1, 8) and linear in ("cublas", "kernels"):
                 from bench.kernel_profile import print_profile, profile_replays
 
                 kernels = profile_replays(lambda: graph.replay(device.stream_handle), device.synchronize)
@@ -218,7 +216,6 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             graph.close()
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
-    model.fused_route = False
     result["decode"] = decode
     if decode_only:
         return result
@@ -248,6 +245,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                   "ratio_to_gemm_peak": flops / seconds / gemm})
         print(f"  prefill [{attention}] {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} "
               f"tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}", flush=True)
+        if profile:  # GPU busy time against the wall time: is the eager prefill bound by the GPU or the host?
+            from bench.kernel_profile import print_profile, profile_replays
+
+            kernels = profile_replays(prefill, device.synchronize, replays=1)
+            print_profile(f"prefill [{attention}]", kernels, top=20)
+            result["prefill"][-1]["profile"] = kernels
     model.prefill_attention = "kernel"
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
                                               profile=profile)
@@ -364,8 +367,7 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16")
     parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas",
                         help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
-                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded); a +route suffix "
-                             "(cublas+route) runs MoE routing as one launch (route_decode)")
+                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
     parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes to time (at most 8)")
     parser.add_argument("--prefill-attention", default="kernel,gemm",
                         help="8K prefill attention paths to time: the numba kernel, the tensor cores (cuBLAS)")
@@ -373,7 +375,8 @@ def main() -> None:
     parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
     parser.add_argument("--profile", action="store_true",
-                        help="per-kernel GPU time of the B=1 and B=8 decode graphs (CUPTI through torch.profiler)")
+                        help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI through "
+                             "torch.profiler)")
     args = parser.parse_args()
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
@@ -391,9 +394,7 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for kv in args.kv.split(","):
                 try:
-                    asked = tuple(args.decode_linear.split(","))  # quantized recipes: cuBLAS for their bf16 parts
-                    linears = asked if recipe == "bf16" else ("cublas",) + tuple(
-                        mode for mode in asked if mode == "cublas+route")
+                    linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("cublas",)
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
                                                           decode_linears=linears, profile=args.profile,
                                                           decode_only=args.decode_only,

@@ -88,28 +88,34 @@ def test_views_are_built_once_and_element_reads_are_read_every_time(device):
 
 
 def test_grouped_gemm_multiplies_each_row_group_by_its_own_weight_block(device):
-    """The MoE prefill's per-expert GEMMs: groups of varied size, empty ones included, rows past the last group
-    left as they were."""
+    """The MoE prefill's grouped GEMM: groups of varied size, empty ones included, bf16 outputs (fp32 sums rounded
+    once), rows past the last group left as they were; the same call again on other sizes reuses the address table
+    in stream order."""
     from ninfer.backends.cuda.blas import Blas
     from ninfer.backends.cuda.host import HostBlas
 
     rng = np.random.default_rng(3)
-    n, k, sizes = 48, 128, [5, 0, 130, 1, 0, 17]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-    rows = int(offsets[-1]) + 3
-    x = f32_to_bf16_bits(rng.standard_normal((rows, k)))
-    w = f32_to_bf16_bits(rng.standard_normal((len(sizes) * n, k)) * 0.1)
-    y = device.upload(np.full((rows, n), 7.0, np.float32), "test")
+    n, k = 48, 128
     blas = Blas(device)
-    blas.grouped_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, offsets, n)
-    device.synchronize()
-    want = np.full((rows, n), 7.0, np.float32)
-    HostBlas().grouped_gemm_bf16(x, w, want, offsets, n)
-    got = y.copy_to_host()
-    assert np.array_equal(got[offsets[-1]:], want[offsets[-1]:])
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    for sizes in ([5, 0, 130, 1, 0, 17], [0, 64, 3, 3, 0, 200]):
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+        rows = int(offsets[-1]) + 3
+        x = f32_to_bf16_bits(rng.standard_normal((rows, k)))
+        w = f32_to_bf16_bits(rng.standard_normal((len(sizes) * n, k)) * 0.1)
+        y = device.upload(np.full((rows, n), 0x7FC1, np.uint16), "test")
+        blas.grouped_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, offsets, n)
+        device.synchronize()
+        want = np.full((rows, n), 0x7FC1, np.uint16)
+        HostBlas().grouped_gemm_bf16(x, w, want, offsets, n)
+        got = y.copy_to_host()
+        assert np.array_equal(got[offsets[-1]:], want[offsets[-1]:])
+        got32, want32 = bf16_bits_to_f32(got), bf16_bits_to_f32(want)
+        assert np.all(np.abs(got32 - want32) <= np.abs(want32) * 2.0 ** -7 + 1e-6), sizes  # one bf16 step apart
     with pytest.raises(ValueError, match="grouped gemm"):
         blas.grouped_gemm_bf16(device.upload(x, "test"), device.upload(w[:-1], "test"), y, offsets, n)
+    with pytest.raises(ValueError, match="grouped gemm"):
+        blas.grouped_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"),
+                               device.upload(np.zeros((rows, n), np.float32), "test"), offsets, n)
     blas.close()
 
 

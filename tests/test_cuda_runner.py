@@ -141,23 +141,6 @@ def test_cublas_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
         assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
 
 
-def test_one_launch_moe_routing_matches_the_cpu_model(device_kind, artifacts):
-    """fused_route: the router GEMV and the top-k as one launch (`route_decode`, up to 8 rows): logits within the
-    bf16 tolerance of the CPU model, and greedy tokens those of the two-launch route up to ties."""
-    path = artifacts[("moe", "bf16")]
-    cpu = load_model(path)
-    build = cuda_build(device_kind, path, decode_linear="cublas", graphs=False)
-    build.model.fused_route = True
-    for length in (1, 7):
-        got, want = prompt_logits(build.model, cpu, prompt(length, length))
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
-    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
-    fused = run_lanes(build.runner, prompts, 24)
-    apart = run_lanes(cuda_build(device_kind, path, decode_linear="cublas", graphs=False).runner, prompts, 24)
-    for f, a, p in zip(fused, apart, prompts):
-        assert_same_or_near_tie(f, a, cpu, p, tie=BF16_NEAR_TIE)
-
-
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
     """decode_quant="mma": ninfer-v2 matrices in the tensor-core layout (the stacked MoE experts too, read by the

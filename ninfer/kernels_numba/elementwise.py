@@ -17,9 +17,9 @@ from numba.cuda import libdevice
 
 from ninfer.backends.cpu import ops
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, bf16_target, bf16_to_f32, block_sum,
-                                         blocks_for, f32_to_bf16, fragment_target, load_words4_at, sigmoid_f32,
-                                         store_word_at, store_words2_at, store_words4_at)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_target, bf16_to_f32,
+                                         block_sum, blocks_for, f32_to_bf16, fragment_target, load_words4_at,
+                                         sigmoid_f32, store_word_at, store_words2_at, store_words4_at)
 from ninfer.kernels_numba.quant_mma import FRAGMENT_HALVES_PER_COLUMN, check_fragment_output, fragment_half
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -268,6 +268,39 @@ def silu_mul_slots(gate_up, out, *, stream, out_fragments=None):
         o2 = out.reshape(rows * slots, inter)
         _silu_mul_kernel[(rows * slots, blocks_for(inter, TILE)), TILE, stream](
             g2, o2, *bf16_target(o2, None), *fragment_target(o2, out_fragments), np.int32(slots))
+
+
+@kernel((uint32[:, ::1], uint32[:, ::1]), fastmath=False)
+def _silu_mul_bf16_kernel(gate_up, out):
+    """Word j of out row r: the pair (2 j, 2 j + 1) of silu(gate) * up, from word j of the gate half and word
+    pairs + j of the up half (the arithmetic of _silu_mul_kernel)."""
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    pairs = out.shape[1]
+    if j < pairs:
+        g = gate_up[r, j]
+        u = gate_up[r, pairs + j]
+        g0 = bf16_to_f32(g & uint32(0xFFFF))
+        g1 = bf16_hi_to_f32(g)
+        out[r, j] = bf16_pair((g0 * sigmoid_f32(g0)) * bf16_to_f32(u & uint32(0xFFFF)),
+                              (g1 * sigmoid_f32(g1)) * bf16_hi_to_f32(u))
+
+
+def silu_mul_bf16_rows(gate_up, out, *, stream):
+    """out = bf16(silu(gate) * up), from bf16 bits gate_up uint16 [R, 2I] = [gate | up] to out uint16 [R, I] (I
+    even), fp32 math in between: the MoE prefill's expert activations, from the grouped GEMM's bf16 output straight
+    to the down GEMM's bf16 input."""
+    rows, inter = out.shape
+    if tuple(gate_up.shape) != (rows, 2 * inter) or inter % 2:
+        raise ValueError(f"silu_mul_bf16_rows: gate_up{tuple(gate_up.shape)} must be [R, 2I] for out{tuple(out.shape)}"
+                         f" = [R, I], I even")
+    if rows and inter:
+        _silu_mul_bf16_kernel[(rows, blocks_for(inter // 2, TILE)), TILE, stream](gate_up.view(np.uint32),
+                                                                                    out.view(np.uint32))
+
+
+def silu_mul_bf16_rows_reference(gate_up: np.ndarray) -> np.ndarray:
+    return f32_to_bf16_bits(silu_mul_rows_reference(bf16_bits_to_f32(gate_up)))
 
 
 def silu_mul_rows_reference(gate_up: np.ndarray) -> np.ndarray:

@@ -4,12 +4,12 @@ Decode route: `route_top_k` (softmax over all experts, top-k with ties to the lo
 experts SORTED BY ID ascending with their weights), the lead's per-slot expert GEMVs, `silu_mul_slots`, then
 `moe_combine` (residual += sum over slots in ascending slot = ascending expert id order).
 
-Prefill route (grouped GEMMs, one cuBLAS GEMM per expert over its tokens): `moe_group` groups the R*S (row, slot)
-pairs by expert (experts ascending, rows ascending within an expert: a stable permutation) and writes
-`slot_of[p] = r*S + s` and its inverse `position_of[r*S + s] = p`; `moe_gather` makes the bf16 GEMM input
-`out[p] = bf16(x[slot_of[p] // S])`; `moe_scatter_combine` adds `sum_s weights[r, s] * permuted_out[position_of[r*S+s]]`
-to the residual, with exactly the arithmetic of `moe_combine`, so the two routes agree bitwise given equal expert
-outputs.
+Prefill route (one cuBLAS grouped GEMM per projection over every expert's tokens, bf16 outputs): `moe_group`
+groups the R*S (row, slot) pairs by expert (experts ascending, rows ascending within an expert: a stable
+permutation) and writes `slot_of[p] = r*S + s` and its inverse `position_of[r*S + s] = p`; `moe_gather` makes the
+bf16 GEMM input `out[p] = bf16(x[slot_of[p] // S])`; `moe_scatter_combine` adds
+`sum_s weights[r, s] * permuted_out[position_of[r*S+s]]` to the residual, with exactly the arithmetic of
+`moe_combine`, so the two routes agree bitwise given equal expert outputs (bf16 ones read exactly as fp32).
 
 All launchers are capture-safe (no allocation, no sync, no host copies).
 """
@@ -23,9 +23,8 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_hi_to_f32, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16,
-                                         sigmoid_f32, warp_max, warp_sum)
-from ninfer.kernels_numba.linear import load4
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32,
+                                         warp_max, warp_sum)
 from ninfer.kernels_numba.elementwise import sigmoid_gate_add_reference
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
@@ -111,11 +110,11 @@ def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
         _route_row(logits, r, n_exp, top_k, expert_ids, weights, t & 31)
 
 
-def _check_route(top_k: int, experts: int, columns: int, problem: str = "") -> None:
+def _check_route(top_k: int, experts: int, columns: int) -> None:
     """The ValueError of a routing launch that cannot pick top_k of the first `experts` of `columns` logits."""
-    if problem or not 0 < top_k <= min(experts, MAX_TOP_K) or not 0 < experts <= min(columns, MAX_EXPERTS):
+    if not 0 < top_k <= min(experts, MAX_TOP_K) or not 0 < experts <= min(columns, MAX_EXPERTS):
         raise ValueError(f"routing supports E <= {MAX_EXPERTS} of the {columns} logit columns, 0 < k <= min(E, "
-                         f"{MAX_TOP_K}); got E={experts}, k={top_k}{problem}")
+                         f"{MAX_TOP_K}); got E={experts}, k={top_k}")
 
 
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts: int | None = None):
@@ -136,93 +135,6 @@ def route_top_k_reference(router_logits: np.ndarray, top_k: int) -> tuple[np.nda
     order = np.argsort(ids, axis=-1, kind="stable")
     return (np.take_along_axis(ids, order, axis=-1).astype(np.int32),
             np.take_along_axis(w, order, axis=-1).astype(np.float32))
-
-
-# ---------------------------------------------------------------------------------------------------- route_decode
-
-ROUTE_GEMV_WARPS = 8  # weight rows per block of route_decode: one warp each
-MAX_ROUTE_ROWS = 8  # x rows route_decode takes (decode batch sizes)
-
-
-@kernel((F32_2D, uint32[:, ::1], F32_2D, int32, int32, I32_2D, F32_2D, int32[::1]), fastmath=False)
-def _route_decode_kernel(x, w, logits, n_exp, top_k, expert_ids, weights, arrived):
-    """Block b: logits[:, n] for the weight rows n = 8 b .. 8 b + 7 (a warp each; x rounded to bf16, fp32 sums in a
-    fixed order). The last block to finish (a counter every block bumps after its stores are fenced) routes every x
-    row from the finished logits and resets the counter for the next launch."""
-    lane = cuda.threadIdx.x & 31
-    warp = cuda.threadIdx.x >> 5
-    M = x.shape[0]
-    K = x.shape[1]
-    N = logits.shape[1]
-    words = w.shape[1]  # bf16 pairs per weight row
-    n = cuda.blockIdx.x * ROUTE_GEMV_WARPS + warp
-    if n < N:
-        acc = cuda.local.array(MAX_ROUTE_ROWS, float32)
-        for m in range(MAX_ROUTE_ROWS):
-            acc[m] = float32(0.0)
-        for j in range(4 * lane, words, 128):  # 16 bytes of the row per lane and step: pairs j .. j + 3
-            w0, w1, w2, w3 = load4(w, n * words + j)
-            for m in range(MAX_ROUTE_ROWS):  # a constant trip count keeps acc in registers
-                if m >= M:
-                    break
-                a0, a1, a2, a3 = load4(x, m * K + 2 * j)
-                a4, a5, a6, a7 = load4(x, m * K + 2 * j + 4)
-                total = acc[m]
-                total += bf16_to_f32(w0) * bf16_to_f32(f32_to_bf16(a0))
-                total += bf16_hi_to_f32(w0) * bf16_to_f32(f32_to_bf16(a1))
-                total += bf16_to_f32(w1) * bf16_to_f32(f32_to_bf16(a2))
-                total += bf16_hi_to_f32(w1) * bf16_to_f32(f32_to_bf16(a3))
-                total += bf16_to_f32(w2) * bf16_to_f32(f32_to_bf16(a4))
-                total += bf16_hi_to_f32(w2) * bf16_to_f32(f32_to_bf16(a5))
-                total += bf16_to_f32(w3) * bf16_to_f32(f32_to_bf16(a6))
-                total += bf16_hi_to_f32(w3) * bf16_to_f32(f32_to_bf16(a7))
-                acc[m] = total
-        for m in range(MAX_ROUTE_ROWS):
-            if m >= M:
-                break
-            total = warp_sum(acc[m])
-            if lane == 0:
-                logits[m, n] = total
-    cuda.threadfence()  # this block's logits are visible to every block before it counts itself
-    cuda.syncthreads()
-    last = cuda.shared.array(1, int32)
-    if cuda.threadIdx.x == 0:
-        last[0] = 1 if cuda.atomic.add(arrived, 0, 1) == cuda.gridDim.x - 1 else 0
-    cuda.syncthreads()
-    if last[0] == 0:
-        return
-    cuda.threadfence()
-    for r in range(warp, M, ROUTE_GEMV_WARPS):
-        _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane)
-    if cuda.threadIdx.x == 0:
-        arrived[0] = 0
-
-
-def route_decode(x, router_bits, logits, top_k, expert_ids, weights, arrived, *, experts: int, stream):
-    """Decode routing in one launch: logits fp32 [M, N] = bf16(x [M <= 8, K] fp32) @ W^T (W: bf16 bits [N, K], the
-    router's E rows then the shared expert's gate and zero padding), then `route_top_k` of the first `experts`
-    columns into expert_ids / weights. `arrived` (int32 [1], zero before the first launch) counts finished blocks;
-    the last one routes and zeroes it, so a captured graph replays as is. Capture-safe."""
-    M, K = x.shape
-    N = logits.shape[1]
-    shapes_fit = M <= MAX_ROUTE_ROWS and K % 8 == 0 and tuple(router_bits.shape) == (N, K) and logits.shape[0] >= M
-    _check_route(top_k, experts, N, "" if shapes_fit else
-                 f"; route_decode: x{tuple(x.shape)} (at most {MAX_ROUTE_ROWS} rows, K % 8 == 0), W"
-                 f"{tuple(router_bits.shape)}, logits{tuple(logits.shape)}")
-    if M:
-        _route_decode_kernel[blocks_for(N, ROUTE_GEMV_WARPS), 32 * ROUTE_GEMV_WARPS, stream](
-            x, router_bits.view(np.uint32), logits[:M], np.int32(experts), np.int32(top_k), expert_ids[:M],
-            weights[:M], arrived)
-
-
-def route_decode_reference(x: np.ndarray, router_bits: np.ndarray, top_k: int, experts: int):
-    """(logits, expert_ids, weights) of `route_decode`: x rounded to bf16 times the bf16 weights (float64 sums: the
-    kernel's order is its own), routed by `route_top_k_reference` over the first `experts` columns."""
-    xb = bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(x, np.float32))).astype(np.float64)
-    wf = bf16_bits_to_f32(np.asarray(router_bits, np.uint16)).astype(np.float64)
-    logits = (xb @ wf.T).astype(np.float32)
-    ids, weights = route_top_k_reference(logits[:, :experts], top_k)
-    return logits, ids, weights
 
 
 # ---------------------------------------------------------------------------------------------------- combine
@@ -441,39 +353,60 @@ def moe_gather_reference(x, slot_of, top_k):
 COMBINE_COLUMNS = 4  # columns per thread of moe_scatter_combine (independent loads in flight)
 
 
-@kernel((F32_2D, int32[::1], F32_2D, F32_2D), fastmath=False)
-def _moe_scatter_combine_kernel(permuted_out, position_of, weights, residual):
-    # thread columns: c0 + k * TILE for k < COMBINE_COLUMNS; per column the same arithmetic as _moe_combine_kernel
-    c0 = cuda.blockIdx.y * (TILE * COMBINE_COLUMNS) + cuda.threadIdx.x
-    r = cuda.blockIdx.x
-    width = residual.shape[1]
-    slots = weights.shape[1]
-    acc = cuda.local.array(COMBINE_COLUMNS, float32)
-    for k in range(COMBINE_COLUMNS):
-        acc[k] = float32(0.0)
-    for s in range(slots):
-        p = position_of[r * slots + s]
-        w = weights[r, s]
+@device_function
+def _f32_at(array, p, c):
+    return array[p, c]
+
+
+@device_function
+def _bf16_at(array, p, c):
+    return bf16_to_f32(array[p, c])
+
+
+def _make_scatter_combine(permuted_type, read):
+    """The scatter-combine kernel over permuted expert outputs of one type (fp32, or bf16 bits read by `read`)."""
+
+    @kernel((permuted_type, int32[::1], F32_2D, F32_2D), fastmath=False)
+    def scatter_combine(permuted_out, position_of, weights, residual):
+        # thread columns: c0 + k * TILE for k < COMBINE_COLUMNS; per column the same arithmetic as _moe_combine_kernel
+        c0 = cuda.blockIdx.y * (TILE * COMBINE_COLUMNS) + cuda.threadIdx.x
+        r = cuda.blockIdx.x
+        width = residual.shape[1]
+        slots = weights.shape[1]
+        acc = cuda.local.array(COMBINE_COLUMNS, float32)
+        for k in range(COMBINE_COLUMNS):
+            acc[k] = float32(0.0)
+        for s in range(slots):
+            p = position_of[r * slots + s]
+            w = weights[r, s]
+            for k in range(COMBINE_COLUMNS):
+                c = c0 + k * TILE
+                if c < width:
+                    acc[k] += w * read(permuted_out, p, c)
         for k in range(COMBINE_COLUMNS):
             c = c0 + k * TILE
             if c < width:
-                acc[k] += w * permuted_out[p, c]
-    for k in range(COMBINE_COLUMNS):
-        c = c0 + k * TILE
-        if c < width:
-            residual[r, c] += acc[k]
+                residual[r, c] += acc[k]
+
+    return scatter_combine
+
+
+_SCATTER_COMBINE_KERNELS = {np.dtype(np.float32): _make_scatter_combine(F32_2D, _f32_at),
+                            np.dtype(np.uint16): _make_scatter_combine(uint16[:, ::1], _bf16_at)}
 
 
 def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):
     """residual[r] += sum_s (ascending s) weights[r, s] * permuted_out[position_of[r*S + s]].
 
-    permuted_out fp32 [R*S, H] (rows in moe_group's permuted order); weights fp32 [R, S] with S == top_k;
-    position_of int32 [R*S] from moe_group. slot_of is accepted for symmetry and not read.
+    permuted_out fp32, or bf16 bits (uint16: the grouped GEMM's output), [R*S, H] (rows in moe_group's permuted
+    order); weights fp32 [R, S] with S == top_k; position_of int32 [R*S] from moe_group. slot_of is accepted for
+    symmetry and not read.
     """
     rows, width = residual.shape
     assert weights.shape[1] == top_k
     if rows and width:
-        _moe_scatter_combine_kernel[(rows, blocks_for(width, TILE * COMBINE_COLUMNS)), TILE, stream](
+        _SCATTER_COMBINE_KERNELS[np.dtype(permuted_out.dtype)][
+            (rows, blocks_for(width, TILE * COMBINE_COLUMNS)), TILE, stream](
             permuted_out, position_of, weights, residual)
 
 
@@ -481,5 +414,6 @@ def moe_scatter_combine_reference(permuted_out, slot_of, weights, top_k, residua
     rows = residual.shape[0]
     position_of = np.empty(len(slot_of), dtype=np.int64)
     position_of[np.asarray(slot_of)] = np.arange(len(slot_of))
-    expert_out = np.asarray(permuted_out, dtype=np.float32)[position_of].reshape(rows, top_k, -1)
+    values = bf16_bits_to_f32(permuted_out) if permuted_out.dtype == np.uint16 else permuted_out
+    expert_out = np.asarray(values, dtype=np.float32)[position_of].reshape(rows, top_k, -1)
     return moe_combine_reference(expert_out, weights, residual)

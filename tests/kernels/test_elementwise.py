@@ -63,6 +63,22 @@ def test_silu_mul_reference(rows, width):
     np.testing.assert_array_equal(ew.silu_mul_slots_reference(gu3)[:, 0], ew.silu_mul_rows_reference(gu))
 
 
+def test_silu_mul_bf16_twin_is_the_fp32_math_rounded_once():
+    rng = np.random.default_rng(8)
+    gu = f32_to_bf16_bits(rand(rng, 5, 2 * 64, scale=3.0))
+    got = ew.silu_mul_bf16_rows_reference(gu)
+    assert got.dtype == np.uint16 and got.shape == (5, 64)
+    g, u = (bf16_bits_to_f32(half).astype(np.float64) for half in (gu[:, :64], gu[:, 64:]))
+    want = g / (1.0 + np.exp(-g)) * u
+    assert np.all(np.abs(bf16_bits_to_f32(got) - want) <= np.abs(want) * 2.0 ** -8 + 1e-30)
+
+
+@pytest.mark.parametrize("gate_up,out", [((3, 10), (3, 4)), ((3, 6), (3, 3))])
+def test_silu_mul_bf16_rejects_shapes_it_cannot_pair(gate_up, out):
+    with pytest.raises(ValueError, match="silu_mul_bf16_rows"):
+        ew.silu_mul_bf16_rows(np.zeros(gate_up, np.uint16), np.zeros(out, np.uint16), stream=0)
+
+
 def test_to_bf16_reference_rounds_to_nearest_even():
     x = np.array([1.0, 1.00390625, 1.01171875, -2.5, np.inf, 3.0e38], dtype=np.float32)
     got = bf16_bits_to_f32(ew.to_bf16_rows_reference(x[None, :]))[0]
@@ -174,6 +190,21 @@ def test_gpu_silu_mul(rows, width):
     _, out3b = _run(lambda g, o, stream: ew.silu_mul_rows(g, o, stream=stream), [gu3], [_nan((rows, 3, width))],
                     stream)
     np.testing.assert_array_equal(out3b, out3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", [(1, 512), (37, 512), (300, 64), (2, 17408)])
+def test_gpu_silu_mul_bf16_is_the_fp32_kernel_rounded(rows, width):
+    """bf16 gate|up in, bf16 out: the fp32 kernel's value on the same (exactly widened) inputs, rounded once."""
+    stream = _cuda().stream()
+    rng = np.random.default_rng(rows + width)
+    gu = f32_to_bf16_bits(rand(rng, rows, 2 * width, scale=4.0))
+    _, out = _run(lambda g, o, stream: ew.silu_mul_bf16_rows(g, o, stream=stream), [gu],
+                  [np.full((rows, width), 0x7FC1, np.uint16)], stream)
+    _, wide = _run(lambda g, o, stream: ew.silu_mul_rows(g, o, stream=stream), [bf16_bits_to_f32(gu)],
+                   [_nan((rows, width))], stream)
+    np.testing.assert_array_equal(out, f32_to_bf16_bits(wide))
+    assert rel_l2(bf16_bits_to_f32(out), bf16_bits_to_f32(ew.silu_mul_bf16_rows_reference(gu))) < 1e-5
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("numba.cuda")
 
-from ninfer.artifact.codec import f32_to_bf16_bits  # noqa: E402
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 from ninfer.backends.cpu import moe as cpu_moe  # noqa: E402
 from ninfer.backends.cpu.ops import linear  # noqa: E402
 from ninfer.kernels_numba import elementwise as ew  # noqa: E402
@@ -280,43 +280,40 @@ def test_gpu_combine_with_the_shared_expert_is_the_two_launches_bitwise(rows, sl
     assert rel_l2(got, moe.moe_combine_reference(eo, w, res, shared, logits[:, 256:257])) < 1e-6
 
 
-def test_route_decode_twin_routes_its_own_logits():
-    rng = np.random.default_rng(15)
-    x, w = rand(rng, 3, 64), f32_to_bf16_bits(rand(rng, 264, 64))
-    logits, ids, weights = moe.route_decode_reference(x, w, 8, 256)
-    assert logits.shape == (3, 264)
-    want_ids, want_w = moe.route_top_k_reference(logits[:, :256], 8)
-    np.testing.assert_array_equal(ids, want_ids)
-    np.testing.assert_array_equal(weights, want_w)
-    with pytest.raises(ValueError, match="route_decode"):
-        moe.route_decode(rand(rng, 9, 64), w, np.zeros((9, 264), np.float32), 8, np.zeros((9, 8), np.int32),
-                         np.zeros((9, 8), np.float32), np.zeros(1, np.int32), experts=256, stream=0)
+
+def test_scatter_combine_twin_reads_bf16_expert_outputs_exactly():
+    """The prefill's grouped GEMM leaves bf16 expert outputs: combined as their exact fp32 values."""
+    rng = np.random.default_rng(21)
+    rows, slots, hidden, experts = 6, 4, 40, 12
+    ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
+    _, _, slot_of, _ = moe.moe_group_reference(ids, experts)
+    permuted = f32_to_bf16_bits(rand(rng, rows * slots, hidden))
+    w, res = rand(rng, rows, slots), rand(rng, rows, hidden)
+    np.testing.assert_array_equal(
+        moe.moe_scatter_combine_reference(permuted, slot_of, w, slots, res),
+        moe.moe_scatter_combine_reference(bf16_bits_to_f32(permuted), slot_of, w, slots, res))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_gpu_route_decode_matches_its_twin_launch_after_launch(rows):
-    """One launch: the logits (bf16 x times bf16 router rows), then the last block's top-k; the block counter is
-    back at zero after each launch, so a second launch (a graph replay) routes new input too."""
+@pytest.mark.parametrize("rows,slots,hidden", [(1, 8, 2048), (37, 8, 2048), (5, 4, 100)])
+def test_gpu_scatter_combine_of_bf16_outputs_is_the_decode_combine_bitwise(rows, slots, hidden):
+    """bf16 permuted expert outputs (the grouped GEMM's): the same bits as moe_combine of their fp32 values."""
     cuda = _cuda()
     stream = cuda.stream()
-    rng = np.random.default_rng(16 + rows)
-    experts, k, hidden, n = 256, 8, 2048, 264
-    w = f32_to_bf16_bits(rand(rng, n, hidden, scale=0.05))
-    d_w = cuda.to_device(w, stream=stream)
-    d_logits = cuda.to_device(np.full((8, n), np.nan, np.float32), stream=stream)
-    d_ids = cuda.to_device(np.full((8, k), -7, np.int32), stream=stream)
-    d_weights = cuda.to_device(np.full((8, k), np.nan, np.float32), stream=stream)
-    arrived = cuda.to_device(np.zeros(1, np.int32), stream=stream)
-    for launch in range(2):
-        x = rand(rng, rows, hidden)
-        moe.route_decode(cuda.to_device(x, stream=stream), d_w, d_logits, k, d_ids, d_weights, arrived,
-                         experts=experts, stream=stream)
-        logits, ids, weights, count = (a.copy_to_host(stream=stream) for a in (d_logits, d_ids, d_weights, arrived))
-        stream.synchronize()
-        want_logits, want_ids, want_w = moe.route_decode_reference(x, w, k, experts)
-        assert rel_l2(logits[:rows], want_logits) < 1e-5, launch
-        np.testing.assert_array_equal(ids[:rows], moe.route_top_k_reference(logits[:rows, :experts], k)[0])
-        np.testing.assert_array_equal(ids[:rows], want_ids)
-        assert rel_l2(weights[:rows], want_w) < 1e-5
-        assert count[0] == 0
+    rng = np.random.default_rng(22 + rows)
+    experts = 64
+    ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
+    eo = f32_to_bf16_bits(rand(rng, rows, slots, hidden))
+    w, res = rand(rng, rows, slots), rand(rng, rows, hidden)
+    d_res = cuda.to_device(res, stream=stream)
+    moe.moe_combine(cuda.to_device(bf16_bits_to_f32(eo), stream=stream), cuda.to_device(w, stream=stream), d_res,
+                    stream=stream)
+    want = d_res.copy_to_host(stream=stream)
+    _, _, slot_of, position_of = moe.moe_group_reference(ids, experts)
+    d_res2 = cuda.to_device(res, stream=stream)
+    moe.moe_scatter_combine(cuda.to_device(eo.reshape(rows * slots, hidden)[slot_of].copy(), stream=stream),
+                            cuda.to_device(slot_of, stream=stream), cuda.to_device(w, stream=stream), slots, d_res2,
+                            position_of=cuda.to_device(position_of, stream=stream), stream=stream)
+    got = d_res2.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(got, want)

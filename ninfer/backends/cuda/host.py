@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ninfer.artifact.codec import bf16_bits_to_f32
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cuda.device import DeviceInfo
 
 HOST_BYTES = 64 << 30  # the memory a HostDevice reports by default (KV auto-sizing needs a number)
@@ -85,10 +85,12 @@ class HostBlas:
 
     def grouped_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, offsets: np.ndarray,
                           rows_per_group: int) -> None:
+        """Blas.grouped_gemm_bf16: fp32 products rounded to bf16 bits (y uint16)."""
         n = int(rows_per_group)
         for group, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
             if stop > start:
-                self.gemm_bf16(x[start:stop], w[group * n:(group + 1) * n], y[start:stop])
+                product = bf16_bits_to_f32(x[start:stop]) @ bf16_bits_to_f32(w[group * n:(group + 1) * n]).T
+                y[start:stop] = f32_to_bf16_bits(product.astype(np.float32))
 
     def batched_scores(self, q: np.ndarray, k: np.ndarray, keys: int, scores: np.ndarray) -> None:
         scores[...] = np.matmul(bf16_bits_to_f32(q), bf16_bits_to_f32(k[:, :keys]).transpose(0, 2, 1))

@@ -155,6 +155,10 @@ def silu_mul_rows(gate_up, out, *, stream, out_bf16=None, out_fragments=None):
     _fragment_rows(out, out_fragments, out.shape[1] if out.ndim == 3 else 1)
 
 
+def silu_mul_bf16_rows(gate_up, out, *, stream):
+    out[...] = _elementwise.silu_mul_bf16_rows_reference(gate_up)
+
+
 def silu_mul_slots(gate_up, out, *, stream, out_fragments=None):
     silu_mul_rows(gate_up, out, stream=stream, out_fragments=out_fragments)
 
@@ -202,14 +206,6 @@ def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, 
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=None):
     columns = router_logits.shape[1] if experts is None else experts
     expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits[:, :columns], top_k)
-
-
-MAX_ROUTE_ROWS = _moe.MAX_ROUTE_ROWS
-
-
-def route_decode(x, router_bits, logits, top_k, expert_ids, weights, arrived, *, experts, stream):
-    rows = x.shape[0]
-    logits[:rows], expert_ids[:rows], weights[:rows] = _moe.route_decode_reference(x, router_bits, top_k, experts)
 
 
 def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_logit=None):

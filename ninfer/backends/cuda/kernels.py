@@ -5,14 +5,13 @@ from ninfer.kernels_numba.attention import (attention_decode, attention_prefill,
                                             decode_partials_shape)
 from ninfer.kernels_numba.attention_gemm import causal_softmax, gather_kv, pack_queries, unpack_gated
 from ninfer.kernels_numba.dflash import attention_partials_shape, copy_columns, dflash_attention, dflash_heads
-from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_rows,
-                                              silu_mul_slots, to_bf16_rows)
+from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_bf16_rows,
+                                              silu_mul_rows, silu_mul_slots, to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
 from ninfer.kernels_numba.gdn import gdn_conv, gdn_gates, gdn_output, gdn_recurrent
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
-from ninfer.kernels_numba.moe import (MAX_ROUTE_ROWS, moe_combine, moe_gather, moe_group, moe_scatter_combine,
-                                      route_decode, route_top_k)
+from ninfer.kernels_numba.moe import moe_combine, moe_gather, moe_group, moe_scatter_combine, route_top_k
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
@@ -59,10 +58,9 @@ __all__ = [
     "repack_quant",
     "rms_norm_rows",
     "route_top_k",
-    "route_decode",
-    "MAX_ROUTE_ROWS",
     "scratch_columns",
     "sigmoid_gate_add",
+    "silu_mul_bf16_rows",
     "silu_mul_rows",
     "silu_mul_slots",
     "to_bf16_rows",

@@ -500,7 +500,6 @@ class Workspace:
             self.router_logits = buf(rows, align_up(e + 1, ROUTER_ROWS_MULTIPLE))
             self.expert_ids = buf(rows, s, dtype=np.int32)
             self.expert_weights = buf(rows, s)
-            self.route_arrived = device.zeros((1,), np.int32, "workspace")  # route_decode's block counter
             slot_rows = min(rows, SKINNY_ROWS)  # the per-row expert route runs for up to SKINNY_ROWS rows
             self.slot_gate_up = buf(slot_rows, s, 2 * d.moe_intermediate)
             self.slot_act = buf(slot_rows, s, d.moe_intermediate)
@@ -515,10 +514,10 @@ class Workspace:
             self.moe_position_of = buf(rows * s, dtype=np.int32)
             if rows > SKINNY_ROWS:
                 self.perm_in = buf(rows * s, h, dtype=np.uint16)
-                self.perm_gate_up = buf(rows * s, 2 * d.moe_intermediate)
-                self.perm_act = buf(rows * s, d.moe_intermediate)
+                # the grouped GEMMs' bf16 outputs (Blas.grouped_gemm_bf16) and the activation between them
+                self.perm_gate_up = buf(rows * s, 2 * d.moe_intermediate, dtype=np.uint16)
                 self.perm_act_bf16 = buf(rows * s, d.moe_intermediate, dtype=np.uint16)
-                self.perm_out = buf(rows * s, h)
+                self.perm_out = buf(rows * s, h, dtype=np.uint16)
         else:
             self.gate_up = buf(rows, 2 * d.intermediate)
             self.act = buf(rows, d.intermediate)
@@ -671,10 +670,6 @@ class CudaQwen:
         # Prefill attention: "kernel" (the tiled numba kernel, fp32 math) or "gemm" (bf16 tensor cores via cuBLAS,
         # which needs the model built with Capacity.tensor_core_attention for its scratch).
         self.prefill_attention = "gemm" if capacity.tensor_core_attention else "kernel"
-        # MoE decode routing: the router GEMV (cuBLAS or the skinny kernel) then route_top_k, or both in one launch
-        # (`route_decode`, for up to MAX_ROUTE_ROWS rows). The single launch has not run on a GPU yet: off until
-        # bench/cuda_model.py (`--decode-linear cublas,cublas+route`) and the GPU tests have measured it.
-        self.fused_route = False
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -1097,13 +1092,9 @@ class CudaQwen:
         h, x = ws.h[:rows], ws.x[:rows]
         e = d.moe_experts
         router_logits = ws.router_logits[:rows]
+        self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
-        if self.fused_route and rows <= self.k.MAX_ROUTE_ROWS:
-            self.k.route_decode(h, w.router_shared_gate.data, router_logits, d.moe_top_k, ids, weights,
-                                ws.route_arrived, experts=e, stream=stream)
-        else:
-            self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-            self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
+        self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
         if rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
@@ -1154,8 +1145,8 @@ class CudaQwen:
                                    stream=stream)
 
     def _moe_grouped(self, w: MoeFfn, rows: int) -> None:
-        """Prefill MoE: tokens grouped by expert, one cuBLAS GEMM per expert that has tokens (not captured: the
-        group sizes are read back to the host)."""
+        """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS grouped GEMM per
+        projection, bf16 outputs (not captured: the group sizes are read back to the host)."""
         ws, stream, d = self.workspace, self.device.stream, self.dims
         s, e, inter, hidden = d.moe_top_k, d.moe_experts, d.moe_intermediate, d.hidden
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
@@ -1163,14 +1154,13 @@ class CudaQwen:
         position_of = ws.moe_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
         permuted = ws.perm_in[: rows * s]
-        self.k.moe_gather(ws.h[:rows], slot_of, s, permuted, stream=stream)
+        self.k.moe_gather(ws.h[:rows], slot_of, s, permuted, stream=stream, position_of=position_of)
         offsets = self.device.read(ws.moe_offsets)
         gate_up = ws.perm_gate_up[: rows * s]
         self.linear.blas.grouped_gemm_bf16(permuted, self.linear.bf16_weight(w.routed_gate_up), gate_up, offsets,
                                            2 * inter)
-        act, act_bf16 = ws.perm_act[: rows * s], ws.perm_act_bf16[: rows * s]
-        self.k.silu_mul_rows(gate_up, act, stream=stream)
-        self.k.to_bf16_rows(act, act_bf16, stream=stream)
+        act_bf16 = ws.perm_act_bf16[: rows * s]
+        self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
         out = ws.perm_out[: rows * s]
         self.linear.blas.grouped_gemm_bf16(act_bf16, self.linear.bf16_weight(w.routed_down), out, offsets, hidden)
         self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=position_of, stream=stream)
