@@ -46,7 +46,7 @@ from numba.cuda.extending import intrinsic
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
-                                         load_words2_at, load_words4_at)
+                                         load_words2_at, load_words4_at, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
@@ -695,6 +695,11 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
         xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(x_set_words))
 
 
+DEQUANTIZE_THREADS = 256
+STAGE_ROW_WORDS = 33  # one staged tile row: 32 words (64 bf16) + 1 word of padding that spreads the writes' banks
+STAGE_WORDS = (DEQUANTIZE_THREADS // 32) * TILE_ROWS * STAGE_ROW_WORDS
+
+
 def make_dequantize_mma_kernel(bits: int):
     SW = SCALE_WORDS[bits]
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
@@ -702,11 +707,14 @@ def make_dequantize_mma_kernel(bits: int):
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32), fastmath=False)
     def dequantize_mma_kernel(base, high, scales, out, blocks):
-        """out (bf16 pairs [N, K / 2]) = bf16(code * scale); one thread per (tile, block, lane): its 16 pairs."""
+        """out (bf16 pairs [N, K / 2]) = bf16(code * scale). A warp per (tile, block): each lane decodes its 16 pairs
+        into the warp's staged 16 x 64 tile in shared memory, then the warp stores the tile's rows as 16-byte
+        vectors (8 lanes a 128-byte row) instead of 16 scattered words a lane."""
+        stage = cuda.shared.array(STAGE_WORDS, uint32)
         i = int32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
         N = int32(out.shape[0])
         tiles = (N + 15) >> 4
-        if i >= tiles * blocks * 32:
+        if i >= tiles * blocks * 32:  # whole warps: the thread count is a multiple of 32
             return
         lane = i & 31
         at = i >> 5  # tile * blocks + block
@@ -714,6 +722,7 @@ def make_dequantize_mma_kernel(bits: int):
         q = at - tile * blocks
         g = lane >> 2
         t = lane & 3
+        staged = (int32(cuda.threadIdx.x) >> 5) * (TILE_ROWS * STAGE_ROW_WORDS)
         minus = uint32(MINUS)
         minus_low = uint32(MINUS_LOW)
         w0, w1, w2, w3 = load4(base, i * 4)
@@ -734,9 +743,18 @@ def make_dequantize_mma_kernel(bits: int):
                     first = bf16_to_f32(pair)
                     second = bf16_hi_to_f32(pair)
                 scale = s_hi if s & 1 else s_lo
-                row = tile * 16 + g + 8 * (s & 1)
-                if row < N:
-                    out[row, q * 32 + 8 * j + t + 4 * (s >> 1)] = bf16_pair(first * scale, second * scale)
+                row = g + 8 * (s & 1)
+                stage[staged + row * STAGE_ROW_WORDS + 8 * j + t + 4 * (s >> 1)] = bf16_pair(first * scale,
+                                                                                            second * scale)
+        cuda.syncwarp()
+        row_bytes = int64(out.strides[0])
+        column = (lane & 7) * 4
+        for e in range(4):
+            row = e * 4 + (lane >> 3)
+            if tile * 16 + row < N:
+                at_stage = staged + row * STAGE_ROW_WORDS + column
+                store_words4_at(address_of(out) + int64(tile * 16 + row) * row_bytes + int64(q * 32 + column) * 4,
+                                stage[at_stage], stage[at_stage + 1], stage[at_stage + 2], stage[at_stage + 3])
 
     return dequantize_mma_kernel
 
@@ -751,7 +769,7 @@ def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream) -> None:
     if tuple(out.shape) != (N, K):
         raise ValueError(f"dequantize into {tuple(out.shape)}, the weight is {qw.shape}")
     threads = -(-N // TILE_ROWS) * qw.blocks * 32
-    DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]][math.ceil(threads / 256), 256, stream](
+    DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]][math.ceil(threads / DEQUANTIZE_THREADS), DEQUANTIZE_THREADS, stream](
         qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks))
 
 
