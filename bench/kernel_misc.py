@@ -21,6 +21,7 @@ os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 import numpy as np  # noqa: E402
 from numba import int64  # noqa: E402
 
+from ninfer.artifact.codec import f32_to_bf16_bits  # noqa: E402
 from ninfer.kernels_numba import elementwise as ew  # noqa: E402
 from ninfer.kernels_numba import moe, sampling  # noqa: E402
 from ninfer.kernels_numba.numba_setup import cuda, kernel  # noqa: E402
@@ -145,10 +146,10 @@ def main() -> None:
            lambda: moe.moe_gather(x, slot_of, k, gathered, position_of=position_of, stream=stream), [()],
            rows * h * 4 + rows * k * h * 2)
     gathered = None
-    permuted, weights = dev(f32(rows * k, h)), dev(f32(rows, k))
-    record("moe_scatter_combine", f"[{rows}x{k}, {h}]",
+    permuted, weights = dev(f32_to_bf16_bits(f32(rows * k, h))), dev(f32(rows, k))
+    record("moe_scatter_combine", f"[{rows}x{k}, {h}] bf16 outputs",
            lambda: moe.moe_scatter_combine(permuted, slot_of, weights, k, x, position_of=position_of, stream=stream),
-           [()], rows * k * h * 4 + 2 * rows * h * 4)
+           [()], rows * k * h * 2 + 2 * rows * h * 4)
     permuted = x = None
 
     # sampling at [R, 248320] (vocab_ids 248077)

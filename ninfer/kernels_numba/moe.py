@@ -353,60 +353,42 @@ def moe_gather_reference(x, slot_of, top_k):
 COMBINE_COLUMNS = 4  # columns per thread of moe_scatter_combine (independent loads in flight)
 
 
-@device_function
-def _f32_at(array, p, c):
-    return array[p, c]
-
-
-@device_function
-def _bf16_at(array, p, c):
-    return bf16_to_f32(array[p, c])
-
-
-def _make_scatter_combine(permuted_type, read):
-    """The scatter-combine kernel over permuted expert outputs of one type (fp32, or bf16 bits read by `read`)."""
-
-    @kernel((permuted_type, int32[::1], F32_2D, F32_2D), fastmath=False)
-    def scatter_combine(permuted_out, position_of, weights, residual):
-        # thread columns: c0 + k * TILE for k < COMBINE_COLUMNS; per column the same arithmetic as _moe_combine_kernel
-        c0 = cuda.blockIdx.y * (TILE * COMBINE_COLUMNS) + cuda.threadIdx.x
-        r = cuda.blockIdx.x
-        width = residual.shape[1]
-        slots = weights.shape[1]
-        acc = cuda.local.array(COMBINE_COLUMNS, float32)
-        for k in range(COMBINE_COLUMNS):
-            acc[k] = float32(0.0)
-        for s in range(slots):
-            p = position_of[r * slots + s]
-            w = weights[r, s]
-            for k in range(COMBINE_COLUMNS):
-                c = c0 + k * TILE
-                if c < width:
-                    acc[k] += w * read(permuted_out, p, c)
+@kernel((uint16[:, ::1], int32[::1], F32_2D, F32_2D), fastmath=False)
+def _moe_scatter_combine_kernel(permuted_out, position_of, weights, residual):
+    # thread columns: c0 + k * TILE for k < COMBINE_COLUMNS; per column the same arithmetic as _moe_combine_kernel
+    c0 = cuda.blockIdx.y * (TILE * COMBINE_COLUMNS) + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    width = residual.shape[1]
+    slots = weights.shape[1]
+    acc = cuda.local.array(COMBINE_COLUMNS, float32)
+    for k in range(COMBINE_COLUMNS):
+        acc[k] = float32(0.0)
+    for s in range(slots):
+        p = position_of[r * slots + s]
+        w = weights[r, s]
         for k in range(COMBINE_COLUMNS):
             c = c0 + k * TILE
             if c < width:
-                residual[r, c] += acc[k]
-
-    return scatter_combine
-
-
-_SCATTER_COMBINE_KERNELS = {np.dtype(np.float32): _make_scatter_combine(F32_2D, _f32_at),
-                            np.dtype(np.uint16): _make_scatter_combine(uint16[:, ::1], _bf16_at)}
+                acc[k] += w * bf16_to_f32(permuted_out[p, c])
+    for k in range(COMBINE_COLUMNS):
+        c = c0 + k * TILE
+        if c < width:
+            residual[r, c] += acc[k]
 
 
 def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):
     """residual[r] += sum_s (ascending s) weights[r, s] * permuted_out[position_of[r*S + s]].
 
-    permuted_out fp32, or bf16 bits (uint16: the grouped GEMM's output), [R*S, H] (rows in moe_group's permuted
-    order); weights fp32 [R, S] with S == top_k; position_of int32 [R*S] from moe_group. slot_of is accepted for
-    symmetry and not read.
+    permuted_out bf16 bits uint16 [R*S, H] (the grouped GEMM's output, rows in moe_group's permuted order), read as
+    their exact fp32 values; weights fp32 [R, S] with S == top_k; position_of int32 [R*S] from moe_group. slot_of
+    is accepted for symmetry and not read.
     """
     rows, width = residual.shape
-    assert weights.shape[1] == top_k
+    if np.dtype(permuted_out.dtype) != np.uint16 or weights.shape[1] != top_k:
+        raise ValueError(f"moe_scatter_combine takes bf16 bits (uint16) expert outputs and top_k weights per row; "
+                         f"got {permuted_out.dtype} outputs, weights {tuple(weights.shape)}, top_k {top_k}")
     if rows and width:
-        _SCATTER_COMBINE_KERNELS[np.dtype(permuted_out.dtype)][
-            (rows, blocks_for(width, TILE * COMBINE_COLUMNS)), TILE, stream](
+        _moe_scatter_combine_kernel[(rows, blocks_for(width, TILE * COMBINE_COLUMNS)), TILE, stream](
             permuted_out, position_of, weights, residual)
 
 
@@ -414,6 +396,5 @@ def moe_scatter_combine_reference(permuted_out, slot_of, weights, top_k, residua
     rows = residual.shape[0]
     position_of = np.empty(len(slot_of), dtype=np.int64)
     position_of[np.asarray(slot_of)] = np.arange(len(slot_of))
-    values = bf16_bits_to_f32(permuted_out) if permuted_out.dtype == np.uint16 else permuted_out
-    expert_out = np.asarray(values, dtype=np.float32)[position_of].reshape(rows, top_k, -1)
+    expert_out = bf16_bits_to_f32(np.asarray(permuted_out, np.uint16))[position_of].reshape(rows, top_k, -1)
     return moe_combine_reference(expert_out, weights, residual)

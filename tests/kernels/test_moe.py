@@ -77,15 +77,15 @@ def _twin_moe(x, w, k):
     gate = linear(x, w.shared_gate[None, :])
     zero = np.zeros_like(x)
     decode = moe.moe_combine_reference(down, weights, ew.sigmoid_gate_add_reference(zero, sh, gate))
-    # prefill route: grouped by expert
+    # prefill route: grouped by expert, bf16 GEMM inputs and outputs (the grouped GEMM's)
     counts, offsets, slot_of, position_of = moe.moe_group_reference(ids, experts)
-    xs = x[slot_of // k]
-    permuted = np.zeros((rows * k, hidden), dtype=np.float32)
+    xs = bf16_bits_to_f32(moe.moe_gather_reference(x, slot_of, k))
+    permuted = np.zeros((rows * k, hidden), dtype=np.uint16)
     for e in range(experts):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
-            permuted[lo:hi] = linear(ew.silu_mul_rows_reference(linear(xs[lo:hi], w.routed_gate_up[e])),
-                                     w.routed_down[e])
+            act = ew.silu_mul_bf16_rows_reference(f32_to_bf16_bits(linear(xs[lo:hi], w.routed_gate_up[e])))
+            permuted[lo:hi] = f32_to_bf16_bits(linear(bf16_bits_to_f32(act), w.routed_down[e]))
     prefill = moe.moe_scatter_combine_reference(permuted, slot_of, weights, k,
                                                 ew.sigmoid_gate_add_reference(zero, sh, gate))
     assert shared_inter
@@ -100,7 +100,7 @@ def test_twin_composition_matches_cpu_sparse_moe(rows, hidden, experts, k):
     want = cpu_moe.sparse_moe(x, w, k)
     decode, prefill = _twin_moe(x, w, k)
     assert rel_l2(decode, want) < 1e-5
-    np.testing.assert_array_equal(prefill, decode)
+    assert rel_l2(prefill, want) < 1e-2  # bf16 rounding of the GEMM inputs and outputs
 
 
 @pytest.mark.parametrize("rows,experts,k", [(1, 8, 2), (9, 8, 2), (100, 256, 8)])
@@ -156,28 +156,17 @@ def test_gpu_route_top_k(rows, experts, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slots,hidden", [(1, 2, 64), (8, 8, 2048), (13, 8, 2048), (3, 2, 7)])
-def test_gpu_moe_combine_and_scatter_combine(rows, slots, hidden):
+def test_gpu_moe_combine(rows, slots, hidden):
+    """The decode combine: the twin's sums, and a row's bits whatever rows share the launch."""
     cuda = _cuda()
     stream = cuda.stream()
     rng = np.random.default_rng(12)
-    experts = 16
-    ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
     eo, w, res = rand(rng, rows, slots, hidden), rand(rng, rows, slots), rand(rng, rows, hidden)
     d_res = cuda.to_device(res, stream=stream)
     moe.moe_combine(cuda.to_device(eo, stream=stream), cuda.to_device(w, stream=stream), d_res, stream=stream)
     got = d_res.copy_to_host(stream=stream)
     stream.synchronize()
     assert rel_l2(got, moe.moe_combine_reference(eo, w, res)) < 1e-5
-    # the prefill route gives the same bits
-    counts, offsets, slot_of, position_of = moe.moe_group_reference(ids, experts)
-    permuted = eo.reshape(rows * slots, hidden)[slot_of].copy()
-    d_res2 = cuda.to_device(res, stream=stream)
-    moe.moe_scatter_combine(cuda.to_device(permuted, stream=stream), cuda.to_device(slot_of, stream=stream),
-                            cuda.to_device(w, stream=stream), slots, d_res2,
-                            position_of=cuda.to_device(position_of, stream=stream), stream=stream)
-    got2 = d_res2.copy_to_host(stream=stream)
-    stream.synchronize()
-    np.testing.assert_array_equal(got2, got)
     # batch invariance
     d_one = cuda.to_device(res[-1:].copy(), stream=stream)
     moe.moe_combine(cuda.to_device(eo[-1:].copy(), stream=stream), cuda.to_device(w[-1:].copy(), stream=stream),
@@ -281,21 +270,27 @@ def test_gpu_combine_with_the_shared_expert_is_the_two_launches_bitwise(rows, sl
 
 
 
-def test_scatter_combine_twin_reads_bf16_expert_outputs_exactly():
-    """The prefill's grouped GEMM leaves bf16 expert outputs: combined as their exact fp32 values."""
+def test_scatter_combine_twin_is_the_decode_combine_of_the_bf16_values():
+    """The prefill's grouped GEMM leaves bf16 expert outputs: combined as their exact fp32 values, in slot order."""
     rng = np.random.default_rng(21)
     rows, slots, hidden, experts = 6, 4, 40, 12
     ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
     _, _, slot_of, _ = moe.moe_group_reference(ids, experts)
-    permuted = f32_to_bf16_bits(rand(rng, rows * slots, hidden))
+    eo = f32_to_bf16_bits(rand(rng, rows, slots, hidden))
     w, res = rand(rng, rows, slots), rand(rng, rows, hidden)
     np.testing.assert_array_equal(
-        moe.moe_scatter_combine_reference(permuted, slot_of, w, slots, res),
-        moe.moe_scatter_combine_reference(bf16_bits_to_f32(permuted), slot_of, w, slots, res))
+        moe.moe_scatter_combine_reference(eo.reshape(rows * slots, hidden)[slot_of], slot_of, w, slots, res),
+        moe.moe_combine_reference(bf16_bits_to_f32(eo), w, res))
+
+
+def test_scatter_combine_takes_bf16_outputs_only():
+    with pytest.raises(ValueError, match="bf16"):
+        moe.moe_scatter_combine(np.zeros((4, 8), np.float32), np.zeros(4, np.int32), np.zeros((2, 2), np.float32),
+                                2, np.zeros((2, 8), np.float32), position_of=np.zeros(4, np.int32), stream=0)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,slots,hidden", [(1, 8, 2048), (37, 8, 2048), (5, 4, 100)])
+@pytest.mark.parametrize("rows,slots,hidden", [(1, 8, 2048), (37, 8, 2048), (5, 4, 100), (3, 2, 7)])
 def test_gpu_scatter_combine_of_bf16_outputs_is_the_decode_combine_bitwise(rows, slots, hidden):
     """bf16 permuted expert outputs (the grouped GEMM's): the same bits as moe_combine of their fp32 values."""
     cuda = _cuda()

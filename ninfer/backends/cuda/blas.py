@@ -76,17 +76,19 @@ class Blas:
         self._device.write(self._group_addresses[:3 * g], addresses)
         table = device_pointer(self._group_addresses)
         cublas = self._cublas
-        self._group_arguments = arguments = {  # host arrays, kept alive past the call
-            "transa": np.full(g, int(cublas.Operation.T), np.int32), "transb": np.full(g, int(cublas.Operation.N),
-                                                                                        np.int32),
-            "m": np.full(g, n, np.int32), "n": counts[live].astype(np.int32), "k": np.full(g, k, np.int32),
-            "alpha": np.ones(g, np.float32), "beta": np.zeros(g, np.float32), "size": np.ones(g, np.int32)}
+        # Per-group host arrays (cuBLAS reads them during the call; kept until the next call all the same). Each group
+        # is one problem, the column-major y_e^T = W_e . x_e^T of `gemm_bf16` on the expert's rows.
+        arguments = {"transa": np.full(g, int(cublas.Operation.T), np.int32),
+                     "transb": np.full(g, int(cublas.Operation.N), np.int32),
+                     "m": np.full(g, n, np.int32), "n": counts[live].astype(np.int32), "k": np.full(g, k, np.int32),
+                     "alpha": np.ones(g, np.float32), "beta": np.zeros(g, np.float32),
+                     "size": np.ones(g, np.int32)}
+        self._group_arguments = arguments
+        at = {name: array.ctypes.data for name, array in arguments.items()}
         cublas.gemm_grouped_batched_ex(
-            self._handle, arguments["transa"].ctypes.data, arguments["transb"].ctypes.data, arguments["m"].ctypes.data,
-            arguments["n"].ctypes.data, arguments["k"].ctypes.data, arguments["alpha"].ctypes.data, table,
-            CUDA_R_16BF, arguments["k"].ctypes.data, table + 8 * g, CUDA_R_16BF, arguments["k"].ctypes.data,
-            arguments["beta"].ctypes.data, table + 16 * g, CUDA_R_16BF, arguments["m"].ctypes.data, g,
-            arguments["size"].ctypes.data, cublas.ComputeType.COMPUTE_32F)
+            self._handle, at["transa"], at["transb"], at["m"], at["n"], at["k"], at["alpha"], table, CUDA_R_16BF,
+            at["k"], table + 8 * g, CUDA_R_16BF, at["k"], at["beta"], table + 16 * g, CUDA_R_16BF, at["m"], g,
+            at["size"], cublas.ComputeType.COMPUTE_32F)
 
     def batched_scores(self, q: Any, k: Any, keys: int, scores: Any) -> None:
         """scores[b] (fp32 [M, keys]) = q[b] (bf16 [M, D]) @ k[b, :keys]^T (k bf16 [B, S >= keys, D]). q and k may
