@@ -2,8 +2,7 @@
 `quant_linear` (fp32 x) against the tensor-core kernel of `quant_mma` (bf16 x fragments, prepared once per x and
 timed apart), x rows 1/2/4/8, each launch captured 20 times in one graph. Reports microseconds per launch, the
 weight bytes read per second, the ratio to the measured copy bandwidth and, at M = 1, the relative difference of
-each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on
-every shape.
+each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on every shape.
 
 Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OUT/quant_gemv.json (bench/results
 without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 27B split Q4/Q5) at M = 1, JSON to

@@ -391,16 +391,6 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     X_BLOCK = FRAGMENT_WORDS * 4
 
     @device_function
-    def load_x(xs, first, x_lane, set_bytes, q):
-        """Block q's x fragments of every set into xs[first + 8 t ..] (set t)."""
-        q64 = int64(q)
-        for t in range(sets):
-            at = x_lane + t * set_bytes + q64 * X_BLOCK
-            x0 = first + 8 * t
-            xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
-            xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
-
-    @device_function
     def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
                   clamp):
         """Every load of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
@@ -425,7 +415,11 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                         highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load_words4_at(at)
                 for k in range(SW):
                     scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
-            load_x(xs, 8 * u * sets, x_lane, set_bytes, q)
+            for t in range(sets):  # block q's x fragments of every set
+                at = x_lane + t * set_bytes + q64 * X_BLOCK
+                x0 = 8 * (u * sets + t)
+                xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
+                xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
 
     @device_function
     def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):

@@ -30,7 +30,6 @@ class Blas:
         cublas.set_pointer_mode(self._handle, cublas.PointerMode.HOST)
         self._device = device
         self._group_addresses = device.empty(3 * MAX_GROUPS, np.uint64, "workspace")
-        self._group_arguments: dict[str, np.ndarray] = {}
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
@@ -76,14 +75,13 @@ class Blas:
         self._device.write(self._group_addresses[:3 * g], addresses)
         table = device_pointer(self._group_addresses)
         cublas = self._cublas
-        # Per-group host arrays (cuBLAS reads them during the call; kept until the next call all the same). Each group
-        # is one problem, the column-major y_e^T = W_e . x_e^T of `gemm_bf16` on the expert's rows.
+        # Per-group host arrays, read by cuBLAS during the call. Each group is one problem, the column-major
+        # y_e^T = W_e . x_e^T of `gemm_bf16` on the expert's rows.
         arguments = {"transa": np.full(g, int(cublas.Operation.T), np.int32),
                      "transb": np.full(g, int(cublas.Operation.N), np.int32),
                      "m": np.full(g, n, np.int32), "n": counts[live].astype(np.int32), "k": np.full(g, k, np.int32),
                      "alpha": np.ones(g, np.float32), "beta": np.zeros(g, np.float32),
                      "size": np.ones(g, np.int32)}
-        self._group_arguments = arguments
         at = {name: array.ctypes.data for name, array in arguments.items()}
         cublas.gemm_grouped_batched_ex(
             self._handle, at["transa"], at["transb"], at["m"], at["n"], at["k"], at["alpha"], table, CUDA_R_16BF,

@@ -89,8 +89,9 @@ class HostBlas:
         n = int(rows_per_group)
         for group, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
             if stop > start:
-                product = bf16_bits_to_f32(x[start:stop]) @ bf16_bits_to_f32(w[group * n:(group + 1) * n]).T
-                y[start:stop] = f32_to_bf16_bits(product.astype(np.float32))
+                product = np.empty((stop - start, n), np.float32)
+                self.gemm_bf16(x[start:stop], w[group * n:(group + 1) * n], product)
+                y[start:stop] = f32_to_bf16_bits(product)
 
     def batched_scores(self, q: np.ndarray, k: np.ndarray, keys: int, scores: np.ndarray) -> None:
         scores[...] = np.matmul(bf16_bits_to_f32(q), bf16_bits_to_f32(k[:, :keys]).transpose(0, 2, 1))
