@@ -1,16 +1,18 @@
 """GPU timings of the Gated DeltaNet kernels at the real model shapes (Qwen3.6-27B and 35B-A3B).
 
 Scenarios per model: decode (8 segments x 1 row), verify (8 segments x 4 rows, recording columns), prefill (1 segment
-x 8192 rows). Each launcher is timed with CUDA events (3 warm-ups, median of RUNS), queued behind a sleeping kernel so
+x 8192 rows; the model runs the chunked gated delta rule there, `gdn_chunked`, and the recurrent kernel is shown as
+the alternative). Each launcher is timed with CUDA events (3 warm-ups, median of RUNS), queued behind a sleeping kernel so
 the ~26 us Python launch cost is not in the measurement; small scenarios rotate 3 input sets (states included) so
-they do not sit in the 60 MB L2. `recurrent_g8` is the recurrent kernel with 8 key groups (not counted in the layer
-total, which uses the default). Prints a table and writes JSON to $OUT/kernel_gdn.json when OUT is set.
+they do not sit in the 60 MB L2. `recurrent_g8` is the recurrent kernel with 8 key groups (alternatives are not counted
+in the layer total, which uses what the model runs). Prints a table and writes JSON to $OUT/kernel_gdn.json when OUT is set.
 
-Run on the GPU box: `python bench/kernel_gdn.py`.
+Run on the GPU box: `python bench/kernel_gdn.py [--models 27b,35b] [--scenarios decode,verify,prefill]`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -21,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ninfer.kernels_numba import gdn  # noqa: E402
+from ninfer.kernels_numba import gdn, gdn_chunked  # noqa: E402
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402
 
 F32 = np.float32
@@ -94,18 +96,20 @@ def _make_set(rng, m, sc, stream):
         seg_record=dev(np.full(s, sc["record"], np.int32)),
         mixed=empty(rows, c), q=empty(rows, hq, dk), k=empty(rows, hq, dk), log_decay=empty(rows, hv),
         beta=empty(rows, hv), out=empty(rows, hv, dv), result=empty(rows, hv * dv),
+        cum=empty(rows, hv), mats=empty(rows, hv, gdn_chunked.CHUNK),
     )
     d.update(rows=rows, c=c, vw=vw, lanes=lanes)
     return d
 
 
-def _launchers(m, stream):
+def _launchers(m, stream, scenario):
+    """(launchers in layer order, the names of alternatives not counted in the layer total)."""
     hq, hv, dk, dv = m["qk_heads"], m["v_heads"], m["k_dim"], m["v_dim"]
 
     def seg(d):
         return d["seg_lane"], d["seg_row"], d["seg_count"], d["seg_record"]
 
-    return {
+    launchers = {
         "conv": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"], *seg(d),
                                        d["mixed"], channels=d["c"], stream=stream),
         "gates": lambda d: gdn.gdn_gates(d["mixed"], d["ab"], d["neg_a"], d["dt_bias"], d["q"], d["k"],
@@ -122,6 +126,13 @@ def _launchers(m, stream):
         "output": lambda d: gdn.gdn_output(d["out"], d["projected"], d["norm"], d["result"], v_heads=hv, v_dim=dv,
                                            z_offset=d["c"], eps=1e-6, stream=stream),
     }
+    if scenario != "prefill":
+        return launchers, {"recurrent_g8"}
+    launchers["chunked"] = lambda d: gdn_chunked.gdn_chunked(
+        d["q"], d["k"], d["mixed"], d["log_decay"], d["beta"], d["ssm_state"], d["seg_lane"], d["seg_row"],
+        d["seg_count"], d["out"], d["cum"], d["mats"], rows=d["rows"], qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv,
+        channels_qk=2 * hq * dk, stream=stream)
+    return launchers, {"recurrent", "recurrent_g8"}
 
 
 def _bytes_and_flops(name, m, sc, d):
@@ -132,7 +143,7 @@ def _bytes_and_flops(name, m, sc, d):
         return 4 * (2 * rows * c + K * c + 2 * lanes * (K - 1) * c + rec * rows * (K - 1) * c), 2 * K * rows * c
     if name == "gates":
         return 4 * (2 * rows * 2 * hq * dk + 2 * rows * 2 * hv), 0
-    if name.startswith("recurrent"):
+    if name.startswith("recurrent") or name == "chunked":  # the recurrence's FLOPs for both forms
         state = hv * dk * dv
         return (4 * (2 * lanes * state + rows * (2 * hq * dk + 2 * hv + 2 * hv * dv) + rec * rows * state),
                 8 * rows * state)
@@ -142,17 +153,23 @@ def _bytes_and_flops(name, m, sc, d):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = parser.parse_args()
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     records = []
     header = f"{'model':5} {'scenario':8} {'kernel':10} {'us':>10} {'GB/s':>9} {'of 4.3TB/s':>10} {'TFLOP/s':>8}"
     print(header)
     print("-" * len(header))
-    for model_name, m in MODELS.items():
-        for sc_name, sc in SCENARIOS.items():
+    for model_name in args.models.split(","):
+        m = MODELS[model_name]
+        for sc_name in args.scenarios.split(","):
+            sc = SCENARIOS[sc_name]
             n_sets = 1 if sc_name == "prefill" else 3
             sets = [_make_set(rng, m, sc, stream) for _ in range(n_sets)]
-            launchers = _launchers(m, stream)
+            launchers, alternatives = _launchers(m, stream, sc_name)
             for d in sets:  # realistic inputs for each stage (normalised q/k, real gates)
                 for launch in launchers.values():
                     launch(d)
@@ -161,7 +178,7 @@ def main() -> None:
             total = 0.0
             for kname, launch in launchers.items():
                 us = _timed(stream, launch, sets, sleep_iterations)
-                if not kname.endswith("_g8"):  # the alternative variant, not part of the layer
+                if kname not in alternatives:
                     total += us
                 nbytes, flops = _bytes_and_flops(kname, m, sc, sets[0])
                 gbs = nbytes / (us * 1e-6) / 1e9

@@ -17,6 +17,7 @@ from ninfer.kernels_numba import attention_gemm as _attention_gemm
 from ninfer.kernels_numba import dflash as _dflash
 from ninfer.kernels_numba import elementwise as _elementwise
 from ninfer.kernels_numba import gdn as _gdn
+from ninfer.kernels_numba import gdn_chunked as _gdn_chunked
 from ninfer.kernels_numba import layout as _layout
 from ninfer.kernels_numba import linear as _linear
 from ninfer.kernels_numba import moe as _moe
@@ -195,6 +196,10 @@ def gdn_gates(*args, stream, **kwargs):
 
 def gdn_recurrent(*args, stream, **kwargs):
     _gdn.gdn_recurrent_reference(*args, **kwargs)
+
+
+def gdn_chunked(*args, stream, **kwargs):
+    _gdn_chunked.gdn_chunked_reference(*args, **kwargs)
 
 
 def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, result_fragments=None, **kwargs):

@@ -9,6 +9,7 @@ from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid
                                               silu_mul_rows, silu_mul_slots, to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
 from ninfer.kernels_numba.gdn import gdn_conv, gdn_gates, gdn_output, gdn_recurrent
+from ninfer.kernels_numba.gdn_chunked import gdn_chunked
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
 from ninfer.kernels_numba.moe import moe_combine, moe_gather, moe_group, moe_scatter_combine, route_top_k
@@ -43,6 +44,7 @@ __all__ = [
     "embed_rows",
     "fill_uniform",
     "gather_rows",
+    "gdn_chunked",
     "gdn_conv",
     "gdn_gates",
     "gdn_output",

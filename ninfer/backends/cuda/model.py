@@ -34,6 +34,7 @@ from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
 from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
+from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.backends.cuda.device import Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
 from ninfer.models.dflash import DFlashMismatchError
@@ -490,6 +491,9 @@ class Workspace:
         self.beta = buf(rows, d.gdn_v_heads)
         self.gdn_out = buf(rows, d.gdn_v_heads, d.gdn_v_dim)
         self.gdn_normed = buf(rows, d.gdn_v_width)
+        if rows > SKINNY_ROWS:  # the chunked gated delta rule of long prefill chunks: G, and T / P per chunk
+            self.gdn_cum = buf(rows, d.gdn_v_heads)
+            self.gdn_mats = buf(rows, d.gdn_v_heads, GDN_CHUNK)
         # Split projections (27B ninfer-v2): q|k and gate|v of attention, q|k and v|z of Gated DeltaNet.
         split = max(d.q_width + d.kv_width, 2 * d.gdn_qk_width, 2 * d.gdn_v_width)
         self.split_a, self.split_b = buf(rows * split), buf(rows * split)
@@ -991,7 +995,7 @@ class CudaQwen:
         if layer.attention is not None:
             self._attention(layer.attention, rows, prefill, kv, h_bf16, h_frag)
         else:
-            self._gdn(layer, self.gdn[index], rows, segments, h_bf16, h_frag)
+            self._gdn(layer, self.gdn[index], rows, segments, h_bf16, h_frag, chunked=prefill is not None)
         ffn = layer.ffn
         consumers = ((ffn.gate_up,) if isinstance(ffn, DenseFfn)
                      else (ffn.router_shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
@@ -1062,7 +1066,9 @@ class CudaQwen:
             k.unpack_gated(attended, qkgv, out, first=first, rows=count, group=group, stream=stream)
 
     def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int, h_bf16: Any,
-             h_frag: Any) -> None:
+             h_frag: Any, *, chunked: bool) -> None:
+        """`chunked`: a prefill chunk of one lane (no per-row states recorded); past SKINNY_ROWS rows its gated delta
+        rule runs in chunks on the tensor cores (`gdn_chunked`, TF32 products) instead of row by row."""
         ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
         projected, ab, mixed = ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
         self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
@@ -1075,9 +1081,13 @@ class CudaQwen:
         self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
                       v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream)
         out = ws.gdn_out[:rows]
-        self.k.gdn_recurrent(q, k, mixed, log_decay, beta, state.ssm, state.ssm_columns, *seg, out,
-                          qk_heads=d.gdn_qk_heads, v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, v_dim=d.gdn_v_dim,
-                          channels_qk=2 * d.gdn_qk_width, stream=stream)
+        heads = dict(qk_heads=d.gdn_qk_heads, v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, v_dim=d.gdn_v_dim,
+                     channels_qk=2 * d.gdn_qk_width, stream=stream)
+        if chunked and rows > SKINNY_ROWS:
+            self.k.gdn_chunked(q, k, mixed, log_decay, beta, state.ssm, *seg[:3], out, ws.gdn_cum, ws.gdn_mats,
+                               rows=rows, **heads)
+        else:
+            self.k.gdn_recurrent(q, k, mixed, log_decay, beta, state.ssm, state.ssm_columns, *seg, out, **heads)
         normed = ws.gdn_normed[:rows]
         normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
         normed_frag = self.linear.fragment_input(rows, layer.gdn_output)
