@@ -33,17 +33,22 @@ import re
 
 import numpy as np
 from llvmlite import ir
-from numba import float32, int32, types, uint32, uint64  # noqa: F401 (templates)
+from numba import float32, int32, int64, types, uint32, uint64  # noqa: F401 (templates)
 from numba.cuda import libdevice
 from numba.cuda.extending import intrinsic
 
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel  # noqa: F401 (cuda: templates)
+from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
+                                             copy_async_wait_all, shared_address)
+from ninfer.kernels_numba.common import address_of  # noqa: F401 (templates)
+from ninfer.kernels_numba.numba_setup import (allow_dynamic_shared, cuda, device_function,  # noqa: F401
+                                               kernel)  # (cuda: templates)
 
 F32 = np.float32
 
 CHUNK = 64  # rows per chunk: 4 warps x one 16-row mma tile
-THREADS = 128
-SLICE = 32  # value columns per scan block: 4 mma n-tiles
+THREADS = 128  # prepare: one 16-row tile per warp
+SCAN_THREADS = 256  # scan: 8 warps, (16-row tile, 32 columns) each
+SLICE = 64  # value columns per scan block (a 27B-sized layer is 48 x 2 blocks: one wave)
 K_DIMS = (16, 32, 64, 128)  # key dims with a compiled variant (the real models: 128)
 SHARED_PAD = 8  # [*, SLICE] shared tiles have rows of SLICE + 8 words: the B-fragment reads hit 32 banks
 TF32_HALF = 0x1000
@@ -123,24 +128,24 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         value = float32(0.0)
         if r < n:
             value = k[uint64(base + r), uhq, uint64(i)]
-        work[r * {kp} + i] = tf32_round(value)
+        work[uint64(r * {kp} + i)] = tf32_round(value)
     if tid < CHUNK:
         decay = float32(0.0)
         bt = float32(0.0)
         if tid < n:
             decay = log_decay[uint64(base + tid), uh]
             bt = beta[uint64(base + tid), uh]
-        g_sh[tid] = decay
-        b_sh[tid] = bt
+        g_sh[uint64(tid)] = decay
+        b_sh[uint64(tid)] = bt
     cuda.syncthreads()
     if tid == 0:  # the cumulative log decay, in row order (past n it stays at G[n - 1])
         total = float32(0.0)
         for r in range(CHUNK):
-            total += g_sh[r]
-            g_sh[r] = total
+            total += g_sh[uint64(r)]
+            g_sh[uint64(r)] = total
     cuda.syncthreads()
     if tid < n:
-        cum[uint64(base + tid), uh] = g_sh[tid]
+        cum[uint64(base + tid), uh] = g_sh[uint64(tid)]
 
     # K K^T and Q K^T, rows 16 warp .. 16 warp + 15, the column tiles at or left of the diagonal
     r0 = warp * 16 + g
@@ -149,10 +154,10 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         qk[e] = float32(0.0)
     for ks in range({ksteps}):
         c0 = ks * 8 + t
-        a0 = work[r0 * {kp} + c0]
-        a1 = work[(r0 + 8) * {kp} + c0]
-        a2 = work[r0 * {kp} + c0 + 4]
-        a3 = work[(r0 + 8) * {kp} + c0 + 4]
+        a0 = work[uint64(r0 * {kp} + c0)]
+        a1 = work[uint64((r0 + 8) * {kp} + c0)]
+        a2 = work[uint64(r0 * {kp} + c0 + 4)]
+        a3 = work[uint64((r0 + 8) * {kp} + c0 + 4)]
         q0 = float32(0.0)
         q1 = float32(0.0)
         q2 = float32(0.0)
@@ -165,8 +170,8 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
             q3 = tf32_round(q[uint64(base + r0 + 8), uhq, uint64(c0 + 4)])
         for nt in range(8):
             if nt <= 2 * warp + 1:
-                b0 = work[(nt * 8 + g) * {kp} + c0]
-                b1 = work[(nt * 8 + g) * {kp} + c0 + 4]
+                b0 = work[uint64((nt * 8 + g) * {kp} + c0)]
+                b1 = work[uint64((nt * 8 + g) * {kp} + c0 + 4)]
                 kk[4 * nt], kk[4 * nt + 1], kk[4 * nt + 2], kk[4 * nt + 3] = mma_tf32_m16n8k8(
                     a0, a1, a2, a3, b0, b1, kk[4 * nt], kk[4 * nt + 1], kk[4 * nt + 2], kk[4 * nt + 3])
                 qk[4 * nt], qk[4 * nt + 1], qk[4 * nt + 2], qk[4 * nt + 3] = mma_tf32_m16n8k8(
@@ -179,9 +184,9 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
                 r = r0 + 8 * (e >> 1)
                 s = nt * 8 + 2 * t + (e & 1)
                 if s <= r:
-                    decay = math.exp(g_sh[r] - g_sh[s])
+                    decay = math.exp(g_sh[uint64(r)] - g_sh[uint64(s)])
                     if s < r:
-                        work[r * AP + s] = b_sh[r] * kk[4 * nt + e] * decay
+                        work[uint64(r * AP + s)] = b_sh[uint64(r)] * kk[4 * nt + e] * decay
                     if r < n:
                         mats[uint64(base + r), uh, uint64(s)] = qk[4 * nt + e] * decay
     cuda.syncthreads()
@@ -193,15 +198,19 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         total = float32(0.0)
         if col < r:
             if part == 0:
-                total = work[r * AP + col]
+                total = work[uint64(r * AP + col)]
             s = col + 1 + part
+            a_at = uint64(r * AP + s)  # A[r, s] and T[s, col], s stepping by 2
+            t_at = uint64(s * AP + col)
             while s < r:
-                total += work[r * AP + s] * work[s * AP + col]
+                total += work[a_at] * work[t_at]
+                a_at += uint64(2)
+                t_at += uint64(2 * AP)
                 s += 2
-        red[tid] = total
+        red[uint64(tid)] = total
         cuda.syncthreads()
         if part == 0 and col < r:
-            work[r * AP + col] = -(red[tid] + red[tid + CHUNK])
+            work[uint64(r * AP + col)] = -(red[uint64(tid)] + red[uint64(tid + CHUNK)])
         cuda.syncthreads()
 
     for e in range(CHUNK * CHUNK // THREADS):
@@ -211,7 +220,7 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         if a < n and b > a:
             value = float32(0.0)
             if b < n:
-                value = work[b * AP + a]
+                value = work[uint64(b * AP + a)]
             mats[uint64(base + a), uh, uint64(b)] = value
 """
 
@@ -222,19 +231,78 @@ _SCAN_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32[:,
              float32[:, :, ::1], float32[:, :, :, ::1], int32[::1], int32[::1], int32[::1], float32[:, :, ::1], int32,
              int32, int32, int32)
 
+# Copies of a chunk's rows into shared memory (`cp.async`, 16 bytes a piece; rows past the chunk's end arrive as
+# zeros), each issued as soon as the buffer it fills is free; `nxt` is the chunk, `buf` the K / T-P buffer.
+_COPY_KM = """
+            nb = start + nxt * CHUNK
+            nn = min(CHUNK, count - nxt * CHUNK)
+            for e in range({k_pieces}):
+                idx = tid + e * SCAN_THREADS
+                r = idx // {k_row_pieces}
+                p = idx - r * {k_row_pieces}
+                row = int64(nb + min(r, nn - 1))
+                size = uint32(16) if r < nn else uint32(0)
+                copy_async_16(shared + uint32((buf * K_SIZE + r * {kp} + 4 * p) * 4),
+                              k_at + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
+            for e in range(MV_PIECES):
+                idx = tid + e * SCAN_THREADS
+                r = idx // ROW_PIECES
+                p = idx - r * ROW_PIECES
+                row = int64(nb + min(r, nn - 1))
+                size = uint32(16) if r < nn else uint32(0)
+                copy_async_16(shared + uint32((M_OFF + buf * M_SIZE + r * MP + 4 * p) * 4),
+                              mats_at + ((row * v_heads + h) * CHUNK + 4 * p) * 4, size)
+            copy_async_commit()
+            if tid < CHUNK:
+                p_last = cum[uint64(nb + nn - 1), uh]
+                p_cum = cum[uint64(nb + min(tid, nn - 1)), uh]
+                p_beta = beta[uint64(nb + min(tid, nn - 1)), uh]
+"""
+
+_COPY_Q = """
+            nb = start + nxt * CHUNK
+            nn = min(CHUNK, count - nxt * CHUNK)
+            for e in range({k_pieces}):
+                idx = tid + e * SCAN_THREADS
+                r = idx // {k_row_pieces}
+                p = idx - r * {k_row_pieces}
+                row = int64(nb + min(r, nn - 1))
+                size = uint32(16) if r < nn else uint32(0)
+                copy_async_16(shared + uint32((Q_OFF + r * {kp} + 4 * p) * 4),
+                              q_at + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
+            copy_async_commit()
+"""
+
+_COPY_V = """
+            nb = start + nxt * CHUNK
+            nn = min(CHUNK, count - nxt * CHUNK)
+            for e in range(MV_PIECES):
+                idx = tid + e * SCAN_THREADS
+                r = idx // ROW_PIECES
+                p = idx - r * ROW_PIECES
+                row = int64(nb + min(r, nn - 1))
+                size = uint32(16) if r < nn and 4 * p < v_left else uint32(0)
+                copy_async_16(shared + uint32((Y_OFF + r * SP + 4 * p) * 4),
+                              mixed_at + (row * channels + v_base + min(4 * p, v_left - 4)) * 4, size)
+            copy_async_commit()
+"""
+
 _SCAN_SOURCE = """
 def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg_lane, seg_row, seg_count, out,
                                    qk_heads, v_heads, v_dim, channels_qk):
-    s_sh = cuda.shared.array({s_words}, float32)  # the state slice [Dk, SLICE], TF32
-    y_sh = cuda.shared.array({y_words}, float32)  # diag(beta) (V - diag(E) K S), TF32
-    u_sh = cuda.shared.array({y_words}, float32)  # U = T Y, TF32
-    e_sh = cuda.shared.array(CHUNK, float32)  # exp(G_r)
-    w_sh = cuda.shared.array(CHUNK, float32)  # exp(G_last - G_r), 0 past n
-    b_sh = cuda.shared.array(CHUNK, float32)  # beta, 0 past n
+    # One dynamic shared array (past the 48 KiB static limit), laid out as: K chunk rows [CHUNK, {kp}] twice (this
+    # chunk's and the next one's), Q rows [CHUNK, {kp}], the packed T / P [CHUNK, MP] twice, V then Y [CHUNK, SP],
+    # the state slice [Dk, SP] (TF32), U [CHUNK, SP], and exp(G), exp(G_last - G), beta [CHUNK] each. K, Q and T / P
+    # are held as loaded and rounded to TF32 where they become operands. Shared indices are unsigned (numba adds
+    # negative-index arithmetic to signed ones) and built from per-thread bases plus literal offsets, which fold into
+    # the load instructions once the k-step loops are written out.
+    sh = cuda.shared.array(0, float32)
     sacc = cuda.local.array({sacc}, float32)  # this warp's state tiles (mma C layout), fp32
     acc = cuda.local.array(16, float32)
-    frag = cuda.local.array({frag}, float32)  # a step's A fragments, loaded before its first mma
-    pfrag = cuda.local.array({pfrag}, float32)
+    acc_o = cuda.local.array(16, float32)
+    p_last = float32(0.0)
+    p_cum = float32(0.0)
+    p_beta = float32(0.0)
 
     seg = cuda.blockIdx.x
     h = cuda.blockIdx.y
@@ -244,223 +312,207 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
     count = seg_count[seg]
     hq = h // (v_heads // qk_heads)
     uh = uint64(h)
-    uhq = uint64(hq)
     v_base = channels_qk + h * v_dim + col0
+    v_left = v_dim - col0  # columns of this slice that exist (a multiple of 4)
+    channels = mixed.shape[1]
+    shared = shared_address(address_of(sh))
+    k_at = address_of(k)
+    q_at = address_of(q)
+    mats_at = address_of(mats)
+    mixed_at = address_of(mixed)
     tid = cuda.threadIdx.x
     warp = tid >> 5
     lane = tid & 31
     g = lane >> 2
     t = lane & 3
-    r0 = warp * 16 + g
+    mw = warp & 3  # the warp's 16-row tile of the chunk
+    n0 = (warp >> 2) * 32  # and its 32 columns of the slice (4 mma n-tiles)
+    r0 = mw * 16 + g
+    row_frag = uint64(r0 * {kp} + t)  # A fragment (r0, t) of a [CHUNK, {kp}] row block
+    col_frag = uint64(t * SP + n0 + g)  # B fragment (t, n0 + g) of a [*, SP] block
+    t_frag = uint64(t * MP + r0)  # T[r0, t] = mats[t, r0]
+    p_frag = uint64(r0 * MP + t)  # P[r0, t]
+    c_frag = uint64(r0 * SP + n0 + 2 * t)  # C fragment (r0, n0 + 2t) of a [*, SP] block
 
-    for e in range({k_dim} * SLICE // THREADS):
-        idx = tid + e * THREADS
+    for e in range({k_dim} * SLICE // SCAN_THREADS):
+        idx = tid + e * SCAN_THREADS
         i = idx // SLICE
         c = idx - i * SLICE
         value = float32(0.0)
-        if col0 + c < v_dim:
+        if c < v_left:
             value = ssm_state[slot, uh, uint64(i), uint64(col0 + c)]
-        s_sh[i * SP + c] = value
+        sh[uint64(S_OFF + i * SP + c)] = value
     cuda.syncthreads()
     for jj in unrolled({sj}):
-        mt = warp + 4 * jj
+        mt = mw + 4 * jj
         if mt < {mtiles}:
             for nt in range(4):
                 for e in range(4):
-                    sacc[16 * jj + 4 * nt + e] = s_sh[(mt * 16 + g + 8 * (e >> 1)) * SP + nt * 8 + 2 * t + (e & 1)]
+                    sacc[16 * jj + 4 * nt + e] = sh[uint64(S_OFF + (mt * 16 + 8 * (e >> 1)) * SP + nt * 8
+                                                           + (e & 1)) + c_frag - uint64(mw * 16 * SP)]
     cuda.syncthreads()
-    for e in range({k_dim} * SLICE // THREADS):
-        idx = tid + e * THREADS
-        i = idx // SLICE
-        c = idx - i * SLICE
-        s_sh[i * SP + c] = tf32_round(s_sh[i * SP + c])
+    for e in range({k_dim} * SLICE // SCAN_THREADS):
+        at = uint64(S_OFF + (tid + e * SCAN_THREADS) // SLICE * SP + (tid + e * SCAN_THREADS) % SLICE)
+        sh[at] = tf32_round(sh[at])
 
     chunks = (count + CHUNK - 1) // CHUNK
     for chunk in range(chunks):
         base = start + chunk * CHUNK
         n = min(CHUNK, count - chunk * CHUNK)
+        cur = chunk & 1
+        k_off = uint64(cur * K_SIZE)
+        m_off = uint64(M_OFF + cur * M_SIZE)
+        if chunk == 0:  # later chunks' rows were copied while the chunk before them computed
+            nxt = 0
+            buf = 0
+{copy_km}{copy_q}{copy_v}
+        copy_async_wait_all()
         if tid < CHUNK:
-            last = cum[uint64(base + n - 1), uh]
-            if tid < n:
-                here = cum[uint64(base + tid), uh]
-                e_sh[tid] = math.exp(here)
-                w_sh[tid] = math.exp(last - here)
-                b_sh[tid] = beta[uint64(base + tid), uh]
-            else:
-                e_sh[tid] = math.exp(last)
-                w_sh[tid] = float32(0.0)
-                b_sh[tid] = float32(0.0)
+            sh[uint64(E_OFF + tid)] = math.exp(p_cum if tid < n else p_last)
+            sh[uint64(W_OFF + tid)] = math.exp(p_last - p_cum) if tid < n else float32(0.0)
+            sh[uint64(B_OFF + tid)] = p_beta if tid < n else float32(0.0)
         cuda.syncthreads()
-
-        # X = K S; Y = diag(beta) (V - diag(E) X). Loads are unconditional (clamped rows, masked after) and all issued
-        # before the first mma, so a step waits on memory once.
-        lo = uint64(base + min(r0, n - 1))
-        hi = uint64(base + min(r0 + 8, n - 1))
-        for ks in range({ksteps}):
-            c0 = uint64(ks * 8 + t)
-            frag[4 * ks] = k[lo, uhq, c0]
-            frag[4 * ks + 1] = k[hi, uhq, c0]
-            frag[4 * ks + 2] = k[lo, uhq, c0 + uint64(4)]
-            frag[4 * ks + 3] = k[hi, uhq, c0 + uint64(4)]
+        if chunk + 1 < chunks:
+            nxt = chunk + 1
+            buf = 1 - cur
+{copy_km}
+        # X = K S and Q S; Y = diag(beta) (V - diag(E) X), in place of V
         for e in range(16):
             acc[e] = float32(0.0)
+            acc_o[e] = float32(0.0)
+        ka = k_off + row_frag
         for ks in range({ksteps}):
-            c0 = ks * 8 + t
-            a0 = tf32_round(frag[4 * ks]) if r0 < n else float32(0.0)
-            a1 = tf32_round(frag[4 * ks + 1]) if r0 + 8 < n else float32(0.0)
-            a2 = tf32_round(frag[4 * ks + 2]) if r0 < n else float32(0.0)
-            a3 = tf32_round(frag[4 * ks + 3]) if r0 + 8 < n else float32(0.0)
+            a0 = tf32_round(sh[ka + uint64(ks * 8)])
+            a1 = tf32_round(sh[ka + uint64(ks * 8 + 8 * {kp})])
+            a2 = tf32_round(sh[ka + uint64(ks * 8 + 4)])
+            a3 = tf32_round(sh[ka + uint64(ks * 8 + 8 * {kp} + 4)])
+            q0 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8)])
+            q1 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 8 * {kp})])
+            q2 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 4)])
+            q3 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 8 * {kp} + 4)])
             for nt in range(4):
-                b0 = s_sh[c0 * SP + nt * 8 + g]
-                b1 = s_sh[(c0 + 4) * SP + nt * 8 + g]
+                b0 = sh[col_frag + uint64(S_OFF + ks * 8 * SP + nt * 8)]
+                b1 = sh[col_frag + uint64(S_OFF + (ks * 8 + 4) * SP + nt * 8)]
                 acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
                     a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
+                acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3] = mma_tf32_m16n8k8(
+                    q0, q1, q2, q3, b0, b1, acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3])
         for nt in range(4):
             for e in range(4):
-                r = r0 + 8 * (e >> 1)
-                c = nt * 8 + 2 * t + (e & 1)
-                v = float32(0.0)
-                if r < n and col0 + c < v_dim:
-                    v = mixed[uint64(base + r), uint64(v_base + c)]
-                y_sh[r * SP + c] = tf32_round(b_sh[r] * (v - e_sh[r] * acc[4 * nt + e]))
+                r = uint64(r0 + 8 * (e >> 1))
+                at = c_frag + uint64(Y_OFF + 8 * (e >> 1) * SP + nt * 8 + (e & 1))
+                sh[at] = tf32_round(sh[uint64(B_OFF) + r] * (sh[at] - sh[uint64(E_OFF) + r] * acc[4 * nt + e]))
         cuda.syncthreads()
-
-        # U = T Y (T unit lower triangular: the column tiles at or left of the diagonal; T[r, s] = mats[s, r])
-        rlo = uint64(min(r0, CHUNK - 1))
-        rhi = uint64(min(r0 + 8, CHUNK - 1))
-        for ks in range(CHUNK // 8):
-            s0 = min(ks * 8 + t, n - 1)
-            s4 = min(ks * 8 + t + 4, n - 1)
-            frag[4 * ks] = mats[uint64(base + s0), uh, rlo]
-            frag[4 * ks + 1] = mats[uint64(base + s0), uh, rhi]
-            frag[4 * ks + 2] = mats[uint64(base + s4), uh, rlo]
-            frag[4 * ks + 3] = mats[uint64(base + s4), uh, rhi]
+        if chunk + 1 < chunks:
+{copy_q}
+        # U = T Y (T unit lower triangular, T[r, s] = mats[s, r]: the column tiles at or left of the diagonal)
         for e in range(16):
             acc[e] = float32(0.0)
-        for ks in range(CHUNK // 8):
-            if ks < 2 * warp + 2:
+        ta = m_off + t_frag
+        for ks in range({chunk_ksteps}):
+            if ks < 2 * mw + 2:
                 s0 = ks * 8 + t
-                a0 = float32(1.0) if s0 == r0 else float32(0.0)
-                a1 = float32(1.0) if s0 == r0 + 8 else float32(0.0)
-                a2 = float32(1.0) if s0 + 4 == r0 else float32(0.0)
-                a3 = float32(1.0) if s0 + 4 == r0 + 8 else float32(0.0)
-                if s0 < r0 and r0 < n:
-                    a0 = tf32_round(frag[4 * ks])
-                if s0 < r0 + 8 and r0 + 8 < n:
-                    a1 = tf32_round(frag[4 * ks + 1])
-                if s0 + 4 < r0 and r0 < n:
-                    a2 = tf32_round(frag[4 * ks + 2])
-                if s0 + 4 < r0 + 8 and r0 + 8 < n:
-                    a3 = tf32_round(frag[4 * ks + 3])
+                a0 = sh[ta + uint64(ks * 8 * MP)] if s0 < r0 else (float32(1.0) if s0 == r0 else float32(0.0))
+                a1 = sh[ta + uint64(ks * 8 * MP + 8)] if s0 < r0 + 8 else (
+                    float32(1.0) if s0 == r0 + 8 else float32(0.0))
+                a2 = sh[ta + uint64((ks * 8 + 4) * MP)] if s0 + 4 < r0 else (
+                    float32(1.0) if s0 + 4 == r0 else float32(0.0))
+                a3 = sh[ta + uint64((ks * 8 + 4) * MP + 8)] if s0 + 4 < r0 + 8 else (
+                    float32(1.0) if s0 + 4 == r0 + 8 else float32(0.0))
+                a0 = tf32_round(a0)
+                a1 = tf32_round(a1)
+                a2 = tf32_round(a2)
+                a3 = tf32_round(a3)
                 for nt in range(4):
-                    b0 = y_sh[s0 * SP + nt * 8 + g]
-                    b1 = y_sh[(s0 + 4) * SP + nt * 8 + g]
+                    b0 = sh[col_frag + uint64(Y_OFF + ks * 8 * SP + nt * 8)]
+                    b1 = sh[col_frag + uint64(Y_OFF + (ks * 8 + 4) * SP + nt * 8)]
                     acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
                         a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
         for nt in range(4):
             for e in range(4):
-                u_sh[(r0 + 8 * (e >> 1)) * SP + nt * 8 + 2 * t + (e & 1)] = tf32_round(acc[4 * nt + e])
+                sh[c_frag + uint64(U_OFF + 8 * (e >> 1) * SP + nt * 8 + (e & 1))] = tf32_round(acc[4 * nt + e])
         cuda.syncthreads()
-
+        if chunk + 1 < chunks:
+{copy_v}
         # O = diag(E) Q S + P U (P[r, s] = mats[r, s], s <= r)
-        for ks in range({ksteps}):
-            c0 = uint64(ks * 8 + t)
-            frag[4 * ks] = q[lo, uhq, c0]
-            frag[4 * ks + 1] = q[hi, uhq, c0]
-            frag[4 * ks + 2] = q[lo, uhq, c0 + uint64(4)]
-            frag[4 * ks + 3] = q[hi, uhq, c0 + uint64(4)]
-        for ks in range(CHUNK // 8):
-            s0 = uint64(ks * 8 + t)
-            pfrag[4 * ks] = mats[lo, uh, s0]
-            pfrag[4 * ks + 1] = mats[hi, uh, s0]
-            pfrag[4 * ks + 2] = mats[lo, uh, s0 + uint64(4)]
-            pfrag[4 * ks + 3] = mats[hi, uh, s0 + uint64(4)]
-        for e in range(16):
-            acc[e] = float32(0.0)
-        for ks in range({ksteps}):
-            c0 = ks * 8 + t
-            a0 = tf32_round(frag[4 * ks]) if r0 < n else float32(0.0)
-            a1 = tf32_round(frag[4 * ks + 1]) if r0 + 8 < n else float32(0.0)
-            a2 = tf32_round(frag[4 * ks + 2]) if r0 < n else float32(0.0)
-            a3 = tf32_round(frag[4 * ks + 3]) if r0 + 8 < n else float32(0.0)
-            for nt in range(4):
-                b0 = s_sh[c0 * SP + nt * 8 + g]
-                b1 = s_sh[(c0 + 4) * SP + nt * 8 + g]
-                acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
-                    a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
         for nt in range(4):
             for e in range(4):
-                acc[4 * nt + e] *= e_sh[r0 + 8 * (e >> 1)]
-        for ks in range(CHUNK // 8):
-            if ks < 2 * warp + 2:
+                acc_o[4 * nt + e] *= sh[uint64(E_OFF + r0 + 8 * (e >> 1))]
+        pa = m_off + p_frag
+        for ks in range({chunk_ksteps}):
+            if ks < 2 * mw + 2:
                 s0 = ks * 8 + t
-                a0 = tf32_round(pfrag[4 * ks]) if s0 <= r0 and r0 < n else float32(0.0)
-                a1 = tf32_round(pfrag[4 * ks + 1]) if s0 <= r0 + 8 and r0 + 8 < n else float32(0.0)
-                a2 = tf32_round(pfrag[4 * ks + 2]) if s0 + 4 <= r0 and r0 < n else float32(0.0)
-                a3 = tf32_round(pfrag[4 * ks + 3]) if s0 + 4 <= r0 + 8 and r0 + 8 < n else float32(0.0)
+                a0 = tf32_round(sh[pa + uint64(ks * 8)]) if s0 <= r0 else float32(0.0)
+                a1 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP)]) if s0 <= r0 + 8 else float32(0.0)
+                a2 = tf32_round(sh[pa + uint64(ks * 8 + 4)]) if s0 + 4 <= r0 else float32(0.0)
+                a3 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP + 4)]) if s0 + 4 <= r0 + 8 else float32(0.0)
                 for nt in range(4):
-                    b0 = u_sh[s0 * SP + nt * 8 + g]
-                    b1 = u_sh[(s0 + 4) * SP + nt * 8 + g]
-                    acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
-                        a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
+                    b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
+                    b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
+                    acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3] = mma_tf32_m16n8k8(
+                        a0, a1, a2, a3, b0, b1, acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2],
+                        acc_o[4 * nt + 3])
         for nt in range(4):
             for e in range(4):
                 r = r0 + 8 * (e >> 1)
-                c = nt * 8 + 2 * t + (e & 1)
-                if r < n and col0 + c < v_dim:
-                    out[uint64(base + r), uh, uint64(col0 + c)] = acc[4 * nt + e]
-        cuda.syncthreads()  # S (shared) is read for this chunk
+                c = n0 + nt * 8 + 2 * t + (e & 1)
+                if r < n and c < v_left:
+                    out[uint64(base + r), uh, uint64(col0 + c)] = acc_o[4 * nt + e]
 
-        # S = exp(G_last) S + (diag(exp(G_last - G)) K)^T U
-        decay = e_sh[CHUNK - 1]
+        # S = exp(G_last) S + (diag(exp(G_last - G)) K)^T U, into the registers; shared S is still read above
+        decay = sh[uint64(E_OFF + CHUNK - 1)]
         for jj in unrolled({sj}):
-            mt = warp + 4 * jj
+            mt = mw + 4 * jj
             if mt < {mtiles}:
-                m = mt * 16 + g
-                for ks in range(CHUNK // 8):
-                    s0 = min(ks * 8 + t, n - 1)
-                    s4 = min(ks * 8 + t + 4, n - 1)
-                    pfrag[4 * ks] = k[uint64(base + s0), uhq, uint64(m)]
-                    pfrag[4 * ks + 1] = k[uint64(base + s0), uhq, uint64(m + 8)]
-                    pfrag[4 * ks + 2] = k[uint64(base + s4), uhq, uint64(m)]
-                    pfrag[4 * ks + 3] = k[uint64(base + s4), uhq, uint64(m + 8)]
+                kt = k_off + uint64(t * {kp} + mt * 16 + g)  # K[t, m]: the transposed A fragment
+                wt = uint64(W_OFF + t)
                 for e in range(16):
                     sacc[16 * jj + e] *= decay
-                for ks in range(CHUNK // 8):
-                    s0 = ks * 8 + t
-                    a0 = tf32_round(pfrag[4 * ks] * w_sh[s0])
-                    a1 = tf32_round(pfrag[4 * ks + 1] * w_sh[s0])
-                    a2 = tf32_round(pfrag[4 * ks + 2] * w_sh[s0 + 4])
-                    a3 = tf32_round(pfrag[4 * ks + 3] * w_sh[s0 + 4])
+                for ks in range({chunk_ksteps}):
+                    w0 = sh[wt + uint64(ks * 8)]
+                    w4 = sh[wt + uint64(ks * 8 + 4)]
+                    a0 = tf32_round(tf32_round(sh[kt + uint64(ks * 8 * {kp})]) * w0)
+                    a1 = tf32_round(tf32_round(sh[kt + uint64(ks * 8 * {kp} + 8)]) * w0)
+                    a2 = tf32_round(tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp})]) * w4)
+                    a3 = tf32_round(tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp} + 8)]) * w4)
                     for nt in range(4):
-                        b0 = u_sh[s0 * SP + nt * 8 + g]
-                        b1 = u_sh[(s0 + 4) * SP + nt * 8 + g]
+                        b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
+                        b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
                         x = 16 * jj + 4 * nt
                         sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3] = mma_tf32_m16n8k8(
                             a0, a1, a2, a3, b0, b1, sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3])
+        cuda.syncthreads()  # every read of this chunk's shared rows and S is done
+        for jj in unrolled({sj}):
+            mt = mw + 4 * jj
+            if mt < {mtiles}:
                 for nt in range(4):
                     for e in range(4):
-                        s_sh[(m + 8 * (e >> 1)) * SP + nt * 8 + 2 * t + (e & 1)] = tf32_round(
-                            sacc[16 * jj + 4 * nt + e])
-        cuda.syncthreads()
+                        sh[c_frag + uint64(S_OFF + (mt * 16 + 8 * (e >> 1)) * SP + nt * 8 + (e & 1))
+                           - uint64(mw * 16 * SP)] = tf32_round(sacc[16 * jj + 4 * nt + e])
 
     for jj in unrolled({sj}):
-        mt = warp + 4 * jj
+        mt = mw + 4 * jj
         if mt < {mtiles}:
             for nt in range(4):
                 for e in range(4):
-                    c = col0 + nt * 8 + 2 * t + (e & 1)
-                    if c < v_dim:
-                        ssm_state[slot, uh, uint64(mt * 16 + g + 8 * (e >> 1)), uint64(c)] = sacc[16 * jj + 4 * nt + e]
+                    c = n0 + nt * 8 + 2 * t + (e & 1)
+                    if c < v_left:
+                        ssm_state[slot, uh, uint64(mt * 16 + g + 8 * (e >> 1)), uint64(col0 + c)] = sacc[
+                            16 * jj + 4 * nt + e]
 """
+
 
 SP = SLICE + SHARED_PAD
 AP = CHUNK + 1  # A / T rows in shared memory: the forward substitution's column reads hit distinct banks
+MP = CHUNK + 4  # packed T / P rows in the scan's shared memory: row and column fragment reads hit 32 banks
+ROW_PIECES = CHUNK // 4  # 16-byte pieces of a T / P row, and of a V row of the slice
+MV_PIECES = CHUNK * ROW_PIECES // SCAN_THREADS  # T / P (and V) pieces per scan thread and chunk
+assert SLICE == CHUNK, "the scan copies T / P rows and V rows with one index (CHUNK words each)"
 
 
 def _unroll(source: str) -> str:
-    """Writes out each `for NAME in unrolled(COUNT):` loop of an instantiated source COUNT times with NAME a literal:
-    LLVM left the state-tile loop rolled, which put the tiles (`sacc`) in local memory."""
+    """Writes out each `for NAME in unrolled(COUNT):` loop of an instantiated source COUNT times with NAME a literal
+    (nested ones too): LLVM left the state-tile loops rolled, which kept the tiles (`sacc`) in local memory."""
     lines, out, i = source.split("\n"), [], 0
     while i < len(lines):
         line = lines[i]
@@ -475,28 +527,48 @@ def _unroll(source: str) -> str:
         while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
             body.append(lines[i][4:])
             i += 1
+        inner = _unroll("\n".join(body))
         for value in range(count):
-            out += [re.sub(rf"\b{name}\b", str(value), b) for b in body]
+            out.append(re.sub(rf"\b{name}\b", str(value), inner))
     return "\n".join(out)
 
 
-def _instantiate(source: str, name: str, signature: tuple, sizes: dict):
-    """numba needs register-array and shared-array sizes as literals, so each key dim gets its own source."""
+def _instantiate(source: str, name: str, signature: tuple, sizes: dict, constants: dict | None = None):
+    """numba needs register-array and shared-array sizes as literals, so each key dim gets its own source;
+    `constants` become globals of that source (numba folds them)."""
     namespace = dict(globals())
-    exec(compile(_unroll(source.format(**sizes)), f"<{name}>", "exec"), namespace)  # noqa: S102  (our template, literal sizes)
+    namespace.update(constants or {})
+    exec(compile(_unroll(source.format(**sizes)), f"<{name}>", "exec"), namespace)  # noqa: S102  (our template)
     function = namespace[name]
     function.__module__ = __name__
     return kernel(signature)(function)
 
 
+def _scan_layout(k_dim: int) -> dict[str, int]:
+    """Word offsets of the scan's dynamic shared array (see its source), and its size in bytes."""
+    kp = k_dim + 4
+    sizes = dict(K_OFF=2 * CHUNK * kp, Q_OFF=CHUNK * kp, M_OFF=2 * CHUNK * MP, Y_OFF=CHUNK * SP, S_OFF=k_dim * SP,
+                 U_OFF=CHUNK * SP, E_OFF=CHUNK, W_OFF=CHUNK, B_OFF=CHUNK)
+    layout, words = {}, 0
+    for name, size in sizes.items():
+        layout[name] = words
+        words += size
+    layout.update(K_SIZE=CHUNK * kp, M_SIZE=CHUNK * MP, SCAN_SHARED_BYTES=4 * words)
+    return layout
+
+
 def _make_kernels(k_dim: int):
-    kp = k_dim + 4  # K rows in shared memory: the A- and B-fragment reads hit distinct banks
+    kp = k_dim + 4  # K rows in shared memory: the A- and B-fragment reads hit distinct banks (16-byte aligned rows)
     mtiles = k_dim // 16
     sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, CHUNK * AP), k_loads=CHUNK * k_dim // THREADS,
-                 s_words=k_dim * SP, y_words=CHUNK * SP, pfrag=4 * CHUNK // 8, ksteps=k_dim // 8, frag=max(4 * k_dim // 8, 4 * CHUNK // 8), mtiles=mtiles, sj=(mtiles + 3) // 4, sacc=16 * ((mtiles + 3) // 4))
+                 k_row_pieces=k_dim // 4, k_pieces=CHUNK * k_dim // 4 // SCAN_THREADS, ksteps=k_dim // 8,
+                 chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4, sacc=16 * ((mtiles + 3) // 4))
+    for name, copy in (("copy_km", _COPY_KM), ("copy_q", _COPY_Q), ("copy_v", _COPY_V)):
+        sizes[name] = copy.format(**sizes)
     prepare = _instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, sizes)
-    scan = _instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}", _SCAN_SIG, sizes)
-    return prepare, scan
+    layout = _scan_layout(k_dim)
+    scan = _instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}", _SCAN_SIG, sizes, layout)
+    return prepare, scan, layout["SCAN_SHARED_BYTES"]
 
 
 _KERNELS = {dk: _make_kernels(dk) for dk in K_DIMS}
@@ -509,13 +581,17 @@ def gdn_chunked(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_
     workspace (G and the packed T / P of each chunk). k_dim must be 16, 32, 64 or 128."""
     if k_dim not in _KERNELS:
         raise ValueError(f"gdn_chunked has no variant for k_dim={k_dim}")
+    if v_dim % 4 or channels_qk % 4 or mixed.shape[1] % 4:
+        raise ValueError("gdn_chunked copies 16-byte pieces: v_dim, channels_qk and mixed's row length must be "
+                         f"multiples of 4 (got {v_dim}, {channels_qk}, {mixed.shape[1]})")
     segments = seg_lane.shape[0]
     if segments == 0 or rows == 0:
         return
-    prepare, scan = _KERNELS[k_dim]
+    prepare, scan, shared_bytes = _KERNELS[k_dim]
+    allow_dynamic_shared(scan, _SCAN_SIG, shared_bytes)
     prepare[(segments, (rows + CHUNK - 1) // CHUNK, v_heads), THREADS, stream](
         q, k, log_decay, beta, seg_row, seg_count, cum, mats, np.int32(qk_heads), np.int32(v_heads))
-    scan[(segments, v_heads, (v_dim + SLICE - 1) // SLICE), THREADS, stream](
+    scan[(segments, v_heads, (v_dim + SLICE - 1) // SLICE), SCAN_THREADS, stream, shared_bytes](
         q, k, mixed, beta, cum, mats, ssm_state, seg_lane, seg_row, seg_count, out, np.int32(qk_heads),
         np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk))
 
@@ -571,6 +647,6 @@ def gdn_chunked_reference(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg
                 y = tf32_round_host(b[:, None] * (v - e[:, None] * _product(kt, st)))
                 u = tf32_round_host(_product(tf32_round_host(inverse), y))
                 out[rs, h] = e[:, None] * _product(qt, st) + _product(tf32_round_host(p), u)
-                k_scaled = tf32_round_host(kc * w[:, None])
+                k_scaled = tf32_round_host(kt * w[:, None])
                 state = (np.exp(g[-1]).astype(F32) * state + _product(k_scaled.T, u)).astype(F32)
             ssm_state[lane, h] = state

@@ -52,3 +52,23 @@ def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], A
 def device_function(function: Callable[..., Any]) -> Any:
     """An inlined `cuda.jit(device=True)` helper."""
     return cuda.jit(device=True, inline=True)(function)
+
+
+_DYNAMIC_SHARED_SET: set[tuple[int, int, int]] = set()
+
+
+def allow_dynamic_shared(dispatcher: Any, signature: Any, nbytes: int) -> None:
+    """Let `dispatcher`'s `signature` variant launch with `nbytes` of dynamic shared memory on the current device
+    (past 48 KiB a kernel must opt in; Hopper allows up to 227 KiB a block). numba has no API for this attribute:
+    this is the driver call numba's own `set_shared_memory_carveout` makes, on the same kernel handle. Once per
+    (kernel, device, size)."""
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    compiled = dispatcher.compile(signature)
+    function = compiled.library.get_cufunc()
+    key = (id(function), function.device.id, nbytes)
+    if key in _DYNAMIC_SHARED_SET:
+        return
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
+    _DYNAMIC_SHARED_SET.add(key)
