@@ -96,13 +96,13 @@ _PREPARE_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32
 
 _PREPARE_SOURCE = """
 def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count, cum, mats, qk_heads, v_heads):
-    # work: the chunk's K rows [CHUNK, {kp}] (TF32), then A / T as [CHUNK, CHUNK + 1]
+    # work: the chunk's K rows [CHUNK, {kp}] (TF32), then A / T as [CHUNK, AP] and a block row's R [16, RS]
     work = cuda.shared.array({work}, float32)
     g_sh = cuda.shared.array(CHUNK, float32)
     b_sh = cuda.shared.array(CHUNK, float32)
-    red = cuda.shared.array(THREADS, float32)
     kk = cuda.local.array(32, float32)
     qk = cuda.local.array(32, float32)
+    dcol = cuda.local.array(16, float32)  # a column of this warp's diagonal block of T
 
     seg = cuda.blockIdx.x
     first = cuda.blockIdx.y * CHUNK
@@ -191,26 +191,47 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
                         mats[uint64(base + r), uh, uint64(s)] = qk[4 * nt + e] * decay
     cuda.syncthreads()
 
-    # T = (I + A)^-1 in place, row by row: T[r, j] = -(A[r, j] + sum_(j < s < r) A[r, s] T[s, j]); two partial sums
-    col = tid & (CHUNK - 1)
-    part = tid >> 6
-    for r in range(1, n):
-        total = float32(0.0)
-        if col < r:
-            if part == 0:
-                total = work[uint64(r * AP + col)]
-            s = col + 1 + part
-            a_at = uint64(r * AP + s)  # A[r, s] and T[s, col], s stepping by 2
-            t_at = uint64(s * AP + col)
-            while s < r:
+    # T = (I + A)^-1 in place, by 16-row blocks. Each warp inverts its diagonal block, D = (I + A_ii)^-1 (lane j < 16
+    # holds column j in registers: D[r, j] = [r == j] - sum_(s < r) A[r, s] D[s, j]); then block rows i = 1, 2, 3 in
+    # order: R = A_(i, <i) T_(<i, <i) (T's unit diagonal implicit), T_(i, <i) = -D_i R. T's diagonal stays implicit.
+    if lane < 16:
+        diagonal = uint64(warp * 16 * AP + warp * 16)
+        for r in unrolled(16):
+            total = float32(1.0) if r == lane else float32(0.0)
+            for s in unrolled(r):
+                total -= work[diagonal + uint64(r * AP + s)] * dcol[s]
+            dcol[r] = total
+        cuda.syncwarp(0xFFFF)
+        for r in unrolled(16):
+            if r > lane:
+                work[diagonal + uint64(r * AP) + uint64(lane)] = dcol[r]
+    cuda.syncthreads()
+    for i in unrolled(3):
+        for e in unrolled(2 * (i + 1)):
+            idx = tid + e * THREADS
+            a = idx // (16 * (i + 1))
+            c = idx - a * (16 * (i + 1))
+            a_at = uint64((16 * (i + 1) + a) * AP + c)
+            total = work[a_at]
+            t_at = uint64((c + 1) * AP + c)
+            for s in range(c + 1, 16 * (i + 1)):
+                a_at += uint64(1)
                 total += work[a_at] * work[t_at]
-                a_at += uint64(2)
-                t_at += uint64(2 * AP)
-                s += 2
-        red[uint64(tid)] = total
+                t_at += uint64(AP)
+            work[uint64(SCRATCH + a * RS + c)] = total
         cuda.syncthreads()
-        if part == 0 and col < r:
-            work[uint64(r * AP + col)] = -(red[uint64(tid)] + red[uint64(tid + CHUNK)])
+        for e in unrolled(2 * (i + 1)):
+            idx = tid + e * THREADS
+            a = idx // (16 * (i + 1))
+            c = idx - a * (16 * (i + 1))
+            total = work[uint64(SCRATCH + a * RS + c)]
+            d_at = uint64((16 * (i + 1) + a) * AP + 16 * (i + 1))
+            r_at = uint64(SCRATCH + c)
+            for b in range(a):
+                total += work[d_at] * work[r_at]
+                d_at += uint64(1)
+                r_at += uint64(RS)
+            work[uint64((16 * (i + 1) + a) * AP + c)] = -total
         cuda.syncthreads()
 
     for e in range(CHUNK * CHUNK // THREADS):
@@ -504,6 +525,8 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
 
 SP = SLICE + SHARED_PAD
 AP = CHUNK + 1  # A / T rows in shared memory: the forward substitution's column reads hit distinct banks
+RS = 3 * 16 + 1  # rows of a block row's R = A_(i, <i) T_(<i, <i) (up to 48 columns)
+SCRATCH = CHUNK * AP  # R's offset in the prepare kernel's shared memory
 MP = CHUNK + 4  # packed T / P rows in the scan's shared memory: row and column fragment reads hit 32 banks
 ROW_PIECES = CHUNK // 4  # 16-byte pieces of a T / P row, and of a V row of the slice
 MV_PIECES = CHUNK * ROW_PIECES // SCAN_THREADS  # T / P (and V) pieces per scan thread and chunk
@@ -516,20 +539,20 @@ def _unroll(source: str) -> str:
     lines, out, i = source.split("\n"), [], 0
     while i < len(lines):
         line = lines[i]
-        head = re.fullmatch(r"( *)for (\w+) in unrolled\((\d+)\):", line)
+        head = re.fullmatch(r"( *)for (\w+) in unrolled\(([\d +*()-]+)\):", line)
         if head is None:
             out.append(line)
             i += 1
             continue
-        indent, name, count = len(head.group(1)), head.group(2), int(head.group(3))
+        # the count is literal arithmetic once the enclosing unrolled variables are substituted
+        indent, name, count = len(head.group(1)), head.group(2), int(eval(head.group(3), {"__builtins__": {}}))
         body = []
         i += 1
         while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
             body.append(lines[i][4:])
             i += 1
-        inner = _unroll("\n".join(body))
         for value in range(count):
-            out.append(re.sub(rf"\b{name}\b", str(value), inner))
+            out.append(_unroll(re.sub(rf"\b{name}\b", str(value), "\n".join(body))))
     return "\n".join(out)
 
 
@@ -560,7 +583,7 @@ def _scan_layout(k_dim: int) -> dict[str, int]:
 def _make_kernels(k_dim: int):
     kp = k_dim + 4  # K rows in shared memory: the A- and B-fragment reads hit distinct banks (16-byte aligned rows)
     mtiles = k_dim // 16
-    sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, CHUNK * AP), k_loads=CHUNK * k_dim // THREADS,
+    sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, SCRATCH + 16 * RS), k_loads=CHUNK * k_dim // THREADS,
                  k_row_pieces=k_dim // 4, k_pieces=CHUNK * k_dim // 4 // SCAN_THREADS, ksteps=k_dim // 8,
                  chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4, sacc=16 * ((mtiles + 3) // 4))
     for name, copy in (("copy_km", _COPY_KM), ("copy_q", _COPY_Q), ("copy_v", _COPY_V)):
