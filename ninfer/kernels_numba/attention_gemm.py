@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int8, int32, uint16
+from numba import float32, int8, int32, uint16, uint64
 
 from ninfer.artifact.codec import f32_to_bf16_bits
 from ninfer.backends.cpu import ops
@@ -27,6 +27,8 @@ from ninfer.kernels_numba.numba_setup import cuda, kernel
 
 THREADS = 256
 SOFTMAX_THREADS = 256
+KEYS_PER_THREAD = 32  # softmax rows of up to REGISTER_KEYS keys stay in registers
+REGISTER_KEYS = SOFTMAX_THREADS * KEYS_PER_THREAD
 _F32_2D, _F32_3D = float32[:, ::1], float32[:, :, ::1]
 _U16_3D, _U16_4D = uint16[:, :, ::1], uint16[:, :, :, ::1]
 
@@ -104,17 +106,32 @@ def gather_kv_reference(page_tables, lane: int, length: int, pool, scales) -> np
 
 @kernel((_F32_3D, _U16_3D, int32, int32, int32, int32))
 def _causal_softmax(scores, probs, rows, first_position, keys, group):
-    """One block per score row (b, g * rows + i): softmax over keys 0..first_position + i, zeros after."""
+    """One block per score row (b, g * rows + i): softmax over keys 0..first_position + i, zeros after. Rows of up to
+    REGISTER_KEYS keys are read once into registers (all loads in flight together); longer rows are read three
+    times (max, sum, write). Both paths do the same arithmetic in the same order, so they give the same bits."""
     r = cuda.blockIdx.x
     b = cuda.blockIdx.y
     i = r - (r // rows) * rows
     visible = min(first_position + i + 1, keys)
     buf = cuda.shared.array(32, float32)
-    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    values = cuda.local.array(KEYS_PER_THREAD, float32)
+    tid = cuda.threadIdx.x
+    warp, lane = tid // 32, tid % 32
     warps = cuda.blockDim.x // 32
+    ub, ur = uint64(b), uint64(r)
+    fast = keys <= REGISTER_KEYS
     best = float32(-math.inf)
-    for j in range(cuda.threadIdx.x, visible, cuda.blockDim.x):
-        best = max(best, scores[b, r, j])
+    if fast:
+        for e in range(KEYS_PER_THREAD):
+            j = tid + e * SOFTMAX_THREADS
+            value = float32(-math.inf)
+            if j < visible:
+                value = scores[ub, ur, uint64(j)]
+            values[e] = value
+            best = max(best, value)
+    else:
+        for j in range(tid, visible, cuda.blockDim.x):
+            best = max(best, scores[ub, ur, uint64(j)])
     best = warp_max(best)
     if lane == 0:
         buf[warp] = best
@@ -124,8 +141,14 @@ def _causal_softmax(scores, probs, rows, first_position, keys, group):
         best = max(best, buf[w])
     cuda.syncthreads()
     total = float32(0.0)
-    for j in range(cuda.threadIdx.x, visible, cuda.blockDim.x):
-        total += math.exp(scores[b, r, j] - best)
+    if fast:
+        for e in range(KEYS_PER_THREAD):
+            if tid + e * SOFTMAX_THREADS < visible:
+                values[e] = math.exp(values[e] - best)
+                total += values[e]
+    else:
+        for j in range(tid, visible, cuda.blockDim.x):
+            total += math.exp(scores[ub, ur, uint64(j)] - best)
     total = warp_sum(total)
     if lane == 0:
         buf[warp] = total
@@ -134,11 +157,18 @@ def _causal_softmax(scores, probs, rows, first_position, keys, group):
     for w in range(warps):
         total += buf[w]
     inverse = float32(1.0) / total
-    for j in range(cuda.threadIdx.x, keys, cuda.blockDim.x):
-        value = float32(0.0)
-        if j < visible:
-            value = math.exp(scores[b, r, j] - best) * inverse
-        probs[b, r, j] = uint16(f32_to_bf16(value))
+    if fast:
+        for e in range(KEYS_PER_THREAD):
+            j = tid + e * SOFTMAX_THREADS
+            if j < keys:
+                value = values[e] * inverse if j < visible else float32(0.0)
+                probs[ub, ur, uint64(j)] = uint16(f32_to_bf16(value))
+    else:
+        for j in range(tid, keys, cuda.blockDim.x):
+            value = float32(0.0)
+            if j < visible:
+                value = math.exp(scores[ub, ur, uint64(j)] - best) * inverse
+            probs[ub, ur, uint64(j)] = uint16(f32_to_bf16(value))
 
 
 def causal_softmax(scores, probs, *, rows: int, first_position: int, stream) -> None:

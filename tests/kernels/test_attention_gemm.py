@@ -120,3 +120,29 @@ def test_device_kernels_equal_their_twins(heads, kv_heads, head_dim, int8):
                                       first=7, rows=20, group=group)
     np.testing.assert_allclose(out.copy_to_host()[7:27], want_out[7:27], rtol=1e-6, atol=1e-6)
     assert np.isnan(out.copy_to_host()[:7]).all() and np.isnan(out.copy_to_host()[27:]).all()
+
+
+@pytest.mark.gpu
+def test_causal_softmax_register_and_streaming_rows_give_the_same_bits():
+    """Rows of up to REGISTER_KEYS keys are held in registers, longer ones are streamed three times: the same row
+    through both paths gives the same bits, and both agree with the twin."""
+    from ninfer.kernels_numba.attention_gemm import REGISTER_KEYS, causal_softmax
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    rng = np.random.default_rng(3)
+    long_keys = REGISTER_KEYS + 8
+    scores = rng.standard_normal((2, 3, long_keys)).astype(np.float32) * 4
+    first = REGISTER_KEYS - 2  # row i sees keys 0..REGISTER_KEYS - 2 + i
+    stream = cuda.stream()
+    got = {}
+    for keys in (REGISTER_KEYS, long_keys):
+        part = np.ascontiguousarray(scores[:, :, :keys])
+        probs = cuda.to_device(np.full(part.shape, 0xFFFF, np.uint16))
+        causal_softmax(cuda.to_device(part), probs, rows=3, first_position=first, stream=stream)
+        stream.synchronize()
+        got[keys] = probs.copy_to_host()
+        want = causal_softmax_reference(part, rows=3, first_position=first)
+        assert np.abs(bf16_bits_to_f32(got[keys]) - bf16_bits_to_f32(want)).max() <= 2 ** -8
+    # rows 0 and 1 see the same keys either way (row 2 sees one more key in the long row)
+    assert np.array_equal(got[REGISTER_KEYS][:, :2], got[long_keys][:, :2, :REGISTER_KEYS])
+    assert not got[long_keys][:, :2, REGISTER_KEYS:].any()
