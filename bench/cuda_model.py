@@ -370,7 +370,8 @@ def main() -> None:
                              "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
     parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes to time (at most 8)")
     parser.add_argument("--prefill-attention", default="kernel,gemm",
-                        help="8K prefill attention paths to time: the numba kernel, the tensor cores (cuBLAS)")
+                        help="8K prefill attention paths to time: kernel (the numba kernel), gemm (the tensor cores "
+                             "through cuBLAS), flash (one tensor-core kernel)")
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
     parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")

@@ -224,12 +224,15 @@ def test_the_short_prefill_bound(device_kind, artifacts):
     assert model.short_prefill(1, SHORT_PREFILL_ROW_KEYS - 1)
 
 
+@pytest.mark.parametrize("attention", ["gemm", "flash"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifacts, kind):
-    """prefill_attention="gemm": bf16 queries and probabilities through cuBLAS, within bf16 tolerance."""
+def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifacts, kind, attention):
+    """prefill_attention="gemm" (bf16 queries and probabilities through cuBLAS, the default) and "flash" (one
+    tensor-core kernel, bf16 queries and P): within bf16 tolerance."""
     path = artifacts[(kind, "bf16")]
     build = cuda_build(device_kind, path, tensor_core_attention=True)
     assert build.model.prefill_attention == "gemm"
+    build.model.prefill_attention = attention
     cpu = load_model(path)
     for length in (1, 7, 65, 128):
         got, want = prompt_logits(build.model, cpu, prompt(length, length))

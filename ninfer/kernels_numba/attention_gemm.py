@@ -60,14 +60,15 @@ def pack_queries_reference(q, *, first: int, rows: int, group: int, scale: float
     return f32_to_bf16_bits(heads.reshape(kv_heads, group * rows, -1))
 
 
-@kernel((int32[:, ::1], int32, int32, _U16_4D, _U16_4D, _U16_3D, int32),
-        (int32[:, ::1], int32, int32, int8[:, :, :, ::1], _U16_4D, _U16_3D, int32))
-def _gather_kv(page_tables, lane, length, pool, scales, out, quant):
-    """out[b, j, d] = key/value j of KV head b as bf16 bits (INT8 pools dequantized, then rounded to bf16)."""
+@kernel((int32[:, ::1], int32, int32, _U16_4D, _U16_4D, _U16_3D, int32, int32),
+        (int32[:, ::1], int32, int32, int8[:, :, :, ::1], _U16_4D, _U16_3D, int32, int32))
+def _gather_kv(page_tables, lane, length, pool, scales, out, quant, transposed):
+    """out[b, j, d] (out[b, d, j] when `transposed`) = key/value j of KV head b as bf16 bits (INT8 pools
+    dequantized, then rounded to bf16)."""
     d = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
     j = cuda.blockIdx.y
     b = cuda.blockIdx.z
-    head_dim = out.shape[2]
+    head_dim = pool.shape[3]
     if d >= head_dim or j >= length:
         return
     page_tokens = pool.shape[1]
@@ -77,19 +78,25 @@ def _gather_kv(page_tables, lane, length, pool, scales, out, quant):
     if quant != 0:
         group = head_dim // scales.shape[3]
         scale = f16_bits_to_f32(scales[page, offset, b, d // group])
-        out[b, j, d] = uint16(f32_to_bf16(float32(pool[page, offset, b, d]) * scale))
+        bits = uint16(f32_to_bf16(float32(pool[page, offset, b, d]) * scale))
     else:
-        out[b, j, d] = uint16(pool[page, offset, b, d])
+        bits = uint16(pool[page, offset, b, d])
+    if transposed != 0:
+        out[b, d, j] = bits
+    else:
+        out[b, j, d] = bits
 
 
-def gather_kv(page_tables, lane: int, length: int, pool, scales, out, *, stream) -> None:
+def gather_kv(page_tables, lane: int, length: int, pool, scales, out, *, stream, transposed: bool = False) -> None:
     """Keys (or values) 0..length-1 of `lane` from a paged pool [pages, P, Hkv, D] (uint16 bf16, or int8 with its
-    fp16 `scales`) into out uint16 [Hkv, >= length, D]; pass scales=None for a bf16 pool."""
-    kv_heads, head_dim = out.shape[0], out.shape[2]
+    fp16 `scales`) into out uint16 [Hkv, >= length, D] (`transposed`: [Hkv, D, >= length]); pass scales=None for a
+    bf16 pool."""
+    kv_heads, head_dim = pool.shape[2], pool.shape[3]
     quant = pool.dtype == np.int8
     scale_arg = scales if quant else pool
     _gather_kv[(blocks_for(head_dim, THREADS), length, kv_heads), THREADS, stream](
-        page_tables, np.int32(lane), np.int32(length), pool, scale_arg, out, np.int32(1 if quant else 0))
+        page_tables, np.int32(lane), np.int32(length), pool, scale_arg, out, np.int32(1 if quant else 0),
+        np.int32(1 if transposed else 0))
 
 
 def gather_kv_reference(page_tables, lane: int, length: int, pool, scales) -> np.ndarray:

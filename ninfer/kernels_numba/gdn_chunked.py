@@ -32,7 +32,6 @@ Only segments that do not record per-row states go here (prefill); decode and ve
 from __future__ import annotations
 
 import math  # noqa: F401 (templates)
-import re
 
 import numpy as np
 from llvmlite import ir
@@ -43,8 +42,8 @@ from numba.cuda.extending import intrinsic
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_all, shared_address)
 from ninfer.kernels_numba.common import address_of  # noqa: F401 (templates)
-from ninfer.kernels_numba.numba_setup import (allow_dynamic_shared, cuda, device_function,  # noqa: F401
-                                               kernel)  # (cuda: templates)
+from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function  # noqa: F401 (cuda)
+from ninfer.kernels_numba.templates import instantiate
 
 F32 = np.float32
 
@@ -536,40 +535,6 @@ MV_PIECES = CHUNK * ROW_PIECES // SCAN_THREADS  # T / P (and V) pieces per scan 
 assert SLICE == CHUNK, "the scan copies T / P rows and V rows with one index (CHUNK words each)"
 
 
-def _unroll(source: str) -> str:
-    """Writes out each `for NAME in unrolled(COUNT):` loop of an instantiated source COUNT times with NAME a literal
-    (nested ones too): LLVM left the state-tile loops rolled, which kept the tiles (`sacc`) in local memory."""
-    lines, out, i = source.split("\n"), [], 0
-    while i < len(lines):
-        line = lines[i]
-        head = re.fullmatch(r"( *)for (\w+) in unrolled\(([\d +*()-]+)\):", line)
-        if head is None:
-            out.append(line)
-            i += 1
-            continue
-        # the count is literal arithmetic once the enclosing unrolled variables are substituted
-        indent, name, count = len(head.group(1)), head.group(2), int(eval(head.group(3), {"__builtins__": {}}))
-        body = []
-        i += 1
-        while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
-            body.append(lines[i][4:])
-            i += 1
-        for value in range(count):
-            out.append(_unroll(re.sub(rf"\b{name}\b", str(value), "\n".join(body))))
-    return "\n".join(out)
-
-
-def _instantiate(source: str, name: str, signature: tuple, sizes: dict, constants: dict | None = None):
-    """numba needs register-array and shared-array sizes as literals, so each key dim gets its own source;
-    `constants` become globals of that source (numba folds them)."""
-    namespace = dict(globals())
-    namespace.update(constants or {})
-    exec(compile(_unroll(source.format(**sizes)), f"<{name}>", "exec"), namespace)  # noqa: S102  (our template)
-    function = namespace[name]
-    function.__module__ = __name__
-    return kernel(signature)(function)
-
-
 def _scan_layout(k_dim: int) -> dict[str, int]:
     """Word offsets of the scan's dynamic shared array (see its source), and its size in bytes."""
     kp = k_dim + 4
@@ -591,9 +556,9 @@ def _make_kernels(k_dim: int):
                  chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4, sacc=16 * ((mtiles + 3) // 4))
     for name, copy in (("copy_km", _COPY_KM), ("copy_q", _COPY_Q), ("copy_v", _COPY_V)):
         sizes[name] = copy.format(**sizes)
-    prepare = _instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, sizes)
+    prepare = instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(), sizes)
     layout = _scan_layout(k_dim)
-    scan = _instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}", _SCAN_SIG, sizes, layout)
+    scan = instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}", _SCAN_SIG, globals(), sizes, layout)
     return prepare, scan, layout["SCAN_SHARED_BYTES"]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from ninfer.artifact import codec
 from ninfer.backends.cpu.ops import linear as row_linear
 from ninfer.kernels_numba import attention as _attention
+from ninfer.kernels_numba import attention_flash as _attention_flash
 from ninfer.kernels_numba import attention_gemm as _attention_gemm
 from ninfer.kernels_numba import dflash as _dflash
 from ninfer.kernels_numba import elementwise as _elementwise
@@ -273,8 +274,16 @@ def pack_queries(q, out, *, first, rows, group, scale, stream):
                                                       kv_heads=out.shape[0])
 
 
-def gather_kv(page_tables, lane, length, pool, scales, out, *, stream):
-    out[:, :length] = _attention_gemm.gather_kv_reference(page_tables, lane, length, pool, scales)
+def gather_kv(page_tables, lane, length, pool, scales, out, *, stream, transposed=False):
+    values = _attention_gemm.gather_kv_reference(page_tables, lane, length, pool, scales)
+    if transposed:
+        out[:, :, :length] = values.transpose(0, 2, 1)
+    else:
+        out[:, :length] = values
+
+
+def flash_prefill(packed, keys, values_t, qkgv, out, *, stream, **kwargs):
+    _attention_flash.flash_prefill_reference(packed, keys, values_t, qkgv, out, **kwargs)
 
 
 def causal_softmax(scores, probs, *, rows, first_position, stream):

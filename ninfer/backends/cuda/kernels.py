@@ -3,6 +3,7 @@ NumPy twins, so the model and runner glue also runs (and is tested) without a GP
 
 from ninfer.kernels_numba.attention import (attention_decode, attention_prefill, attention_prepare,
                                             decode_partials_shape)
+from ninfer.kernels_numba.attention_flash import flash_prefill
 from ninfer.kernels_numba.attention_gemm import causal_softmax, gather_kv, pack_queries, unpack_gated
 from ninfer.kernels_numba.dflash import attention_partials_shape, copy_columns, dflash_attention, dflash_heads
 from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_bf16_rows,
@@ -43,6 +44,7 @@ __all__ = [
     "dflash_heads",
     "embed_rows",
     "fill_uniform",
+    "flash_prefill",
     "gather_rows",
     "gdn_chunked",
     "gdn_conv",

@@ -539,7 +539,8 @@ class Workspace:
         self.gemm_scores = self.gemm_probs = None
         if tensor_core_attention:
             self.gemm_keys = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
-            self.gemm_values = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
+            # (flash: V^T rows of a multiple of 8 keys)
+            self.gemm_values = buf(d.kv_heads * align_up(max_context, 8) * d.head_dim, dtype=np.uint16)
             self.gemm_queries = buf(rows * d.q_width, dtype=np.uint16)
             self.gemm_out = buf(rows * d.q_width)
             scores = min(SCORE_BYTES // 4, d.attn_heads * rows * max_context)
@@ -671,8 +672,9 @@ class CudaQwen:
                  dflash: DFlashDims | None = None) -> None:
         """`dflash`: the drafter's dimensions, which a capacity with spec "dflash" needs (its weights are loaded)."""
         self.dims, self.device, self.capacity, self.k = dims, device, capacity, device.kernels
-        # Prefill attention: "kernel" (the tiled numba kernel, fp32 math) or "gemm" (bf16 tensor cores via cuBLAS,
-        # which needs the model built with Capacity.tensor_core_attention for its scratch).
+        # Prefill attention: "kernel" (the tiled numba kernel, fp32 math), "gemm" (bf16 tensor cores via cuBLAS) or
+        # "flash" (one bf16 tensor-core kernel, `attention_flash`); the last two need the model built with
+        # Capacity.tensor_core_attention for their scratch.
         self.prefill_attention = "gemm" if capacity.tensor_core_attention else "kernel"
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
@@ -1030,6 +1032,8 @@ class CudaQwen:
                                   stream=stream)
         elif self.prefill_attention == "gemm":
             self._prefill_attention_gemm(kv, prefill, rows)
+        elif self.prefill_attention == "flash":
+            self._prefill_attention_flash(kv, prefill, rows)
         else:
             self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
                                    kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
@@ -1064,6 +1068,26 @@ class CudaQwen:
             attended = ws.gemm_out[: kv_heads * m * head_dim].reshape(kv_heads, m, head_dim)
             blas.batched_values(probs, values_bf16, keys, attended)
             k.unpack_gated(attended, qkgv, out, first=first, rows=count, group=group, stream=stream)
+
+    def _prefill_attention_flash(self, kv: KvPool, prefill: PrefillSpan, rows: int) -> None:
+        """Prefill attention in one tensor-core kernel (`attention_flash`): K and V^T of the lane gathered once into
+        contiguous bf16, every query packed, then scores, softmax, P V and the gate on chip."""
+        ws, stream, d, k = self.workspace, self.device.stream, self.dims, self.k
+        if ws.gemm_keys is None:
+            raise ValueError("flash prefill attention needs the model built with Capacity.tensor_core_attention")
+        kv_heads, head_dim = d.kv_heads, d.head_dim
+        group, length = d.attn_heads // kv_heads, prefill.kv_start + rows
+        stride = align_up(length, 8)
+        keys_bf16 = ws.gemm_keys[: kv_heads * length * head_dim].reshape(kv_heads, length, head_dim)
+        values_t = ws.gemm_values[: kv_heads * head_dim * stride].reshape(kv_heads, head_dim, stride)
+        k.gather_kv(self.inputs.page_tables, prefill.lane, length, kv.k, kv.k_scale, keys_bf16, stream=stream)
+        k.gather_kv(self.inputs.page_tables, prefill.lane, length, kv.v, kv.v_scale, values_t, stream=stream,
+                    transposed=True)
+        packed = ws.gemm_queries[: kv_heads * group * rows * head_dim].reshape(kv_heads, group * rows, head_dim)
+        k.pack_queries(ws.q[:rows], packed, first=0, rows=rows, group=group, scale=1.0 / np.sqrt(head_dim),
+                       stream=stream)
+        k.flash_prefill(packed, keys_bf16, values_t, ws.qkgv[:rows], ws.attended[:rows], rows=rows,
+                        first_position=prefill.kv_start, length=length, group=group, stream=stream)
 
     def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int, h_bf16: Any,
              h_frag: Any, *, chunked: bool) -> None:

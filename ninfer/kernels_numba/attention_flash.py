@@ -1,0 +1,298 @@
+"""Prefill attention in one kernel (flash attention on the bf16 tensor cores), with the output gate applied.
+
+The cuBLAS path (`attention_gemm`) writes every score to memory, reads it back for the softmax, and writes the
+probabilities again: at 8K tokens that traffic, not the FLOPs, is most of its time (27B: ~250 ms of a ~1 s prefill).
+Here a block keeps BR queries of one query head in shared memory and walks the visible keys in tiles of BC: scores,
+an online softmax and P V stay on chip (FlashAttention-2's schedule), and only the gated output is written.
+
+Per query head h = b * group + g (KV head b) and query i (position first_position + i), keys j <= first_position + i:
+    out[i, h*D : (h+1)*D] = (sum_j softmax_j(q_i . k_j) v_j) * sigmoid(gate[i, h])
+with q the packed bf16 queries (`pack_queries`: scale folded in), k and v bf16 (`gather_kv`; v transposed, so the
+P V operand pairs are contiguous). Scores and the softmax are fp32; P is rounded to bf16 for the P V product (as the
+cuBLAS path rounds its probabilities), with the running max and sum kept in fp32. The twin `flash_prefill_reference`
+walks the same tiles with the same roundings, so kernel and twin differ only in fp32 summation order and the last
+bit of exp.
+
+Layout: 4 warps, warp w owns query rows 16w..16w+15 of the block (mma m16n8k16: lane 4 gq + t holds rows gq and
+gq + 8). Shared memory (dynamic) holds the Q tile [BR, D] and the K tile [BC, D] as bf16 pair words with rows of
+D/2 + WORD_PAD words, and the V^T tile [D, BC] with rows of BC/2 + WORD_PAD words: every fragment read hits 32
+banks. Tiles arrive by `cp.async` (rows past the keys or queries arrive as zeros and are masked).
+"""
+
+from __future__ import annotations
+
+import math  # noqa: F401 (templates)
+
+import numpy as np
+from numba import float32, int32, int64, uint16, uint32, uint64  # noqa: F401 (templates)
+from numba.cuda import libdevice  # noqa: F401 (templates)
+
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
+from ninfer.backends.cpu import ops
+from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
+                                             copy_async_wait_all, shared_address)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, sigmoid_f32)  # noqa: F401 (templates)
+from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda  # noqa: F401 (cuda: templates)
+from ninfer.kernels_numba.templates import instantiate
+from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16  # noqa: F401 (templates)
+
+F32 = np.float32
+
+BR = 64  # queries per block: 4 warps x 16 rows
+BC = 64  # keys per tile
+FLASH_THREADS = 128
+WORD_PAD = 4
+HEAD_DIMS = (64, 128, 256)  # head dims with a compiled variant (Qwen3.6: 256)
+
+_SIG = (uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, ::1], float32[:, ::1], int32, int32,
+        int32, int32)
+
+_SOURCE = """
+def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_position, length, group):
+    sh = cuda.shared.array(0, uint32)
+    o = cuda.local.array({o_regs}, float32)  # O rows gq, gq + 8 of the warp's 16, mma C layout over D / 8 n-tiles
+    s = cuda.local.array(32, float32)  # scores, then P, of the key tile: 8 n-tiles
+
+    tile = cuda.blockIdx.x
+    g = cuda.blockIdx.y
+    b = cuda.blockIdx.z
+    kv_heads = keys.shape[0]
+    heads = kv_heads * group
+    h = b * group + g
+    i0 = tile * BR
+    tid = cuda.threadIdx.x
+    warp = tid >> 5
+    lane = tid & 31
+    gq = lane >> 2
+    t = lane & 3
+    r_lo = warp * 16 + gq
+    r_hi = r_lo + 8
+    shared = shared_address(address_of(sh))
+    packed_at = address_of(packed)
+    keys_at = address_of(keys)
+    values_at = address_of(values_t)
+    packed_rows = int64(packed.shape[1])
+    key_rows = int64(keys.shape[1])
+    stride_v = int64(values_t.shape[2])
+    last_query = min(i0 + BR, rows) - 1
+    key_end = min(first_position + last_query + 1, length)
+    tiles = (key_end + BC - 1) // BC
+
+    for e in range(BR * {row_pieces} // FLASH_THREADS):  # the Q tile
+        idx = tid + e * FLASH_THREADS
+        r = idx // {row_pieces}
+        p = idx - r * {row_pieces}
+        row = int64(g * rows + min(i0 + r, rows - 1))
+        size = uint32(16) if i0 + r < rows else uint32(0)
+        copy_async_16(shared + uint32((Q_OFF + r * QW + 4 * p) * 4),
+                      packed_at + ((b * packed_rows + row) * {d} + 8 * p) * 2, size)
+    copy_async_commit()
+
+    for e in unrolled({o_regs}):
+        o[e] = float32(0.0)
+    m_lo = float32(-math.inf)
+    m_hi = float32(-math.inf)
+    l_lo = float32(0.0)
+    l_hi = float32(0.0)
+    q_lo = uint64(Q_OFF + r_lo * QW + t)
+    q_hi = uint64(Q_OFF + r_hi * QW + t)
+    k_frag = uint64(K_OFF + gq * QW + t)
+    v_frag = uint64(V_OFF + gq * VW + t)
+    pos_lo = first_position + i0 + r_lo
+    pos_hi = first_position + i0 + r_hi
+
+    for kt in range(tiles):
+        j0 = kt * BC
+        cuda.syncthreads()  # the previous tile's K and V are read
+        for e in range(BC * {row_pieces} // FLASH_THREADS):  # the K tile
+            idx = tid + e * FLASH_THREADS
+            r = idx // {row_pieces}
+            p = idx - r * {row_pieces}
+            row = int64(min(j0 + r, length - 1))
+            size = uint32(16) if j0 + r < length else uint32(0)
+            copy_async_16(shared + uint32((K_OFF + r * QW + 4 * p) * 4),
+                          keys_at + ((b * key_rows + row) * {d} + 8 * p) * 2, size)
+        for e in range({d} * (BC // 8) // FLASH_THREADS):  # the V^T tile: 8 keys a piece
+            idx = tid + e * FLASH_THREADS
+            dim = idx // (BC // 8)
+            p = idx - dim * (BC // 8)
+            j = j0 + 8 * p
+            size = uint32(min(max(length - j, 0), 8) * 2)
+            copy_async_16(shared + uint32((V_OFF + dim * VW + 4 * p) * 4),
+                          values_at + ((b * {d} + dim) * stride_v + (j if j < length else 0)) * 2, size)
+        copy_async_commit()
+        copy_async_wait_all()
+        cuda.syncthreads()
+
+        # S = Q K^T over the tile's 8 key n-tiles
+        for e in unrolled(32):
+            s[e] = float32(0.0)
+        for ks in range({d} // 16):
+            a0 = sh[q_lo + uint64(8 * ks)]
+            a1 = sh[q_hi + uint64(8 * ks)]
+            a2 = sh[q_lo + uint64(8 * ks + 4)]
+            a3 = sh[q_hi + uint64(8 * ks + 4)]
+            for nt in unrolled(8):
+                b0 = sh[k_frag + uint64(nt * 8 * QW + 8 * ks)]
+                b1 = sh[k_frag + uint64(nt * 8 * QW + 8 * ks + 4)]
+                s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3] = mma_bf16_m16n8k16(
+                    a0, a1, a2, a3, b0, b1, s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3])
+
+        # mask, then the online softmax of rows lo and hi (a row's 4 lanes meet by shuffles)
+        top_lo = float32(-math.inf)
+        top_hi = float32(-math.inf)
+        for nt in unrolled(8):
+            for e in unrolled(4):
+                j = j0 + nt * 8 + 2 * t + (e & 1)
+                if e < 2:
+                    if j > pos_lo or j >= length:
+                        s[4 * nt + e] = float32(-math.inf)
+                    top_lo = max(top_lo, s[4 * nt + e])
+                else:
+                    if j > pos_hi or j >= length:
+                        s[4 * nt + e] = float32(-math.inf)
+                    top_hi = max(top_hi, s[4 * nt + e])
+        top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 1))
+        top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 2))
+        top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 1))
+        top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 2))
+        new_lo = max(m_lo, top_lo)
+        new_hi = max(m_hi, top_hi)
+        # a row with no visible key yet keeps m = -inf: nothing to rescale, and its P is all zeros
+        keep_lo = math.exp(m_lo - new_lo) if new_lo != float32(-math.inf) else float32(1.0)
+        keep_hi = math.exp(m_hi - new_hi) if new_hi != float32(-math.inf) else float32(1.0)
+        base_lo = new_lo if new_lo != float32(-math.inf) else float32(0.0)
+        base_hi = new_hi if new_hi != float32(-math.inf) else float32(0.0)
+        sum_lo = float32(0.0)
+        sum_hi = float32(0.0)
+        for nt in unrolled(8):
+            for e in unrolled(4):
+                if e < 2:
+                    s[4 * nt + e] = math.exp(s[4 * nt + e] - base_lo)
+                    sum_lo += s[4 * nt + e]
+                else:
+                    s[4 * nt + e] = math.exp(s[4 * nt + e] - base_hi)
+                    sum_hi += s[4 * nt + e]
+        sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 1)
+        sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 2)
+        sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 1)
+        sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 2)
+        l_lo = l_lo * keep_lo + sum_lo
+        l_hi = l_hi * keep_hi + sum_hi
+        m_lo = new_lo
+        m_hi = new_hi
+        for nt in unrolled({n_tiles}):
+            o[4 * nt] *= keep_lo
+            o[4 * nt + 1] *= keep_lo
+            o[4 * nt + 2] *= keep_hi
+            o[4 * nt + 3] *= keep_hi
+
+        # O += P V: P from the score registers (two key n-tiles make one k-step), V^T pairs from shared
+        for kk in unrolled(4):
+            a0 = bf16_pair(s[8 * kk], s[8 * kk + 1])
+            a1 = bf16_pair(s[8 * kk + 2], s[8 * kk + 3])
+            a2 = bf16_pair(s[8 * kk + 4], s[8 * kk + 5])
+            a3 = bf16_pair(s[8 * kk + 6], s[8 * kk + 7])
+            for nt in unrolled({n_tiles}):
+                b0 = sh[v_frag + uint64(nt * 8 * VW + 8 * kk)]
+                b1 = sh[v_frag + uint64(nt * 8 * VW + 8 * kk + 4)]
+                o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3] = mma_bf16_m16n8k16(
+                    a0, a1, a2, a3, b0, b1, o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3])
+
+    # O / l through shared memory (the tiles are read), then gated and written row by row, coalesced
+    inverse_lo = float32(1.0) / l_lo
+    inverse_hi = float32(1.0) / l_hi
+    cuda.syncthreads()
+    o_lo = uint64(r_lo * OW + 2 * t)
+    o_hi = uint64(r_hi * OW + 2 * t)
+    for nt in unrolled({n_tiles}):
+        sh[o_lo + uint64(nt * 8)] = uint32(libdevice.float_as_int(o[4 * nt] * inverse_lo))
+        sh[o_lo + uint64(nt * 8 + 1)] = uint32(libdevice.float_as_int(o[4 * nt + 1] * inverse_lo))
+        sh[o_hi + uint64(nt * 8)] = uint32(libdevice.float_as_int(o[4 * nt + 2] * inverse_hi))
+        sh[o_hi + uint64(nt * 8 + 1)] = uint32(libdevice.float_as_int(o[4 * nt + 3] * inverse_hi))
+    cuda.syncthreads()
+    gate_at = (heads + kv_heads) * {d} + h * {d}
+    for idx in range(tid, min(BR, rows - i0) * {d}, FLASH_THREADS):
+        r = idx // {d}
+        dim = idx - r * {d}
+        value = libdevice.int_as_float(int32(sh[uint64(r * OW + dim)]))
+        gate = qkgv[uint64(i0 + r), uint64(gate_at + dim)]
+        out[uint64(i0 + r), uint64(h * {d} + dim)] = value * sigmoid_f32(gate)
+"""
+
+
+def _layout(d: int) -> dict[str, int]:
+    qw, vw = d // 2 + WORD_PAD, BC // 2 + WORD_PAD
+    words = (BR + BC) * qw + d * vw
+    # the epilogue's O rows [BR, OW] (fp32 bits) reuse the tiles' space; OW = D + 2 keeps its stores 2-way at most
+    assert BR * (d + 2) <= words
+    return dict(QW=qw, VW=vw, OW=d + 2, Q_OFF=0, K_OFF=BR * qw, V_OFF=(BR + BC) * qw, SHARED_BYTES=4 * words)
+
+
+def _make_kernel(d: int):
+    sizes = dict(d=d, o_regs=d // 2, n_tiles=d // 8, row_pieces=d // 8)
+    layout = _layout(d)
+    return instantiate(_SOURCE, f"flash_prefill_kernel_d{d}", _SIG, globals(), sizes, layout), layout["SHARED_BYTES"]
+
+
+_KERNELS = {d: _make_kernel(d) for d in HEAD_DIMS}
+
+
+def flash_prefill(packed, keys, values_t, qkgv, out, *, rows: int, first_position: int, length: int, group: int,
+                  stream) -> None:
+    """Gated causal attention of `rows` queries (positions first_position..) over keys 0..length-1, into out fp32
+    [>= rows, Hq * D] (rows 0..rows-1 written). packed: uint16 [Hkv, group * rows', D] from `pack_queries` (query i of
+    head g at row g * rows + i); keys: uint16 [Hkv, >= length, D]; values_t: uint16 [Hkv, D, stride >= length]
+    (`gather_kv(..., transposed=True)`; stride a multiple of 8); qkgv: the attention projection (gate columns)."""
+    kv_heads, _, d = keys.shape
+    if d not in _KERNELS:
+        raise ValueError(f"flash_prefill has no variant for head_dim={d}")
+    if values_t.shape[2] % 8:
+        raise ValueError(f"values_t rows must be a multiple of 8 keys long (16-byte copies), got {values_t.shape[2]}")
+    if rows == 0:
+        return
+    function, shared_bytes = _KERNELS[d]
+    allow_dynamic_shared(function, _SIG, shared_bytes)
+    function[((rows + BR - 1) // BR, group, kv_heads), FLASH_THREADS, stream, shared_bytes](
+        packed, keys, values_t, qkgv, out, np.int32(rows), np.int32(first_position), np.int32(length),
+        np.int32(group))
+
+
+def flash_prefill_reference(packed, keys, values_t, qkgv, out, *, rows: int, first_position: int, length: int,
+                            group: int) -> np.ndarray:
+    """The twin: the same query blocks and key tiles, the same online softmax, P rounded to bf16 for P V."""
+    kv_heads, _, d = keys.shape
+    heads = kv_heads * group
+    for b in range(kv_heads):
+        k_all = bf16_bits_to_f32(keys[b, :length]).astype(np.float64)
+        v_all = bf16_bits_to_f32(values_t[b, :, :length]).T.astype(np.float64)  # [length, D]
+        for g in range(group):
+            h = b * group + g
+            q_all = bf16_bits_to_f32(packed[b, g * rows:(g + 1) * rows]).astype(np.float64)
+            gate = qkgv[:rows, (heads + kv_heads) * d + h * d:(heads + kv_heads) * d + (h + 1) * d]
+            for i0 in range(0, rows, BR):
+                q = q_all[i0:i0 + BR]
+                n = len(q)
+                positions = first_position + i0 + np.arange(n)
+                key_end = min(int(positions[-1]) + 1, length)
+                m = np.full(n, -np.inf, F32)
+                total = np.zeros(n, F32)
+                o = np.zeros((n, d), F32)
+                for j0 in range(0, key_end, BC):
+                    j = j0 + np.arange(BC)
+                    k = np.zeros((BC, d))
+                    v = np.zeros((BC, d))
+                    k[: min(BC, length - j0)] = k_all[j0:j0 + BC]
+                    v[: min(BC, length - j0)] = v_all[j0:j0 + BC]
+                    scores = (q @ k.T).astype(F32)
+                    scores[(j[None, :] > positions[:, None]) | (j[None, :] >= length)] = -np.inf
+                    new = np.maximum(m, scores.max(axis=1))
+                    seen = new != -np.inf
+                    keep = np.where(seen, np.exp(m - np.where(seen, new, 0)), 1).astype(F32)
+                    p = np.exp(scores - np.where(seen, new, 0)[:, None]).astype(F32)
+                    total = (total * keep + p.sum(axis=1, dtype=F32)).astype(F32)
+                    p_bf16 = bf16_bits_to_f32(f32_to_bf16_bits(p)).astype(np.float64)
+                    o = (o * keep[:, None] + (p_bf16 @ v).astype(F32)).astype(F32)
+                    m = new
+                out[i0:i0 + n, h * d:(h + 1) * d] = o / total[:, None] * ops.sigmoid(gate[i0:i0 + n])
+    return out
