@@ -256,7 +256,8 @@ _SCAN_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32[:,
 
 # Copies of a chunk's rows into shared memory (`cp.async`, 16 bytes a piece; rows past the chunk's end arrive as
 # zeros), each issued as soon as the buffer it fills is free; `nxt` is the chunk, `buf` the K / T-P buffer.
-_COPY_KM = """
+# _COPY_ROWS copies K or Q rows (`source`) to word offset `dst`.
+_COPY_ROWS = """
             nb = start + nxt * CHUNK
             nn = min(CHUNK, count - nxt * CHUNK)
             for e in range({k_pieces}):
@@ -265,8 +266,11 @@ _COPY_KM = """
                 p = idx - r * {k_row_pieces}
                 row = int64(nb + min(r, nn - 1))
                 size = uint32(16) if r < nn else uint32(0)
-                copy_async_16(shared + uint32((buf * K_SIZE + r * {kp} + 4 * p) * 4),
-                              k_at + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
+                copy_async_16(shared + uint32(({dst} + r * {kp} + 4 * p) * 4),
+                              {source} + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
+"""
+
+_COPY_M = """
             for e in range(MV_PIECES):
                 idx = tid + e * SCAN_THREADS
                 r = idx // ROW_PIECES
@@ -282,17 +286,7 @@ _COPY_KM = """
                 p_beta = beta[uint64(nb + min(tid, nn - 1)), uh]
 """
 
-_COPY_Q = """
-            nb = start + nxt * CHUNK
-            nn = min(CHUNK, count - nxt * CHUNK)
-            for e in range({k_pieces}):
-                idx = tid + e * SCAN_THREADS
-                r = idx // {k_row_pieces}
-                p = idx - r * {k_row_pieces}
-                row = int64(nb + min(r, nn - 1))
-                size = uint32(16) if r < nn else uint32(0)
-                copy_async_16(shared + uint32((Q_OFF + r * {kp} + 4 * p) * 4),
-                              q_at + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
+_COMMIT = """
             copy_async_commit()
 """
 
@@ -554,8 +548,9 @@ def _make_kernels(k_dim: int):
     sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, SCRATCH + 16 * RS), k_loads=CHUNK * k_dim // THREADS,
                  k_row_pieces=k_dim // 4, k_pieces=CHUNK * k_dim // 4 // SCAN_THREADS, ksteps=k_dim // 8,
                  chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4, sacc=16 * ((mtiles + 3) // 4))
-    for name, copy in (("copy_km", _COPY_KM), ("copy_q", _COPY_Q), ("copy_v", _COPY_V)):
-        sizes[name] = copy.format(**sizes)
+    sizes.update(copy_km=_COPY_ROWS.format(dst="buf * K_SIZE", source="k_at", **sizes) + _COPY_M,
+                 copy_q=_COPY_ROWS.format(dst="Q_OFF", source="q_at", **sizes) + _COMMIT,
+                 copy_v=_COPY_V.format(**sizes))
     prepare = instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(), sizes)
     layout = _scan_layout(k_dim)
     scan = instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}", _SCAN_SIG, globals(), sizes, layout)
