@@ -14,8 +14,9 @@ _UNROLLED = re.compile(r"( *)for (\w+) in unrolled\(([\d +*()-]+)\):")
 
 def unroll(source: str) -> str:
     """Writes out each `for NAME in unrolled(COUNT):` loop COUNT times with NAME a literal (nested ones too; COUNT may
-    be literal arithmetic once the enclosing loops' names are substituted). LLVM leaves some loops rolled, and an
-    accumulator array indexed by a rolled loop's variable lands in local memory instead of registers."""
+    be literal arithmetic once the enclosing loops' names are substituted; the substitution is textual, so a loop
+    variable must not appear in a string). LLVM leaves some loops rolled, and an accumulator array indexed by a
+    rolled loop's variable lands in local memory instead of registers."""
     lines, out, i = source.split("\n"), [], 0
     while i < len(lines):
         head = _UNROLLED.fullmatch(lines[i])
