@@ -1,6 +1,7 @@
 """Time the gated-attention kernels at the real Qwen3.6 shapes on a GPU (CUDA events, median of >= 20 runs).
 
     python bench/kernel_attention.py            # prints a table; writes $OUT/kernel_attention.json when OUT is set
+    python bench/kernel_attention.py flash      # only the flash prefill kernel (`attention_flash`) at 8K tokens
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ninfer.kernels_numba import attention as A  # noqa: E402
+from ninfer.kernels_numba import attention_flash as F  # noqa: E402
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402
 
 COPY_BW = 4.3e12
@@ -148,6 +150,30 @@ def bench_prefill(rows_out, stream, count=8192):
                                  tflops=flops / (us * 1e-6) / 1e12))
 
 
+def bench_flash(rows_out, stream, count=8192):
+    """The flash prefill kernel alone on gathered bf16 K / V^T and packed queries (random bits of moderate bf16
+    values), one lane prefilling `count` tokens from position 0."""
+    rng = np.random.default_rng(3)
+    for model, (heads, kv_heads, d) in MODELS.items():
+        group = heads // kv_heads
+
+        def bf16(*shape):
+            return cuda.to_device((rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+        packed, keys, values_t = bf16(kv_heads, group * count, d), bf16(kv_heads, count, d), bf16(kv_heads, d, count)
+        qkgv = cuda.to_device(rng.standard_normal((count, 2 * (heads + kv_heads) * d), dtype=np.float32))
+        out = cuda.device_array((count, heads * d), np.float32)
+
+        def launch(_):
+            F.flash_prefill(packed, keys, values_t, qkgv, out, rows=count, first_position=0, length=count,
+                            group=group, stream=stream)
+
+        us = timed(launch, [None], stream, warm=1, runs=RUNS)
+        flops = 4 * heads * d * count * count / 2
+        rows_out.append(dict(kernel="flash_prefill", model=model, kv="bf16", ctx=count, rows=count, us=us,
+                             tflops=flops / (us * 1e-6) / 1e12))
+
+
 def bench_prepare(rows_out, stream):
     rng = np.random.default_rng(2)
     for model, (heads, kv_heads, d) in MODELS.items():
@@ -189,6 +215,8 @@ def main() -> None:
         bench_decode(results, stream)
     if "prefill" in which:
         bench_prefill(results, stream)
+    if "flash" in which:
+        bench_flash(results, stream)
     print(f"{'kernel':18} {'model':5} {'kv':5} {'ctx':>6} {'rows':>5} {'split':>5} {'us':>10} {'GB/s':>8} "
           f"{'of4.3':>6} {'TFLOP/s':>8} {'us@default_split':>16}")
     for r in results:
