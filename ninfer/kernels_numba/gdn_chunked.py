@@ -63,7 +63,8 @@ TF32_MASK = 0xFFFFE000
 def mma_tf32_m16n8k8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """D = A . B + C for one warp: A 16x8, B 8x8 (TF32 values held in float32 registers), C/D 16x8 fp32, the PTX
     fragment layouts of `mma.sync.aligned.m16n8k8.row.col` (lane = 4 g + t: a0 (g, t), a1 (g + 8, t), a2 (g, t + 4),
-    a3 (g + 8, t + 4); b0 (k t, n g), b1 (k t + 4, n g); c0 (g, 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1))."""
+    a3 (g + 8, t + 4); b0 (k t, n g), b1 (k t + 4, n g); c0 (g, 2t), c1 (g, 2t + 1), c2 (g + 8, 2t),
+    c3 (g + 8, 2t + 1))."""
     signature = types.UniTuple(types.float32, 4)(*(types.float32,) * 10)
 
     def codegen(context, builder, sig, args):
