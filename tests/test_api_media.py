@@ -644,7 +644,8 @@ def vision_artifact(dense_checkpoint, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("api-media") / "tiny.ninfer"
     convert(plan_qwen_checkpoint(dense_checkpoint), out, "bf16", progress=False)
-    return out
+    yield out
+    out.unlink()  # 115 MB: CI machines can be short of disk
 
 
 def test_the_server_serves_media_on_every_api(vision_artifact, tmp_path):

@@ -19,7 +19,8 @@ from ninfer.targets.registry import UnknownModelError
 def tiny_artifact(dense_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("cli-qwen") / "tiny.ninfer"
     assert main(["convert", str(dense_checkpoint), "--out", str(out), "--no-progress"]) == 0
-    return out
+    yield out
+    out.unlink()  # 115 MB: CI machines can be short of disk, and later modules build their own
 
 
 def test_inspect_shows_the_custom_target(tiny_artifact, capsys):
