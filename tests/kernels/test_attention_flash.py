@@ -63,6 +63,15 @@ def test_twin_is_gated_causal_gqa_attention(heads, kv_heads, head_dim, start, ro
     assert _rel(_twin(case), _exact(case)) < 1e-2
 
 
+@pytest.mark.slow
+def test_kernel_matches_the_twin_in_the_cuda_simulator():
+    """The kernel's own source (index arithmetic, tile copies, masks, online softmax, epilogue) run thread by thread
+    with the mma, shuffles and cp.async emulated: every head dim, a prefix, partial tiles (about a minute)."""
+    from tests.support.simulated_kernels import run
+
+    assert run("flash_prefill").count("ok flash_prefill") == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("start,rows", [(0, 70), (130, 33), (0, 200), (5, 1)])

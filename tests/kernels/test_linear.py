@@ -115,25 +115,16 @@ def test_linear_bf16_gathered_gpu(per_slot, M, S, E, rpe, K):
 
 # ---- CPU: the real kernels run in numba's CUDA simulator -----------------------------------------------------------
 # The simulator runs the kernels' Python source thread by thread. Hardware intrinsics have no simulator version, so
-# the script swaps in Python equivalents: vector loads/stores, libdevice bit casts/byte_perm and the warp butterfly
-# (summed in lane order: results match the twins within fp32 tolerance, not bitwise). This pins staging permutations,
-# software pipelining, tails and the quantized bit decoding on machines without a GPU.
+# the script swaps in Python equivalents: vector loads/stores here, libdevice bit casts/byte_perm and the warp butterfly
+# from tests.support.cuda_simulator (summed in lane order: results match the twins within fp32 tolerance, not
+# bitwise). This pins staging permutations, software pipelining, tails and the quantized bit decoding on machines
+# without a GPU.
 
 SIMULATOR_SCRIPT = r'''
-import os, sys, threading, warnings
-os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+import sys, warnings
 import numpy as np
 np.seterr(all="ignore"); warnings.filterwarnings("ignore")
-from numba.cuda import libdevice
-
-def _u32(v): return int(v) & 0xFFFFFFFF
-libdevice.int_as_float = lambda i: np.array([_u32(i)], np.uint32).view(np.float32)[0]
-libdevice.float_as_int = lambda f: np.array([f], np.float32).view(np.int32)[0]
-def _byte_perm(x, y, s):
-    b = _u32(x).to_bytes(4, "little") + _u32(y).to_bytes(4, "little")
-    r = int.from_bytes(bytes(b[(int(s) >> (4 * n)) & 7] for n in range(4)), "little")
-    return np.array([r], np.uint32).view(np.int32)[0]
-libdevice.byte_perm = _byte_perm
+from tests.support import cuda_simulator
 
 import ninfer.kernels_numba.linear as L
 import ninfer.kernels_numba.quant_linear as Q
@@ -146,22 +137,9 @@ def load4(a, i):
     f = a.reshape(-1); i = int(i); return f[i], f[i + 1], f[i + 2], f[i + 3]
 def store4(a, i, p, q, r, s):
     f = a.reshape(-1); i = int(i); f[i] = p; f[i + 1] = q; f[i + 2] = r; f[i + 3] = s
-_lock = threading.Lock(); _bars = {}; _vals = {}
-def warp_sum(value):
-    t = threading.current_thread()
-    key = (t.blockIdx.x, t.blockIdx.y, t.threadIdx.x >> 5)
-    with _lock:
-        if key not in _bars:
-            _bars[key] = threading.Barrier(32); _vals[key] = [None] * 32
-    _vals[key][t.threadIdx.x & 31] = np.float32(value)
-    _bars[key].wait()
-    total = np.float32(0)
-    for v in _vals[key]:
-        total = np.float32(total + v)
-    _bars[key].wait()
-    return total
 for mod in (L, Q):
-    mod.load2, mod.load4, mod.store4, mod.warp_sum = load2, load4, store4, warp_sum
+    mod.load2, mod.load4, mod.store4 = load2, load4, store4
+    cuda_simulator.install(vars(mod))
 
 rng = np.random.default_rng(0)
 def rel(a, b): return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

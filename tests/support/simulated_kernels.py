@@ -1,0 +1,88 @@
+"""Kernels run in numba's CUDA simulator against their twins (`tests.support.cuda_simulator` has the stand-ins).
+
+`run(NAME, ...)` runs checks in a subprocess, since NUMBA_ENABLE_CUDASIM must be set before numba is imported; by
+hand: `NUMBA_ENABLE_CUDASIM=1 python -m tests.support.simulated_kernels NAME...`. Each check prints `ok NAME ...` per
+case; the program prints `SIMULATOR OK` at the end; any mismatch raises."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*names: str, timeout: float = 900) -> str:
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-m", "tests.support.simulated_kernels", *names], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0 and "SIMULATOR OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def flash_prefill() -> None:
+    """Every head dim, a prefix (first position > 0), partial query and key tiles, one row; rows past `rows` of the
+    output untouched. Small head counts: a block's key tile takes the simulator ~3 s."""
+    from ninfer.kernels_numba import attention_flash as flash
+    from tests.kernels.test_attention_flash import _case, _exact, _twin
+    from tests.support import cuda_simulator
+
+    for function, _ in flash._KERNELS.values():
+        cuda_simulator.install(function.py_func.__globals__)
+    cuda_simulator.install(vars(flash))
+    for heads, kv_heads, head_dim, start, rows in [(1, 1, 64, 0, 70), (2, 1, 128, 70, 9), (1, 1, 256, 5, 1)]:
+        case = _case(np.random.default_rng(heads + rows), heads, kv_heads, head_dim, start, rows)
+        out = np.full((rows + 2, heads * head_dim), np.nan, np.float32)
+        flash.flash_prefill(case["packed"], case["k"], case["v_t"], case["qkgv"], out, rows=rows,
+                            first_position=start, length=case["length"], group=case["group"], stream=0)
+        assert np.isnan(out[rows:]).all(), "rows past `rows` were written"
+        err_twin, err_exact = _rel(out[:rows], _twin(case)), _rel(out[:rows], _exact(case))
+        assert err_twin < 1e-4 and err_exact < 1e-2, (heads, kv_heads, head_dim, start, rows, err_twin, err_exact)
+        print("ok flash_prefill", heads, kv_heads, head_dim, start, rows, err_twin, flush=True)
+
+
+def gdn_chunked() -> None:
+    """Prepare and scan kernels against the twin: two segments (a full and a partial chunk, then a short one) on two
+    of three lanes, the smallest head shape (one v head: the GPU tests cover head grouping); the third lane's state
+    untouched."""
+    from ninfer.kernels_numba import gdn_chunked as chunked
+    from tests.kernels.test_gdn_chunked import CHUNK, _case, _chunked_twin
+    from tests.support import cuda_simulator
+
+    for prepare, scan, _ in chunked._KERNELS.values():
+        cuda_simulator.install(prepare.py_func.__globals__)
+        cuda_simulator.install(scan.py_func.__globals__)
+    cuda_simulator.install(vars(chunked))
+    heads = dict(qk_heads=1, v_heads=1, k_dim=16, v_dim=8)
+    case = _case(np.random.default_rng(3), mix=[(1, 70), (0, 5)], lanes=3, **heads)
+    rows, state = case["rows"], case["ssm_state"].copy()
+    out = np.full((rows, 1, 8), np.nan, np.float32)
+    cum = np.full((rows, 1), np.nan, np.float32)
+    mats = np.full((rows, 1, CHUNK), np.nan, np.float32)
+    chunked.gdn_chunked(case["q"], case["k"], case["mixed"], case["log_decay"], case["beta"], state,
+                        case["seg_lane"], case["seg_row"], case["seg_count"], out, cum, mats, rows=rows,
+                        channels_qk=2 * 16, stream=0, **heads)
+    want_out, want_state, want_cum, want_mats = _chunked_twin(case)
+    written = ~np.isnan(want_mats)
+    assert np.array_equal(~np.isnan(mats), written), "packed T / P written where the twin writes nothing"
+    errors = [_rel(cum, want_cum), _rel(mats[written], want_mats[written]), _rel(out, want_out),
+              _rel(state, want_state)]
+    assert max(errors) < 1e-4, errors
+    assert np.array_equal(state[2], case["ssm_state"][2]), "a lane without a segment changed"
+    print("ok gdn_chunked", *errors, flush=True)
+
+
+CHECKS = {"flash_prefill": flash_prefill, "gdn_chunked": gdn_chunked}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        CHECKS[name]()
+    print("SIMULATOR OK")
