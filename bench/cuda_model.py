@@ -6,8 +6,9 @@ Per model (27B, 35B-A3B), recipe (bf16, ninfer-v2) and KV dtype it reports:
   kernels and, for bf16, with cuBLAS for every linear layer (the comparison point);
 * prefill of 8,192 prompt tokens in one chunk (eager), tok/s, and the ratio to the GEMM roofline (linear-layer and
   attention FLOPs / measured cuBLAS bf16 rate), with the numba attention kernel and with tensor-core attention;
-* the MTP round (verify k+1 columns + MTP head over the produced columns + k-1 draft steps, each with its argmax over
-  the full head) for k = 1..3 at batch 1, through the runner's own code path.
+* the MTP round (verify k+1 columns + MTP head over the produced columns + k-1 draft steps, each proposal an argmax
+  over the full head) for k = 1..3 at batch 1, through the runner's own code path; with `--lm-head-draft` (the
+  serving option) also with proposals from the shortlist head (131,072 rows), side by side.
 
 Run on the GPU machine: `python bench/cuda_model.py [--models 27b,35b] [--recipes bf16,ninfer-v2]`; JSON goes to
 `$OUT/cuda_model.json` (or `bench/results/cuda_model.json` without OUT).
@@ -159,7 +160,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
-                 prefill_attentions: tuple[str, ...] = ("kernel", "gemm")) -> dict:
+                 prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -167,7 +168,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
     capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
                         prefill_rows=prefill_tokens, draft_tokens=3, tensor_core_attention=True,
-                        decode_quant=decode_quant)
+                        decode_quant=decode_quant, draft_head=draft_head)
     began = time.perf_counter()
     model = CudaQwen(dims, RandomDeviceWeights(specs, recipe, device), device, capacity)
     model.allocate_kv(8 * capacity.max_pages_per_lane)
@@ -307,10 +308,12 @@ def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile:
 def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
     """Batch-1 MTP round at `context` tokens, as the runner runs it: the verify graph (k+1 rows, decoder + head +
     argmax), a read of the argmaxes, the MTP-head graph over the k+1 columns, then k proposals (head + argmax graph,
-    a read) with k-1 MTP steps between them. Wall-clock per round, host work and reads included."""
+    a read) with k-1 MTP steps between them. Wall-clock per round, host work and reads included. Proposals over the
+    full head, and over the shortlist head when the model loaded one (`model.propose`, as the runner does)."""
     out = []
     device = model.device
-    for k in (1, 2, 3):
+    heads = ("full", "shortlist") if model.draft_head is not None else ("full",)
+    for k, proposals in ((k, head) for head in heads for k in (1, 2, 3)):
         rows = k + 1
         positions = np.tile(np.arange(context, context + rows), (3, 1))
         hidden = device.empty((rows, dims.hidden), np.float32, "bench")
@@ -323,7 +326,10 @@ def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
             model.mtp_forward(hidden, rows)
 
         def propose():
-            model.greedy(model.head_logits(model.workspace.final[rows - 1 : rows]))
+            if proposals == "full":
+                model.greedy(model.head_logits(model.workspace.final[rows - 1 : rows]))
+            else:
+                model.propose(model.workspace.final[rows - 1 : rows])
 
         def advance():
             model.mtp_forward(hidden[:1], 1)
@@ -354,9 +360,10 @@ def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
         seconds = wall_seconds(round_, device.synchronize, repeats=20, warmup=3)
         for graph in graphs.values():
             graph.close()
-        out.append({"k": k, "round_ms": seconds * 1e3,
+        out.append({"k": k, "proposals": proposals, "round_ms": seconds * 1e3,
                     "tok_s_at_tokens_per_round": {str(t): t / seconds for t in (1.0 + 0.8 * k, float(k + 1))}})
-        print(f"  MTP k={k}: round {seconds * 1e3:7.2f} ms (graphs; host reads included)", flush=True)
+        print(f"  MTP k={k} ({proposals} head): round {seconds * 1e3:7.2f} ms (graphs; host reads included)",
+              flush=True)
     return out
 
 
@@ -375,6 +382,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
     parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
+    parser.add_argument("--lm-head-draft", action="store_true",
+                        help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI through "
                              "torch.profiler)")
@@ -401,7 +410,8 @@ def main() -> None:
                                                           decode_only=args.decode_only,
                                                           batches=tuple(int(b) for b in args.batches.split(",")),
                                                           prefill_attentions=tuple(args.prefill_attention.split(",")),
-                                                          decode_quant=args.decode_quant))
+                                                          decode_quant=args.decode_quant,
+                                                          draft_head=args.lm_head_draft))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -44,7 +44,18 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     assert all(row["tokens"] == 128 and row["flops"] > 0 for row in result["prefill"])
     suffix = result["suffix_prefill"]
     assert suffix["context"] == 128 and suffix["seconds"] > 0 and suffix["graph_seconds"] > 0
-    assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]
+    assert [(row["k"], row["proposals"]) for row in result["mtp_round"]] == [(k, "full") for k in (1, 2, 3)]
+
+
+def test_mtp_rounds_with_the_shortlist_head_time_both_proposal_heads(bench):
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "ninfer-v2", "bf16", 1e12, 1e14, device=HostDevice(),
+                                dims=cuda_tiny_dims(moe=False), context=70, prefill_tokens=128, repeats=2,
+                                batches=(1,), prefill_attentions=("gemm",), draft_head=True)
+    assert [(row["k"], row["proposals"]) for row in result["mtp_round"]] == [
+        (k, head) for head in ("full", "shortlist") for k in (1, 2, 3)]
+    assert all(row["round_ms"] > 0 for row in result["mtp_round"])
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
