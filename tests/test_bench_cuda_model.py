@@ -51,7 +51,7 @@ def test_mtp_rounds_with_the_shortlist_head_time_both_proposal_heads(bench):
     from ninfer.backends.cuda.host import HostDevice
 
     result = bench.bench_config("tiny", "ninfer-v2", "bf16", 1e12, 1e14, device=HostDevice(),
-                                dims=cuda_tiny_dims(moe=False), context=70, prefill_tokens=128, repeats=2,
+                                dims=cuda_tiny_dims(moe=False), context=70, prefill_tokens=128, repeats=4,
                                 batches=(1,), prefill_attentions=("gemm",), draft_head=True)
     assert [(row["k"], row["proposals"]) for row in result["mtp_round"]] == [
         (k, head) for head in ("full", "shortlist") for k in (1, 2, 3)]
