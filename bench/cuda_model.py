@@ -160,7 +160,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
-                 prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False) -> dict:
+                 prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
+                 branches: tuple[bool, ...] = (False,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -180,7 +181,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
           f"weights {device.ledger['weights'] / 2**30:.1f} GiB", flush=True)
 
     decode = []
-    for linear in decode_linears:
+    for linear, side in ((linear, side) for linear in decode_linears for side in branches):
+        model.set_branches(side)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
@@ -202,22 +204,26 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             seconds = float(np.median(times[3:]))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
-            decode.append({"linear": linear, "batch": batch, "step_ms": seconds * 1e3, "tok_s": batch / seconds,
+            decode.append({"linear": linear, "branches": side, "batch": batch, "step_ms": seconds * 1e3,
+                           "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
-            print(f"  decode [{linear}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
+            label = linear + (" +branches" if side else "")
+            print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
             if profile and batch in (1, 8) and linear in ("cublas", "kernels"):
                 from bench.kernel_profile import print_profile, profile_replays
 
                 kernels = profile_replays(lambda: graph.replay(device.stream_handle), device.synchronize)
-                print_profile(f"{linear} B={batch}", kernels)
+                print_profile(f"{label} B={batch}", kernels)
                 decode[-1]["profile"] = kernels
             graph.close()
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
+    model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last setting
     result["decode"] = decode
+    result["branches_after_decode"] = branches[-1]
     if decode_only:
         return result
 
@@ -382,6 +388,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
     parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
+    parser.add_argument("--branches", default="off",
+                        help="decode with the side stream off and/or on (off,on); the MTP rounds use the last")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--profile", action="store_true",
@@ -411,7 +419,9 @@ def main() -> None:
                                                           batches=tuple(int(b) for b in args.batches.split(",")),
                                                           prefill_attentions=tuple(args.prefill_attention.split(",")),
                                                           decode_quant=args.decode_quant,
-                                                          draft_head=args.lm_head_draft))
+                                                          draft_head=args.lm_head_draft,
+                                                          branches=tuple(b == "on" for b in
+                                                                         args.branches.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -28,11 +28,11 @@ def device_kind(request) -> str:
     return request.param
 
 
-def make_device(kind: str):
+def make_device(kind: str, *, side_work_last: bool = False):
     if kind == "host":
         from ninfer.backends.cuda.host import HostDevice
 
-        return HostDevice()
+        return HostDevice(side_work_last=side_work_last)
     from ninfer.backends.cuda.device import CudaDevice
 
     return CudaDevice(0)
@@ -54,15 +54,17 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
-               tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt"):
+               tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
+               branches: bool = False, side_work_last: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
                           kv_capacity=lanes * 256, kv_dtype=kv_dtype, spec="mtp" if draft_tokens else None,
                           draft_tokens=draft_tokens, lm_head_draft=lm_head_draft)
-    return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs, device=make_device(kind),
+    return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs,
+                             device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
-                             decode_quant=decode_quant)
+                             decode_quant=decode_quant, branches=branches)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -248,6 +250,26 @@ def test_batched_greedy_generation_matches_the_cpu_runner(device_kind, artifacts
     model = load_model(path)
     for g, w, p in zip(got, want, prompts):
         assert_same_or_near_tie(g, w, model, p)
+
+
+@pytest.mark.parametrize("kind,recipe", [("moe", "bf16"), ("moe", "ninfer-v2"), ("dense", "ninfer-v2")])
+def test_side_stream_branches_change_no_token(device_kind, artifacts, kind, recipe):
+    """Capacity.branches (the MoE shared expert and the GDN a/b projection on a second stream) with the serving
+    defaults (cuBLAS bf16 decode, tensor-core quantized decode): the same tokens as without, graphs and eager, greedy
+    MTP too (its verify rows exceed one x-fragment set). On the host the side work runs once before and once after
+    the serving stream's: a buffer one branch writes and the other reads would change tokens in one of the orders."""
+    path = artifacts[(kind, recipe)]
+    prompts = [prompt(4, 9), prompt(5, 31), prompt(6, 17)]
+    settings = dict(decode_linear="cublas", decode_quant="mma")
+    want = run_lanes(cuda_build(device_kind, path, **settings).runner, prompts, 16)
+    want_mtp = run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16)
+    for last in ((False, True) if device_kind == "host" else (False,)):
+        for graphs in (True, False):
+            build = cuda_build(device_kind, path, branches=True, side_work_last=last, graphs=graphs, **settings)
+            assert build.model.branches
+            assert run_lanes(build.runner, prompts, 16) == want, (last, graphs)
+        speculative = cuda_build(device_kind, path, branches=True, side_work_last=last, draft_tokens=3, **settings)
+        assert run_lanes(speculative.runner, prompts, 16) == want_mtp, last
 
 
 def test_graph_replay_equals_eager_decode_and_batching_changes_nothing(device_kind, artifacts):

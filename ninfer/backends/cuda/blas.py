@@ -18,12 +18,13 @@ MAX_GROUPS = 1024  # groups (MoE experts) one grouped GEMM takes: the size of it
 
 
 class Blas:
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, *, stream_handle: int | None = None) -> None:
+        """A handle bound to the device's serving stream, or to `stream_handle` (a side stream's)."""
         from nvmath.bindings import cublas
 
         self._cublas = cublas
         self._handle = cublas.create()
-        cublas.set_stream(self._handle, device.stream_handle)
+        cublas.set_stream(self._handle, device.stream_handle if stream_handle is None else stream_handle)
         # A fixed workspace keeps cuBLAS from allocating during graph capture.
         self._workspace = device.empty(WORKSPACE_BYTES, np.uint8, "workspace")
         cublas.set_workspace(self._handle, device_pointer(self._workspace), WORKSPACE_BYTES)

@@ -49,6 +49,8 @@ class Device(Protocol):
 
     def blas(self) -> Any: ...
 
+    def side_stream(self) -> Any: ...
+
     def capture(self, record: Any) -> Any: ...
 
 
@@ -86,6 +88,7 @@ class CudaDevice:
         self._stream_object = handle
         self.stream = cuda.external_stream(self.stream_handle)
         self.ledger: collections.Counter[str] = collections.Counter()
+        self._side: SideStream | None = None
 
     @property
     def info(self) -> DeviceInfo:
@@ -142,6 +145,12 @@ class CudaDevice:
 
         return Blas(self)
 
+    def side_stream(self) -> "SideStream":
+        """The device's second stream (created on first use, then the same one)."""
+        if self._side is None:
+            self._side = SideStream(self)
+        return self._side
+
     def capture(self, record: Any) -> Any:
         from ninfer.backends.cuda.graphs import capture
         from ninfer.kernels_numba.numba_setup import cuda
@@ -150,6 +159,44 @@ class CudaDevice:
         # while a stream captures and would invalidate the graph, so the batch waits until the capture ends.
         with cuda.defer_cleanup():
             return capture(self.stream_handle, record)
+
+
+class SideStream:
+    """A second stream for work that may run beside the serving stream's: `fork()` makes it wait for everything
+    queued on the serving stream so far, `run(work)` issues `work()` (whose launches name this stream), `join()`
+    makes the serving stream wait for it. Captured, the two events turn one stream capture into one graph with two
+    branches (the side stream joins the capture at the fork and must be joined back before the capture ends). It has
+    its own cuBLAS handle and workspace: two GEMMs in flight must not share a workspace."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        from cuda.bindings import driver
+
+        from ninfer.backends.cuda.blas import Blas
+
+        self._driver, self._serving = driver, device.stream_handle
+        err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        check(err, "cuStreamCreate")
+        self._handle_object, self.stream_handle = handle, int(handle)
+        self.stream = cuda.external_stream(self.stream_handle)
+        self._forked, self._joined = (_event(driver), _event(driver))
+        self.blas = Blas(device, stream_handle=self.stream_handle)
+
+    def fork(self) -> None:
+        check(self._driver.cuEventRecord(self._forked, self._serving), "cuEventRecord")
+        check(self._driver.cuStreamWaitEvent(self.stream_handle, self._forked, 0), "cuStreamWaitEvent")
+
+    def run(self, work: Any) -> None:
+        work()
+
+    def join(self) -> None:
+        check(self._driver.cuEventRecord(self._joined, self.stream_handle), "cuEventRecord")
+        check(self._driver.cuStreamWaitEvent(self._serving, self._joined, 0), "cuStreamWaitEvent")
+
+
+def _event(driver: Any) -> Any:
+    err, event = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    check(err, "cuEventCreate")
+    return event
 
 
 def check(result: Any, what: str) -> None:

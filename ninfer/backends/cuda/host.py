@@ -23,9 +23,11 @@ class HostDevice:
     stream = None
     stream_handle = 0
 
-    def __init__(self, total_bytes: int = HOST_BYTES) -> None:
+    def __init__(self, total_bytes: int = HOST_BYTES, *, side_work_last: bool = False) -> None:
+        """`side_work_last`: the side stream runs its work at the join instead of at once (see HostSideStream)."""
         self.ledger: collections.Counter[str] = collections.Counter()
         self._total = total_bytes
+        self._side = HostSideStream(deferred=side_work_last)
 
     @property
     def info(self) -> DeviceInfo:
@@ -74,6 +76,9 @@ class HostDevice:
     def blas(self) -> "HostBlas":
         return HostBlas()
 
+    def side_stream(self) -> "HostSideStream":
+        return self._side
+
     def capture(self, record: Callable[[], None]) -> "HostGraph":
         return HostGraph(record)
 
@@ -101,6 +106,34 @@ class HostBlas:
 
     def close(self) -> None:
         pass
+
+
+class HostSideStream:
+    """`SideStream` on the host: work runs at `run` (before the serving stream's work issued after the fork) or, when
+    `deferred`, at `join` (after it). A model whose results differ between the two orders has a data race between
+    its branches on the GPU; tests run both."""
+
+    stream = None
+    stream_handle = 0
+
+    def __init__(self, *, deferred: bool) -> None:
+        self.blas, self.deferred = HostBlas(), deferred
+        self._pending: list[Callable[[], None]] = []
+
+    def fork(self) -> None:
+        if self._pending:
+            raise RuntimeError("fork before the previous branch joined")
+
+    def run(self, work: Callable[[], None]) -> None:
+        if self.deferred:
+            self._pending.append(work)
+        else:
+            work()
+
+    def join(self) -> None:
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work()
 
 
 class HostGraph:

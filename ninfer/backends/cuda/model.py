@@ -84,6 +84,11 @@ class Capacity:
     # "simt" (`quant_linear`, fp32 activations). On the H200, 27B ninfer-v2 decode: 1.7x faster per Q4 GEMV at M=1,
     # 10x at M=8; the whole B=1 step 11.3 ms.
     decode_quant: str = "mma"
+    # Steps of up to SKINNY_ROWS rows run independent work on a second stream, beside the serving stream's: the MoE
+    # shared expert beside the router and routed experts, the Gated DeltaNet a/b projection beside in_proj and the
+    # conv. Same kernels, same results (tests run the branches in both orders on the host); whether it pays is
+    # measured by bench/cuda_model.py --branches.
+    branches: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.decode_linear not in ("cublas", "kernels"):
@@ -466,7 +471,7 @@ class Workspace:
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
                  decode_attention_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0,
-                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None) -> None:
+                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -532,6 +537,10 @@ class Workspace:
         self.mtp_embedded = buf(rows, h) if mtp else None
         self.mtp_carried = buf(rows, h) if mtp else None
         self.x_bf16 = buf(rows, max(widths), dtype=np.uint16)  # activations rounded for cuBLAS
+        # the same for the linear layers on the side stream (Capacity.branches): h into the shared expert and the
+        # GDN a/b projection, the shared expert's activation into its down projection
+        side_rows = min(rows, max(SKINNY_ROWS, decode_rows))
+        self.side_x_bf16 = buf(side_rows, max(h, d.shared_intermediate if d.is_moe else 0), dtype=np.uint16)
         # Tensor-core prefill attention (`prefill_attention="gemm"`), only when asked for (up to ~1.5 GiB): the
         # lane's K/V as contiguous bf16, a block of packed queries, and the score / probability scratch (at most
         # SCORE_BYTES of fp32 scores).
@@ -551,10 +560,23 @@ class Workspace:
         self.x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
         # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
         self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
+        self.side_x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The model
+
+
+@attrs.frozen
+class SideScratch:
+    """The scratch a Linear on the side stream converts its inputs into (`Linear.beside`): not the serving stream's,
+    which the other branch may be reading. Split projections and dequantized weights never run there."""
+
+    x_bf16: Any
+    x_fragments: Any
+    split_a: None = None
+    split_b: None = None
+    w_bf16: None = None
 
 
 class Linear:
@@ -569,7 +591,15 @@ class Linear:
 
     def __init__(self, device: Device, workspace: Workspace, *, cublas_decode: bool, pad_rows: int) -> None:
         self._device, self.blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
+        self._stream = device.stream
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
+
+    def beside(self, side: Any, scratch: "SideScratch") -> Linear:
+        """A Linear with this one's settings that launches on the side stream `side`, with its cuBLAS handle and
+        its own conversion scratch (an x_bf16 or x_fragments passed in is read, never written)."""
+        sibling = copy.copy(self)
+        sibling._stream, sibling.blas, sibling._ws = side.stream, side.blas, scratch
+        return sibling
 
     def with_pad_rows(self, pad_rows: int) -> Linear:
         """A Linear sharing this one's cuBLAS handle and scratch whose padded calls compute `pad_rows` rows: a caller
@@ -580,7 +610,7 @@ class Linear:
 
     def __call__(self, x: Any, w: Matrix, y: Any, *, rows: int | None = None, accumulate: bool = False,
                  x_bf16: Any = None, x_fragments: Any = None) -> None:
-        stream, k = self._device.stream, self._k
+        stream, k = self._stream, self._k
         rows = x.shape[0] if rows is None else rows
         if isinstance(w, SplitMatrix):
             self._split(x, w, y, rows, accumulate, x_fragments)
@@ -649,12 +679,12 @@ class Linear:
         capacity, outputs = min(x.shape[0], y.shape[0]), []
         if x_fragments is None and rows <= self.mma_launch_rows and self._reads_fragments(w, rows):
             x_fragments = self._ws.x_fragments  # one conversion for both blocks
-            self._k.x_fragments(x[:rows], x_fragments, stream=self._device.stream)
+            self._k.x_fragments(x[:rows], x_fragments, stream=self._stream)
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
             out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
             self(x, part, out, rows=rows, x_fragments=x_fragments)
             outputs.append(out[:rows])
-        self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._device.stream)
+        self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._stream)
 
     def bf16_weight(self, w: Matrix) -> Any:
         """A bf16 [N, K] view of the weight: itself, or its dequantization into the shared scratch."""
@@ -663,7 +693,7 @@ class Linear:
         n, k = w.shape
         scratch = self._ws.w_bf16[: n * k].reshape(n, k)
         dequantize = self._k.dequantize_mma_bf16 if _tensor_core(w) else self._k.dequantize_bf16
-        dequantize(w, scratch, stream=self._device.stream)
+        dequantize(w, scratch, stream=self._stream)
         return scratch
 
 
@@ -719,7 +749,8 @@ class CudaQwen:
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
                                    tensor_core_attention=capacity.tensor_core_attention,
                                    fragment_words=self._fragment_words(),
-                                   slot_fragment_words=self._slot_fragment_words(), dflash=drafter)
+                                   slot_fragment_words=self._slot_fragment_words(), dflash=drafter,
+                                   decode_rows=capacity.decode_rows)
         # DFlash: the sliding layers' rings, each lane's committed columns not yet projected (their context
         # features, k+1 rows a lane), which target layer fills which column block of the features, the call buffers.
         self.dflash_rings: dict[int, DFlashRing] = {}
@@ -764,6 +795,21 @@ class CudaQwen:
         self.linear = Linear(device, self.workspace, cublas_decode=cublas,
                              pad_rows=capacity.decode_rows if cublas else 0)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
+        self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
+        self.branches = False
+        self.set_branches(capacity.branches)
+
+    def set_branches(self, on: bool) -> None:
+        """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
+        stream, its cuBLAS handle and workspace are created here, never during a capture."""
+        if on:
+            self.device.side_stream()
+        self.branches = on
+
+    def _side(self, rows: int) -> Any:
+        """The side stream for a step of `rows` rows, or None: branches off, or a long prefill chunk (its grouped
+        MoE reads group sizes back to the host)."""
+        return self.device.side_stream() if self.branches and rows <= SKINNY_ROWS else None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -1095,12 +1141,20 @@ class CudaQwen:
         rule runs in chunks on the tensor cores (`gdn_chunked`, TF32 products) instead of row by row."""
         ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
         projected, ab, mixed = ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
+        side = self._side(rows) if not isinstance(w.ab_proj, SplitMatrix) else None
+        if side is not None:  # a/b beside in_proj and the conv (bf16: it converts h into its own scratch)
+            side.fork()
+            side_linear = self.linear.beside(side, self._side_scratch)
+            side.run(lambda: side_linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_fragments=h_frag))
         self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-        self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+        if side is None:
+            self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         seg = (inputs.seg_lane[:segments], inputs.seg_row[:segments], inputs.seg_count[:segments],
                inputs.seg_record[:segments])
         self.k.gdn_conv(projected, w.conv, state.conv, state.conv_columns, *seg, mixed,
                      channels=d.gdn_conv_channels, stream=stream)
+        if side is not None:
+            side.join()
         q, k, log_decay, beta = ws.gdn_q[:rows], ws.gdn_k[:rows], ws.log_decay[:rows], ws.beta[:rows]
         self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
                       v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream)
@@ -1126,6 +1180,11 @@ class CudaQwen:
         h, x = ws.h[:rows], ws.x[:rows]
         e = d.moe_experts
         router_logits = ws.router_logits[:rows]
+        side = self._side(rows)
+        if side is not None:  # the shared expert beside the router and the routed experts
+            side.fork()
+            side_linear = self.linear.beside(side, self._side_scratch)
+            side.run(lambda: self._shared_expert(w, rows, side_linear, side.stream, None, h_frag))
         self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
         self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
@@ -1140,18 +1199,28 @@ class CudaQwen:
                            x_fragments=act_frag)
         else:
             self._moe_grouped(w, rows)
-        shared_gate_up, shared_act, shared_out = ws.shared_gate_up[:rows], ws.shared_act[:rows], ws.shared_out[:rows]
-        self.linear(ws.h, w.shared_gate_up, ws.shared_gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-        act_bf16 = self.linear.bf16_input(rows, shared_act.shape[1], w.shared_down)
-        act_frag = self.linear.fragment_input(rows, w.shared_down)
-        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
-        self.linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16, x_fragments=act_frag)
+        if side is None:
+            self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag)
+        else:
+            side.join()
+        shared_out = ws.shared_out[:rows]
         gate_logit = router_logits[:, e:e + 1]
         if rows <= SKINNY_ROWS:  # the routed experts' weighted sum and the gated shared expert in one launch
             self.k.moe_combine(ws.slot_out[:rows], weights, x, stream=stream, shared_out=shared_out,
                                gate_logit=gate_logit)
         else:
             self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
+
+    def _shared_expert(self, w: MoeFfn, rows: int, linear: Linear, stream: Any, h_bf16: Any, h_frag: Any) -> None:
+        """shared_out = down(silu(gate h) * up h), through `linear` on `stream` (the serving stream's, or the side
+        stream's: then h_bf16 is None and it converts h into its own scratch)."""
+        ws = self.workspace
+        shared_gate_up, shared_act = ws.shared_gate_up[:rows], ws.shared_act[:rows]
+        linear(ws.h, w.shared_gate_up, ws.shared_gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+        act_bf16 = linear.bf16_input(rows, shared_act.shape[1], w.shared_down)
+        act_frag = linear.fragment_input(rows, w.shared_down)
+        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
+        linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16, x_fragments=act_frag)
 
     def _gathered(self, x: Any, w: Matrix, ids: Any, y: Any, *, rows_per_expert: int, x_per_slot: bool,
                   x_fragments: Any = None) -> None:
