@@ -115,8 +115,8 @@ def test_linear_bf16_gathered_gpu(per_slot, M, S, E, rpe, K):
 
 # ---- CPU: the real kernels run in numba's CUDA simulator -----------------------------------------------------------
 # The simulator runs the kernels' Python source thread by thread. Hardware intrinsics have no simulator version, so
-# the script swaps in Python equivalents: vector loads/stores here, libdevice bit casts/byte_perm and the warp butterfly
-# from tests.support.cuda_simulator (summed in lane order: results match the twins within fp32 tolerance, not
+# the script swaps in Python equivalents from tests.support.cuda_simulator: vector loads/stores, libdevice bit
+# casts/byte_perm and the warp butterfly (summed in lane order: results match the twins within fp32 tolerance, not
 # bitwise). This pins staging permutations, software pipelining, tails and the quantized bit decoding on machines
 # without a GPU.
 
@@ -131,14 +131,7 @@ import ninfer.kernels_numba.quant_linear as Q
 from ninfer.artifact import codec
 from ninfer.kernels_numba.numba_setup import cuda
 
-def load2(a, i):
-    f = a.reshape(-1); i = int(i); return f[i], f[i + 1]
-def load4(a, i):
-    f = a.reshape(-1); i = int(i); return f[i], f[i + 1], f[i + 2], f[i + 3]
-def store4(a, i, p, q, r, s):
-    f = a.reshape(-1); i = int(i); f[i] = p; f[i + 1] = q; f[i + 2] = r; f[i + 3] = s
 for mod in (L, Q):
-    mod.load2, mod.load4, mod.store4 = load2, load4, store4
     cuda_simulator.install(vars(mod))
 
 rng = np.random.default_rng(0)

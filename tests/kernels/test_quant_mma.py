@@ -338,3 +338,13 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
     one_set = np.concatenate([_run(x[first:first + 8], qw) for first in range(0, m, 8)])
     np.testing.assert_array_equal(wide, one_set)
     assert _rel(wide_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5
+
+
+@pytest.mark.slow
+def test_kernels_match_their_twins_in_the_cuda_simulator():
+    """Every format's x fragments, GEMV (one and two fragment sets, accumulating), gathered MoE GEMV (shared and
+    per-slot x) and dequantization, their own source run thread by thread with the mma, packed bf16 fma and global
+    loads emulated (about a minute)."""
+    from tests.support.simulated_kernels import run
+
+    assert run("quant_mma").count("ok quant_mma") == len(FORMATS)

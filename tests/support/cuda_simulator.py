@@ -3,11 +3,13 @@
 Import this only in a process started with NUMBA_ENABLE_CUDASIM=1 (numba reads it once, at import). The simulator
 runs a kernel's Python source with one Python thread per CUDA thread and real barriers, so index arithmetic, tile
 staging, masks, tails and barriers run as written. It has no inline PTX and no warp collectives; here they are:
-- raw byte addresses (`address_of`, `shared_address`) as (byte view, offset) pairs, so address arithmetic runs as
-  written; `cp.async` copies at once and checks what the hardware requires (16-byte aligned on both sides, in bounds);
+- raw byte addresses (`address_of`, `shared_address`) as integers that loads, stores and copies resolve to the
+  arrays they point into, so address arithmetic runs as written; `cp.async` copies at once and checks what the
+  hardware requires (16-byte aligned on both sides, in bounds);
 - warp shuffles, warp barriers, warp sums and the tensor-core mma (bf16 m16n8k16, TF32 m16n8k8) as exchanges among
   the 32 threads of a warp, with the PTX fragment layouts;
-- libdevice's bit casts and byte permute.
+- global loads and stores by address and vector loads by index (checked for alignment and bounds), packed bf16
+  fma, half-pair conversion, libdevice's bit casts and byte permute.
 An emulated mma sums exactly and rounds once to fp32, so kernels match their twins within fp32 tolerance, not
 bitwise. `install(namespace)` swaps the stand-ins into a kernel's globals (`kernel.py_func.__globals__`: templated
 kernels have their own) or a module's.
@@ -116,6 +118,24 @@ def _bf16_pair_values(word) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def _bf16_bits(value: float) -> int:
+    """float -> bf16 bits, round to nearest even (through float32: exact for the small integers the kernels build)."""
+    bits = int(np.array([value], np.float32).view(np.uint32)[0])
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def fma_bf16x2(a, b, c):
+    """`fma.rn.bf16x2`: a * b + c on the two bf16 halves."""
+    (a0, a1), (b0, b1), (c0, c1) = (_bf16_pair_values(v) for v in (a, b, c))
+    return np.uint32(_bf16_bits(a0 * b0 + c0) | (_bf16_bits(a1 * b1 + c1) << 16))
+
+
+def half_pair_to_f32(word):
+    """The two binary16 halves of a word as float32 (low, high)."""
+    low, high = np.array([int(word) & 0xFFFFFFFF], np.uint32).view(np.float16).astype(np.float32)
+    return low, high
+
+
 # ---- tensor-core mma -----------------------------------------------------------------------------------------------
 
 def _mma(fragments: list, a_of, b_of) -> tuple:
@@ -184,20 +204,14 @@ def mma_tf32_m16n8k8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 # ---- raw addresses and cp.async ------------------------------------------------------------------------------------
+# Addresses are integers, as on the GPU, so kernels may keep them in int64 local arrays: an array's is its real host
+# address, and every array whose address was taken is remembered (and kept alive, so no later array reuses its
+# memory) for loads and copies to find. A block's dynamic shared array gets a 32-bit window at SHARED_WINDOW, as
+# `cvta.to.shared` gives.
 
-class Address:
-    """A byte address: a flat byte view of one array and an offset into it. Adding integers moves the offset."""
-
-    def __init__(self, data: np.ndarray, offset: int):
-        self.data, self.offset = data, offset
-
-    def __add__(self, other):
-        return Address(self.data, self.offset + int(other))
-
-    __radd__ = __add__
-
-    def __sub__(self, other):
-        return Address(self.data, self.offset - int(other))
+SHARED_WINDOW = 0x1000_0000
+_regions: list[tuple[int, np.ndarray]] = []  # (address, flat byte view), newest last
+_shared_windows: dict[tuple, np.ndarray] = {}  # block -> its shared array's bytes
 
 
 def _ndarray(array) -> np.ndarray:
@@ -206,30 +220,104 @@ def _ndarray(array) -> np.ndarray:
     return array
 
 
-def address_of(array) -> Address:
+def address_of(array) -> int:
     array = _ndarray(array)
     if not array.flags.c_contiguous:
         raise ValueError("address_of needs a C-contiguous array")
-    return Address(array.reshape(-1).view(np.uint8), 0)
-
-
-def shared_address(address: Address) -> Address:
+    address = array.ctypes.data
+    with _warps_lock:
+        if not any(start == address and len(data) == array.nbytes for start, data in _regions[-8:]):
+            _regions.append((address, array.reshape(-1).view(np.uint8)))
     return address
 
 
-def copy_async_16(shared: Address, source: Address, source_bytes) -> None:
+def _bytes_at(address: int, size: int) -> np.ndarray:
+    address = int(address)
+    for start, data in reversed(_regions):
+        if start <= address and address + size <= start + len(data):
+            return data[address - start:address - start + size]
+    raise IndexError(f"a {size}-byte access at {address:#x} is outside every array whose address was taken")
+
+
+def _block_key() -> tuple:
+    block = threading.current_thread().blockIdx
+    return (block.x, block.y, block.z)
+
+
+def shared_address(address: int):
+    """The 32-bit shared-window address of a generic address inside the block's (one) dynamic shared array."""
+    address = int(address)
+    for start, data in reversed(_regions):
+        if start <= address < start + len(data):
+            _shared_windows[_block_key()] = data
+            return np.uint32(SHARED_WINDOW + address - start)
+    raise IndexError(f"{address:#x} is not inside an array whose address was taken")
+
+
+def _shared_bytes(address, size: int) -> np.ndarray:
+    offset, data = int(address) - SHARED_WINDOW, _shared_windows[_block_key()]
+    if not 0 <= offset <= len(data) - size:
+        raise IndexError(f"a {size}-byte shared access at {offset} is past shared memory ({len(data)} bytes)")
+    return data[offset:offset + size]
+
+
+def copy_async_16(shared, source, source_bytes) -> None:
     size = int(source_bytes)
     if not 0 <= size <= 16:
         raise ValueError(f"cp.async source size {size} is not 0..16")
     for name, address in (("shared", shared), ("global", source)):
-        if address.offset % 16:
-            raise ValueError(f"cp.async {name} address is not 16-byte aligned (offset {address.offset})")
-    if shared.offset + 16 > len(shared.data):
-        raise IndexError(f"cp.async writes past shared memory ({shared.offset} + 16 > {len(shared.data)})")
-    if size and not 0 <= source.offset <= len(source.data) - size:
-        raise IndexError(f"cp.async reads past its array ({source.offset} + {size} > {len(source.data)})")
-    shared.data[shared.offset:shared.offset + size] = source.data[source.offset:source.offset + size]
-    shared.data[shared.offset + size:shared.offset + 16] = 0
+        if int(address) % 16:
+            raise ValueError(f"cp.async {name} address {int(address):#x} is not 16-byte aligned")
+    destination = _shared_bytes(shared, 16)
+    destination[:size] = _bytes_at(source, size) if size else destination[:0]
+    destination[size:] = 0
+
+
+def _words(address: int, count: int) -> np.ndarray:
+    size = 4 * count
+    if int(address) % size:
+        raise ValueError(f"a {size}-byte access at {int(address):#x} is not {size}-byte aligned")
+    return _bytes_at(address, size).view(np.uint32)
+
+
+def load_word_at(address):
+    return _words(address, 1)[0]
+
+
+def load_words2_at(address):
+    return tuple(_words(address, 2))
+
+
+def load_words4_at(address):
+    return tuple(_words(address, 4))
+
+
+def store_word_at(address, w0) -> None:
+    _words(address, 1)[:] = [int(w0) & 0xFFFFFFFF]
+
+
+def store_words2_at(address, w0, w1) -> None:
+    _words(address, 2)[:] = [int(w) & 0xFFFFFFFF for w in (w0, w1)]
+
+
+def store_words4_at(address, w0, w1, w2, w3) -> None:
+    _words(address, 4)[:] = [int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)]
+
+
+def load2(array, index):
+    """`linear.load2`: two consecutive elements of a contiguous array (one vector load on the GPU)."""
+    flat, i = _ndarray(array).reshape(-1), int(index)
+    return flat[i], flat[i + 1]
+
+
+def load4(array, index):
+    flat, i = _ndarray(array).reshape(-1), int(index)
+    return flat[i], flat[i + 1], flat[i + 2], flat[i + 3]
+
+
+def store4(array, index, a, b, c, d) -> None:
+    flat, i = _ndarray(array).reshape(-1), int(index)
+    flat[i], flat[i + 1], flat[i + 2], flat[i + 3] = a, b, c, d
 
 
 def copy_async_commit() -> None:
@@ -248,7 +336,10 @@ STAND_INS = {
     "address_of": address_of, "shared_address": shared_address, "copy_async_16": copy_async_16,
     "copy_async_commit": copy_async_commit, "copy_async_wait_all": copy_async_wait_all,
     "mma_bf16_m16n8k16": mma_bf16_m16n8k16, "mma_tf32_m16n8k8": mma_tf32_m16n8k8, "warp_sum": warp_sum,
-    "allow_dynamic_shared": allow_dynamic_shared,
+    "allow_dynamic_shared": allow_dynamic_shared, "load_word_at": load_word_at, "load_words2_at": load_words2_at,
+    "load_words4_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
+    "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2,
+    "half_pair_to_f32": half_pair_to_f32,
 }
 
 

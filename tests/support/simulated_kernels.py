@@ -80,7 +80,58 @@ def gdn_chunked() -> None:
     print("ok gdn_chunked", *errors, flush=True)
 
 
-CHECKS = {"flash_prefill": flash_prefill, "gdn_chunked": gdn_chunked}
+def quant_mma() -> None:
+    """The tensor-core quantized decode kernels of every format against their twins: x fragments, the plain GEMV
+    with one and two fragment sets and accumulation (a partial row tile), the gathered MoE GEMV with shared and
+    per-slot x, and the dequantization for prefill (bitwise)."""
+    from ninfer.artifact import codec
+    from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
+    from ninfer.kernels_numba import quant_linear
+    from ninfer.kernels_numba import quant_mma as qm
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(qm))
+    rng = np.random.default_rng(5)
+    for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
+        shape = (24, 128)
+        payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
+        weight = qm.upload_quant_mma(fmt, shape, payload)
+        for rows in (3, 9):
+            x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+            fragments = np.zeros(qm.x_sets(rows) * qm.x_fragment_words(shape[1]), np.uint32)
+            qm.x_fragments(x, fragments, stream=0)
+            assert np.array_equal(fragments, qm.x_fragments_reference(x)[:fragments.size]), (fmt, rows)
+            y0 = rng.standard_normal((rows, shape[0])).astype(np.float32)
+            y = y0.copy()
+            qm.linear_quant_mma(fragments, weight, y, stream=0, accumulate=True)
+            want = qm.linear_quant_mma_reference(x, fmt, shape, payload, y0, accumulate=True)
+            assert _rel(y, want) < 1e-5, (fmt, rows, _rel(y, want))
+        out = np.zeros(shape, np.uint16)
+        qm.dequantize_mma_bf16(weight, out, stream=0)
+        assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, shape, payload)), fmt
+        experts, rpe, slots, rows = 3, 16, 2, 2
+        stacked = (experts * rpe, 128)
+        payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
+        weight = qm.upload_quant_mma(fmt, stacked, payload)
+        ids = np.array([[2, 0], [1, 2]], np.int32)
+        for per_slot in (False, True):
+            x = rng.standard_normal((rows, slots, 128) if per_slot else (rows, 128)).astype(np.float32)
+            if per_slot:
+                fragments = np.zeros(slots * qm.x_fragment_words(128), np.uint32)
+                qm.x_slot_fragments(x, fragments, stream=0)
+            else:
+                fragments = np.zeros(qm.x_fragment_words(128), np.uint32)
+                qm.x_fragments(x, fragments, stream=0)
+            y = np.full((rows, slots, rpe), np.nan, np.float32)
+            qm.linear_quant_mma_gathered(fragments, weight, ids, y, rows_per_expert=rpe, x_per_slot=per_slot,
+                                         stream=0)
+            want = qm.linear_quant_mma_gathered_reference(x, fmt, stacked, payload, ids, rows_per_expert=rpe,
+                                                          x_per_slot=per_slot)
+            assert _rel(y, want) < 1e-5, (fmt, per_slot, _rel(y, want))
+        print("ok quant_mma", fmt, flush=True)
+
+
+CHECKS = {"flash_prefill": flash_prefill, "gdn_chunked": gdn_chunked, "quant_mma": quant_mma}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
