@@ -66,7 +66,7 @@ def test_twin_is_gated_causal_gqa_attention(heads, kv_heads, head_dim, start, ro
 @pytest.mark.slow
 def test_kernel_matches_the_twin_in_the_cuda_simulator():
     """The kernel's own source (index arithmetic, tile copies, masks, online softmax, epilogue) run thread by thread
-    with the mma, shuffles and cp.async emulated: every head dim, a prefix, partial tiles (about a minute)."""
+    with the mma, shuffles and cp.async emulated: every head dim, a prefix, partial tiles (about 25 s)."""
     from tests.support.simulated_kernels import run
 
     assert run("flash_prefill").count("ok flash_prefill") == 3

@@ -98,7 +98,7 @@ def test_twin_formulas_are_the_recurrence_without_rounding(monkeypatch):
 @pytest.mark.slow
 def test_kernels_match_the_twin_in_the_cuda_simulator():
     """Both kernels' own source run thread by thread with the TF32 mma, warp barriers and cp.async emulated: tiles,
-    the blockwise inversion, the packed T / P, the scan across chunks and segments (about 80 s)."""
+    the blockwise inversion, the packed T / P, the scan across chunks, segments and heads (about 30 s)."""
     from tests.support.simulated_kernels import run
 
     assert "ok gdn_chunked" in run("gdn_chunked")

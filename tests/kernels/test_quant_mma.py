@@ -344,7 +344,7 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
 def test_kernels_match_their_twins_in_the_cuda_simulator():
     """Every format's x fragments, GEMV (one and two fragment sets, accumulating), gathered MoE GEMV (shared and
     per-slot x) and dequantization, their own source run thread by thread with the mma, packed bf16 fma and global
-    loads emulated (about a minute)."""
+    loads emulated (about 15 s)."""
     from tests.support.simulated_kernels import run
 
     assert run("quant_mma").count("ok quant_mma") == len(FORMATS)

@@ -18,7 +18,6 @@ kernels have their own) or a module's.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
 import numpy as np
@@ -27,6 +26,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     raise RuntimeError("tests.support.cuda_simulator needs NUMBA_ENABLE_CUDASIM=1 set before numba is imported")
 
 from numba.cuda import libdevice  # noqa: E402
+from numba.cuda.simulator import kernel as simulator_kernel  # noqa: E402
 from numba.cuda.simulator import kernelapi  # noqa: E402
 
 # ---- warp collectives ----------------------------------------------------------------------------------------------
@@ -350,8 +350,89 @@ def install(namespace: dict) -> None:
             namespace[name] = stand_in
 
 
-# Threads waiting at a barrier wake sooner than at the default 5 ms switch interval: 2.4x faster kernels here.
-sys.setswitchinterval(0.001)
+# ---- the block's threads -------------------------------------------------------------------------------------------
+# The simulator's own block manager polls every thread for arrival at a barrier in a Python loop, which takes the
+# interpreter from the threads doing the work; here each block has a condition-variable barrier.
+
+class _BlockBarrier:
+    """`syncthreads` among a block's threads still running (an exited thread no longer counts, as in the
+    simulator's manager). A failing thread breaks it, and every warp barrier, so no other thread waits forever."""
+
+    def __init__(self, threads: int) -> None:
+        self._condition = threading.Condition()
+        self._live, self._arrived, self._generation, self.broken = threads, 0, 0, False
+
+    def wait(self) -> None:
+        with self._condition:
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self._live:
+                self._release()
+            while generation == self._generation and not self.broken:
+                self._condition.wait()
+            if self.broken:
+                raise RuntimeError("another thread of the block failed")
+
+    def leave(self) -> None:
+        with self._condition:
+            self._live -= 1
+            if self._arrived and self._arrived == self._live:
+                self._release()
+
+    def break_all(self) -> None:
+        with self._condition:
+            self.broken = True
+            self._condition.notify_all()
+        with _warps_lock:
+            for state in _warps.values():
+                state[0].abort()
+            for barrier in _masked_barriers.values():
+                barrier.abort()
+            _warps.clear()
+            _masked_barriers.clear()
+
+    def _release(self) -> None:
+        self._arrived = 0
+        self._generation += 1
+        self._condition.notify_all()
+
+
+def _run_block(manager, grid_point, *args) -> None:
+    barrier = _BlockBarrier(int(np.prod(manager._block_dim)))
+
+    def target() -> None:
+        try:
+            manager._f(*args)
+        except BaseException:
+            barrier.break_all()
+            raise
+        finally:
+            barrier.leave()
+
+    threads = []
+    for block_point in np.ndindex(*manager._block_dim):
+        thread = simulator_kernel.BlockThread(target, manager, grid_point, block_point, manager._debug)
+        thread.block_barrier = barrier
+        threads.append(thread)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failures = [thread.exception for thread in threads if thread.exception]
+    # the thread that failed first, not the others its failure released from their barriers
+    causes = [f for f in failures if not isinstance(f[0], threading.BrokenBarrierError)
+              and "another thread of the block failed" not in str(f[0])]
+    if failures:
+        first = (causes or failures)[0]
+        raise first[0].with_traceback(first[1])
+
+
+def _syncthreads(thread) -> None:
+    thread.block_barrier.wait()
+
+
+simulator_kernel.BlockManager.run = _run_block
+simulator_kernel.BlockThread.syncthreads = _syncthreads
 # Module-wide: libdevice's bit casts, and the shuffles on the simulator's fake `cuda` module inside kernels.
 libdevice.float_as_int = float_as_int
 libdevice.int_as_float = int_as_float

@@ -30,7 +30,7 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 
 def flash_prefill() -> None:
     """Every head dim, a prefix (first position > 0), partial query and key tiles, one row; rows past `rows` of the
-    output untouched. Small head counts: a block's key tile takes the simulator ~3 s."""
+    output untouched. Small head counts: a block's key tile takes the simulator about a second."""
     from ninfer.kernels_numba import attention_flash as flash
     from tests.kernels.test_attention_flash import _case, _exact, _twin
     from tests.support import cuda_simulator
@@ -51,8 +51,7 @@ def flash_prefill() -> None:
 
 def gdn_chunked() -> None:
     """Prepare and scan kernels against the twin: two segments (a full and a partial chunk, then a short one) on two
-    of three lanes, the smallest head shape (one v head: the GPU tests cover head grouping); the third lane's state
-    untouched."""
+    of three lanes, two v heads sharing a qk head; the third lane's state untouched."""
     from ninfer.kernels_numba import gdn_chunked as chunked
     from tests.kernels.test_gdn_chunked import CHUNK, _case, _chunked_twin
     from tests.support import cuda_simulator
@@ -61,12 +60,12 @@ def gdn_chunked() -> None:
         cuda_simulator.install(prepare.py_func.__globals__)
         cuda_simulator.install(scan.py_func.__globals__)
     cuda_simulator.install(vars(chunked))
-    heads = dict(qk_heads=1, v_heads=1, k_dim=16, v_dim=8)
+    heads = dict(qk_heads=1, v_heads=2, k_dim=16, v_dim=8)
     case = _case(np.random.default_rng(3), mix=[(1, 70), (0, 5)], lanes=3, **heads)
     rows, state = case["rows"], case["ssm_state"].copy()
-    out = np.full((rows, 1, 8), np.nan, np.float32)
-    cum = np.full((rows, 1), np.nan, np.float32)
-    mats = np.full((rows, 1, CHUNK), np.nan, np.float32)
+    out = np.full((rows, 2, 8), np.nan, np.float32)
+    cum = np.full((rows, 2), np.nan, np.float32)
+    mats = np.full((rows, 2, CHUNK), np.nan, np.float32)
     chunked.gdn_chunked(case["q"], case["k"], case["mixed"], case["log_decay"], case["beta"], state,
                         case["seg_lane"], case["seg_row"], case["seg_count"], out, cum, mats, rows=rows,
                         channels_qk=2 * 16, stream=0, **heads)
