@@ -396,6 +396,8 @@ def main() -> None:
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI through "
                              "torch.profiler)")
     args = parser.parse_args()
+    if not set(args.branches.split(",")) <= {"off", "on"}:
+        parser.error(f"--branches takes off, on or off,on; got {args.branches!r}")
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
