@@ -66,10 +66,12 @@ def test_twin_is_gated_causal_gqa_attention(heads, kv_heads, head_dim, start, ro
 @pytest.mark.slow
 def test_kernel_matches_the_twin_in_the_cuda_simulator():
     """The kernel's own source (index arithmetic, tile copies, masks, online softmax, epilogue) run thread by thread
-    with the mma, shuffles and cp.async emulated: every head dim, a prefix, partial tiles (about 25 s)."""
+    with the mma, shuffles and cp.async emulated: every head dim, a prefix, partial tiles; and gather_kv's
+    transposed V, which feeds it (about 25 s)."""
     from tests.support.simulated_kernels import run
 
-    assert run("flash_prefill").count("ok flash_prefill") == 3
+    out = run("gather_kv", "flash_prefill")
+    assert "ok gather_kv" in out and out.count("ok flash_prefill") == 3
 
 
 @pytest.mark.gpu

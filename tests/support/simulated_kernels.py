@@ -49,6 +49,29 @@ def flash_prefill() -> None:
         print("ok flash_prefill", heads, kv_heads, head_dim, start, rows, err_twin, flush=True)
 
 
+def gather_kv() -> None:
+    """K / V gathered from a paged pool, bf16 and INT8, plain and transposed (the flash path's V^T): bitwise the
+    twin's."""
+    from ninfer.kernels_numba import attention_gemm
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(attention_gemm))
+    rng = np.random.default_rng(2)
+    pages, page_tokens, kv_heads, head_dim, length = 4, 4, 2, 64, 9
+    tables = np.array([[3, 0, 2, 1]], np.int32)
+    bf16_pool = rng.integers(0, 1 << 15, (pages, page_tokens, kv_heads, head_dim), dtype=np.uint16)
+    int8_pool = rng.integers(-127, 128, (pages, page_tokens, kv_heads, head_dim), dtype=np.int8)
+    scales = np.float16(rng.uniform(0.01, 0.1, (pages, page_tokens, kv_heads, 2))).view(np.uint16)
+    for pool, pool_scales in ((bf16_pool, None), (int8_pool, scales)):
+        want = attention_gemm.gather_kv_reference(tables, 0, length, pool, pool_scales)
+        for transposed in (False, True):
+            out = np.zeros((kv_heads, head_dim, 16) if transposed else (kv_heads, 16, head_dim), np.uint16)
+            attention_gemm.gather_kv(tables, 0, length, pool, pool_scales, out, stream=0, transposed=transposed)
+            got = out[:, :, :length].transpose(0, 2, 1) if transposed else out[:, :length]
+            assert np.array_equal(got, want), (pool.dtype, transposed)
+    print("ok gather_kv", flush=True)
+
+
 def gdn_chunked() -> None:
     """Prepare and scan kernels against the twin: two segments (a full and a partial chunk, then a short one) on two
     of three lanes, two v heads sharing a qk head; the third lane's state untouched."""
@@ -130,7 +153,8 @@ def quant_mma() -> None:
         print("ok quant_mma", fmt, flush=True)
 
 
-CHECKS = {"flash_prefill": flash_prefill, "gdn_chunked": gdn_chunked, "quant_mma": quant_mma}
+CHECKS = {"flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
+          "quant_mma": quant_mma}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
