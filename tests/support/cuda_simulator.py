@@ -26,6 +26,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     raise RuntimeError("tests.support.cuda_simulator needs NUMBA_ENABLE_CUDASIM=1 set before numba is imported")
 
 from numba.cuda import libdevice  # noqa: E402
+
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 from numba.cuda.simulator import kernel as simulator_kernel  # noqa: E402
 from numba.cuda.simulator import kernelapi  # noqa: E402
 
@@ -112,22 +114,16 @@ def byte_perm(x, y, selector):
 
 
 def _bf16_pair_values(word) -> tuple[float, float]:
-    word = int(word) & 0xFFFFFFFF
-    low = np.array([(word & 0xFFFF) << 16], np.uint32).view(np.float32)[0]
-    high = np.array([word & 0xFFFF0000], np.uint32).view(np.float32)[0]
+    """The two bf16 halves of a word (low first) as floats."""
+    low, high = bf16_bits_to_f32(np.array([int(word) & 0xFFFFFFFF], np.uint32).view(np.uint16))
     return float(low), float(high)
 
 
-def _bf16_bits(value: float) -> int:
-    """float -> bf16 bits, round to nearest even (through float32: exact for the small integers the kernels build)."""
-    bits = int(np.array([value], np.float32).view(np.uint32)[0])
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-
-
 def fma_bf16x2(a, b, c):
-    """`fma.rn.bf16x2`: a * b + c on the two bf16 halves."""
+    """`fma.rn.bf16x2`: a * b + c on the two bf16 halves, each rounded to bf16 (through float32: exact for the small
+    integers the kernels build)."""
     (a0, a1), (b0, b1), (c0, c1) = (_bf16_pair_values(v) for v in (a, b, c))
-    return np.uint32(_bf16_bits(a0 * b0 + c0) | (_bf16_bits(a1 * b1 + c1) << 16))
+    return f32_to_bf16_bits(np.array([a0 * b0 + c0, a1 * b1 + c1], np.float32)).view(np.uint32)[0]
 
 
 def half_pair_to_f32(word):
@@ -231,12 +227,18 @@ def address_of(array) -> int:
     return address
 
 
-def _bytes_at(address: int, size: int) -> np.ndarray:
-    address = int(address)
+def _region(address: int, size: int) -> tuple[int, np.ndarray]:
+    """(start, bytes) of the newest remembered array holding `size` bytes at `address`."""
     for start, data in reversed(_regions):
         if start <= address and address + size <= start + len(data):
-            return data[address - start:address - start + size]
+            return start, data
     raise IndexError(f"a {size}-byte access at {address:#x} is outside every array whose address was taken")
+
+
+def _bytes_at(address: int, size: int) -> np.ndarray:
+    address = int(address)
+    start, data = _region(address, size)
+    return data[address - start:address - start + size]
 
 
 def _block_key() -> tuple:
@@ -247,11 +249,9 @@ def _block_key() -> tuple:
 def shared_address(address: int):
     """The 32-bit shared-window address of a generic address inside the block's (one) dynamic shared array."""
     address = int(address)
-    for start, data in reversed(_regions):
-        if start <= address < start + len(data):
-            _shared_windows[_block_key()] = data
-            return np.uint32(SHARED_WINDOW + address - start)
-    raise IndexError(f"{address:#x} is not inside an array whose address was taken")
+    start, data = _region(address, 1)
+    _shared_windows[_block_key()] = data
+    return np.uint32(SHARED_WINDOW + address - start)
 
 
 def _shared_bytes(address, size: int) -> np.ndarray:

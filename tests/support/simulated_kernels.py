@@ -28,6 +28,61 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
+def _check(name: str, got: np.ndarray, want: np.ndarray, tol: float = 1e-5) -> None:
+    assert np.isfinite(got).all(), name
+    err = _rel(got, want)
+    assert err < tol, (name, err)
+    print("ok linear", name, err, flush=True)
+
+
+def linear() -> None:
+    """The SIMT linear kernels (`linear`, `quant_linear`): bf16 GEMV with accumulation and its gathered MoE form,
+    every quantized format's GEMV, gathered GEMV and dequantization (bitwise)."""
+    from ninfer.artifact import codec
+    from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
+    from ninfer.kernels_numba import linear as L
+    from ninfer.kernels_numba import quant_linear as Q
+    from tests.support import cuda_simulator
+
+    for module in (L, Q):
+        cuda_simulator.install(vars(module))
+    rng = np.random.default_rng(0)
+    with np.errstate(all="ignore"):
+        for (m, n, k) in [(1, 20, 64), (3, 17, 320)]:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            w = codec.f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
+            y0 = rng.standard_normal((m, n)).astype(np.float32)
+            y = y0.copy()
+            L.linear_bf16(x, w, y, stream=0, accumulate=True)
+            _check(f"bf16 {m}x{n}x{k}", y, L.linear_bf16_reference(x, w, y0, accumulate=True))
+        M, S, E, rpe, k = 1, 2, 3, 20, 64
+        ids = np.array([[2, 0]], np.int32)
+        w = codec.f32_to_bf16_bits(rng.standard_normal((E * rpe, k)).astype(np.float32))
+        x = rng.standard_normal((M, S, k)).astype(np.float32)
+        y = np.full((M, S, rpe), np.nan, np.float32)
+        L.linear_bf16_gathered(x, w, ids, y, rows_per_expert=rpe, x_per_slot=True, stream=0)
+        _check("bf16 gathered", y, L.linear_bf16_gathered_reference(x, w, ids, rows_per_expert=rpe,
+                                                                     x_per_slot=True))
+        for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
+            for (m, n, k) in [(1, 18, 64), (2, 17, 192)]:
+                payload = codec.encode_buffer(rng.standard_normal((n, k)).astype(np.float32), fmt)
+                qw = Q.upload_quant_weight(fmt, (n, k), payload)
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                y = np.full((m, n), np.nan, np.float32)
+                Q.linear_quant(x, qw, y, stream=0)
+                _check(f"{fmt} {m}x{n}x{k}", y, Q.linear_quant_reference(x, fmt, (n, k), payload))
+                out = np.zeros((n, k), np.uint16)
+                Q.dequantize_bf16(qw, out, stream=0)
+                assert np.array_equal(out, Q.dequantize_bf16_reference(fmt, (n, k), payload)), fmt
+            payload = codec.encode_buffer(rng.standard_normal((E * rpe, 64)).astype(np.float32), fmt)
+            qw = Q.upload_quant_weight(fmt, (E * rpe, 64), payload)
+            x = rng.standard_normal((M, 64)).astype(np.float32)
+            y = np.full((M, S, rpe), np.nan, np.float32)
+            Q.linear_quant_gathered(x, qw, ids, y, rows_per_expert=rpe, x_per_slot=False, stream=0)
+            _check(f"{fmt} gathered", y, Q.linear_quant_gathered_reference(
+                x, fmt, (E * rpe, 64), payload, ids, rows_per_expert=rpe, x_per_slot=False))
+
+
 def flash_prefill() -> None:
     """Every head dim, a prefix (first position > 0), partial query and key tiles, one row; rows past `rows` of the
     output untouched. Small head counts: a block's key tile takes the simulator about a second."""
@@ -153,7 +208,7 @@ def quant_mma() -> None:
         print("ok quant_mma", fmt, flush=True)
 
 
-CHECKS = {"flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
+CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma}
 
 if __name__ == "__main__":
