@@ -161,7 +161,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
-                 branches: tuple[bool, ...] = (False,)) -> dict:
+                 branches: tuple[bool | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -181,6 +181,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
           f"weights {device.ledger['weights'] / 2**30:.1f} GiB", flush=True)
 
     decode = []
+    branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
     for linear, side in ((linear, side) for linear in decode_linears for side in branches):
         model.set_branches(side)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
@@ -388,16 +389,17 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
     parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
-    parser.add_argument("--branches", default="off",
-                        help="decode with the side stream off and/or on (off,on); the MTP rounds use the last")
+    parser.add_argument("--branches", default="default",
+                        help="decode with the side stream off and/or on (off,on; default: the serving default, on for "
+                             "MoE models); the MTP rounds use the last")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI through "
                              "torch.profiler)")
     args = parser.parse_args()
-    if not set(args.branches.split(",")) <= {"off", "on"}:
-        parser.error(f"--branches takes off, on or off,on; got {args.branches!r}")
+    if not set(args.branches.split(",")) <= {"off", "on", "default"}:
+        parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
@@ -422,7 +424,7 @@ def main() -> None:
                                                           prefill_attentions=tuple(args.prefill_attention.split(",")),
                                                           decode_quant=args.decode_quant,
                                                           draft_head=args.lm_head_draft,
-                                                          branches=tuple(b == "on" for b in
+                                                          branches=tuple({"on": True, "off": False}.get(b) for b in
                                                                          args.branches.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()

@@ -55,7 +55,7 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
-               branches: bool = False, side_work_last: bool = False):
+               branches: bool | None = None, side_work_last: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -229,11 +229,12 @@ def test_the_short_prefill_bound(device_kind, artifacts):
 @pytest.mark.parametrize("attention", ["gemm", "flash"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifacts, kind, attention):
-    """prefill_attention="gemm" (bf16 queries and probabilities through cuBLAS, the default) and "flash" (one
-    tensor-core kernel, bf16 queries and P): within bf16 tolerance."""
+    """prefill_attention="gemm" (bf16 queries and probabilities through cuBLAS, the MoE models' default) and
+    "flash" (one tensor-core kernel, bf16 queries and P, the dense models' default): within bf16 tolerance."""
     path = artifacts[(kind, "bf16")]
     build = cuda_build(device_kind, path, tensor_core_attention=True)
-    assert build.model.prefill_attention == "gemm"
+    assert build.model.prefill_attention == ("gemm" if kind == "moe" else "flash")
+    assert build.model.branches == (kind == "moe")
     build.model.prefill_attention = attention
     cpu = load_model(path)
     for length in (1, 7, 65, 128):
@@ -261,8 +262,9 @@ def test_side_stream_branches_change_no_token(device_kind, artifacts, kind, reci
     path = artifacts[(kind, recipe)]
     prompts = [prompt(4, 9), prompt(5, 31), prompt(6, 17)]
     settings = dict(decode_linear="cublas", decode_quant="mma")
-    want = run_lanes(cuda_build(device_kind, path, **settings).runner, prompts, 16)
-    want_mtp = run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16)
+    want = run_lanes(cuda_build(device_kind, path, branches=False, **settings).runner, prompts, 16)
+    want_mtp = run_lanes(cuda_build(device_kind, path, branches=False, draft_tokens=3, **settings).runner, prompts,
+                         16)
     for last in ((False, True) if device_kind == "host" else (False,)):
         for graphs in (True, False):
             build = cuda_build(device_kind, path, branches=True, side_work_last=last, graphs=graphs, **settings)

@@ -36,8 +36,8 @@ _U16_3D, _U16_4D = uint16[:, :, ::1], uint16[:, :, :, ::1]
 @kernel((_F32_3D, _U16_3D, int32, int32, int32, float32))
 def _pack_queries(q, out, first, rows, group, scale):
     """out[b, g * rows + i, d] = bf16(q[first + i, b * group + g, d] * scale)."""
-    d = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
-    r = cuda.blockIdx.y  # g * rows + i
+    r = cuda.blockIdx.x  # g * rows + i (grid x: y and z stop at 65,535)
+    d = cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x
     b = cuda.blockIdx.z
     head_dim = q.shape[2]
     if d >= head_dim:
@@ -50,7 +50,7 @@ def _pack_queries(q, out, first, rows, group, scale):
 def pack_queries(q, out, *, first: int, rows: int, group: int, scale: float, stream) -> None:
     """Queries first..first+rows-1 of q fp32 [T, Hq, D] into out uint16 [Hkv, group * rows, D] (bf16, scaled)."""
     kv_heads, head_dim = out.shape[0], q.shape[2]
-    _pack_queries[(blocks_for(head_dim, THREADS), group * rows, kv_heads), THREADS, stream](
+    _pack_queries[(group * rows, blocks_for(head_dim, THREADS), kv_heads), THREADS, stream](
         q, out, np.int32(first), np.int32(rows), np.int32(group), np.float32(scale))
 
 
@@ -65,8 +65,8 @@ def pack_queries_reference(q, *, first: int, rows: int, group: int, scale: float
 def _gather_kv(page_tables, lane, length, pool, scales, out, quant, transposed):
     """out[b, j, d] (out[b, d, j] when `transposed`) = key/value j of KV head b as bf16 bits (INT8 pools
     dequantized, then rounded to bf16)."""
-    d = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
-    j = cuda.blockIdx.y
+    j = cuda.blockIdx.x  # grid x: a lane's length passes the 65,535 blocks grid y and z allow
+    d = cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x
     b = cuda.blockIdx.z
     head_dim = pool.shape[3]
     if d >= head_dim or j >= length:
@@ -94,7 +94,7 @@ def gather_kv(page_tables, lane: int, length: int, pool, scales, out, *, stream,
     kv_heads, head_dim = pool.shape[2], pool.shape[3]
     quant = pool.dtype == np.int8
     scale_arg = scales if quant else pool
-    _gather_kv[(blocks_for(head_dim, THREADS), length, kv_heads), THREADS, stream](
+    _gather_kv[(length, blocks_for(head_dim, THREADS), kv_heads), THREADS, stream](
         page_tables, np.int32(lane), np.int32(length), pool, scale_arg, out, np.int32(1 if quant else 0),
         np.int32(1 if transposed else 0))
 
@@ -196,8 +196,8 @@ def causal_softmax_reference(scores, *, rows: int, first_position: int) -> np.nd
 @kernel((_F32_3D, _F32_2D, _F32_2D, int32, int32, int32))
 def _unpack_gated(o, qkgv, out, first, rows, group):
     """out[first + i, (b*group + g)*D + d] = o[b, g*rows + i, d] * sigmoid(gate of that head and dim)."""
-    d = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
-    r = cuda.blockIdx.y
+    r = cuda.blockIdx.x  # g * rows + i (grid x, as in _pack_queries)
+    d = cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x
     b = cuda.blockIdx.z
     kv_heads, head_dim = o.shape[0], o.shape[2]
     if d >= head_dim:
@@ -212,7 +212,7 @@ def _unpack_gated(o, qkgv, out, first, rows, group):
 
 def unpack_gated(o, qkgv, out, *, first: int, rows: int, group: int, stream) -> None:
     kv_heads, total_rows, head_dim = o.shape
-    _unpack_gated[(blocks_for(head_dim, THREADS), total_rows, kv_heads), THREADS, stream](
+    _unpack_gated[(total_rows, blocks_for(head_dim, THREADS), kv_heads), THREADS, stream](
         o, qkgv, out, np.int32(first), np.int32(rows), np.int32(group))
 
 

@@ -50,7 +50,7 @@ class CudaBuild:
 def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index: int = 0, cuda_graphs: bool = True,
                       device: Device | None = None, tensor_core_attention: bool = True,
                       decode_linear: str = "cublas", decode_quant: str = "mma", vision: bool = False,
-                      vision_on_device: bool = True, branches: bool = False) -> CudaBuild:
+                      vision_on_device: bool = True, branches: bool | None = None) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`: see `Capacity`.
     `vision` builds the Vision tower: on the GPU (`CudaVisionTower`, its scratch arena sized for the largest item

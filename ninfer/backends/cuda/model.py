@@ -86,9 +86,11 @@ class Capacity:
     decode_quant: str = "mma"
     # Steps of up to SKINNY_ROWS rows run independent work on a second stream, beside the serving stream's: the MoE
     # shared expert beside the router and routed experts, the Gated DeltaNet a/b projection beside in_proj and the
-    # conv. Same kernels, same results (tests run the branches in both orders on the host); whether it pays is
-    # measured by bench/cuda_model.py --branches.
-    branches: bool = False
+    # conv. Same kernels, same results (tests run the branches in both orders on the host). None: on for MoE models
+    # only, as measured on the H200 (bench/cuda_model.py --branches off,on; results/cuda_model_session10.json):
+    # 35B-A3B B=1 ninfer-v2 3.76 -> 3.36-3.55 ms, bf16 4.77 -> 4.27-4.31; B=8 7.48 -> 7.16, 10.18 -> 9.67; 27B
+    # (no shared expert, only the small a/b projection to overlap) bf16 15.58 -> 15.99, ninfer-v2 9.38 -> 9.20.
+    branches: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.decode_linear not in ("cublas", "kernels"):
@@ -704,8 +706,14 @@ class CudaQwen:
         self.dims, self.device, self.capacity, self.k = dims, device, capacity, device.kernels
         # Prefill attention: "kernel" (the tiled numba kernel, fp32 math), "gemm" (bf16 tensor cores via cuBLAS) or
         # "flash" (one bf16 tensor-core kernel, `attention_flash`); the last two need the model built with
-        # Capacity.tensor_core_attention for their scratch.
-        self.prefill_attention = "gemm" if capacity.tensor_core_attention else "kernel"
+        # Capacity.tensor_core_attention for their scratch. The 8K prefill on the H200 (results/
+        # cuda_model_session10.json): 27B bf16 gemm 0.960 s, flash 0.915; ninfer-v2 0.956, 0.896; 35B-A3B bf16
+        # 0.251, 0.259; ninfer-v2 0.287, 0.296. So flash for the dense models (24 query heads, 16 attention layers),
+        # gemm for the MoE ones.
+        if capacity.tensor_core_attention:
+            self.prefill_attention = "gemm" if dims.is_moe else "flash"
+        else:
+            self.prefill_attention = "kernel"
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -797,7 +805,7 @@ class CudaQwen:
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
-        self.set_branches(capacity.branches)
+        self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
 
     def set_branches(self, on: bool) -> None:
         """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
