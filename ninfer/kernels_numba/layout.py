@@ -14,9 +14,10 @@ THREADS = 256
 
 @kernel((float32[:, ::1], float32[:, ::1], float32[:, ::1]))
 def _concat_columns(left, right, out):
-    row = cuda.blockIdx.y
+    row = cuda.blockIdx.x  # rows on grid x: y and z stop at 65,535 blocks, a prefill chunk may not
     width = left.shape[1]
-    for col in range(cuda.grid(1), out.shape[1], cuda.gridsize(1)):
+    for col in range(cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x, out.shape[1],
+                     cuda.gridDim.y * cuda.blockDim.x):
         out[row, col] = left[row, col] if col < width else right[row, col - width]
 
 
@@ -24,7 +25,7 @@ def concat_columns(left, right, out, *, stream) -> None:
     """out[r] = left[r] | right[r]: fp32 [R, A] and [R, B] into [R, A + B]."""
     rows = out.shape[0]
     if rows:
-        _concat_columns[(blocks_for(out.shape[1], THREADS), rows), THREADS, stream](left, right, out)
+        _concat_columns[(rows, blocks_for(out.shape[1], THREADS)), THREADS, stream](left, right, out)
 
 
 def concat_columns_reference(left: np.ndarray, right: np.ndarray) -> np.ndarray:
@@ -33,9 +34,10 @@ def concat_columns_reference(left: np.ndarray, right: np.ndarray) -> np.ndarray:
 
 @kernel((float32[:, ::1], int32[::1], float32[:, ::1]))
 def _gather_rows(source, index, out):
-    row = cuda.blockIdx.y
+    row = cuda.blockIdx.x  # as in _concat_columns
     src = index[row]
-    for col in range(cuda.grid(1), out.shape[1], cuda.gridsize(1)):
+    for col in range(cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x, out.shape[1],
+                     cuda.gridDim.y * cuda.blockDim.x):
         out[row, col] = source[src, col]
 
 
@@ -43,7 +45,7 @@ def gather_rows(source, index, out, *, stream) -> None:
     """out[r] = source[index[r]] for fp32 rows; `index` int32 [R] on the device."""
     rows = out.shape[0]
     if rows:
-        _gather_rows[(blocks_for(out.shape[1], THREADS), rows), THREADS, stream](source, index, out)
+        _gather_rows[(rows, blocks_for(out.shape[1], THREADS)), THREADS, stream](source, index, out)
 
 
 def gather_rows_reference(source: np.ndarray, index: np.ndarray) -> np.ndarray:
