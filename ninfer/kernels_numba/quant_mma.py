@@ -120,26 +120,41 @@ def fma_bf16x2(typingctx, a, b, c):
     return signature, codegen
 
 
+@intrinsic
+def and_or(typingctx, a, b, c):
+    """(a & b) | c in one `lop3.b32` (LUT 0xEA). ptxas keeps `x & mask | magic` with two immediates as two LOP3s
+    (a SASS LOP3 takes one immediate), and those are a quarter of the decode's instructions."""
+    signature = types.uint32(types.uint32, types.uint32, types.uint32)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        return builder.asm(ir.FunctionType(i32, [i32] * 3), "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                           list(args), side_effect=False)
+
+    return signature, codegen
+
+
 @device_function
 def nibble_pair(word, s, minus_pair):
     """A-fragment register s (0..3) of a nibble word: nibbles s and s + 4 as the bf16 pair of their codes, offset
     by `minus_pair` (the bf16 pair of -(128 + code offset))."""
-    raw = ((word >> uint32(4 * s)) & uint32(0x000F000F)) | uint32(BF16_128_PAIR)
+    raw = and_or(word >> uint32(4 * s), uint32(0x000F000F), uint32(BF16_128_PAIR))
     return fma_bf16x2(raw, uint32(BF16_ONE_PAIR), minus_pair)
 
 
 @device_function
-def high_bits(h0, h1, j, s, bits):
-    """Bits 4.. of the two codes of register s of k-step j, in place (bits 4..5 and 20..21) for a nibble pair."""
+def high_magic(h0, h1, j, s, bits):
+    """The bf16 pair 128 + (bits 4.. of the two codes of register s of k-step j), those bits in place (bits 4..5 and
+    20..21) for a nibble pair to be OR-ed in."""
     if bits == 5:  # code (j, s, half) keeps its bit 4 at bit 16 half + 4 j + s
         shift = 4 * j + s
         hb = h0 << uint32(4 - shift) if shift <= 4 else h0 >> uint32(shift - 4)
-        return hb & uint32(0x00100010)
+        return and_or(hb, uint32(0x00100010), uint32(BF16_128_PAIR))
     # Q6: word j // 2, bits 16 half + 2 (4 (j % 2) + s) .. + 1
     word = h0 if j < 2 else h1
     shift = 2 * (4 * (j % 2) + s)
     hb = word << uint32(4 - shift) if shift <= 4 else word >> uint32(shift - 4)
-    return hb & uint32(0x00300030)
+    return and_or(hb, uint32(0x00300030), uint32(BF16_128_PAIR))
 
 
 @device_function
@@ -161,10 +176,9 @@ def load_high_words(high, lane_slot, bits):
 @device_function
 def code_pair(word, h0, h1, j, s, bits, minus_pair):
     """Register s of k-step j for Q4/Q5/Q6: the bf16 pair of two signed codes."""
-    raw = (word >> uint32(4 * s)) & uint32(0x000F000F)
-    if bits != 4:
-        raw = raw | high_bits(h0, h1, j, s, bits)
-    return fma_bf16x2(raw | uint32(BF16_128_PAIR), uint32(BF16_ONE_PAIR), minus_pair)
+    magic = uint32(BF16_128_PAIR) if bits == 4 else high_magic(h0, h1, j, s, bits)
+    raw = and_or(word >> uint32(4 * s), uint32(0x000F000F), magic)
+    return fma_bf16x2(raw, uint32(BF16_ONE_PAIR), minus_pair)
 
 
 # ---- host repack --------------------------------------------------------------------------------------------------
@@ -188,7 +202,7 @@ def _nibble_words(fragments: np.ndarray) -> np.ndarray:
 
 
 def _high_words(fragments: np.ndarray, bits: int) -> np.ndarray:
-    """[..., 4 (j), 8 (p)] unsigned codes -> the high plane words per lane (see `high_bits`)."""
+    """[..., 4 (j), 8 (p)] unsigned codes -> the high plane words per lane (see `high_magic`)."""
     above = (fragments.astype(np.uint32) >> np.uint32(4))
     j = np.arange(4)[:, None]
     s, half = np.arange(8)[None, :] % 4, np.arange(8)[None, :] // 4

@@ -119,6 +119,11 @@ def _bf16_pair_values(word) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def and_or(a, b, c):
+    """`lop3.b32` with LUT 0xEA: (a & b) | c."""
+    return np.uint32((int(a) & int(b)) | int(c))
+
+
 def fma_bf16x2(a, b, c):
     """`fma.rn.bf16x2`: a * b + c on the two bf16 halves, each rounded to bf16 (through float32: exact for the small
     integers the kernels build)."""
@@ -338,7 +343,7 @@ STAND_INS = {
     "mma_bf16_m16n8k16": mma_bf16_m16n8k16, "mma_tf32_m16n8k8": mma_tf32_m16n8k8, "warp_sum": warp_sum,
     "allow_dynamic_shared": allow_dynamic_shared, "load_word_at": load_word_at, "load_words2_at": load_words2_at,
     "load_words4_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
-    "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2,
+    "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2, "and_or": and_or,
     "half_pair_to_f32": half_pair_to_f32,
 }
 
