@@ -12,6 +12,8 @@
 #   bash tools/device_check.sh moe [--sweep]        bench/moe_gathered.py (SIMT vs tensor-core gathered MoE experts)
 #   bash tools/device_check.sh ncu MODEL RECIPE REGEX [COUNT]  Nsight Compute on the decode kernels whose names match
 #                                                   REGEX (bench/ncu_decode.py: one eager step, 4 layers + head)
+#   bash tools/device_check.sh ncu-source MODEL RECIPE REGEX [COUNT]  the same kernels' warp stalls per SASS
+#                                                   instruction (SourceCounters), as CSV, and the report itself
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -56,5 +58,16 @@ case "$what" in
       --section SchedulerStats --section ComputeWorkloadAnalysis \
       python3 bench/ncu_decode.py --model "$model" --recipe "$recipe" --steps 1 > "$log" 2>&1
     grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit Reg|Warp Cycles Per Issued|Local" "$log" | head -400 ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu [args]" >&2; exit 2 ;;
+  ncu-source)
+    # Where in the SASS the warps wait (compare with tools/sass.py's listing of the same kernel, made without a GPU).
+    model="${1:-27b}"; recipe="${2:-ninfer-v2}"; regex="${3:-.}"; count="${4:-4}"
+    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+    "$NCU" --clock-control none -k "regex:$regex" --launch-count "$count" --section SourceCounters \
+      --section WarpStateStats --section SpeedOfLight -f -o "$OUT/ncu_source" \
+      python3 bench/ncu_decode.py --model "$model" --recipe "$recipe" --steps 1 > "$OUT/ncu_source_run.txt" 2>&1
+    "$NCU" --import "$OUT/ncu_source.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_source.csv" \
+      2> "$OUT/ncu_source_page.err"
+    tail -3 "$OUT/ncu_source_run.txt"; cat "$OUT/ncu_source_page.err" | head -5
+    head -c 3000 "$OUT/ncu_source.csv" ;;
+  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu|ncu-source [args]" >&2; exit 2 ;;
 esac
