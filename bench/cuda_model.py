@@ -161,7 +161,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
-                 branches: tuple[bool | None, ...] = (None,)) -> dict:
+                 branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -182,8 +182,10 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
-    for linear, side in ((linear, side) for linear in decode_linears for side in branches):
+    for linear, side, pdl in ((linear, side, pdl) for linear in decode_linears for side in branches
+                              for pdl in programmatic):
         model.set_branches(side)
+        model.set_programmatic(pdl)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
@@ -205,11 +207,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             seconds = float(np.median(times[3:]))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
-            decode.append({"linear": linear, "branches": side, "batch": batch, "step_ms": seconds * 1e3,
+            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "batch": batch,
+                           "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
-            label = linear + (" +branches" if side else "")
+            label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
@@ -222,9 +225,11 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             graph.close()
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
-    model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last setting
+    model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
+    model.set_programmatic(programmatic[-1])
     result["decode"] = decode
     result["branches_after_decode"] = branches[-1]
+    result["programmatic_after_decode"] = programmatic[-1]
     if decode_only:
         return result
 
@@ -392,6 +397,9 @@ def main() -> None:
     parser.add_argument("--branches", default="default",
                         help="decode with the side stream off and/or on (off,on; default: the serving default, on for "
                              "MoE models); the MTP rounds use the last")
+    parser.add_argument("--programmatic", default="off",
+                        help="decode with the quantized GEMVs launched programmatically off and/or on (off,on); the "
+                             "MTP rounds use the last")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--profile", action="store_true",
@@ -400,6 +408,8 @@ def main() -> None:
     args = parser.parse_args()
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
+    if not set(args.programmatic.split(",")) <= {"off", "on"}:
+        parser.error(f"--programmatic takes off, on or off,on; got {args.programmatic!r}")
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
@@ -425,7 +435,9 @@ def main() -> None:
                                                           decode_quant=args.decode_quant,
                                                           draft_head=args.lm_head_draft,
                                                           branches=tuple({"on": True, "off": False}.get(b) for b in
-                                                                         args.branches.split(","))))
+                                                                         args.branches.split(",")),
+                                                          programmatic=tuple(p == "on" for p in
+                                                                             args.programmatic.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

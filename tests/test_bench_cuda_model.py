@@ -20,10 +20,11 @@ def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
 
     result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
                                 context=70, prefill_tokens=128, repeats=4, batches=(1, 8),
-                                prefill_attentions=("gemm",), profile=False, branches=(False, True))
-    assert [(row["branches"], row["batch"]) for row in result["decode"]] == [(False, 1), (False, 8), (True, 1),
-                                                                             (True, 8)]
-    assert result["branches_after_decode"] is True
+                                prefill_attentions=("gemm",), profile=False, branches=(False, True),
+                                programmatic=(False, True))
+    assert [(row["branches"], row["programmatic"], row["batch"]) for row in result["decode"]] == [
+        (side, pdl, batch) for side in (False, True) for pdl in (False, True) for batch in (1, 8)]
+    assert result["branches_after_decode"] is True and result["programmatic_after_decode"] is True
     assert [row["attention"] for row in result["prefill"]] == ["gemm"]
     from bench.kernel_profile import host_profile
 

@@ -55,7 +55,7 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
-               branches: bool | None = None, side_work_last: bool = False):
+               branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -64,7 +64,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
     return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs,
                              device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
-                             decode_quant=decode_quant, branches=branches)
+                             decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -272,6 +272,25 @@ def test_side_stream_branches_change_no_token(device_kind, artifacts, kind, reci
             assert run_lanes(build.runner, prompts, 16) == want, (last, graphs)
         speculative = cuda_build(device_kind, path, branches=True, side_work_last=last, draft_tokens=3, **settings)
         assert run_lanes(speculative.runner, prompts, 16) == want_mtp, last
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
+    """Capacity.programmatic_launch (the tensor-core quantized GEMVs start while the kernel before them finishes and
+    wait for it before reading x or the expert ids): the same tokens as normal launches, graphs and eager, with the
+    branches, and greedy MTP. On the GPU this is the check that no GEMV reads an activation before its producer
+    completed."""
+    path = artifacts[(kind, "ninfer-v2")]
+    prompts = [prompt(7, 9), prompt(8, 31), prompt(9, 17)]
+    settings = dict(decode_linear="cublas", decode_quant="mma")
+    want = run_lanes(cuda_build(device_kind, path, **settings).runner, prompts, 16)
+    for graphs in (True, False):
+        build = cuda_build(device_kind, path, graphs=graphs, programmatic_launch=True, **settings)
+        assert build.model.linear.programmatic
+        assert run_lanes(build.runner, prompts, 16) == want, graphs
+    want_mtp = run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16)
+    speculative = cuda_build(device_kind, path, draft_tokens=3, programmatic_launch=True, **settings)
+    assert run_lanes(speculative.runner, prompts, 16) == want_mtp
 
 
 def test_graph_replay_equals_eager_decode_and_batching_changes_nothing(device_kind, artifacts):

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CACHE = Path.home() / ".cache" / "ninfer-nvdisasm"
-SHOWN = re.compile(r"\b(LDG|STG|LDS|STS|LDGSTS|HMMA|BRA|BAR|WARPSYNC|SHFL|ATOM|RED)\b")
+SHOWN = re.compile(r"\b(LDG|STG|LDS|STS|LDGSTS|HMMA|BRA|BAR|WARPSYNC|SHFL|ATOM|RED|PREEXIT|ACQBULK)\b")
 
 
 def find_tool(name: str) -> str:

@@ -22,6 +22,7 @@ from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, 
                                          sigmoid_f32, store_word_at, store_words2_at, store_words4_at)
 from ninfer.kernels_numba.quant_mma import FRAGMENT_HALVES_PER_COLUMN, check_fragment_output, fragment_half
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.programmatic import allow_dependents
 
 ROW_THREADS = 256  # threads of a one-block-per-row kernel (8 warps)
 TILE = 256  # threads of the 2-D elementwise kernels (grid: column tiles x rows)
@@ -159,6 +160,7 @@ def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragm
 
 @kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
 def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, eps, offset):
+    allow_dependents()  # a projection of the normed rows may start loading its weights (`programmatic`)
     buf = cuda.shared.array(32, float32)
     values = cuda.local.array(NORM_ITEMS, float32)
     weights = cuda.local.array(NORM_ITEMS, float32)
@@ -227,6 +229,7 @@ def add_rms_norm_rows_reference(residual, delta, weight, *, eps, offset):
 @kernel((F32_2D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, int32), fastmath=False)
 def _silu_mul_kernel(gate_up, out, out_bf16, write_bf16, fragments, write_fragments, slots):
     """Row r of [R * slots, I] is slot r % slots of x row r // slots: its fragments are set r % slots."""
+    allow_dependents()  # the down projection may start loading its weights (`programmatic`)
     c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     r = cuda.blockIdx.x
     inter = out.shape[1]

@@ -25,6 +25,7 @@ from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softp
 from ninfer.kernels_numba.common import (FULL_MASK, WARP, bf16_target, blocks_for, f32_to_bf16,  # noqa: F401
                                          fragment_target, sigmoid_f32, warp_sum)  # (FULL_MASK: templates)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.programmatic import allow_dependents
 from ninfer.kernels_numba.quant_mma import check_fragment_output, fragment_half
 
 F32 = np.float32
@@ -488,6 +489,7 @@ _OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], 
 @kernel(_OUT_SIG)
 def _gdn_output_kernel(o, z_source, weight, result, result_bf16, write_bf16, fragments, write_fragments, v_heads,
                        v_dim, z_offset, eps):
+    allow_dependents()  # the output projection may start loading its weights (`programmatic`)
     item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
     rows = o.shape[0]

@@ -49,6 +49,7 @@ from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, 
                                          load_words2_at, load_words4_at, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
 
 TILE_ROWS = 16
 BLOCK = 64  # columns per (tile, block) fragment set: 4 mma k-steps
@@ -64,6 +65,7 @@ UNROLL = 2
 FORMAT_BITS = {Q4G64: 4, Q5G64: 5, Q6G64: 6, W8G32: 8}
 HIGH_WORDS = {4: 1, 5: 1, 6: 2, 8: 4}  # high-plane words per lane per (tile, block); Q4 keeps a 1-word dummy
 SCALE_WORDS = {4: 1, 5: 1, 6: 1, 8: 2}  # scale pairs per lane per (tile, block)
+WEIGHTS, X = 1, 2  # `make_tile_sums`' load_step parts
 BF16_ONE_PAIR = 0x3F803F80
 BF16_128_PAIR = 0x43004300
 
@@ -315,6 +317,7 @@ def check_fragment_output(rows: int, width: int, fragments, sets: int = 1) -> No
 def _x_fragments_kernel(x, out):
     """out[i] = the bf16 pair of `fragment_source` of word i of set i // set_words (x rows 8 set .. 8 set + 7; 0 for
     rows >= M)."""
+    allow_dependents()  # the projection that reads them may start loading its weights (`programmatic`)
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i >= out.shape[0]:
         return
@@ -406,15 +409,15 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
 
     @device_function
     def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
-                  clamp):
-        """Every load of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
-        `clamp`)."""
+                  clamp, part):
+        """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
+        `clamp`): `part` WEIGHTS (planes and scales), X (x fragments) or both (WEIGHTS | X)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
                 q = min(q, blocks - 1)
             q64 = int64(q)
-            for r in range(tiles):
+            for r in range(tiles if part & WEIGHTS else 0):
                 w0 = 4 * (r * unroll + u)
                 words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load_words4_at(
                     tile_base[r] + q64 * BASE_BLOCK)
@@ -429,7 +432,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                         highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load_words4_at(at)
                 for k in range(SW):
                     scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
-            for t in range(sets):  # block q's x fragments of every set
+            for t in range(sets if part & X else 0):  # block q's x fragments of every set
                 at = x_lane + t * set_bytes + q64 * X_BLOCK
                 x0 = 8 * (u * sets + t)
                 xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
@@ -534,14 +537,23 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
             acc[a] = float32(0.0)
         q0 = warp
         full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
+        if q0 < full:  # the first step's weights stream in while the kernels before this one finish
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False, WEIGHTS)
+        wait_for_prior_grids()  # x, the expert ids and y are theirs until they complete (a programmatic launch)
+        if q0 < full:
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False, X)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
+            q0 += warps * unroll
         while q0 < full:
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      blocks, False)
+                      blocks, False, WEIGHTS | X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         while q0 < blocks:  # the warp's last step lacks blocks: at most one
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      blocks, True)
+                      blocks, True, WEIGHTS | X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         for a in range(ACC):
@@ -581,6 +593,7 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
         """xf: x fragments (`x_fragments`); base/high/scales: the planes of `repack_quant_mma`."""
+        allow_dependents()
         partials = cuda.shared.array(0, float32)
         M = y.shape[0]
         N = int32(y.shape[1])
@@ -614,6 +627,8 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
         """y[row, slot, n] = x(row, slot) . W[ids[row, slot] * rpe + n] (rpe = y.shape[2], a multiple of 16: an
         expert's rows are whole tiles of the stacked layout); x(row, slot) is column `row` of fragment set
         slot * x_set_words (0: one set that every slot shares)."""
+        allow_dependents()
+        wait_for_prior_grids()  # the router wrote ids: no weight address is known before it completes
         partials = cuda.shared.array(0, float32)
         slot = int32(cuda.blockIdx.y)
         row = int32(cuda.blockIdx.z)
@@ -640,12 +655,13 @@ QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, sets=sets)
 QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
 
 
-def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, _kernel=None,
-                     tiles: int = TILES, warps: int = WARPS, sets: int | None = None) -> None:
+def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, programmatic: bool = False,
+                     _kernel=None, tiles: int = TILES, warps: int = WARPS, sets: int | None = None) -> None:
     """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8 ROW_SETS, x given as its fragments (`x_fragments`): one
-    launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe. (`_kernel`
-    with its `tiles`, `warps`, `sets`: a variant from `make_quant_mma_kernel`, for benchmarks and
-    tests.)"""
+    launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe.
+    `programmatic`: a programmatic dependent launch (`programmatic`): the first weights load while the kernel before
+    finishes. (`_kernel` with its `tiles`, `warps`, `sets`: a variant from `make_quant_mma_kernel`, for benchmarks
+    and tests.)"""
     M, N = y.shape
     K = qw.shape[1]
     sets = x_sets(M) if sets is None else sets
@@ -658,8 +674,8 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     bits = FORMAT_BITS[qw.fmt]
     fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[bits, sets]
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
-    fn[grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets)](
-        xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(1 if accumulate else 0))
+    launch(fn, grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets), xf, qw.base, qw.high, qw.scales, y,
+           int32(qw.blocks), int32(1 if accumulate else 0), programmatic=programmatic)
 
 
 def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape: tuple[int, int],
@@ -683,12 +699,14 @@ def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape
 
 
 def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool,
-                              stream, _kernel=None, tiles: int = TILES, warps: int = WARPS) -> None:
+                              stream, programmatic: bool = False, _kernel=None, tiles: int = TILES,
+                              warps: int = WARPS) -> None:
     """MoE decode: y[m, s, :] = X(m, s) @ W_e^T, e = expert_ids[m, s] (int32 [M <= 8, S]), W_e = rows e * rpe ..
     (e + 1) * rpe - 1 of the stacked matrix qw [E * rpe, K] (rpe % 16 == 0); y float32 [M, S, rpe]. X(m, s) comes
     as fragments: of x [M, K] (`x_fragments`, every slot of a row reads that row) or, x_per_slot, of x [M, S, K]
     (`x_slot_fragments`, one set per slot). Each (m, s) equals bitwise row m of `linear_quant_mma` on expert e's
-    rows, whatever M. Capture-safe."""
+    rows, whatever M. Capture-safe. `programmatic`: a programmatic dependent launch (its blocks wait for the router's
+    ids, but start while the kernel before finishes)."""
     check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape, rows_per_expert=rows_per_expert,
                           x_per_slot=x_per_slot)
     M, S = expert_ids.shape
@@ -699,8 +717,8 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits]
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
-    fn[(groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps)](
-        xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(x_set_words))
+    launch(fn, (groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps), xf, qw.base, qw.high, qw.scales,
+           expert_ids, y, int32(qw.blocks), int32(x_set_words), programmatic=programmatic)
 
 
 DEQUANTIZE_THREADS = 256

@@ -119,6 +119,10 @@ def _bf16_pair_values(word) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def grid_dependency_no_op():
+    """`griddepcontrol.wait` / `.launch_dependents`: the simulator runs one grid at a time, in stream order."""
+
+
 def and_or(a, b, c):
     """`lop3.b32` with LUT 0xEA: (a & b) | c."""
     return np.uint32((int(a) & int(b)) | int(c))
@@ -344,6 +348,7 @@ STAND_INS = {
     "allow_dynamic_shared": allow_dynamic_shared, "load_word_at": load_word_at, "load_words2_at": load_words2_at,
     "load_words4_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
     "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2, "and_or": and_or,
+    "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,
     "half_pair_to_f32": half_pair_to_f32,
 }
 

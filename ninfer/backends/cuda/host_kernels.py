@@ -102,7 +102,7 @@ def x_slot_fragments(x, out, *, stream):
     out[:words] = _quant_mma.x_slot_fragments_reference(x)
 
 
-def linear_quant_mma(xf, qw, y, *, stream, accumulate=False):
+def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False):  # host launches run in order
     rows, K = y.shape[0], qw.shape[1]
     if rows > _quant_mma.MAX_X_ROWS * ROW_SETS or xf.shape[0] < _quant_mma.x_sets(rows) * x_fragment_words(K):
         raise ValueError(f"tensor-core linear: y{tuple(y.shape)} (at most {_quant_mma.MAX_X_ROWS * ROW_SETS} rows), "
@@ -111,7 +111,7 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False):
     y[...] = (y + out) if accumulate else out
 
 
-def linear_quant_mma_gathered(xf, qw, expert_ids, y, *, rows_per_expert, x_per_slot, stream):
+def linear_quant_mma_gathered(xf, qw, expert_ids, y, *, rows_per_expert, x_per_slot, stream, programmatic=False):
     _quant_mma.check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape,
                                      rows_per_expert=rows_per_expert, x_per_slot=x_per_slot)
     (rows, slots), K = expert_ids.shape, qw.shape[1]

@@ -35,7 +35,8 @@ from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
-from ninfer.backends.cuda.device import Device
+from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
+from ninfer.backends.cuda.device import CudaDevice, Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
 from ninfer.models.dflash import DFlashMismatchError
 from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
@@ -91,6 +92,10 @@ class Capacity:
     # 35B-A3B B=1 ninfer-v2 3.76 -> 3.36-3.55 ms, bf16 4.77 -> 4.27-4.31; B=8 7.48 -> 7.16, 10.18 -> 9.67; 27B
     # (no shared expert, only the small a/b projection to overlap) bf16 15.58 -> 15.99, ninfer-v2 9.38 -> 9.20.
     branches: bool | None = None
+    # Tensor-core quantized decode GEMVs launched programmatically (`kernels_numba.programmatic`): their blocks start
+    # while the kernel before finishes and load their first weights before waiting for it. Same kernels, same bits;
+    # off until bench/cuda_model.py --programmatic off,on has measured it on the GPU.
+    programmatic_launch: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.decode_linear not in ("cublas", "kernels"):
@@ -595,6 +600,7 @@ class Linear:
         self._device, self.blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
         self._stream = device.stream
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
+        self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
 
     def beside(self, side: Any, scratch: "SideScratch") -> Linear:
         """A Linear with this one's settings that launches on the side stream `side`, with its cuBLAS handle and
@@ -620,12 +626,14 @@ class Linear:
         if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if _tensor_core(w):
                 if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
-                    k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate)
+                    k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate,
+                                       programmatic=self.programmatic)
                     return
                 for first in range(0, rows, self.mma_launch_rows):  # a row's result is independent of the others
                     last = min(rows, first + self.mma_launch_rows)
                     k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
-                    k.linear_quant_mma(self._ws.x_fragments, w, y[first:last], stream=stream, accumulate=accumulate)
+                    k.linear_quant_mma(self._ws.x_fragments, w, y[first:last], stream=stream, accumulate=accumulate,
+                                       programmatic=self.programmatic)
             elif is_quantized(w):
                 k.linear_quant(x[:rows], w, y[:rows], stream=stream, accumulate=accumulate)
             else:
@@ -802,10 +810,17 @@ class CudaQwen:
         cublas = capacity.decode_linear == "cublas"
         self.linear = Linear(device, self.workspace, cublas_decode=cublas,
                              pad_rows=capacity.decode_rows if cublas else 0)
+        self.set_programmatic(capacity.programmatic_launch)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
+
+    def set_programmatic(self, on: bool) -> None:
+        """Capacity.programmatic_launch, switchable between steps like the branches."""
+        if on and isinstance(self.device, CudaDevice):
+            check_programmatic_launch()
+        self.linear.programmatic = on
 
     def set_branches(self, on: bool) -> None:
         """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
@@ -1239,7 +1254,8 @@ class CudaQwen:
         if _tensor_core(w):
             if x_fragments is not None and x.shape[0] <= MMA_ROWS:  # the producer of x wrote them
                 k.linear_quant_mma_gathered(x_fragments, w, ids, y, rows_per_expert=rows_per_expert,
-                                            x_per_slot=x_per_slot, stream=stream)
+                                            x_per_slot=x_per_slot, stream=stream,
+                                            programmatic=self.linear.programmatic)
                 return
             fragments, xf = ((k.x_slot_fragments, self.workspace.slot_x_fragments) if x_per_slot
                              else (k.x_fragments, self.workspace.x_fragments))
@@ -1247,7 +1263,8 @@ class CudaQwen:
                 last = min(x.shape[0], first + MMA_ROWS)
                 fragments(x[first:last], xf, stream=stream)
                 k.linear_quant_mma_gathered(xf, w, ids[first:last], y[first:last], rows_per_expert=rows_per_expert,
-                                            x_per_slot=x_per_slot, stream=stream)
+                                            x_per_slot=x_per_slot, stream=stream,
+                                            programmatic=self.linear.programmatic)
         elif is_quantized(w):
             k.linear_quant_gathered(x, w, ids, y, rows_per_expert=rows_per_expert, x_per_slot=x_per_slot,
                                     stream=stream)
