@@ -810,8 +810,8 @@ class CudaQwen:
         cublas = capacity.decode_linear == "cublas"
         self.linear = Linear(device, self.workspace, cublas_decode=cublas,
                              pad_rows=capacity.decode_rows if cublas else 0)
-        self.set_programmatic(capacity.programmatic_launch)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
+        self.set_programmatic(capacity.programmatic_launch)
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
@@ -820,7 +820,9 @@ class CudaQwen:
         """Capacity.programmatic_launch, switchable between steps like the branches."""
         if on and isinstance(self.device, CudaDevice):
             check_programmatic_launch()
-        self.linear.programmatic = on
+        for linear in (self.linear, self.dflash_linear):
+            if linear is not None:
+                linear.programmatic = on
 
     def set_branches(self, on: bool) -> None:
         """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
