@@ -274,6 +274,22 @@ def test_side_stream_branches_change_no_token(device_kind, artifacts, kind, reci
         assert run_lanes(speculative.runner, prompts, 16) == want_mtp, last
 
 
+def test_split_projections_decode_in_one_pair_launch(artifacts, monkeypatch):
+    """The dense ninfer-v2 recipe stores query|key (Q4) apart from gate|value and value|z (Q5): on the tensor-core
+    decode path each such projection is one `linear_quant_mma_pair` launch, and the tokens stay the CPU runner's."""
+    from ninfer.backends.cuda import host_kernels
+
+    calls = []
+    pair = host_kernels.linear_quant_mma_pair
+    monkeypatch.setattr(host_kernels, "linear_quant_mma_pair", lambda *a, **k: (calls.append(a[3].shape), pair(*a, **k)))
+    path = artifacts[("dense", "ninfer-v2")]
+    prompts = [prompt(10, 9), prompt(11, 20)]
+    got = run_lanes(cuda_build("host", path, decode_linear="cublas", decode_quant="mma").runner, prompts, 6)
+    # decode steps (1-2 rows) and these short prompts' prefill (up to 32 rows: one launch of 4 fragment sets)
+    assert {rows for rows, _ in calls} >= {1, 2, 9} and max(rows for rows, _ in calls) <= 32
+    assert got == run_lanes(cpu_runner(path), prompts, 6)
+
+
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     """Capacity.programmatic_launch (the tensor-core quantized GEMVs start while the kernel before them finishes and

@@ -650,9 +650,54 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
     return quant_mma_gathered_kernel
 
 
+def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
+    """One launch for a projection stored as two row blocks in two formats (`SplitMatrix`: the 27B ninfer-v2 recipe
+    keeps query|key in Q4 and gate|value or value|z in Q5), both read from the same x fragments: blocks below the
+    first part's tile count run its `make_tile_sums`, the others the second's, and each writes its rows' columns of
+    y. Every output is the same code and order as `linear_quant_mma` of its part (the same bits), without the second
+    launch, its scratch and the join."""
+    TILE_ACC = 4
+    ACC = TILE_ACC * sets
+    sums_a = make_tile_sums(bits_a, 1, WARPS, UNROLL, sets)
+    sums_b = make_tile_sums(bits_b, 1, WARPS, UNROLL, sets)
+
+    @kernel((uint32[::1],) * 7 + (float32[:, ::1], int32, int32), fastmath=False)
+    def quant_mma_pair_kernel(xf, base_a, high_a, scales_a, base_b, high_b, scales_b, y, blocks, rows_a):
+        """y[:, :rows_a] = x W_a^T, y[:, rows_a:] = x W_b^T (planes of `repack_quant_mma` each)."""
+        allow_dependents()
+        partials = cuda.shared.array(0, float32)
+        M = y.shape[0]
+        N = int32(y.shape[1])
+        tiles_a = (rows_a + 15) >> 4
+        tile = int32(cuda.blockIdx.x)
+        acc = cuda.local.array(ACC, float32)
+        if tile < tiles_a:  # block-uniform: the barriers inside the sums see every thread of the block
+            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks)
+            first = tile * TILE_ROWS
+            end = rows_a
+        else:
+            sums_b(acc, partials, xf, int32(0), base_b, high_b, scales_b, tile - tiles_a,
+                   ((N - rows_a + 15) >> 4) - 1, blocks)
+            first = rows_a + (tile - tiles_a) * TILE_ROWS
+            end = N
+        if cuda.threadIdx.x < 32:
+            lane = int32(cuda.threadIdx.x)
+            for a in range(ACC):
+                row, column = c_position(a % TILE_ACC, lane)
+                m = MAX_X_ROWS * (a // TILE_ACC) + column
+                n = first + row
+                if m < M and n < end:
+                    y[m, n] = acc[a]
+
+    return quant_mma_pair_kernel
+
+
 QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, sets=sets)
                      for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
 QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
+# The format pairs the recipes split projections into (convert/qwen_hf.py: Q4 query|key beside Q5 gate|value and
+# value|z); other pairs run as two launches.
+QUANT_MMA_PAIR_KERNELS = {(4, 5, sets): make_quant_mma_pair_kernel(4, 5, sets) for sets in range(1, ROW_SETS + 1)}
 
 
 def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = False, programmatic: bool = False,
@@ -676,6 +721,32 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
     launch(fn, grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets), xf, qw.base, qw.high, qw.scales, y,
            int32(qw.blocks), int32(1 if accumulate else 0), programmatic=programmatic)
+
+
+def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:
+    """Whether `linear_quant_mma_pair` takes these two row blocks (their formats are a compiled pair)."""
+    return (FORMAT_BITS[first.fmt], FORMAT_BITS[second.fmt], 1) in QUANT_MMA_PAIR_KERNELS and (
+        first.shape[1] == second.shape[1])
+
+
+def linear_quant_mma_pair(xf, first: QuantMmaWeight, second: QuantMmaWeight, y, *, stream,
+                          programmatic: bool = False) -> None:
+    """y[M, :N1] = x @ W1^T and y[M, N1:] = x @ W2^T in one launch (`make_quant_mma_pair_kernel`; M <= 8 ROW_SETS),
+    x given as its fragments: bitwise two `linear_quant_mma` calls joined side by side. Capture-safe."""
+    M, N = y.shape
+    K = first.shape[1]
+    sets = x_sets(M)
+    if not has_pair_kernel(first, second) or N != first.shape[0] + second.shape[0] or sets > ROW_SETS or (
+            xf.shape[0] < sets * x_fragment_words(K)):
+        raise ValueError(f"tensor-core pair: W1{first.shape} {first.fmt}, W2{second.shape} {second.fmt}, "
+                         f"y{tuple(y.shape)} (M <= {MAX_X_ROWS * ROW_SETS}), {xf.shape[0]} x words")
+    if M == 0:
+        return
+    fn = QUANT_MMA_PAIR_KERNELS[FORMAT_BITS[first.fmt], FORMAT_BITS[second.fmt], sets]
+    grid = -(-first.shape[0] // TILE_ROWS) + -(-second.shape[0] // TILE_ROWS)
+    launch(fn, grid, 32 * WARPS, stream, _partials_bytes(1, WARPS, sets), xf, first.base, first.high, first.scales,
+           second.base, second.high, second.scales, y, int32(first.blocks), int32(first.shape[0]),
+           programmatic=programmatic)
 
 
 def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape: tuple[int, int],

@@ -206,6 +206,23 @@ def quant_mma() -> None:
                                                           x_per_slot=per_slot)
             assert _rel(y, want) < 1e-5, (fmt, per_slot, _rel(y, want))
         print("ok quant_mma", fmt, flush=True)
+    # A split projection in one launch (Q4 rows beside Q5 rows, partial last tiles in both): bitwise the two
+    # single-format launches side by side
+    parts = []
+    for fmt, rows_of_part in ((Q4G64, 20), (Q5G64, 24)):
+        payload = codec.encode_buffer(rng.standard_normal((rows_of_part, 128)).astype(np.float32) * 0.05, fmt)
+        parts.append(qm.upload_quant_mma(fmt, (rows_of_part, 128), payload))
+    for rows in (3, 9):
+        x = rng.standard_normal((rows, 128)).astype(np.float32)
+        fragments = np.zeros(qm.x_sets(rows) * qm.x_fragment_words(128), np.uint32)
+        qm.x_fragments(x, fragments, stream=0)
+        y = np.full((rows, 44), np.nan, np.float32)
+        qm.linear_quant_mma_pair(fragments, parts[0], parts[1], y, stream=0)
+        singles = [np.full((rows, part.shape[0]), np.nan, np.float32) for part in parts]
+        for part, single in zip(parts, singles):
+            qm.linear_quant_mma(fragments, part, single, stream=0)
+        assert np.array_equal(y, np.hstack(singles)), rows
+    print("ok quant_mma pair", flush=True)
 
 
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,

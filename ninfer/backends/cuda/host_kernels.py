@@ -111,6 +111,19 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False)
     y[...] = (y + out) if accumulate else out
 
 
+def has_pair_kernel(first, second):
+    return _quant_mma.has_pair_kernel(first, second)
+
+
+def linear_quant_mma_pair(xf, first, second, y, *, stream, programmatic=False):
+    if not has_pair_kernel(first, second) or y.shape[1] != first.shape[0] + second.shape[0]:
+        raise ValueError(f"tensor-core pair: W1{first.shape} {first.fmt}, W2{second.shape} {second.fmt}, "
+                         f"y{tuple(y.shape)}")
+    rows = first.shape[0]
+    linear_quant_mma(xf, first, y[:, :rows], stream=stream)
+    linear_quant_mma(xf, second, y[:, rows:], stream=stream)
+
+
 def linear_quant_mma_gathered(xf, qw, expert_ids, y, *, rows_per_expert, x_per_slot, stream, programmatic=False):
     _quant_mma.check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape,
                                      rows_per_expert=rows_per_expert, x_per_slot=x_per_slot)

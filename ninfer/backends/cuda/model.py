@@ -690,6 +690,12 @@ class Linear:
         if x_fragments is None and rows <= self.mma_launch_rows and self._reads_fragments(w, rows):
             x_fragments = self._ws.x_fragments  # one conversion for both blocks
             self._k.x_fragments(x[:rows], x_fragments, stream=self._stream)
+        first, second = w.parts
+        if (x_fragments is not None and rows <= min(self.mma_launch_rows, SKINNY_ROWS) and _tensor_core(first)
+                and _tensor_core(second) and self._k.has_pair_kernel(first, second)):
+            self._k.linear_quant_mma_pair(x_fragments, first, second, y[:rows], stream=self._stream,
+                                          programmatic=self.programmatic)  # one launch, no join
+            return
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
             out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
             self(x, part, out, rows=rows, x_fragments=x_fragments)
