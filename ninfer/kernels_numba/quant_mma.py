@@ -31,6 +31,9 @@ does the same per-block work (`make_tile_sums`) over the tiles of expert ids[m, 
 (`x_fragments`: every slot of row m reads row m) or, when each slot has its own input x [M, S, K], with fragment set
 s of `x_slot_fragments`; it keeps mma column m and drops the others (decode is bound by the weight bytes, not the
 tensor cores). A slot's result equals bitwise `linear_quant_mma` of its row on its expert's rows.
+
+Split projections (`linear_quant_mma_pair`): a projection stored as two row blocks in two formats runs as one launch
+whose blocks each take a tile of one part; bitwise the two single launches side by side.
 """
 
 from __future__ import annotations
@@ -704,8 +707,8 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
                      _kernel=None, tiles: int = TILES, warps: int = WARPS, sets: int | None = None) -> None:
     """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8 ROW_SETS, x given as its fragments (`x_fragments`): one
     launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe.
-    `programmatic`: a programmatic dependent launch (`programmatic`): the first weights load while the kernel before
-    finishes. (`_kernel` with its `tiles`, `warps`, `sets`: a variant from `make_quant_mma_kernel`, for benchmarks
+    `programmatic`: a programmatic dependent launch (module `programmatic`): the first weights load while the kernel
+    before finishes. (`_kernel` with its `tiles`, `warps`, `sets`: a variant from `make_quant_mma_kernel`, for benchmarks
     and tests.)"""
     M, N = y.shape
     K = qw.shape[1]

@@ -682,8 +682,8 @@ class Linear:
         return rows > SKINNY_ROWS or (isinstance(w, Bf16Matrix) and self.cublas_decode)
 
     def _split(self, x: Any, w: SplitMatrix, y: Any, rows: int, accumulate: bool, x_fragments: Any) -> None:
-        """Both row blocks into scratch rows, then joined side by side into y (two blocks: every fused projection
-        of the 27B inventory has exactly two)."""
+        """Two row blocks (every split projection of the 27B inventory has exactly two): on the tensor-core decode
+        path one pair launch writes both into y; otherwise each block into scratch rows, then joined side by side."""
         if accumulate or len(w.parts) != 2:
             raise ValueError("a split projection must have two blocks and overwrite its output")
         capacity, outputs = min(x.shape[0], y.shape[0]), []
