@@ -343,8 +343,10 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
 @pytest.mark.slow
 def test_kernels_match_their_twins_in_the_cuda_simulator():
     """Every format's x fragments, GEMV (one and two fragment sets, accumulating), gathered MoE GEMV (shared and
-    per-slot x) and dequantization, their own source run thread by thread with the mma, packed bf16 fma and global
-    loads emulated (about 15 s)."""
+    per-slot x) and dequantization, and the Q4|Q5 pair launch (bitwise the two single launches), their own source run
+    thread by thread with the mma, packed bf16 fma and global loads emulated (about 20 s)."""
     from tests.support.simulated_kernels import run
 
-    assert run("quant_mma").count("ok quant_mma") == len(FORMATS)
+    lines = run("quant_mma").splitlines()
+    assert [line for line in lines if line.startswith("ok quant_mma ")] == [
+        f"ok quant_mma {fmt}" for fmt in FORMATS] + ["ok quant_mma pair"]
