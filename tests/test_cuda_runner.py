@@ -305,7 +305,8 @@ def test_split_projections_decode_in_one_pair_launch(artifacts, monkeypatch):
 
     calls = []
     pair = host_kernels.linear_quant_mma_pair
-    monkeypatch.setattr(host_kernels, "linear_quant_mma_pair", lambda *a, **k: (calls.append(a[3].shape), pair(*a, **k)))
+    monkeypatch.setattr(host_kernels, "linear_quant_mma_pair",
+                        lambda *a, **k: (calls.append(a[3].shape), pair(*a, **k)))
     path = artifacts[("dense", "ninfer-v2")]
     prompts = [prompt(10, 9), prompt(11, 20)]
     got = run_lanes(cuda_build("host", path, decode_linear="cublas", decode_quant="mma").runner, prompts, 6)

@@ -83,16 +83,16 @@ def main() -> None:
     folder = Path(args.out or tempfile.mkdtemp(prefix="ninfer-sass-"))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "kernel.ptx").write_text(ptx)
-    report = subprocess.run([ptxas, "-arch=sm_90", "-v", str(folder / "kernel.ptx"), "-o", str(folder / "kernel.cubin")],
-                            capture_output=True, text=True, check=True).stderr
+    report = subprocess.run([ptxas, "-arch=sm_90", "-v", str(folder / "kernel.ptx"), "-o",
+                             str(folder / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
     sass = subprocess.run([find_tool("nvdisasm"), "-c", str(folder / "kernel.cubin")], capture_output=True, text=True,
                           check=True).stdout
     (folder / "kernel.sass").write_text(sass)
     lines = [line.strip() for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
     print(entry.name, signature)
     print("\n".join(line for line in report.splitlines() if "registers" in line or "spill" in line))
-    mix = collections.Counter(re.sub(r"^/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split(" ")[0].split(".")[0].rstrip(";")
-                              for line in lines)
+    opcodes = (re.sub(r"^/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split(" ")[0] for line in lines)
+    mix = collections.Counter(opcode.split(".")[0].rstrip(";") for opcode in opcodes)
     print(f"{len(lines)} instructions: " + ", ".join(f"{op} {n}" for op, n in mix.most_common(16)))
     for line in lines:
         if SHOWN.search(line):

@@ -579,6 +579,30 @@ def c_position(a, lane):
     return (a >> 2) * TILE_ROWS + (lane >> 2) + 8 * ((a & 3) >> 1), 2 * (lane & 3) + (a & 1)
 
 
+def make_store_sums(tiles: int, sets: int):
+    """The epilogue of the plain and pair kernels: warp 0 writes (or adds, `accumulate`) its summed C registers for
+    output rows first_row.. (the block's tiles) and every x row of the `sets` fragment sets, rows past `end` and x
+    rows past y's dropped."""
+    TILE_ACC = 4 * tiles
+    ACC = TILE_ACC * sets
+
+    @device_function
+    def store_sums(y, acc, first_row, end, accumulate):
+        if cuda.threadIdx.x < 32:
+            lane = int32(cuda.threadIdx.x)
+            for a in range(ACC):
+                row, column = c_position(a % TILE_ACC, lane)
+                m = MAX_X_ROWS * (a // TILE_ACC) + column
+                n = first_row + row
+                if m < y.shape[0] and n < end:
+                    if accumulate != 0:
+                        y[m, n] += acc[a]
+                    else:
+                        y[m, n] = acc[a]
+
+    return store_sums
+
+
 def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
     """Shared memory where a block's warps meet (`make_tile_sums`)."""
     return warps * 4 * tiles * sets * 32 * 4
@@ -592,28 +616,18 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
     tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets)
+    store_sums = make_store_sums(tiles, sets)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
         """xf: x fragments (`x_fragments`); base/high/scales: the planes of `repack_quant_mma`."""
         allow_dependents()
         partials = cuda.shared.array(0, float32)
-        M = y.shape[0]
         N = int32(y.shape[1])
         tile0 = int32(cuda.blockIdx.x) * tiles
         acc = cuda.local.array(ACC, float32)
         tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks)
-        if cuda.threadIdx.x < 32:
-            lane = int32(cuda.threadIdx.x)
-            for a in range(ACC):
-                row, column = c_position(a % TILE_ACC, lane)
-                m = MAX_X_ROWS * (a // TILE_ACC) + column
-                n = tile0 * TILE_ROWS + row
-                if m < M and n < N:
-                    if accumulate != 0:
-                        y[m, n] += acc[a]
-                    else:
-                        y[m, n] = acc[a]
+        store_sums(y, acc, tile0 * TILE_ROWS, N, accumulate)
 
     return quant_mma_kernel
 
@@ -659,17 +673,16 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
     first part's tile count run its `make_tile_sums`, the others the second's, and each writes its rows' columns of
     y. Every output is the same code and order as `linear_quant_mma` of its part (the same bits), without the second
     launch, its scratch and the join."""
-    TILE_ACC = 4
-    ACC = TILE_ACC * sets
+    ACC = 4 * sets
     sums_a = make_tile_sums(bits_a, 1, WARPS, UNROLL, sets)
     sums_b = make_tile_sums(bits_b, 1, WARPS, UNROLL, sets)
+    store_sums = make_store_sums(1, sets)
 
     @kernel((uint32[::1],) * 7 + (float32[:, ::1], int32, int32), fastmath=False)
     def quant_mma_pair_kernel(xf, base_a, high_a, scales_a, base_b, high_b, scales_b, y, blocks, rows_a):
         """y[:, :rows_a] = x W_a^T, y[:, rows_a:] = x W_b^T (planes of `repack_quant_mma` each)."""
         allow_dependents()
         partials = cuda.shared.array(0, float32)
-        M = y.shape[0]
         N = int32(y.shape[1])
         tiles_a = (rows_a + 15) >> 4
         tile = int32(cuda.blockIdx.x)
@@ -683,14 +696,7 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
                    ((N - rows_a + 15) >> 4) - 1, blocks)
             first = rows_a + (tile - tiles_a) * TILE_ROWS
             end = N
-        if cuda.threadIdx.x < 32:
-            lane = int32(cuda.threadIdx.x)
-            for a in range(ACC):
-                row, column = c_position(a % TILE_ACC, lane)
-                m = MAX_X_ROWS * (a // TILE_ACC) + column
-                n = first + row
-                if m < M and n < end:
-                    y[m, n] = acc[a]
+        store_sums(y, acc, first, end, 0)
 
     return quant_mma_pair_kernel
 
@@ -708,8 +714,8 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     """y[M, N] (+)= x[M, K] @ W^T, M = y.shape[0] <= 8 ROW_SETS, x given as its fragments (`x_fragments`): one
     launch reads the weights once for every set. Row m's result is the same whatever M. Capture-safe.
     `programmatic`: a programmatic dependent launch (module `programmatic`): the first weights load while the kernel
-    before finishes. (`_kernel` with its `tiles`, `warps`, `sets`: a variant from `make_quant_mma_kernel`, for benchmarks
-    and tests.)"""
+    before finishes. (`_kernel` with its `tiles`, `warps`, `sets`: a variant from `make_quant_mma_kernel`, for
+    benchmarks and tests.)"""
     M, N = y.shape
     K = qw.shape[1]
     sets = x_sets(M) if sets is None else sets
@@ -732,17 +738,23 @@ def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:
         first.shape[1] == second.shape[1])
 
 
+def check_pair_shapes(x_words: int, first: QuantMmaWeight, second: QuantMmaWeight, y_shape: tuple[int, int]) -> None:
+    """The ValueError of `linear_quant_mma_pair` (and its host twin) for parts or shapes it cannot run."""
+    M, N = y_shape
+    sets = x_sets(M)
+    if not has_pair_kernel(first, second) or N != first.shape[0] + second.shape[0] or sets > ROW_SETS or (
+            x_words < sets * x_fragment_words(first.shape[1])):
+        raise ValueError(f"tensor-core pair: W1{first.shape} {first.fmt}, W2{second.shape} {second.fmt}, "
+                         f"y{tuple(y_shape)} (M <= {MAX_X_ROWS * ROW_SETS}), {x_words} x words")
+
+
 def linear_quant_mma_pair(xf, first: QuantMmaWeight, second: QuantMmaWeight, y, *, stream,
                           programmatic: bool = False) -> None:
     """y[M, :N1] = x @ W1^T and y[M, N1:] = x @ W2^T in one launch (`make_quant_mma_pair_kernel`; M <= 8 ROW_SETS),
     x given as its fragments: bitwise two `linear_quant_mma` calls joined side by side. Capture-safe."""
-    M, N = y.shape
-    K = first.shape[1]
+    check_pair_shapes(xf.shape[0], first, second, y.shape)
+    M = y.shape[0]
     sets = x_sets(M)
-    if not has_pair_kernel(first, second) or N != first.shape[0] + second.shape[0] or sets > ROW_SETS or (
-            xf.shape[0] < sets * x_fragment_words(K)):
-        raise ValueError(f"tensor-core pair: W1{first.shape} {first.fmt}, W2{second.shape} {second.fmt}, "
-                         f"y{tuple(y.shape)} (M <= {MAX_X_ROWS * ROW_SETS}), {xf.shape[0]} x words")
     if M == 0:
         return
     fn = QUANT_MMA_PAIR_KERNELS[FORMAT_BITS[first.fmt], FORMAT_BITS[second.fmt], sets]

@@ -116,9 +116,7 @@ def has_pair_kernel(first, second):
 
 
 def linear_quant_mma_pair(xf, first, second, y, *, stream, programmatic=False):
-    if not has_pair_kernel(first, second) or y.shape[1] != first.shape[0] + second.shape[0]:
-        raise ValueError(f"tensor-core pair: W1{first.shape} {first.fmt}, W2{second.shape} {second.fmt}, "
-                         f"y{tuple(y.shape)}")
+    _quant_mma.check_pair_shapes(xf.shape[0], first, second, y.shape)
     rows = first.shape[0]
     linear_quant_mma(xf, first, y[:, :rows], stream=stream)
     linear_quant_mma(xf, second, y[:, rows:], stream=stream)
