@@ -187,12 +187,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.set_branches(side)
         model.set_programmatic(pdl)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
-        # rows; 0: no padding), each cuBLAS form optionally "+skinny:MB" (bf16 matrices up to MB MiB on the skinny
-        # kernels). The Linear reads these settings at every call: no rebuild needed.
-        base, _, skinny_mib = linear.partition("+skinny:")
-        model.linear.cublas_decode = base.startswith("cublas")
-        model.linear.pad_rows = int(base.split(":")[1]) if ":" in base else capacity.decode_rows
-        model.linear.skinny_bf16_bytes = int(float(skinny_mib) * 2**20) if skinny_mib else 0
+        # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
+        model.linear.cublas_decode = linear.startswith("cublas")
+        model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else capacity.decode_rows
         for batch in batches:
             setup_lanes(model, batch, context)
 
@@ -219,7 +216,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
-            if profile and batch in (1, 8) and base in ("cublas", "kernels"):
+            if profile and batch in (1, 8) and linear in ("cublas", "kernels"):
                 from bench.kernel_profile import print_profile, profile_replays
 
                 kernels = profile_replays(lambda: graph.replay(device.stream_handle), device.synchronize)
@@ -228,7 +225,6 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             graph.close()
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
-    model.linear.skinny_bf16_bytes = 0
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
     model.set_programmatic(programmatic[-1])
     result["decode"] = decode
@@ -390,9 +386,7 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16")
     parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas",
                         help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
-                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded); a cuBLAS form with "
-                             "+skinny:MB keeps bf16 matrices of up to MB MiB on the skinny kernels (also timed for "
-                             "quantized recipes, whose router and a/b projections are bf16)")
+                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
     parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes to time (at most 8)")
     parser.add_argument("--prefill-attention", default="kernel,gemm",
                         help="8K prefill attention paths to time: kernel (the numba kernel), gemm (the tensor cores "
@@ -432,9 +426,7 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for kv in args.kv.split(","):
                 try:
-                    # quantized recipes: cuBLAS for their few bf16 matrices, and the +skinny forms asked for
-                    linears = (tuple(args.decode_linear.split(",")) if recipe == "bf16" else
-                               ("cublas",) + tuple(p for p in args.decode_linear.split(",") if "+skinny:" in p))
+                    linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("cublas",)
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
                                                           decode_linears=linears, profile=args.profile,
                                                           decode_only=args.decode_only,

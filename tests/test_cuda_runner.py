@@ -274,30 +274,6 @@ def test_side_stream_branches_change_no_token(device_kind, artifacts, kind, reci
         assert run_lanes(speculative.runner, prompts, 16) == want_mtp, last
 
 
-def test_small_bf16_matrices_can_stay_on_the_skinny_kernels_beside_cublas(artifacts, monkeypatch):
-    """Linear.skinny_bf16_bytes: with cuBLAS decode, bf16 matrices up to that size take the skinny kernels (fp32 x,
-    batch-invariant) and the larger ones cuBLAS. Above every matrix's size the tokens are those of the all-skinny
-    configuration; at 0 every bf16 matrix goes to cuBLAS."""
-    from ninfer.backends.cuda import host_kernels
-
-    path = artifacts[("moe", "bf16")]
-    prompts = [prompt(12, 9), prompt(13, 20)]
-    skinny = []
-    linear_bf16 = host_kernels.linear_bf16
-    monkeypatch.setattr(host_kernels, "linear_bf16", lambda x, w, *a, **k: (skinny.append(w.nbytes),
-                                                                           linear_bf16(x, w, *a, **k)))
-    want = run_lanes(cuda_build("host", path, decode_linear="kernels").runner, prompts, 6)
-    assert skinny
-    for limit, expect_skinny in ((1 << 40, True), (0, False)):
-        skinny.clear()
-        build = cuda_build("host", path, decode_linear="cublas")
-        build.model.linear.skinny_bf16_bytes = limit
-        got = run_lanes(build.runner, prompts, 6)
-        assert bool(skinny) == expect_skinny, limit
-        if expect_skinny:
-            assert got == want
-
-
 def test_split_projections_decode_in_one_pair_launch(artifacts, monkeypatch):
     """The dense ninfer-v2 recipe stores query|key (Q4) apart from gate|value and value|z (Q5): on the tensor-core
     decode path each such projection is one `linear_quant_mma_pair` launch, and the tokens stay the CPU runner's."""

@@ -601,11 +601,6 @@ class Linear:
         self._stream = device.stream
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
         self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
-        # With cublas_decode, bf16 matrices of at most this many bytes still take the skinny kernels at decode rows
-        # (fp32 x, no conversion launch): a 35B-A3B router or a/b projection is 0.25-1 MB, where a cuBLAS call and
-        # its input conversion cost 8-9 us. 0: every bf16 matrix goes to cuBLAS. bench/cuda_model.py
-        # --decode-linear cublas+skinny:MB measures it.
-        self.skinny_bf16_bytes = 0
 
     def beside(self, side: Any, scratch: "SideScratch") -> Linear:
         """A Linear with this one's settings that launches on the side stream `side`, with its cuBLAS handle and
@@ -628,7 +623,7 @@ class Linear:
         if isinstance(w, SplitMatrix):
             self._split(x, w, y, rows, accumulate, x_fragments)
             return
-        if rows <= SKINNY_ROWS and (is_quantized(w) or not self._cublas_bf16(w)):
+        if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if _tensor_core(w):
                 if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
                     k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate,
@@ -684,12 +679,7 @@ class Linear:
         converts per block)."""
         if isinstance(w, SplitMatrix):
             return False
-        return rows > SKINNY_ROWS or (isinstance(w, Bf16Matrix) and self._cublas_bf16(w))
-
-    def _cublas_bf16(self, w: Matrix) -> bool:
-        """Whether a bf16 matrix goes to cuBLAS at decode rows (the same answer at every row count up to
-        SKINNY_ROWS: batch invariance holds per matrix)."""
-        return self.cublas_decode and w.nbytes > self.skinny_bf16_bytes
+        return rows > SKINNY_ROWS or (isinstance(w, Bf16Matrix) and self.cublas_decode)
 
     def _split(self, x: Any, w: SplitMatrix, y: Any, rows: int, accumulate: bool, x_fragments: Any) -> None:
         """Two row blocks (every split projection of the 27B inventory has exactly two): on the tensor-core decode
