@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("-o", "--out", help="folder that keeps the .ptx, .cubin and .sass")
     args = parser.parse_args()
 
-    from ninfer.kernels_numba.numba_setup import COMPUTE_CAPABILITY, cuda
+    from ninfer.kernels_numba.numba_setup import hopper_ptx
     from tests.support.ptx_cases import cases
 
     found = [(entry, i, signature) for entry, i, signature in cases() if args.name in entry.name]
@@ -76,8 +76,7 @@ def main() -> None:
             print(f"{n:3d}  {entry.name} (registration {entry.key[1]}, signature {i}): {signature}")
         return
     entry, _, signature = found[args.index]
-    options = {k: v for k, v in entry.options.items() if k in ("fastmath", "lineinfo", "debug", "opt")}
-    ptx, _ = cuda.compile_ptx(entry.function, signature, cc=COMPUTE_CAPABILITY, **options)
+    ptx = hopper_ptx(entry.function, signature, entry.options)
     ptxas = find_tool("ptxas")
     ptx = re.sub(r"^\.version [0-9.]+", f".version {ptxas_isa(ptxas)}", ptx, count=1, flags=re.M)
     folder = Path(args.out or tempfile.mkdtemp(prefix="ninfer-sass-"))

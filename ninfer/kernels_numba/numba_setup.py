@@ -6,6 +6,7 @@ here, before numba is imported, and nowhere else: every kernel module imports `c
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 
 import attrs
@@ -14,7 +15,7 @@ import numpy
 if not hasattr(numpy, "row_stack"):
     numpy.row_stack = numpy.vstack
 
-from numba import cuda  # noqa: E402  (after the shim on purpose)
+from numba import config, cuda  # noqa: E402  (after the shim on purpose)
 
 COMPUTE_CAPABILITY = (9, 0)  # H100/H200
 
@@ -50,8 +51,47 @@ def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], A
 
 
 def device_function(function: Callable[..., Any]) -> Any:
-    """An inlined `cuda.jit(device=True)` helper."""
+    """An inlined `cuda.jit(device=True)` helper, inlined by numba into its caller's IR before typing."""
     return cuda.jit(device=True, inline=True)(function)
+
+
+def large_device_function(function: Callable[..., Any]) -> Any:
+    """A `cuda.jit(device=True)` helper that NVVM inlines (`forceinline`: LLVM's alwaysinline), for the large nested
+    helpers of the quantized linear kernels.
+
+    Why: numba's own inlining deep-copies the callee's IR into every call site, which took the tensor-core GEMVs 8-22 s
+    each to PTX (the pair kernel 21 s) and kept the GPU runner tests compiling for minutes; NVVM's takes 1.5-4 s and
+    gives those kernels the same SASS (registers and instruction counts, bench/cuda_notes.md, session 11). Not the
+    default: the flash attention kernel went from 228 registers to 255 plus a 40-byte stack with NVVM inlining of its
+    small helpers. The CUDA simulator runs Python and takes no inlining option."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit(device=True)(function)
+    return cuda.jit(device=True, forceinline=True)(function)
+
+
+def hopper_ptx(function: Callable[..., Any], signature: Any, options: dict[str, Any]) -> str:
+    """A kernel's PTX for sm_90, on a machine with or without a GPU (CI's compile check, tools/sass.py).
+
+    numba-cuda compiles a called device function for the current device's compute capability, which asks the
+    driver; on a machine without one, the device functions are compiled for COMPUTE_CAPABILITY, as the kernel is."""
+    from numba.cuda import dispatcher
+    from numba.cuda.cudadrv.error import CudaSupportError
+
+    current_device = dispatcher.get_current_device
+
+    def current_or_hopper() -> Any:
+        try:
+            return current_device()
+        except CudaSupportError:
+            return types.SimpleNamespace(compute_capability=COMPUTE_CAPABILITY)
+
+    kept = {k: v for k, v in options.items() if k in ("fastmath", "lineinfo", "debug", "opt")}
+    dispatcher.get_current_device = current_or_hopper
+    try:
+        ptx, _ = cuda.compile_ptx(function, signature, cc=COMPUTE_CAPABILITY, **kept)
+    finally:
+        dispatcher.get_current_device = current_device
+    return ptx
 
 
 _DYNAMIC_SHARED_SET: set[tuple[int, int, int]] = set()

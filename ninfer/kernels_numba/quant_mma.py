@@ -51,7 +51,7 @@ from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
                                          load_words2_at, load_words4_at, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
 
 TILE_ROWS = 16
@@ -410,7 +410,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     SCALE_BLOCK = SW * 8 * 4
     X_BLOCK = FRAGMENT_WORDS * 4
 
-    @device_function
+    @large_device_function
     def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
                   clamp, part):
         """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
@@ -441,7 +441,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                 xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
                 xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
 
-    @device_function
+    @large_device_function
     def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
         """Add the step's blocks (those that exist) to acc: per tile and block, the mma chain of its k-steps times
         the block's scales, for each set (the A fragment of a k-step decoded once)."""
@@ -517,7 +517,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 2] += s_hi * chain[4 * t + 2]
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
-    @device_function
+    @large_device_function
     def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
@@ -586,7 +586,7 @@ def make_store_sums(tiles: int, sets: int):
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
 
-    @device_function
+    @large_device_function
     def store_sums(y, acc, first_row, end, accumulate):
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)

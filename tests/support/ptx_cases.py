@@ -24,16 +24,14 @@ def cases() -> list:
 def compile_case(key: tuple[str, int], signature_index: int) -> str | None:
     """None when the kernel registered as `key` compiles to PTX for sm_90 with its signature `signature_index` and
     has an entry point; else why not."""
-    from ninfer.kernels_numba.numba_setup import COMPUTE_CAPABILITY, cuda
+    from ninfer.kernels_numba.numba_setup import hopper_ptx
 
     found = [entry for entry, i, _ in cases() if entry.key == tuple(key) and i == signature_index]
     if not found:
         return f"no kernel registered as {key} with signature {signature_index} in a fresh process"
     entry = found[0]
-    options = {k: v for k, v in entry.options.items() if k in ("fastmath", "lineinfo", "debug", "opt")}
     try:
-        ptx, _ = cuda.compile_ptx(entry.function, entry.signatures[signature_index], cc=COMPUTE_CAPABILITY,
-                                  **options)
+        ptx = hopper_ptx(entry.function, entry.signatures[signature_index], entry.options)
     except Exception as exc:  # noqa: BLE001 - reported by the test that owns the case
         return f"{type(exc).__name__}: {exc}"
     if ".target sm_90" not in ptx or ".entry" not in ptx:
