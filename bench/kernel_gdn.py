@@ -112,6 +112,12 @@ def _launchers(m, stream, scenario):
     launchers = {
         "conv": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"], *seg(d),
                                        d["mixed"], channels=d["c"], stream=stream),
+        # the conv with 2 or 4 threads a block along rows (the default is 1: at 72 registers a 512-thread block
+        # fits once an SM)
+        "conv_r2": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"],
+                                          *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=2),
+        "conv_r4": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"],
+                                          *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=4),
         "gates": lambda d: gdn.gdn_gates(d["mixed"], d["ab"], d["neg_a"], d["dt_bias"], d["q"], d["k"],
                                          d["log_decay"], d["beta"], qk_heads=hq, v_heads=hv, k_dim=dk,
                                          stream=stream),
@@ -127,19 +133,19 @@ def _launchers(m, stream, scenario):
                                            z_offset=d["c"], eps=1e-6, stream=stream),
     }
     if scenario != "prefill":
-        return launchers, {"recurrent_g8"}
+        return launchers, {"recurrent_g8", "conv_r2", "conv_r4"}
     launchers["chunked"] = lambda d: gdn_chunked.gdn_chunked(
         d["q"], d["k"], d["mixed"], d["log_decay"], d["beta"], d["ssm_state"], d["seg_lane"], d["seg_row"],
         d["seg_count"], d["out"], d["cum"], d["mats"], rows=d["rows"], qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv,
         channels_qk=2 * hq * dk, stream=stream)
-    return launchers, {"recurrent", "recurrent_g8"}
+    return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4"}
 
 
 def _bytes_and_flops(name, m, sc, d):
     hq, hv, dk, dv = m["qk_heads"], m["v_heads"], m["k_dim"], m["v_dim"]
     rows, c, vw, lanes = d["rows"], d["c"], d["vw"], d["lanes"]
     rec = sc["record"]
-    if name == "conv":
+    if name.startswith("conv"):
         return 4 * (2 * rows * c + K * c + 2 * lanes * (K - 1) * c + rec * rows * (K - 1) * c), 2 * K * rows * c
     if name == "gates":
         return 4 * (2 * rows * 2 * hq * dk + 2 * rows * 2 * hv), 0

@@ -51,7 +51,10 @@ def _softplus(x):
 
 CONV_TAPS = 4  # Qwen3.6's conv kernel (every model, the tiny test models too)
 CONV_THREADS = 128  # channels per block (threadIdx.x)
-CONV_ROWS = 4  # threads per block along rows (threadIdx.y)
+# threads a block along rows (threadIdx.y): at 72 registers a 128 x 4 block fits once an SM (16 warps); 128 x 1
+# blocks fit 7 times. H200, 8K-row prefill conv (bench/kernel_gdn.py): 35B-A3B 457 -> 280 us a layer, 27B 569 -> 349
+# (2 rows a block: 313, 391)
+CONV_ROWS = 1
 CONV_FAST_ROWS = 8  # rows per thread in big launches
 CONV_FAST_LOADS = CONV_FAST_ROWS + 3
 CONV_FAST_MIN_ROWS = 256  # launches with at least this many rows use CONV_FAST_ROWS rows per thread
@@ -146,7 +149,7 @@ def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_
     one segment at t >= 3, it loads the 3 + CONV_FAST_ROWS inputs at once; otherwise row by row. Both paths compute
     each output with the same arithmetic, so the path taken never changes a result."""
     c = cuda.blockIdx.x * CONV_THREADS + cuda.threadIdx.x
-    r0 = (cuda.blockIdx.y * CONV_ROWS + cuda.threadIdx.y) * rows_per_thread
+    r0 = (cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y) * rows_per_thread
     rows = projected.shape[0]
     if c >= channels or r0 >= rows:
         return
@@ -180,15 +183,16 @@ def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_
 
 
 def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, *,
-             channels, stream):
+             channels, stream, row_threads=CONV_ROWS):
     """out[r, :C] = silu(causal depthwise conv of projected[:, :C] with carried state); updates conv_state in place;
-    records the history after each row of recording segments into conv_columns[lane, t] ([K-1, C]). K must be 4."""
+    records the history after each row of recording segments into conv_columns[lane, t] ([K-1, C]). K must be 4.
+    `row_threads`: threads a block along rows (bench/kernel_gdn.py times the alternatives)."""
     if conv_weight.shape[0] != CONV_TAPS:
         raise ValueError(f"gdn_conv supports a {CONV_TAPS}-tap conv, got {conv_weight.shape[0]}")
     rows = projected.shape[0]
     per_thread = CONV_FAST_ROWS if rows >= CONV_FAST_MIN_ROWS else 1
-    grid = (blocks_for(channels, CONV_THREADS), blocks_for(rows, CONV_ROWS * per_thread))
-    _gdn_conv_kernel[grid, (CONV_THREADS, CONV_ROWS), stream](projected, conv_weight, conv_state, conv_columns,
+    grid = (blocks_for(channels, CONV_THREADS), blocks_for(rows, row_threads * per_thread))
+    _gdn_conv_kernel[grid, (CONV_THREADS, row_threads), stream](projected, conv_weight, conv_state, conv_columns,
                                                               seg_lane, seg_row, seg_count, seg_record, out,
                                                               np.int32(channels), np.int32(per_thread))
 

@@ -372,6 +372,31 @@ def test_gpu_big_launch_matches_twins_and_is_batch_invariant(groups):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("row_threads", [2, 4])
+def test_gpu_conv_block_shape_changes_no_bit(row_threads):
+    """gdn_conv's threads a block along rows is a launch choice (bench/kernel_gdn.py times them): outputs, state and
+    recorded columns equal those of the default shape bitwise, on both the many-rows-per-thread and row paths."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    case = _gpu_case(np.random.default_rng(14), _dims(), BIG_MIX, order=[1, 0, 3, 2], max_cols=200)
+    c = case["dims"][0]
+    stream = cuda.stream()
+    results = []
+    for threads in (gdn.CONV_ROWS, row_threads):
+        dev = {name: cuda.to_device(np.ascontiguousarray(case[name]), stream=stream)
+               for name in ("projected", "conv_weight", "conv_state", "conv_columns")}
+        mixed = cuda.to_device(np.full((case["rows"], c), np.nan, F32), stream=stream)
+        gdn.gdn_conv(dev["projected"], dev["conv_weight"], dev["conv_state"], dev["conv_columns"],
+                     *[cuda.to_device(a, stream=stream) for a in case["seg"]], mixed, channels=c, stream=stream,
+                     row_threads=threads)
+        results.append([a.copy_to_host(stream=stream) for a in (mixed, dev["conv_state"], dev["conv_columns"])])
+    stream.synchronize()
+    assert not np.isnan(results[0][0]).any()
+    for default, other in zip(*results):
+        np.testing.assert_array_equal(other, default)
+
+
+@pytest.mark.gpu
 def test_gpu_state_carries_across_launches():
     """Prefill 100 rows then 5 single-row launches == one 105-row segment (fp32 tolerance)."""
     rng = np.random.default_rng(12)

@@ -79,3 +79,16 @@ def test_row_layout_kernels_launch_for_any_prefill_chunk(record):
     layout.gather_rows(np.zeros((4, 3), np.float32), np.zeros(rows, np.int32), np.zeros((rows, 3), np.float32),
                        stream=0)
     assert_launchable(gather.grids)
+
+
+def test_gdn_conv_launches_for_a_whole_context_in_one_chunk(record):
+    """The conv puts rows on grid y (8 rows a thread, one thread a block along rows): a chunk of the models' whole
+    context stays within the limit."""
+    from ninfer.kernels_numba import gdn
+
+    conv = record(gdn, "_gdn_conv_kernel")
+    channels = 8192
+    segments = [np.zeros(1, np.int32)] * 4
+    gdn.gdn_conv(np.zeros((LONG, 1), np.float32), np.zeros((gdn.CONV_TAPS, channels), np.float32), None, None,
+                 *segments, None, channels=channels, stream=0)
+    assert_launchable(conv.grids)
