@@ -65,6 +65,31 @@ def test_gemm_bf16_matches_numpy(device, m, n, k, accumulate):
     blas.close()
 
 
+def test_gemm_bf16_writes_its_columns_of_a_wider_output(device):
+    """first_column: the product lands in y[:, first:first + N] (cuBLAS's leading dimension is y's row length) and
+    y's other columns keep their values, as the host twin does; a block past y's width is refused."""
+    from ninfer.backends.cuda.blas import Blas
+    from ninfer.backends.cuda.host import HostBlas
+
+    rng = np.random.default_rng(3)
+    m, n, k, width, first = 130, 96, 192, 320, 200
+    x, w = f32_to_bf16_bits(rng.standard_normal((m, k))), f32_to_bf16_bits(rng.standard_normal((n, k)) * 0.1)
+    y0 = rng.standard_normal((m, width)).astype(np.float32)
+    y = device.upload(y0, "test")
+    blas = Blas(device)
+    blas.gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, first_column=first)
+    device.synchronize()
+    want = y0.copy()
+    HostBlas().gemm_bf16(x, w, want, first_column=first)
+    got = y.copy_to_host()
+    assert np.array_equal(np.delete(got, np.s_[first:first + n], axis=1), np.delete(y0, np.s_[first:first + n], axis=1))
+    block = np.s_[:, first:first + n]
+    assert np.linalg.norm(got[block] - want[block]) / np.linalg.norm(want[block]) < 1e-5
+    with pytest.raises(ValueError, match="gemm shapes"):
+        blas.gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, first_column=width - n + 1)
+    blas.close()
+
+
 def test_views_are_built_once_and_element_reads_are_read_every_time(device):
     from ninfer.backends.cuda.views import VIEWS_PER_ARRAY, ViewMemoArray
     from ninfer.kernels_numba.elementwise import to_bf16_rows

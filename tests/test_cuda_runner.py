@@ -291,6 +291,30 @@ def test_split_projections_decode_in_one_pair_launch(artifacts, monkeypatch):
     assert got == run_lanes(cpu_runner(path), prompts, 6)
 
 
+def test_split_projections_prefill_into_their_columns_without_a_join(artifacts, monkeypatch):
+    """Past the decode rows each block of a split projection (27B ninfer-v2: query|key Q4, gate|value Q5) is one
+    GEMM that writes its columns of the output from one bf16 copy of x: no concat_columns join at prefill rows, and
+    the tokens stay the CPU runner's."""
+    from ninfer.backends.cuda import host_kernels
+    from ninfer.backends.cuda.host import HostBlas
+    from ninfer.backends.cuda.model import SKINNY_ROWS
+
+    joins, columns = [], []
+    concat, gemm = host_kernels.concat_columns, HostBlas.gemm_bf16
+    monkeypatch.setattr(host_kernels, "concat_columns", lambda a, b, y, **k: (joins.append(y.shape[0]),
+                                                                                 concat(a, b, y, **k)))
+    monkeypatch.setattr(HostBlas, "gemm_bf16", lambda self, x, w, y, **k: (
+        columns.append((x.shape[0], k.get("first_column", 0), w.shape[0], y.shape[1])), gemm(self, x, w, y, **k)))
+    path = artifacts[("dense", "ninfer-v2")]
+    prompts = [prompt(14, SKINNY_ROWS + 20), prompt(15, 9)]
+    got = run_lanes(cuda_build("host", path, decode_linear="cublas", decode_quant="mma").runner, prompts, 6)
+    assert not [rows for rows in joins if rows > SKINNY_ROWS]
+    split = [(first, n, width) for rows, first, n, width in columns if rows > SKINNY_ROWS and n < width]
+    assert split and {first for first, _, _ in split} >= {0} and any(first > 0 for first, _, _ in split)
+    assert all(first + n <= width for first, n, width in split)
+    assert got == run_lanes(cpu_runner(path), prompts, 6)
+
+
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     """Capacity.programmatic_launch (the tensor-core quantized GEMVs start while the kernel before them finishes and

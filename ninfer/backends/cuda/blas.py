@@ -17,6 +17,14 @@ WORKSPACE_BYTES = 32 << 20
 MAX_GROUPS = 1024  # groups (MoE experts) one grouped GEMM takes: the size of its device table of operand addresses
 
 
+def check_column_block(x_shape: tuple, w_shape: tuple, y_shape: tuple, first_column: int) -> None:
+    """The shapes `gemm_bf16` takes: x [M, K], w [N, K], y [M, >= first_column + N]."""
+    (m, k), (n, k2) = x_shape, w_shape
+    if k != k2 or len(y_shape) != 2 or y_shape[0] != m or not 0 <= first_column <= y_shape[1] - n:
+        raise ValueError(f"gemm shapes x{tuple(x_shape)} w{tuple(w_shape)} y{tuple(y_shape)} from column "
+                         f"{first_column}")
+
+
 class Blas:
     def __init__(self, device: Any, *, stream_handle: int | None = None) -> None:
         """A handle bound to the device's serving stream, or to `stream_handle` (a side stream's)."""
@@ -39,17 +47,19 @@ class Blas:
         """The cuBLAS handle (bound to the device's stream), for calls this class does not wrap (probes)."""
         return self._handle
 
-    def gemm_bf16(self, x: Any, w: Any, y: Any, *, accumulate: bool = False) -> None:
-        """y (fp32 [M, N]) (+)= x (bf16 [M, K]) @ w (bf16 [N, K])^T."""
+    def gemm_bf16(self, x: Any, w: Any, y: Any, *, accumulate: bool = False, first_column: int = 0) -> None:
+        """y[:, first_column:first_column + N] (fp32, of a contiguous y [M, >= N]) (+)= x (bf16 [M, K]) @ w (bf16
+        [N, K])^T; y's other columns are left alone (the parts of a split projection write their columns of one
+        output: cuBLAS's leading dimension is y's row length)."""
         m, k = x.shape
         n, k2 = w.shape
-        if k != k2 or y.shape != (m, n):
-            raise ValueError(f"gemm shapes x{tuple(x.shape)} w{tuple(w.shape)} y{tuple(y.shape)}")
+        check_column_block(x.shape, w.shape, y.shape, first_column)
         cublas = self._cublas
         beta = self._one if accumulate else self._zero
         cublas.gemm_ex(self._handle, cublas.Operation.T, cublas.Operation.N, n, m, k, self._one.ctypes.data,
                        device_pointer(w), CUDA_R_16BF, k, device_pointer(x), CUDA_R_16BF, k, beta.ctypes.data,
-                       device_pointer(y), CUDA_R_32F, n, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+                       device_pointer(y) + 4 * first_column, CUDA_R_32F, y.shape[1], cublas.ComputeType.COMPUTE_32F,
+                       cublas.GemmAlgo.DEFAULT)
 
     def grouped_gemm_bf16(self, x: Any, w: Any, y: Any, offsets: np.ndarray, rows_per_group: int) -> None:
         """For each group g with rows: y[offsets[g]:offsets[g+1]] (bf16 bits [., N]) = x[those rows] (bf16 [., K]) @

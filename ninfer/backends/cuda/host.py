@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
+from ninfer.backends.cuda.blas import check_column_block
 from ninfer.backends.cuda.device import DeviceInfo
 
 HOST_BYTES = 64 << 30  # the memory a HostDevice reports by default (KV auto-sizing needs a number)
@@ -84,9 +85,12 @@ class HostDevice:
 
 
 class HostBlas:
-    def gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, *, accumulate: bool = False) -> None:
+    def gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, *, accumulate: bool = False,
+                  first_column: int = 0) -> None:
+        check_column_block(x.shape, w.shape, y.shape, first_column)
         product = (bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T).astype(np.float32)
-        y[...] = (y + product) if accumulate else product
+        block = y[:, first_column:first_column + w.shape[0]]
+        block[...] = (block + product) if accumulate else product
 
     def grouped_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, offsets: np.ndarray,
                           rows_per_group: int) -> None:
