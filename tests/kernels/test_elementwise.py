@@ -73,6 +73,24 @@ def test_silu_mul_bf16_twin_is_the_fp32_math_rounded_once():
     assert np.all(np.abs(bf16_bits_to_f32(got) - want) <= np.abs(want) * 2.0 ** -8 + 1e-30)
 
 
+@pytest.mark.parametrize("gate_up,out", [((3, 10), (3, 4)), ((3, 12), (3, 6)), ((2, 16), (3, 8))])
+def test_silu_mul_to_bf16_rejects_shapes_it_cannot_vectorize(gate_up, out):
+    from ninfer.backends.cuda import host_kernels
+
+    for launcher in (ew.silu_mul_to_bf16_rows, host_kernels.silu_mul_to_bf16_rows):
+        with pytest.raises(ValueError, match="silu_mul_to_bf16_rows"):
+            launcher(np.zeros(gate_up, np.float32), np.zeros(out, np.uint16), stream=0)
+
+
+def test_kernels_in_cuda_simulator():
+    """The vector-load kernels run thread by thread in numba's simulator (tests.support.cuda_simulator's address
+    stand-ins check alignment and bounds): silu_mul_to_bf16_rows equals its twin bitwise (`simulated_kernels.
+    elementwise`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("elementwise").splitlines() if line.startswith("ok elementwise")]) == 2
+
+
 @pytest.mark.parametrize("gate_up,out", [((3, 10), (3, 4)), ((3, 6), (3, 3))])
 def test_silu_mul_bf16_rejects_shapes_it_cannot_pair(gate_up, out):
     with pytest.raises(ValueError, match="silu_mul_bf16_rows"):
@@ -205,6 +223,23 @@ def test_gpu_silu_mul_bf16_is_the_fp32_kernel_rounded(rows, width):
                    [_nan((rows, width))], stream)
     np.testing.assert_array_equal(out, f32_to_bf16_bits(wide))
     assert rel_l2(bf16_bits_to_f32(out), bf16_bits_to_f32(ew.silu_mul_bf16_rows_reference(gu))) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", [(1, 512), (37, 516), (300, 64), (3, 17408)])
+def test_gpu_silu_mul_to_bf16_is_the_bf16_copy_of_the_fp32_kernel(rows, width):
+    """fp32 gate|up in, bf16 out alone (the prefill activation a cuBLAS down projection reads): bitwise the bf16
+    copy that silu_mul_rows writes beside its fp32 output, every element written."""
+    stream = _cuda().stream()
+    rng = np.random.default_rng(rows * width)
+    gu = rand(rng, rows, 2 * width, scale=4.0)
+    gu[0, :4] = [np.nan, np.inf, -np.inf, 0.0]
+    _, out = _run(lambda g, o, stream: ew.silu_mul_to_bf16_rows(g, o, stream=stream), [gu],
+                  [np.full((rows, width), 0x7FC1, np.uint16)], stream)
+    _, _, copy = _run(lambda g, o, b, stream: ew.silu_mul_rows(g, o, out_bf16=b, stream=stream), [gu],
+                      [_nan((rows, width)), np.full((rows, width), 0x7FC1, np.uint16)], stream)
+    np.testing.assert_array_equal(out, copy)
+    np.testing.assert_array_equal(out[1:], ew.silu_mul_to_bf16_rows_reference(gu)[1:])
 
 
 @pytest.mark.gpu

@@ -225,8 +225,22 @@ def quant_mma() -> None:
     print("ok quant_mma pair", flush=True)
 
 
+def elementwise() -> None:
+    """silu_mul_to_bf16_rows (16-byte loads by address, 8-byte stores): bitwise its twin, a partial column tile."""
+    from ninfer.kernels_numba import elementwise as ew
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(ew))
+    for rows, width in [(2, 8), (3, 264)]:
+        gate_up = np.random.default_rng(width).standard_normal((rows, 2 * width)).astype(np.float32) * 4
+        out = np.full((rows, width), 0x7FC1, np.uint16)
+        ew.silu_mul_to_bf16_rows(gate_up, out, stream=0)
+        np.testing.assert_array_equal(out, ew.silu_mul_to_bf16_rows_reference(gate_up))
+        print("ok elementwise silu_mul_to_bf16", rows, width, flush=True)
+
+
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
-          "quant_mma": quant_mma}
+          "quant_mma": quant_mma, "elementwise": elementwise}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -88,6 +88,7 @@ def upload_quant_mma_planes(fmt, shape, planes, *, stream=0) -> QuantMmaWeight:
 
 x_fragment_words = _quant_mma.x_fragment_words
 ROW_SETS = _quant_mma.ROW_SETS
+SILU_QUADS = _elementwise.SILU_QUADS
 
 
 def x_fragments(x, out, *, stream):
@@ -170,6 +171,11 @@ def silu_mul_rows(gate_up, out, *, stream, out_bf16=None, out_fragments=None):
 
 def silu_mul_bf16_rows(gate_up, out, *, stream):
     out[...] = _elementwise.silu_mul_bf16_rows_reference(gate_up)
+
+
+def silu_mul_to_bf16_rows(gate_up, out, *, stream):
+    _elementwise.check_silu_to_bf16_shapes(gate_up.shape, out.shape)
+    out[...] = _elementwise.silu_mul_to_bf16_rows_reference(gate_up)
 
 
 def silu_mul_slots(gate_up, out, *, stream, out_fragments=None):

@@ -7,7 +7,8 @@ from ninfer.kernels_numba.attention_flash import flash_prefill
 from ninfer.kernels_numba.attention_gemm import causal_softmax, gather_kv, pack_queries, unpack_gated
 from ninfer.kernels_numba.dflash import attention_partials_shape, copy_columns, dflash_attention, dflash_heads
 from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_bf16_rows,
-                                              silu_mul_rows, silu_mul_slots, to_bf16_rows)
+                                              SILU_QUADS, silu_mul_rows, silu_mul_slots, silu_mul_to_bf16_rows,
+                                              to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
 from ninfer.kernels_numba.gdn import gdn_conv, gdn_gates, gdn_output, gdn_recurrent
 from ninfer.kernels_numba.gdn_chunked import gdn_chunked
@@ -68,6 +69,7 @@ __all__ = [
     "silu_mul_bf16_rows",
     "silu_mul_rows",
     "silu_mul_slots",
+    "silu_mul_to_bf16_rows",
     "to_bf16_rows",
     "top_candidates_rows",
     "upload_quant_planes",
@@ -87,6 +89,7 @@ __all__ = [
     "upload_quant_mma",
     "upload_quant_mma_planes",
     "ROW_SETS",
+    "SILU_QUADS",
     "x_fragment_words",
     "x_fragments",
     "x_slot_fragments",

@@ -1104,7 +1104,7 @@ class CudaQwen:
             self.linear(ws.h, ffn.gate_up, ws.gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
             act_bf16 = self.linear.bf16_input(rows, act.shape[1], ffn.down)
             act_frag = self.linear.fragment_input(rows, ffn.down)
-            self.k.silu_mul_rows(gate_up, act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
+            self._silu_mul(gate_up, act, act_bf16, act_frag, stream)
             self.linear(ws.act, ffn.down, ws.x, rows=rows, accumulate=True, x_bf16=act_bf16, x_fragments=act_frag)
         else:
             self._moe(ffn, rows, h_bf16, h_frag)
@@ -1267,8 +1267,17 @@ class CudaQwen:
         linear(ws.h, w.shared_gate_up, ws.shared_gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         act_bf16 = linear.bf16_input(rows, shared_act.shape[1], w.shared_down)
         act_frag = linear.fragment_input(rows, w.shared_down)
-        self.k.silu_mul_rows(shared_gate_up, shared_act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
+        self._silu_mul(shared_gate_up, shared_act, act_bf16, act_frag, stream)
         linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16, x_fragments=act_frag)
+
+    def _silu_mul(self, gate_up: Any, act: Any, act_bf16: Any, act_frag: Any, stream: Any) -> None:
+        """act = silu(gate) * up for a down projection, in the forms it reads: with a bf16 copy asked for (`Linear.
+        bf16_input`: its cuBLAS GEMM reads only that) and no fragments, the bf16 copy alone, from one kernel that
+        writes no fp32 (the same bits as the bf16 copy of the fp32 path)."""
+        if act_bf16 is not None and act_frag is None and act.shape[1] % self.k.SILU_QUADS == 0:
+            self.k.silu_mul_to_bf16_rows(gate_up, act_bf16, stream=stream)
+        else:
+            self.k.silu_mul_rows(gate_up, act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
 
     def _gathered(self, x: Any, w: Matrix, ids: Any, y: Any, *, rows_per_expert: int, x_per_slot: bool,
                   x_fragments: Any = None) -> None:
