@@ -195,6 +195,15 @@ def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype):
             np.testing.assert_array_equal(alone[0], got[r])
 
 
+def test_prepare_kernel_in_cuda_simulator():
+    """The prepare kernel (a warp per row and head) run thread by thread against its twin, bf16 and int8 pools, the
+    tiny head dims and 256 (`simulated_kernels.attention_prepare`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("attention_prepare").splitlines()
+                if line.startswith("ok attention_prepare")]) == 6
+
+
 def _prepare_gpu(cuda, cfg, qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, tables, pools, eps):
     heads, kv_heads, d, rotary, sections = cfg
     stream = cuda.stream()

@@ -9,7 +9,7 @@ staging, masks, tails and barriers run as written. It has no inline PTX and no w
 - warp shuffles, warp barriers, warp sums and the tensor-core mma (bf16 m16n8k16, TF32 m16n8k8) as exchanges among
   the 32 threads of a warp, with the PTX fragment layouts;
 - global loads and stores by address and vector loads by index (checked for alignment and bounds), packed bf16
-  fma, half-pair conversion, libdevice's bit casts and byte permute.
+  fma, half-pair conversion, libdevice's bit casts and byte permute, and its cosf, sinf and rintf (NumPy's).
 An emulated mma sums exactly and rounds once to fp32, so kernels match their twins within fp32 tolerance, not
 bitwise. `install(namespace)` swaps the stand-ins into a kernel's globals (`kernel.py_func.__globals__`: templated
 kernels have their own) or a module's.
@@ -104,6 +104,12 @@ def float_as_int(value):
 
 def int_as_float(value):
     return np.array([int(value) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
+
+
+def _float32_function(function):
+    """A libdevice fp32 function (the simulator's libdevice names are stubs that return None) as NumPy's on float32:
+    within an ulp of the device's, not bitwise."""
+    return lambda value: np.float32(function(np.float32(value)))
 
 
 def byte_perm(x, y, selector):
@@ -448,6 +454,7 @@ simulator_kernel.BlockThread.syncthreads = _syncthreads
 libdevice.float_as_int = float_as_int
 libdevice.int_as_float = int_as_float
 libdevice.byte_perm = byte_perm
+libdevice.cosf, libdevice.sinf, libdevice.rintf = (_float32_function(f) for f in (np.cos, np.sin, np.rint))
 kernelapi.FakeCUDAModule.shfl_xor_sync = staticmethod(shfl_xor_sync)
 kernelapi.FakeCUDAModule.shfl_sync = staticmethod(shfl_sync)
 kernelapi.FakeCUDAModule.syncwarp = staticmethod(syncwarp)

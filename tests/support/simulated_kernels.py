@@ -225,6 +225,55 @@ def quant_mma() -> None:
     print("ok quant_mma pair", flush=True)
 
 
+def attention_prepare_case(cfg, dtype, seed=4):
+    """Inputs of one prepare launch (5 rows over 2 lanes, page boundaries crossed), for the simulator and by hand."""
+    from tests.kernels.test_attention import _pools, _weights
+
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, d, rotary, sections = cfg
+    q_norm, k_norm, inv_freq = _weights(cfg, rng)
+    pages, page_tokens = 8, 64
+    row_pos = np.array([3, 63, 64, 65, 200], np.int32)
+    args = dict(qkgv=rng.standard_normal((5, 2 * (heads + kv_heads) * d)).astype(np.float32), q_norm=q_norm,
+                k_norm=k_norm, inv_freq=inv_freq, positions=np.stack([row_pos, row_pos + 7, row_pos * 2]).astype(np.int32),
+                row_lane=np.array([0, 1, 1, 1, 0], np.int32), row_pos=row_pos,
+                page_tables=np.stack([rng.permutation(pages)[:4] for _ in range(2)]).astype(np.int32))
+    return args, _pools(pages, page_tokens, kv_heads, d, dtype)
+
+
+def attention_prepare() -> None:
+    """The prepare kernel (a warp per row and head: norms, partial MRoPE, the KV append, int8 scales) against its
+    twin for the tiny and a reduced real head geometry, bf16 and int8 pools: q within fp32 rounding, V bitwise, K
+    within one bf16 or int8 step, the scales bitwise."""
+    from ninfer.kernels_numba import attention
+    from ninfer.kernels_numba.numba_setup import cuda
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(attention))
+    for function in attention.PREPARE_KERNELS.values():
+        cuda_simulator.install(function.py_func.__globals__)
+    for cfg in [(4, 2, 64, 16, (3, 3, 2)), (4, 1, 32, 8, (2, 1, 1)), (3, 1, 256, 64, (11, 11, 10))]:
+        heads, kv_heads, d, rotary, sections = cfg
+        for dtype in ("bf16", "int8"):
+            args, pools = attention_prepare_case(cfg, dtype)
+            _, want_pools = attention_prepare_case(cfg, dtype)
+            dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rotary, sections=sections, eps=1e-6)
+            want = attention.attention_prepare_reference(*args.values(), *want_pools,
+                                                         np.zeros((5, heads, d), np.float32), **dims)
+            got = np.full((5, heads, d), np.nan, np.float32)
+            # device arrays: a bf16 launch passes each pool twice (as its unused scale too), and host arrays would
+            # be copied back twice, the second copy undoing the first
+            device_pools = [None if p is None else cuda.to_device(p) for p in pools]
+            attention.attention_prepare(*args.values(), *device_pools, got, stream=0, **dims)
+            pools = [None if p is None else p.copy_to_host() for p in device_pools]
+            assert np.isfinite(got).all() and _rel(got, want) < 1e-5, (cfg, dtype, _rel(got, want))
+            np.testing.assert_array_equal(pools[1], want_pools[1])
+            assert np.abs(pools[0].astype(int) - want_pools[0].astype(int)).max() <= 1, (cfg, dtype)
+            if dtype == "int8":
+                np.testing.assert_array_equal(pools[3], want_pools[3])
+            print("ok attention_prepare", cfg, dtype, flush=True)
+
+
 def elementwise() -> None:
     """silu_mul_to_bf16_rows (16-byte loads by address, 8-byte stores): bitwise its twin, a partial column tile."""
     from ninfer.kernels_numba import elementwise as ew
@@ -240,7 +289,8 @@ def elementwise() -> None:
 
 
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
-          "quant_mma": quant_mma, "elementwise": elementwise}
+          "quant_mma": quant_mma, "elementwise": elementwise,
+          "attention_prepare": attention_prepare}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
