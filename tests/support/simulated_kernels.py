@@ -234,10 +234,10 @@ def attention_prepare_case(cfg, dtype, seed=4):
     q_norm, k_norm, inv_freq = _weights(cfg, rng)
     pages, page_tokens = 8, 64
     row_pos = np.array([3, 63, 64, 65, 200], np.int32)
+    positions = np.stack([row_pos, row_pos + 7, row_pos * 2]).astype(np.int32)
     args = dict(qkgv=rng.standard_normal((5, 2 * (heads + kv_heads) * d)).astype(np.float32), q_norm=q_norm,
-                k_norm=k_norm, inv_freq=inv_freq, positions=np.stack([row_pos, row_pos + 7, row_pos * 2]).astype(np.int32),
-                row_lane=np.array([0, 1, 1, 1, 0], np.int32), row_pos=row_pos,
-                page_tables=np.stack([rng.permutation(pages)[:4] for _ in range(2)]).astype(np.int32))
+                k_norm=k_norm, inv_freq=inv_freq, positions=positions, row_lane=np.array([0, 1, 1, 1, 0], np.int32),
+                row_pos=row_pos, page_tables=np.stack([rng.permutation(pages)[:4] for _ in range(2)]).astype(np.int32))
     return args, _pools(pages, page_tokens, kv_heads, d, dtype)
 
 
