@@ -45,46 +45,28 @@ def test_memset_and_device_copies(device):
     assert a.copy_to_host().tolist() == [0] * 5 + [5, 6, 7, 8, 9]
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (130, 200, 192), (512, 1024, 320)])
+@pytest.mark.parametrize("m,n,k,width,first", [(1, 64, 64, 64, 0), (130, 200, 192, 200, 0), (512, 1024, 320, 1024, 0),
+                                               (130, 96, 192, 320, 200)])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_bf16_matches_numpy(device, m, n, k, accumulate):
+def test_gemm_bf16_matches_numpy(device, m, n, k, width, first, accumulate):
+    """y[:, first:first + N] (+)= x @ w^T; with a wider y (first_column: cuBLAS's leading dimension is y's row
+    length) its other columns keep their values; a block past y's width is refused."""
     from ninfer.backends.cuda.blas import Blas
 
     rng = np.random.default_rng(m + n)
     x, w = f32_to_bf16_bits(rng.standard_normal((m, k))), f32_to_bf16_bits(rng.standard_normal((n, k)) * 0.1)
-    y0 = rng.standard_normal((m, n)).astype(np.float32)
-    y = device.upload(y0, "test")
-    blas = Blas(device)
-    blas.gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, accumulate=accumulate)
-    device.synchronize()
-    want = bf16_bits_to_f32(x).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
-    if accumulate:
-        want += y0
-    got = y.copy_to_host()
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
-    blas.close()
-
-
-def test_gemm_bf16_writes_its_columns_of_a_wider_output(device):
-    """first_column: the product lands in y[:, first:first + N] (cuBLAS's leading dimension is y's row length) and
-    y's other columns keep their values, as the host twin does; a block past y's width is refused."""
-    from ninfer.backends.cuda.blas import Blas
-    from ninfer.backends.cuda.host import HostBlas
-
-    rng = np.random.default_rng(3)
-    m, n, k, width, first = 130, 96, 192, 320, 200
-    x, w = f32_to_bf16_bits(rng.standard_normal((m, k))), f32_to_bf16_bits(rng.standard_normal((n, k)) * 0.1)
     y0 = rng.standard_normal((m, width)).astype(np.float32)
     y = device.upload(y0, "test")
     blas = Blas(device)
-    blas.gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, first_column=first)
+    blas.gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, accumulate=accumulate, first_column=first)
     device.synchronize()
-    want = y0.copy()
-    HostBlas().gemm_bf16(x, w, want, first_column=first)
-    got = y.copy_to_host()
-    assert np.array_equal(np.delete(got, np.s_[first:first + n], axis=1), np.delete(y0, np.s_[first:first + n], axis=1))
     block = np.s_[:, first:first + n]
-    assert np.linalg.norm(got[block] - want[block]) / np.linalg.norm(want[block]) < 1e-5
+    want = bf16_bits_to_f32(x).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
+    if accumulate:
+        want += y0[block]
+    got = y.copy_to_host()
+    assert np.linalg.norm(got[block] - want) / np.linalg.norm(want) < 1e-5
+    assert np.array_equal(np.delete(got, np.s_[first:first + n], axis=1), np.delete(y0, np.s_[first:first + n], axis=1))
     with pytest.raises(ValueError, match="gemm shapes"):
         blas.gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, first_column=width - n + 1)
     blas.close()

@@ -7,3 +7,23 @@ def test_the_host_set_defines_every_device_launcher():
     missing = [name for name in kernels.__all__ if not hasattr(host_kernels, name)]
     assert not missing
     assert host_kernels.__all__ == kernels.__all__
+
+
+def test_host_gemm_writes_only_its_column_block_and_refuses_one_past_the_output():
+    """HostBlas.gemm_bf16 with first_column (the split projections' prefill): the product of bf16 x and w lands in
+    y[:, first:first + N], the other columns keep their values, as Blas does on the GPU."""
+    import numpy as np
+    import pytest
+
+    from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
+    from ninfer.backends.cuda.host import HostBlas
+
+    rng = np.random.default_rng(0)
+    x, w = f32_to_bf16_bits(rng.standard_normal((5, 8))), f32_to_bf16_bits(rng.standard_normal((3, 8)))
+    y0 = rng.standard_normal((5, 10)).astype(np.float32)
+    y = y0.copy()
+    HostBlas().gemm_bf16(x, w, y, first_column=4)
+    np.testing.assert_array_equal(np.delete(y, np.s_[4:7], axis=1), np.delete(y0, np.s_[4:7], axis=1))
+    np.testing.assert_allclose(y[:, 4:7], bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T, rtol=1e-6)
+    with pytest.raises(ValueError, match="gemm shapes"):
+        HostBlas().gemm_bf16(x, w, y, first_column=8)
