@@ -14,6 +14,8 @@
 #                                                   REGEX (bench/ncu_decode.py: one eager step, 4 layers + head)
 #   bash tools/device_check.sh ncu-source MODEL RECIPE REGEX [COUNT]  the same kernels' warp stalls per SASS
 #                                                   instruction (SourceCounters), as CSV, and the report itself
+#   bash tools/device_check.sh ncu-dram MODEL RECIPE REGEX [COUNT]  the same kernels' DRAM and L2 traffic against
+#                                                   their duration (bytes read from DRAM vs requested, throughput)
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -69,5 +71,19 @@ case "$what" in
       2> "$OUT/ncu_source_page.err"
     tail -3 "$OUT/ncu_source_run.txt"; cat "$OUT/ncu_source_page.err" | head -5
     head -c 3000 "$OUT/ncu_source.csv" ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu|ncu-source [args]" >&2; exit 2 ;;
+  ncu-dram)
+    # Whether a memory-bound kernel reads more than it needs (x re-reads missing L2, scale words, partial sectors)
+    # or reads what it needs slowly: DRAM bytes and sectors against the L1 requests, with the duration.
+    model="${1:-27b}"; recipe="${2:-ninfer-v2}"; regex="${3:-.}"; count="${4:-8}"
+    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+    metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
+    metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum
+    metrics+=,lts__t_sector_op_read_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
+    metrics+=,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,sm__warps_active.avg.pct_of_peak_sustained_active
+    "$NCU" --clock-control none -k "regex:$regex" --launch-count "$count" --metrics "$metrics" --csv \
+      python3 bench/ncu_decode.py --model "$model" --recipe "$recipe" --steps 1 > "$OUT/ncu_dram.csv" 2>&1
+    python3 -c 'import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[0].isdigit()]
+for r in rows: print(r[0], r[4].split("(")[0][-48:], r[12], r[13], r[14])' "$OUT/ncu_dram.csv" | head -120 ;;
+  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu|ncu-source|ncu-dram [args]" >&2; exit 2 ;;
 esac
