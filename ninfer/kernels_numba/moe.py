@@ -93,7 +93,7 @@ def _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane):
                     nxt = keys[i]
             best = nxt
     rank = 0
-    for src in range(32):
+    for src in range(top_k):  # lanes past top_k hold no id (0x7FFFFFFF): never below one
         other = cuda.shfl_sync(FULL_MASK, my_id, src)
         if other < my_id:
             rank += 1

@@ -312,3 +312,10 @@ def test_gpu_scatter_combine_of_bf16_outputs_is_the_decode_combine_bitwise(rows,
     got = d_res2.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(got, want)
+
+
+def test_route_kernel_in_cuda_simulator():
+    """route_top_k's kernel run thread by thread against its twin (`simulated_kernels.moe_route`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("moe_route").splitlines() if line.startswith("ok moe_route")]) == 3

@@ -288,9 +288,27 @@ def elementwise() -> None:
         print("ok elementwise silu_mul_to_bf16", rows, width, flush=True)
 
 
+def moe_route() -> None:
+    """route_top_k (a warp a row: softmax, top-k by repeated warp maxima, ids ranked among the chosen lanes) equals
+    its twin: ids exactly, weights within fp32 rounding; k < 8 and logit columns past the experts included."""
+    from ninfer.kernels_numba import moe
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(moe))
+    rng = np.random.default_rng(0)
+    for rows, columns, experts, k in [(3, 256, 256, 8), (5, 64, 64, 4), (2, 257, 256, 8)]:
+        logits = rng.standard_normal((rows, columns)).astype(np.float32)
+        ids, weights = np.full((rows, k), -1, np.int32), np.full((rows, k), np.nan, np.float32)
+        moe.route_top_k(logits, k, ids, weights, stream=0, experts=experts)
+        want_ids, want_weights = moe.route_top_k_reference(logits[:, :experts], k)
+        np.testing.assert_array_equal(ids, want_ids)
+        assert _rel(weights, want_weights) < 1e-6, (rows, columns, k, _rel(weights, want_weights))
+        print("ok moe_route", rows, columns, k, flush=True)
+
+
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma, "elementwise": elementwise,
-          "attention_prepare": attention_prepare}
+          "attention_prepare": attention_prepare, "moe_route": moe_route}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
