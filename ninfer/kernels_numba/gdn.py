@@ -486,13 +486,13 @@ def gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns
 
 OUT_WARPS = 4
 
-_OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], uint16[:, ::1], int32, uint16[::1],
-            int32, int32, int32, int32, float32)
+_OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], int32, uint16[:, ::1], int32,
+            uint16[::1], int32, int32, int32, int32, float32)
 
 
 @kernel(_OUT_SIG)
-def _gdn_output_kernel(o, z_source, weight, result, result_bf16, write_bf16, fragments, write_fragments, v_heads,
-                       v_dim, z_offset, eps):
+def _gdn_output_kernel(o, z_source, weight, result, write_f32, result_bf16, write_bf16, fragments, write_fragments,
+                       v_heads, v_dim, z_offset, eps):
     allow_dependents()  # the output projection may start loading its weights (`programmatic`)
     item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
@@ -517,7 +517,8 @@ def _gdn_output_kernel(o, z_source, weight, result, result_bf16, write_bf16, fra
         j = lane + e * WARP
         if j < v_dim:
             value = ((x[e] * inv) * weight[j]) * (z[e] * sigmoid_f32(z[e]))
-            result[row, h * v_dim + j] = value
+            if write_f32 != 0:
+                result[row, h * v_dim + j] = value
             if write_bf16 != 0:
                 result_bf16[row, h * v_dim + j] = uint16(f32_to_bf16(value))
             if write_fragments != 0:
@@ -528,16 +529,22 @@ def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, 
                result_fragments=None):
     """result[r, h*Dv + j] = rms_norm(out[r, h], norm_weight, eps, offset=False)[j] * silu(z_source[r, z_offset +
     h*Dv + j]). With `result_bf16` (uint16 [R, Hv*Dv]) also its bf16 bits, with `result_fragments` its tensor-core x
-    fragments (see `elementwise.rms_norm_rows`)."""
+    fragments (see `elementwise.rms_norm_rows`). `result` None: the bf16 copy alone (a consumer that reads only
+    that: the output projection's cuBLAS GEMM), the same bits, without the fp32 writes."""
     if v_dim > MAX_HEAD_DIM:
         raise ValueError(f"gdn_output supports v_dim <= {MAX_HEAD_DIM}, got {v_dim}")
+    if result is None and result_bf16 is None:
+        raise ValueError("gdn_output needs a result, a bf16 result or both")
     rows = out.shape[0]
     if result_fragments is not None:
-        check_fragment_output(rows, result.shape[1], result_fragments)
+        check_fragment_output(rows, v_heads * v_dim, result_fragments)
+    written = result if result is not None else result_bf16  # a stand-in for the arrays not asked for
     grid = blocks_for(rows * v_heads, OUT_WARPS)
-    _gdn_output_kernel[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight, result,
-                                                      *bf16_target(result, result_bf16),
-                                                      *fragment_target(result, result_fragments), np.int32(v_heads),
+    _gdn_output_kernel[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight,
+                                                      z_source if result is None else result,
+                                                      np.int32(result is not None),
+                                                      *bf16_target(written, result_bf16),
+                                                      *fragment_target(written, result_fragments), np.int32(v_heads),
                                                       np.int32(v_dim), np.int32(z_offset), np.float32(eps))
 
 

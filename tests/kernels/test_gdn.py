@@ -441,3 +441,45 @@ def test_gpu_output_writes_x_fragments(rows):
     want = held.copy()
     qm.write_fragment_rows_reference(want, result)
     np.testing.assert_array_equal(fragments, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 300])
+def test_gpu_output_bf16_alone_is_the_bf16_copy_of_the_full_path(rows):
+    """gdn_output with no fp32 result (the output projection's cuBLAS GEMM reads only the bf16 copy) writes the same
+    bf16 bits as with one, and every element of them."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    hv, dv, c = 4, 128, 64
+    rng = np.random.default_rng(22)
+    out = rng.standard_normal((rows, hv, dv)).astype(F32)
+    projected = rng.standard_normal((rows, c + hv * dv)).astype(F32)
+    norm = rng.standard_normal(dv).astype(F32)
+    stream = cuda.stream()
+    dev = [cuda.to_device(a, stream=stream) for a in (out, projected, norm)]
+    copies = []
+    for result in (cuda.to_device(np.zeros((rows, hv * dv), F32), stream=stream), None):
+        bf16 = cuda.to_device(np.full((rows, hv * dv), 0x7FC1, np.uint16), stream=stream)
+        gdn.gdn_output(*dev, result, v_heads=hv, v_dim=dv, z_offset=c, eps=EPS, stream=stream, result_bf16=bf16)
+        copies.append(bf16.copy_to_host(stream=stream))
+    stream.synchronize()
+    np.testing.assert_array_equal(copies[1], copies[0])
+    assert not (copies[1] == 0x7FC1).any()
+
+
+def test_output_needs_some_result():
+    with pytest.raises(ValueError, match="gdn_output needs"):
+        gdn.gdn_output(np.zeros((1, 1, 32), F32), np.zeros((1, 64), F32), np.zeros(32, F32), None, v_heads=1,
+                       v_dim=32, z_offset=32, eps=EPS, stream=0)
+    from ninfer.backends.cuda import host_kernels
+
+    with pytest.raises(ValueError, match="gdn_output needs"):
+        host_kernels.gdn_output(np.zeros((1, 1, 32), F32), np.zeros((1, 64), F32), np.zeros(32, F32), None, v_heads=1,
+                                v_dim=32, z_offset=32, eps=EPS, stream=0)
+
+
+def test_output_kernel_in_cuda_simulator():
+    """gdn_output run thread by thread with and without its fp32 result (`simulated_kernels.gdn_output`)."""
+    from tests.support.simulated_kernels import run
+
+    assert "ok gdn_output bf16 alone" in run("gdn_output")

@@ -288,6 +288,34 @@ def elementwise() -> None:
         print("ok elementwise silu_mul_to_bf16", rows, width, flush=True)
 
 
+def gdn_output() -> None:
+    """gdn_output with and without its fp32 result: the same bf16 bits, the fp32 within rounding of the twin."""
+    from ninfer.artifact.codec import f32_to_bf16_bits
+    from ninfer.kernels_numba import gdn
+    from ninfer.kernels_numba.numba_setup import cuda
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(gdn))
+    rows, hv, dv, c = 3, 2, 64, 32
+    rng = np.random.default_rng(5)
+    out = rng.standard_normal((rows, hv, dv)).astype(np.float32)
+    projected = rng.standard_normal((rows, c + hv * dv)).astype(np.float32)
+    norm = rng.standard_normal(dv).astype(np.float32)
+    want = np.empty((rows, hv * dv), np.float32)
+    gdn.gdn_output_reference(out, projected, norm, want, v_heads=hv, v_dim=dv, z_offset=c, eps=1e-6)
+    copies = []
+    for result in (cuda.to_device(np.full((rows, hv * dv), np.nan, np.float32)), None):
+        bf16 = cuda.to_device(np.full((rows, hv * dv), 0x7FC1, np.uint16))
+        gdn.gdn_output(cuda.to_device(out), cuda.to_device(projected), cuda.to_device(norm), result, v_heads=hv,
+                       v_dim=dv, z_offset=c, eps=1e-6, stream=0, result_bf16=bf16)
+        copies.append(bf16.copy_to_host())
+        if result is not None:
+            assert _rel(result.copy_to_host(), want) < 1e-6
+            np.testing.assert_array_equal(copies[0], f32_to_bf16_bits(result.copy_to_host()))
+    np.testing.assert_array_equal(copies[1], copies[0])
+    print("ok gdn_output bf16 alone", flush=True)
+
+
 def moe_route() -> None:
     """route_top_k (a warp a row: softmax, top-k by repeated warp maxima, ids ranked among the chosen lanes) equals
     its twin: ids exactly, weights within fp32 rounding; k < 8 and logit columns past the experts included."""
@@ -308,7 +336,8 @@ def moe_route() -> None:
 
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma, "elementwise": elementwise,
-          "attention_prepare": attention_prepare, "moe_route": moe_route}
+          "attention_prepare": attention_prepare, "moe_route": moe_route,
+          "gdn_output": gdn_output}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -221,9 +221,12 @@ def gdn_chunked(*args, stream, **kwargs):
 
 
 def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, result_fragments=None, **kwargs):
-    _gdn.gdn_output_reference(out, z_source, norm_weight, result, **kwargs)
-    _bf16_copy(result, result_bf16)
-    _fragment_rows(result, result_fragments)
+    if result is None and result_bf16 is None:
+        raise ValueError("gdn_output needs a result, a bf16 result or both")
+    values = np.empty((out.shape[0], kwargs["v_heads"] * kwargs["v_dim"]), np.float32) if result is None else result
+    _gdn.gdn_output_reference(out, z_source, norm_weight, values, **kwargs)
+    _bf16_copy(values, result_bf16)
+    _fragment_rows(values, result_fragments)
 
 
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=None):

@@ -1217,9 +1217,11 @@ class CudaQwen:
         normed = ws.gdn_normed[:rows]
         normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
         normed_frag = self.linear.fragment_input(rows, layer.gdn_output)
-        self.k.gdn_output(out, projected, w.norm, normed, v_heads=d.gdn_v_heads, v_dim=d.gdn_v_dim,
-                          z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream, result_bf16=normed_bf16,
-                          result_fragments=normed_frag)
+        # the fp32 copy only for a consumer that reads it: a cuBLAS GEMM reads just the bf16 one
+        bf16_only = normed_bf16 is not None and normed_frag is None
+        self.k.gdn_output(out, projected, w.norm, None if bf16_only else normed, v_heads=d.gdn_v_heads,
+                          v_dim=d.gdn_v_dim, z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream,
+                          result_bf16=normed_bf16, result_fragments=normed_frag)
         self.linear(ws.gdn_normed, layer.gdn_output, ws.x, rows=rows, accumulate=True, x_bf16=normed_bf16,
                     x_fragments=normed_frag)
 
