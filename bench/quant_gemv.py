@@ -6,7 +6,8 @@ each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on every s
 
 Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OUT/quant_gemv.json (bench/results
 without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 27B split Q4/Q5) at M = 1, JSON to
-quant_gemv_small.json.
+quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at a time around the down and gate_up
+shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json.
 """
 
 from __future__ import annotations
@@ -180,6 +181,31 @@ def measure(device, stream, bandwidth, fmt: str, name: str, shape, rng, *, sweep
     return rows
 
 
+def stride_sweep(device, bandwidth, rng) -> list[dict]:
+    """The Q4 tensor-core GEMV at M = 1 on the down and gate_up shapes with K stepped by one 64-column block either
+    side: a row tile's bytes (its concurrent warps' stride apart) change by 512 bytes a step. Bandwidth that swings
+    with K, not with bytes, would say the 320 concurrent tile streams meet in DRAM channels or banks (the suspect for
+    the 320-tile shapes' 0.5 of copy bandwidth), and that the layout, not the kernel, is the lever."""
+    from ninfer.kernels_numba import quant_mma as QM
+
+    rows = []
+    for name, (n, k0) in (("down", SHAPES["down 5120x17408"]), ("gate_up", SHAPES["gate_up 34816x5120"])):
+        for k in [k0 + 64 * step for step in range(-4, 5)]:
+            shape = (n, k)
+            mma = QM.upload_quant_mma(Q4G64, shape, random_payload(Q4G64, shape, rng), stream=device.stream)
+            dx = device.upload(rng.standard_normal((1, k)).astype(np.float32), "bench")
+            dxf = device.empty(QM.x_fragment_words(k), np.uint32, "bench")
+            y = device.empty((1, n), np.float32, "bench")
+            QM.x_fragments(dx, dxf, stream=device.stream)
+            seconds = timed(device, lambda: QM.linear_quant_mma(dxf, mma, y, stream=device.stream))
+            row = {"format": Q4G64, "matrix": name, "shape": [n, k], "tile_bytes": mma.nbytes // (n // 16),
+                   "mma_us": seconds * 1e6, "mma_ratio_to_copy": mma.nbytes / seconds / bandwidth}
+            rows.append(row)
+            print(f"{name:8s} {n}x{k}: {row['mma_us']:6.1f} us  {row['mma_ratio_to_copy']:.3f} of copy  "
+                  f"(tile {row['tile_bytes']} bytes)", flush=True)
+    return rows
+
+
 # The 35B-A3B ninfer-v2 projections outside the experts (all W8G32) and the 27B split ones: small grids, where the
 # block geometry decides how much of the GPU a launch keeps busy.
 SMALL_SHAPES = {"35b gdn in_proj 12288x2048": (W8G32, (12288, 2048)),
@@ -239,6 +265,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     report = {"device": device.info.name, "copy_bandwidth_bytes_s": bandwidth, "rows": []}
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    if "--strides" in sys.argv:  # does the Q4 GEMV's bandwidth depend on its row tiles' stride?
+        report["rows"] = stride_sweep(device, bandwidth, rng)
+        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_strides.json"
+        out.write_text(json.dumps(report, indent=1))
+        return
     if "--small" in sys.argv:  # the geometry search on the small projections alone
         report["rows"] = small_sweep(device, bandwidth, rng)
         out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_small.json"
