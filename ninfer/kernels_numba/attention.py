@@ -21,8 +21,8 @@ from numba.cuda import libdevice
 from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, f32_to_bf16,
-                                         load_words2_at, load_words4_at, sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, blocks_for,
+                                         f32_to_bf16, load_words2_at, load_words4_at, sigmoid_f32, warp_max, warp_sum)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 F32 = np.float32
@@ -170,11 +170,7 @@ def _make_prepare_kernel(head_dim: int):
                 elif i % 3 == 2 and i < 3 * sec2:
                     axis = 2
                 angle = float32(positions[axis, r]) * inv_freq[i]
-                c, sn = libdevice.cosf(angle), libdevice.sinf(angle)
-                if d < pairs:
-                    y[e] = y[e] * c - vals[warp, d + pairs] * sn
-                else:
-                    y[e] = y[e] * c + vals[warp, d - pairs] * sn
+                y[e] = rotate_half(y[e], vals[warp], d, pairs, libdevice.cosf(angle), libdevice.sinf(angle))
         if is_q:
             for e in range(E):
                 q_out[r, slot, lane + 32 * e] = y[e]
@@ -256,8 +252,7 @@ def attention_prepare(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_p
     if rows == 0:
         return
     quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
-    grid = -(-rows * (heads + kv_heads) // PREPARE_WARPS)
-    PREPARE_KERNELS[head_dim][grid, PREPARE_WARPS * 32, stream](
+    PREPARE_KERNELS[head_dim][blocks_for(rows * (heads + kv_heads), PREPARE_WARPS), PREPARE_WARPS * 32, stream](
         qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, page_tables, k_pool, v_pool, ks, vs, q_out,
         *_i32(heads, kv_heads, rotary_dim // 2, sections[1], sections[2]), np.float32(eps), np.int32(quant))
 
