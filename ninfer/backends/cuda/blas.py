@@ -51,9 +51,8 @@ class Blas:
         """y[:, first_column:first_column + N] (fp32, of a contiguous y [M, >= N]) (+)= x (bf16 [M, K]) @ w (bf16
         [N, K])^T; y's other columns are left alone (the parts of a split projection write their columns of one
         output: cuBLAS's leading dimension is y's row length)."""
-        m, k = x.shape
-        n, k2 = w.shape
         check_column_block(x.shape, w.shape, y.shape, first_column)
+        (m, k), n = x.shape, w.shape[0]
         cublas = self._cublas
         beta = self._one if accumulate else self._zero
         cublas.gemm_ex(self._handle, cublas.Operation.T, cublas.Operation.N, n, m, k, self._one.ctypes.data,

@@ -586,6 +586,12 @@ class SideScratch:
     w_bf16: None = None
 
 
+def reads_bf16_alone(x_bf16: Any, x_fragments: Any) -> bool:
+    """Whether the consumer of an activation reads only its bf16 copy: `Linear.bf16_input` asked for one (a cuBLAS
+    GEMM, which reads nothing else) and `fragment_input` for no fragments. Its producer can then skip the fp32."""
+    return x_bf16 is not None and x_fragments is None
+
+
 class Linear:
     """y (+)= x @ W^T for any stored format: up to SKINNY_ROWS rows the quantized kernels, and for bf16 matrices
     cuBLAS or the skinny kernels (`cublas_decode`, from Capacity.decode_linear); cuBLAS on bf16 beyond.
@@ -1217,11 +1223,10 @@ class CudaQwen:
         normed = ws.gdn_normed[:rows]
         normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
         normed_frag = self.linear.fragment_input(rows, layer.gdn_output)
-        # the fp32 copy only for a consumer that reads it: a cuBLAS GEMM reads just the bf16 one
-        bf16_only = normed_bf16 is not None and normed_frag is None
-        self.k.gdn_output(out, projected, w.norm, None if bf16_only else normed, v_heads=d.gdn_v_heads,
-                          v_dim=d.gdn_v_dim, z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream,
-                          result_bf16=normed_bf16, result_fragments=normed_frag)
+        result = None if reads_bf16_alone(normed_bf16, normed_frag) else normed
+        self.k.gdn_output(out, projected, w.norm, result, v_heads=d.gdn_v_heads, v_dim=d.gdn_v_dim,
+                          z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream, result_bf16=normed_bf16,
+                          result_fragments=normed_frag)
         self.linear(ws.gdn_normed, layer.gdn_output, ws.x, rows=rows, accumulate=True, x_bf16=normed_bf16,
                     x_fragments=normed_frag)
 
@@ -1273,10 +1278,9 @@ class CudaQwen:
         linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16, x_fragments=act_frag)
 
     def _silu_mul(self, gate_up: Any, act: Any, act_bf16: Any, act_frag: Any, stream: Any) -> None:
-        """act = silu(gate) * up for a down projection, in the forms it reads: with a bf16 copy asked for (`Linear.
-        bf16_input`: its cuBLAS GEMM reads only that) and no fragments, the bf16 copy alone, from one kernel that
-        writes no fp32 (the same bits as the bf16 copy of the fp32 path)."""
-        if act_bf16 is not None and act_frag is None and act.shape[1] % self.k.SILU_QUADS == 0:
+        """act = silu(gate) * up for a down projection, in the forms it reads: when it reads the bf16 copy alone
+        (`reads_bf16_alone`), that copy from one kernel that writes no fp32 (the same bits as the fp32 path's copy)."""
+        if reads_bf16_alone(act_bf16, act_frag) and act.shape[1] % self.k.SILU_QUADS == 0:
             self.k.silu_mul_to_bf16_rows(gate_up, act_bf16, stream=stream)
         else:
             self.k.silu_mul_rows(gate_up, act, stream=stream, out_bf16=act_bf16, out_fragments=act_frag)
