@@ -249,9 +249,7 @@ def attention_prepare() -> None:
     from ninfer.kernels_numba.numba_setup import cuda
     from tests.support import cuda_simulator
 
-    cuda_simulator.install(vars(attention))
-    for function in attention.PREPARE_KERNELS.values():
-        cuda_simulator.install(function.py_func.__globals__)
+    cuda_simulator.install(vars(attention))  # the per-head-dim kernels' globals are the module's
     for cfg in [(4, 2, 64, 16, (3, 3, 2)), (4, 1, 32, 8, (2, 1, 1)), (3, 1, 256, 64, (11, 11, 10))]:
         heads, kv_heads, d, rotary, sections = cfg
         for dtype in ("bf16", "int8"):
@@ -335,9 +333,8 @@ def moe_route() -> None:
 
 
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
-          "quant_mma": quant_mma, "elementwise": elementwise,
-          "attention_prepare": attention_prepare, "moe_route": moe_route,
-          "gdn_output": gdn_output}
+          "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
+          "moe_route": moe_route, "gdn_output": gdn_output}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
