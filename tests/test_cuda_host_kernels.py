@@ -1,6 +1,12 @@
-"""The NumPy stand-in kernel set offers every launcher the CUDA model calls, under the same names."""
+"""The NumPy stand-ins of the CUDA backend: the kernel set offers every launcher the CUDA model calls, under the same
+names, and the host cuBLAS stand-in writes the blocks the GPU one does."""
 
+import numpy as np
+import pytest
+
+from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cuda import host_kernels, kernels
+from ninfer.backends.cuda.host import HostBlas
 
 
 def test_the_host_set_defines_every_device_launcher():
@@ -12,12 +18,6 @@ def test_the_host_set_defines_every_device_launcher():
 def test_host_gemm_writes_only_its_column_block_and_refuses_one_past_the_output():
     """HostBlas.gemm_bf16 with first_column (the split projections' prefill): the product of bf16 x and w lands in
     y[:, first:first + N], the other columns keep their values, as Blas does on the GPU."""
-    import numpy as np
-    import pytest
-
-    from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-    from ninfer.backends.cuda.host import HostBlas
-
     rng = np.random.default_rng(0)
     x, w = f32_to_bf16_bits(rng.standard_normal((5, 8))), f32_to_bf16_bits(rng.standard_normal((3, 8)))
     y0 = rng.standard_normal((5, 10)).astype(np.float32)
