@@ -239,7 +239,8 @@ def test_gpu_silu_mul_to_bf16_is_the_bf16_copy_of_the_fp32_kernel(rows, width):
     _, _, copy = _run(lambda g, o, b, stream: ew.silu_mul_rows(g, o, out_bf16=b, stream=stream), [gu],
                       [_nan((rows, width)), np.full((rows, width), 0x7FC1, np.uint16)], stream)
     np.testing.assert_array_equal(out, copy)
-    np.testing.assert_array_equal(out[1:], ew.silu_mul_to_bf16_rows_reference(gu)[1:])
+    # The device's expf and NumPy's exp differ in the last fp32 bit, which can move a bf16 rounding by one ulp.
+    assert rel_l2(bf16_bits_to_f32(out[1:]), bf16_bits_to_f32(ew.silu_mul_to_bf16_rows_reference(gu)[1:])) < 1e-5
 
 
 @pytest.mark.gpu
