@@ -127,6 +127,29 @@ def test_grouped_gemm_multiplies_each_row_group_by_its_own_weight_block(device):
     blas.close()
 
 
+def test_batched_gemm_multiplies_each_padded_group_by_its_own_weight_block(device):
+    """The padded MoE prefill's strided-batched GEMM: equal groups of rows, bf16 outputs within one bf16 step of the
+    host twin; a shape that does not split into equal groups is refused."""
+    from ninfer.backends.cuda.blas import Blas
+    from ninfer.backends.cuda.host import HostBlas
+
+    rng = np.random.default_rng(4)
+    groups, p, n, k = 5, 37, 48, 128
+    x = f32_to_bf16_bits(rng.standard_normal((groups * p, k)))
+    w = f32_to_bf16_bits(rng.standard_normal((groups * n, k)) * 0.1)
+    y = device.upload(np.full((groups * p, n), 0x7FC1, np.uint16), "test")
+    blas = Blas(device)
+    blas.batched_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, groups)
+    device.synchronize()
+    want = np.zeros((groups * p, n), np.uint16)
+    HostBlas().batched_gemm_bf16(x, w, want, groups)
+    got32, want32 = bf16_bits_to_f32(y.copy_to_host()), bf16_bits_to_f32(want)
+    assert np.all(np.abs(got32 - want32) <= np.abs(want32) * 2.0 ** -7 + 1e-6)  # one bf16 step apart
+    with pytest.raises(ValueError, match="batched gemm shapes"):
+        blas.batched_gemm_bf16(device.upload(x[:-1], "test"), device.upload(w, "test"), y, groups)
+    blas.close()
+
+
 def test_a_captured_graph_replays_numba_launches_and_cublas_together(device):
     from ninfer.backends.cuda.blas import Blas
     from ninfer.backends.cuda.graphs import capture

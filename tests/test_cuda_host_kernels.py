@@ -27,3 +27,20 @@ def test_host_gemm_writes_only_its_column_block_and_refuses_one_past_the_output(
     np.testing.assert_allclose(y[:, 4:7], bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T, rtol=1e-6)
     with pytest.raises(ValueError, match="gemm shapes"):
         HostBlas().gemm_bf16(x, w, y, first_column=8)
+
+
+def test_host_batched_gemm_is_the_grouped_gemm_over_equal_groups_and_checks_its_shapes():
+    """HostBlas.batched_gemm_bf16 (the padded MoE prefill): group g's rows times its own weight block, rounded once to
+    bf16; shapes that do not split into equal groups, or an fp32 output, are refused."""
+    rng = np.random.default_rng(5)
+    groups, p, n, k = 3, 4, 6, 16
+    x = f32_to_bf16_bits(rng.standard_normal((groups * p, k)))
+    w = f32_to_bf16_bits(rng.standard_normal((groups * n, k)))
+    y = np.zeros((groups * p, n), np.uint16)
+    HostBlas().batched_gemm_bf16(x, w, y, groups)
+    for g in range(groups):
+        want = bf16_bits_to_f32(x[g * p:(g + 1) * p]) @ bf16_bits_to_f32(w[g * n:(g + 1) * n]).T
+        np.testing.assert_array_equal(y[g * p:(g + 1) * p], f32_to_bf16_bits(want.astype(np.float32)))
+    for bad_x, bad_y in ((x[:-1], y[:-1]), (x, y[:, :-1]), (x, y.astype(np.float32))):
+        with pytest.raises(ValueError, match="batched gemm shapes"):
+            HostBlas().batched_gemm_bf16(bad_x, w, bad_y, groups)

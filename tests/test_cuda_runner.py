@@ -242,6 +242,42 @@ def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifa
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
+def test_padded_expert_gemms_give_the_grouped_gemms_logits(device_kind, artifacts, recipe):
+    """The MoE prefill's expert GEMMs as one strided-batched call over experts padded to the largest count, against
+    the grouped call over contiguous groups: the same logits (bitwise on the host's twins, within a bf16 step's
+    effect on the GPU, where each call picks its own kernels), and the CPU model's within bf16 tolerance. "auto"
+    picks the padded call at this balance and falls back to the grouped one when the padded rows pass the scratch."""
+    path = artifacts[("moe", recipe)]
+    build = cuda_build(device_kind, path, prefill_chunk=256)
+    model, cpu = build.model, load_model(path)
+    blas = model.linear.blas
+    calls = []
+    batched = blas.batched_gemm_bf16
+    blas.batched_gemm_bf16 = lambda *args: (calls.append(args[-1]), batched(*args))
+    ids = prompt(5, 100)
+    logits = {}
+    for choice in ("grouped", "padded", "auto"):
+        model.moe_prefill_gemm = choice
+        before = len(calls)
+        logits[choice], want = prompt_logits(model, cpu, ids)
+        assert (len(calls) > before) == (choice != "grouped"), choice
+        assert np.linalg.norm(logits[choice] - want) / np.linalg.norm(want) < 2e-2, choice
+    assert set(calls) == {model.dims.moe_experts}
+    if device_kind == "host":
+        np.testing.assert_array_equal(logits["padded"], logits["grouped"])
+    else:
+        assert np.linalg.norm(logits["padded"] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
+    np.testing.assert_array_equal(logits["auto"], logits["padded"])
+    before = len(calls)
+    routed = len(ids) * model.dims.moe_top_k
+    model.workspace.perm_in = model.workspace.perm_in[:routed]  # room for the routed rows, not the padded ones
+    model.moe_prefill_gemm = "padded"
+    got, _ = prompt_logits(model, cpu, ids)
+    assert len(calls) == before
+    np.testing.assert_array_equal(got, logits["grouped"])
+
+
 @pytest.mark.parametrize("kind,recipe", CASES)
 def test_batched_greedy_generation_matches_the_cpu_runner(device_kind, artifacts, kind, recipe):
     path = artifacts[(kind, recipe)]

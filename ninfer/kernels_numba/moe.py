@@ -4,10 +4,11 @@ Decode route: `route_top_k` (softmax over all experts, top-k with ties to the lo
 experts SORTED BY ID ascending with their weights), the lead's per-slot expert GEMVs, `silu_mul_slots`, then
 `moe_combine` (residual += sum over slots in ascending slot = ascending expert id order).
 
-Prefill route (one cuBLAS grouped GEMM per projection over every expert's tokens, bf16 outputs): `moe_group`
+Prefill route (one cuBLAS GEMM call per projection over every expert's tokens, bf16 outputs): `moe_group`
 groups the R*S (row, slot) pairs by expert (experts ascending, rows ascending within an expert: a stable
 permutation) and writes `slot_of[p] = r*S + s` and its inverse `position_of[r*S + s] = p`; `moe_gather` makes the
-bf16 GEMM input `out[p] = bf16(x[slot_of[p] // S])`; `moe_scatter_combine` adds
+bf16 GEMM input `out[p] = bf16(x[slot_of[p] // S])`, contiguous per expert for a grouped GEMM, or, through
+`moe_pad_positions`, at a fixed row stride per expert for a strided-batched one; `moe_scatter_combine` adds
 `sum_s weights[r, s] * permuted_out[position_of[r*S+s]]` to the residual, with exactly the arithmetic of
 `moe_combine`, so the two routes agree bitwise given equal expert outputs (bf16 ones read exactly as fp32).
 
@@ -327,19 +328,38 @@ def _moe_scatter_rows_pairs(x, position_of, top_k, out):
             out[position_of[r * top_k + s], j] = word
 
 
-def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
-    """out[p] = bf16 bits of x[slot_of[p] // top_k]. x fp32 [R, H]; slot_of int32 [P]; out uint16 [P, H].
+@kernel((F32_2D, int32[::1], int32, uint16[:, ::1]), fastmath=False)
+def _moe_scatter_rows_single(x, position_of, top_k, out):
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if j < out.shape[1]:
+        value = uint16(f32_to_bf16(x[r, j]))
+        for s in range(top_k):
+            out[position_of[r * top_k + s], j] = value
 
-    With `position_of` (moe_group's inverse map) and H even, each x row is read once and written to its top_k
-    positions (fewer bytes: the faster form for prefill); the result is the same."""
+
+def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
+    """The bf16 GEMM input of the prefill's expert GEMMs from x fp32 [R, H] into out uint16 [., H].
+
+    Without `position_of`: out[p] = bf16 bits of x[slot_of[p] // top_k] for every row p of out. With it (moe_group's
+    inverse map, or the padded one of moe_pad_positions; int32 [R*top_k]): out[position_of[r*top_k + s]] = bf16
+    bits of x[r] for every row r of x and slot s, each x row read once (fewer bytes: the prefill's form); rows of
+    out that no position names keep their contents. Over moe_group's maps the two forms write the same."""
+    if position_of is not None:
+        rows, width = x.shape[0], out.shape[1]
+        if not rows or not width:
+            return
+        if width % 2 == 0:
+            _moe_scatter_rows_pairs[(rows, blocks_for(width // 2, TILE)), TILE, stream](
+                x, position_of, np.int32(top_k), out.view(np.uint32))
+        else:
+            _moe_scatter_rows_single[(rows, blocks_for(width, TILE)), TILE, stream](x, position_of, np.int32(top_k),
+                                                                                      out)
+        return
     positions, width = out.shape
     if not positions or not width:
         return
-    if width % 2 == 0 and position_of is not None:
-        rows = positions // top_k
-        _moe_scatter_rows_pairs[(rows, blocks_for(width // 2, TILE)), TILE, stream](
-            x, position_of, np.int32(top_k), out.view(np.uint32))
-    elif width % 2 == 0:
+    if width % 2 == 0:
         _moe_gather_pairs[(positions, blocks_for(width // 2, TILE)), TILE, stream](
             x, slot_of, np.int32(top_k), out.view(np.uint32))
     else:
@@ -348,6 +368,40 @@ def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
 
 def moe_gather_reference(x, slot_of, top_k):
     return f32_to_bf16_bits(np.asarray(x, dtype=np.float32)[np.asarray(slot_of) // top_k])
+
+
+def moe_scatter_rows_reference(x, position_of, top_k, out):
+    """moe_gather with position_of: a copy of out with row position_of[r*top_k + s] = bf16 bits of x[r]."""
+    result = np.array(out, dtype=np.uint16, copy=True)
+    result[np.asarray(position_of)] = np.repeat(f32_to_bf16_bits(np.asarray(x, dtype=np.float32)), top_k, axis=0)
+    return result
+
+
+@kernel((I32_2D, int32[::1], int32[::1], int32, int32[::1]), fastmath=False)
+def _moe_pad_positions_kernel(expert_ids, position_of, offsets, rows_per_expert, padded):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    slots = expert_ids.shape[1]
+    if i < position_of.shape[0]:
+        e = expert_ids[i // slots, i % slots]
+        padded[i] = e * rows_per_expert + position_of[i] - offsets[e]
+
+
+def moe_pad_positions(expert_ids, position_of, offsets, rows_per_expert, padded, *, stream):
+    """padded[r*S + s] = e * rows_per_expert + position_of[r*S + s] - offsets[e], e = expert_ids[r, s]: moe_group's
+    positions moved to a layout where expert e's rows start at row e * rows_per_expert (at least the largest
+    expert's count, which the caller checks), the operand layout of one strided-batched GEMM over the experts
+    (Blas.batched_gemm_bf16). expert_ids int32 [R, S]; position_of, padded int32 [R*S]; offsets int32 [E + 1]."""
+    if position_of.shape[0] != expert_ids.shape[0] * expert_ids.shape[1] or padded.shape != position_of.shape:
+        raise ValueError(f"moe_pad_positions takes R*S positions for ids {tuple(expert_ids.shape)}; got "
+                         f"{tuple(position_of.shape)} and {tuple(padded.shape)}")
+    if position_of.shape[0]:
+        _moe_pad_positions_kernel[blocks_for(position_of.shape[0], TILE), TILE, stream](
+            expert_ids, position_of, offsets, np.int32(rows_per_expert), padded)
+
+
+def moe_pad_positions_reference(expert_ids, position_of, offsets, rows_per_expert):
+    experts = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+    return (experts * rows_per_expert + np.asarray(position_of) - np.asarray(offsets)[experts]).astype(np.int32)
 
 
 COMBINE_COLUMNS = 4  # columns per thread of moe_scatter_combine (independent loads in flight)
@@ -379,9 +433,10 @@ def _moe_scatter_combine_kernel(permuted_out, position_of, weights, residual):
 def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):
     """residual[r] += sum_s (ascending s) weights[r, s] * permuted_out[position_of[r*S + s]].
 
-    permuted_out bf16 bits uint16 [R*S, H] (the grouped GEMM's output, rows in moe_group's permuted order), read as
-    their exact fp32 values; weights fp32 [R, S] with S == top_k; position_of int32 [R*S] from moe_group. slot_of
-    is accepted for symmetry and not read.
+    permuted_out bf16 bits uint16 [., H] (the expert GEMMs' output, rows in moe_group's permuted order or in
+    moe_pad_positions' padded layout), read as their exact fp32 values; weights fp32 [R, S] with S == top_k;
+    position_of int32 [R*S], the map that placed the GEMM's input rows (moe_group's, or the padded one). slot_of is
+    accepted for symmetry and not read.
     """
     rows, width = residual.shape
     if np.dtype(permuted_out.dtype) != np.uint16 or weights.shape[1] != top_k:
@@ -392,9 +447,7 @@ def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, posi
             permuted_out, position_of, weights, residual)
 
 
-def moe_scatter_combine_reference(permuted_out, slot_of, weights, top_k, residual):
+def moe_scatter_combine_reference(permuted_out, position_of, weights, top_k, residual):
     rows = residual.shape[0]
-    position_of = np.empty(len(slot_of), dtype=np.int64)
-    position_of[np.asarray(slot_of)] = np.arange(len(slot_of))
-    expert_out = bf16_bits_to_f32(np.asarray(permuted_out, np.uint16))[position_of].reshape(rows, top_k, -1)
+    expert_out = bf16_bits_to_f32(np.asarray(permuted_out, np.uint16))[np.asarray(position_of)].reshape(rows, top_k, -1)
     return moe_combine_reference(expert_out, weights, residual)

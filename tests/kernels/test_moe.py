@@ -86,7 +86,7 @@ def _twin_moe(x, w, k):
         if hi > lo:
             act = ew.silu_mul_bf16_rows_reference(f32_to_bf16_bits(linear(xs[lo:hi], w.routed_gate_up[e])))
             permuted[lo:hi] = f32_to_bf16_bits(linear(bf16_bits_to_f32(act), w.routed_down[e]))
-    prefill = moe.moe_scatter_combine_reference(permuted, slot_of, weights, k,
+    prefill = moe.moe_scatter_combine_reference(permuted, position_of, weights, k,
                                                 ew.sigmoid_gate_add_reference(zero, sh, gate))
     assert shared_inter
     return decode, prefill
@@ -275,12 +275,72 @@ def test_scatter_combine_twin_is_the_decode_combine_of_the_bf16_values():
     rng = np.random.default_rng(21)
     rows, slots, hidden, experts = 6, 4, 40, 12
     ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
-    _, _, slot_of, _ = moe.moe_group_reference(ids, experts)
+    _, _, slot_of, position_of = moe.moe_group_reference(ids, experts)
     eo = f32_to_bf16_bits(rand(rng, rows, slots, hidden))
     w, res = rand(rng, rows, slots), rand(rng, rows, hidden)
     np.testing.assert_array_equal(
-        moe.moe_scatter_combine_reference(eo.reshape(rows * slots, hidden)[slot_of], slot_of, w, slots, res),
+        moe.moe_scatter_combine_reference(eo.reshape(rows * slots, hidden)[slot_of], position_of, w, slots, res),
         moe.moe_combine_reference(bf16_bits_to_f32(eo), w, res))
+
+
+def _padded_layout(rng, rows, experts, k):
+    ids = np.sort(np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
+    counts, offsets, slot_of, position_of = moe.moe_group_reference(ids, experts)
+    largest = int(counts.max())
+    return ids, offsets, slot_of, position_of, largest
+
+
+@pytest.mark.parametrize("rows,experts,k", [(1, 8, 2), (9, 8, 2), (100, 16, 4)])
+def test_padded_positions_give_each_expert_its_rows_at_a_fixed_stride(rows, experts, k):
+    """moe_pad_positions: expert e's rows at e * P + their rank, in moe_group's order; the scatter through them
+    fills those rows alone, and the combine through them equals the combine of the contiguous layout."""
+    rng = np.random.default_rng(rows + experts)
+    ids, offsets, slot_of, position_of, largest = _padded_layout(rng, rows, experts, k)
+    padded = moe.moe_pad_positions_reference(ids, position_of, offsets, largest)
+    flat = ids.reshape(-1)
+    np.testing.assert_array_equal(padded // largest, flat)
+    np.testing.assert_array_equal(padded - flat * largest, position_of - offsets[flat])
+    x = rand(rng, rows, 10)
+    blank = np.full((experts * largest, 10), 0x7FC1, np.uint16)
+    scattered = moe.moe_scatter_rows_reference(x, padded, k, blank)
+    np.testing.assert_array_equal(scattered[padded], moe.moe_gather_reference(x, slot_of, k)[position_of])
+    untouched = np.setdiff1d(np.arange(experts * largest), padded)
+    assert np.all(scattered[untouched] == 0x7FC1)
+    contiguous = moe.moe_scatter_rows_reference(x, position_of, k, np.zeros((rows * k, 10), np.uint16))
+    np.testing.assert_array_equal(contiguous, moe.moe_gather_reference(x, slot_of, k))
+    w, res = rand(rng, rows, k), rand(rng, rows, 10)
+    np.testing.assert_array_equal(moe.moe_scatter_combine_reference(scattered, padded, w, k, res),
+                                  moe.moe_scatter_combine_reference(contiguous, position_of, w, k, res))
+
+
+def test_pad_positions_checks_its_shapes():
+    with pytest.raises(ValueError, match="R\\*S positions"):
+        moe.moe_pad_positions(np.zeros((3, 2), np.int32), np.zeros(5, np.int32), np.zeros(9, np.int32), 4,
+                              np.zeros(5, np.int32), stream=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,experts,k,hidden", [(9, 8, 2, 64), (300, 256, 8, 2048), (37, 16, 4, 5)])
+def test_gpu_pad_positions_and_padded_gather(rows, experts, k, hidden):
+    """The device's padded positions and the scatter through them (pairs of columns, and single ones for an odd
+    width) equal their twins, padding rows untouched."""
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(rows * k)
+    ids, offsets, slot_of, position_of, largest = _padded_layout(rng, rows, experts, k)
+    d_padded = cuda.to_device(np.full(rows * k, -1, np.int32), stream=stream)
+    moe.moe_pad_positions(cuda.to_device(ids, stream=stream), cuda.to_device(position_of, stream=stream),
+                          cuda.to_device(offsets, stream=stream), largest, d_padded, stream=stream)
+    padded = d_padded.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(padded, moe.moe_pad_positions_reference(ids, position_of, offsets, largest))
+    x = rand(rng, rows, hidden)
+    blank = np.full((experts * largest, hidden), 0x7FC1, np.uint16)
+    d_out = cuda.to_device(blank, stream=stream)
+    moe.moe_gather(cuda.to_device(x, stream=stream), slot_of, k, d_out, position_of=d_padded, stream=stream)
+    out = d_out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(out, moe.moe_scatter_rows_reference(x, padded, k, blank))
 
 
 def test_scatter_combine_takes_bf16_outputs_only():
@@ -319,3 +379,11 @@ def test_route_kernel_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     assert len([line for line in run("moe_route").splitlines() if line.startswith("ok moe_route")]) == 3
+
+
+def test_padded_layout_kernels_in_cuda_simulator():
+    """moe_pad_positions and the padded scatter run thread by thread against their twins
+    (`simulated_kernels.moe_padded`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("moe_padded").splitlines() if line.startswith("ok moe_padded")]) == 2

@@ -332,9 +332,33 @@ def moe_route() -> None:
         print("ok moe_route", rows, columns, k, flush=True)
 
 
+def moe_padded() -> None:
+    """moe_pad_positions and the scatter through its positions (column pairs; single columns for an odd width)
+    equal their twins; padding rows keep their contents."""
+    from ninfer.kernels_numba import moe
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(moe))
+    rng = np.random.default_rng(1)
+    for rows, experts, k, hidden in [(7, 8, 2, 6), (5, 16, 4, 5)]:
+        ids = np.sort(np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
+        counts, offsets, _, position_of = moe.moe_group_reference(ids, experts)
+        largest = int(counts.max())
+        padded = np.full(rows * k, -1, np.int32)
+        moe.moe_pad_positions(ids, position_of, offsets, largest, padded, stream=0)
+        np.testing.assert_array_equal(padded, moe.moe_pad_positions_reference(ids, position_of, offsets, largest))
+        x = rng.standard_normal((rows, hidden)).astype(np.float32)
+        blank = np.full((experts * largest, hidden), 0x7FC1, np.uint16)
+        out = blank.copy()
+        moe.moe_gather(x, None, k, out, position_of=padded, stream=0)
+        np.testing.assert_array_equal(out, moe.moe_scatter_rows_reference(x, padded, k, blank))
+        print("ok moe_padded", rows, experts, k, hidden, flush=True)
+
+
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
-          "moe_route": moe_route, "gdn_output": gdn_output}
+          "moe_route": moe_route, "gdn_output": gdn_output,
+          "moe_padded": moe_padded}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

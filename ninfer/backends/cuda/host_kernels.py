@@ -243,11 +243,18 @@ def moe_group(expert_ids, counts, offsets, slot_of, *, experts, position_of, str
 
 
 def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
-    out[...] = _moe.moe_gather_reference(x, slot_of, top_k)
+    if position_of is None:
+        out[...] = _moe.moe_gather_reference(x, slot_of, top_k)
+    else:
+        out[...] = _moe.moe_scatter_rows_reference(x, position_of, top_k, out)
+
+
+def moe_pad_positions(expert_ids, position_of, offsets, rows_per_expert, padded, *, stream):
+    padded[...] = _moe.moe_pad_positions_reference(expert_ids, position_of, offsets, rows_per_expert)
 
 
 def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):
-    residual[...] = _moe.moe_scatter_combine_reference(permuted_out, slot_of, weights, top_k, residual)
+    residual[...] = _moe.moe_scatter_combine_reference(permuted_out, position_of, weights, top_k, residual)
 
 
 def linear_bf16(x, w, y, *, stream, accumulate=False):

@@ -14,7 +14,8 @@ from ninfer.kernels_numba.gdn import gdn_conv, gdn_gates, gdn_output, gdn_recurr
 from ninfer.kernels_numba.gdn_chunked import gdn_chunked
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
-from ninfer.kernels_numba.moe import moe_combine, moe_gather, moe_group, moe_scatter_combine, route_top_k
+from ninfer.kernels_numba.moe import (moe_combine, moe_gather, moe_group, moe_pad_positions, moe_scatter_combine,
+                                     route_top_k)
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
@@ -60,6 +61,7 @@ __all__ = [
     "moe_combine",
     "moe_gather",
     "moe_group",
+    "moe_pad_positions",
     "moe_scatter_combine",
     "repack_quant",
     "rms_norm_rows",

@@ -51,6 +51,11 @@ PAGE_TOKENS = 64
 # lane's keys (64 rows at 8K context, 16 at 32K); where it should sit is still to be measured on the GPU.
 SHORT_PREFILL_ROW_KEYS = 64 * 8192
 SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
+# The MoE prefill pads every expert's rows to the largest count for one strided-batched GEMM (sm90 kernels, 484
+# TFLOP/s of useful work) while the padded rows stay within this multiple of the routed ones; past it the grouped
+# GEMM (sm80 kernel, 210 TFLOP/s whatever the skew) does less work in less time. Break-even ~2.3 (results/
+# grouped_gemm_probe_session12.json).
+PADDED_EXPERT_ROWS_LIMIT = 2.0
 
 
 @attrs.frozen
@@ -529,6 +534,7 @@ class Workspace:
             self.moe_slot_of = buf(rows * s, dtype=np.int32)
             self.moe_position_of = buf(rows * s, dtype=np.int32)
             if rows > SKINNY_ROWS:
+                self.moe_padded_position_of = buf(rows * s, dtype=np.int32)
                 self.perm_in = buf(rows * s, h, dtype=np.uint16)
                 # the grouped GEMMs' bf16 outputs (Blas.grouped_gemm_bf16) and the activation between them
                 self.perm_gate_up = buf(rows * s, 2 * d.moe_intermediate, dtype=np.uint16)
@@ -751,6 +757,9 @@ class CudaQwen:
             self.prefill_attention = "gemm" if dims.is_moe else "flash"
         else:
             self.prefill_attention = "kernel"
+        # MoE prefill expert GEMMs: "auto" (padded while within PADDED_EXPERT_ROWS_LIMIT, else grouped), "grouped"
+        # or "padded" (where the padded rows fit the permuted scratch; grouped otherwise).
+        self.moe_prefill_gemm = "auto"
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -1313,25 +1322,50 @@ class CudaQwen:
                                    stream=stream)
 
     def _moe_grouped(self, w: MoeFfn, rows: int) -> None:
-        """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS grouped GEMM per
-        projection, bf16 outputs (not captured: the group sizes are read back to the host)."""
-        ws, stream, d = self.workspace, self.device.stream, self.dims
-        s, e, inter, hidden = d.moe_top_k, d.moe_experts, d.moe_intermediate, d.hidden
+        """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS call per projection,
+        bf16 outputs (not captured: the group sizes are read back to the host). The call is a strided-batched GEMM
+        over the experts with each one's rows padded to the largest count, or the grouped GEMM on the contiguous
+        groups (`moe_prefill_gemm`, `_padded_expert_rows`)."""
+        ws, stream = self.workspace, self.device.stream
+        s, e = self.dims.moe_top_k, self.dims.moe_experts
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
         slot_of = ws.moe_slot_of[: rows * s]
         position_of = ws.moe_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
-        permuted = ws.perm_in[: rows * s]
-        self.k.moe_gather(ws.h[:rows], slot_of, s, permuted, stream=stream, position_of=position_of)
         offsets = self.device.read(ws.moe_offsets)
-        gate_up = ws.perm_gate_up[: rows * s]
-        self.linear.blas.grouped_gemm_bf16(permuted, self.linear.bf16_weight(w.routed_gate_up), gate_up, offsets,
-                                           2 * inter)
-        act_bf16 = ws.perm_act_bf16[: rows * s]
+        padded = self._padded_expert_rows(np.diff(offsets), rows * s)
+        gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
+        placed, count = position_of, rows * s
+        if padded:
+            placed, count = ws.moe_padded_position_of[: rows * s], e * padded
+            self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, padded, placed, stream=stream)
+
+        def expert_gemm(x: Any, weight: Any, y: Any) -> None:
+            if padded:
+                self.linear.blas.batched_gemm_bf16(x, weight, y, e)
+            else:
+                self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
+
+        permuted = ws.perm_in[:count]
+        self.k.moe_gather(ws.h[:rows], slot_of, s, permuted, stream=stream, position_of=placed)
+        gate_up = ws.perm_gate_up[:count]
+        expert_gemm(permuted, gate_up_w, gate_up)
+        act_bf16 = ws.perm_act_bf16[:count]
         self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
-        out = ws.perm_out[: rows * s]
-        self.linear.blas.grouped_gemm_bf16(act_bf16, self.linear.bf16_weight(w.routed_down), out, offsets, hidden)
-        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=position_of, stream=stream)
+        out = ws.perm_out[:count]
+        expert_gemm(act_bf16, self.linear.bf16_weight(w.routed_down), out)
+        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream)
+
+    def _padded_expert_rows(self, counts: np.ndarray, routed: int) -> int:
+        """Rows a group of the padded layout (the largest expert count), or 0 for the grouped GEMM: when asked for
+        it, when the padded rows would not fit the permuted scratch, or ("auto") when they pass
+        PADDED_EXPERT_ROWS_LIMIT times the routed rows."""
+        largest, experts = int(counts.max()), counts.size
+        if self.moe_prefill_gemm == "grouped" or experts * largest > self.workspace.perm_in.shape[0]:
+            return 0
+        if self.moe_prefill_gemm == "auto" and experts * largest > PADDED_EXPERT_ROWS_LIMIT * routed:
+            return 0
+        return largest
 
     # ---- state operations ----
 
