@@ -411,11 +411,10 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     X_BLOCK = FRAGMENT_WORDS * 4
 
     @large_device_function
-    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, x_mask, q0,
-                  blocks, clamp, part):
+    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
+                  clamp, part):
         """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
-        `clamp`): `part` WEIGHTS (planes and scales), X (x fragments of the sets whose bit is set in the lane's
-        `x_mask`) or both (WEIGHTS | X)."""
+        `clamp`): `part` WEIGHTS (planes and scales), X (x fragments) or both (WEIGHTS | X)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
@@ -437,11 +436,10 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                 for k in range(SW):
                     scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
             for t in range(sets if part & X else 0):  # block q's x fragments of every set
-                if (x_mask >> t) & 1:
-                    at = x_lane + t * set_bytes + q64 * X_BLOCK
-                    x0 = 8 * (u * sets + t)
-                    xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
-                    xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
+                at = x_lane + t * set_bytes + q64 * X_BLOCK
+                x0 = 8 * (u * sets + t)
+                xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
+                xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
 
     @large_device_function
     def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
@@ -520,7 +518,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @large_device_function
-    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks, x_first, x_end):
+    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
@@ -528,15 +526,6 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         highs = cuda.local.array(HIGHS, uint32)
         scale_pairs = cuda.local.array(SCALES, uint32)
         xs = cuda.local.array(XS, uint32)
-        # A lane's B fragment words are those of x row 8 t + g of set t. Lanes whose row the caller keeps (x_first
-        # <= row < x_end) load them; the others hold zeros, which feed only mma columns that are dropped (each C
-        # column reads only its own B column). At one x row that is 4 lanes of 32: an eighth of the x bytes.
-        x_mask = int32(0)
-        for t in range(sets):
-            if x_first <= 8 * t + g and 8 * t + g < x_end:
-                x_mask |= int32(1) << t
-        for i in range(XS):
-            xs[i] = uint32(0)
         tile_base = cuda.local.array(tiles, int64)  # block 0 of tile r, this lane's slot
         tile_high = cuda.local.array(tiles, int64)
         tile_scale = cuda.local.array(tiles, int64)
@@ -552,22 +541,22 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         q0 = warp
         full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
         if q0 < full:  # the first step's weights stream in while the kernels before this one finish
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, x_mask,
-                      q0, blocks, False, WEIGHTS)
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False, WEIGHTS)
         wait_for_prior_grids()  # x, the expert ids and y are theirs until they complete (a programmatic launch)
         if q0 < full:
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, x_mask,
-                      q0, blocks, False, X)
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False, X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         while q0 < full:
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, x_mask,
-                      q0, blocks, False, WEIGHTS | X)
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, False, WEIGHTS | X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         while q0 < blocks:  # the warp's last step lacks blocks: at most one
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, x_mask,
-                      q0, blocks, True, WEIGHTS | X)
+            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
+                      blocks, True, WEIGHTS | X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         for a in range(ACC):
@@ -637,8 +626,7 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
         N = int32(y.shape[1])
         tile0 = int32(cuda.blockIdx.x) * tiles
         acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks, int32(0),
-                  int32(y.shape[0]))
+        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks)
         store_sums(y, acc, tile0 * TILE_ROWS, N, accumulate)
 
     return quant_mma_kernel
@@ -667,7 +655,7 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
         expert_tile0 = ids[row, slot] * expert_tiles
         acc = cuda.local.array(ACC, float32)
         tile_sums(acc, partials, xf, slot * x_set_words, base, high, scales, expert_tile0 + tile0,
-                  expert_tile0 + expert_tiles - 1, blocks, row, row + 1)
+                  expert_tile0 + expert_tiles - 1, blocks)
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
             for a in range(ACC):
@@ -700,13 +688,12 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
         tile = int32(cuda.blockIdx.x)
         acc = cuda.local.array(ACC, float32)
         if tile < tiles_a:  # block-uniform: the barriers inside the sums see every thread of the block
-            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks, int32(0),
-                   int32(y.shape[0]))
+            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks)
             first = tile * TILE_ROWS
             end = rows_a
         else:
             sums_b(acc, partials, xf, int32(0), base_b, high_b, scales_b, tile - tiles_a,
-                   ((N - rows_a + 15) >> 4) - 1, blocks, int32(0), int32(y.shape[0]))
+                   ((N - rows_a + 15) >> 4) - 1, blocks)
             first = rows_a + (tile - tiles_a) * TILE_ROWS
             end = N
         store_sums(y, acc, first, end, 0)
