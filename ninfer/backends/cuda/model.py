@@ -535,11 +535,13 @@ class Workspace:
             self.moe_position_of = buf(rows * s, dtype=np.int32)
             if rows > SKINNY_ROWS:
                 self.moe_padded_position_of = buf(rows * s, dtype=np.int32)
-                self.perm_in = buf(rows * s, h, dtype=np.uint16)
-                # the grouped GEMMs' bf16 outputs (Blas.grouped_gemm_bf16) and the activation between them
-                self.perm_gate_up = buf(rows * s, 2 * d.moe_intermediate, dtype=np.uint16)
-                self.perm_act_bf16 = buf(rows * s, d.moe_intermediate, dtype=np.uint16)
-                self.perm_out = buf(rows * s, h, dtype=np.uint16)
+                # the expert GEMMs' input, bf16 outputs and the activation between them, with room for the padded
+                # layout wherever the "auto" rule takes it
+                permuted = int(rows * s * PADDED_EXPERT_ROWS_LIMIT)
+                self.perm_in = buf(permuted, h, dtype=np.uint16)
+                self.perm_gate_up = buf(permuted, 2 * d.moe_intermediate, dtype=np.uint16)
+                self.perm_act_bf16 = buf(permuted, d.moe_intermediate, dtype=np.uint16)
+                self.perm_out = buf(permuted, h, dtype=np.uint16)
         else:
             self.gate_up = buf(rows, 2 * d.intermediate)
             self.act = buf(rows, d.intermediate)
