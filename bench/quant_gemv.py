@@ -7,7 +7,8 @@ each kernel to its NumPy twin. A geometry sweep of the Q4 kernel runs on every s
 Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OUT/quant_gemv.json (bench/results
 without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 27B split Q4/Q5) at M = 1, JSON to
 quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at a time around the down and gate_up
-shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json.
+shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
+= 1, K = 17408, over row-tile counts around multiples of the SM count, JSON to quant_gemv_tiles.json.
 """
 
 from __future__ import annotations
@@ -206,10 +207,41 @@ def stride_sweep(device, bandwidth, rng) -> list[dict]:
     return rows
 
 
+TILE_COUNTS = (132, 200, 263, 264, 265, 300, 320, 330, 396, 397, 462, 528, 529)
+
+
+def tile_sweep(device, bandwidth, rng) -> list[dict]:
+    """The Q4 tensor-core GEMV at M = 1, K = 17408 (the 27B down projection) over row-tile counts around multiples
+    of the H200's 132 SMs. A block (one tile, 8 warps, 64 registers a thread) is resident 4 to an SM, so every count
+    here runs in one wave. Time that steps at 132, 264, 396, 528 tiles (the most blocks any SM holds) rather than
+    growing with the bytes would say a block's own duration, not DRAM, sets the 320-tile shapes' ~0.5 of copy
+    bandwidth: the SMs holding 3 blocks finish last while the others idle, and a balanced split of the K blocks
+    over the SMs is the lever."""
+    from ninfer.kernels_numba import quant_mma as QM
+
+    rows = []
+    k = SHAPES["down 5120x17408"][1]
+    dx = device.upload(rng.standard_normal((1, k)).astype(np.float32), "bench")
+    dxf = device.empty(QM.x_fragment_words(k), np.uint32, "bench")
+    QM.x_fragments(dx, dxf, stream=device.stream)
+    for tiles in TILE_COUNTS:
+        shape = (16 * tiles, k)
+        mma = QM.upload_quant_mma(Q4G64, shape, random_payload(Q4G64, shape, rng), stream=device.stream)
+        y = device.empty((1, shape[0]), np.float32, "bench")
+        seconds = timed(device, lambda: QM.linear_quant_mma(dxf, mma, y, stream=device.stream))
+        row = {"format": Q4G64, "shape": list(shape), "tiles": tiles, "mma_us": seconds * 1e6,
+               "mma_ratio_to_copy": mma.nbytes / seconds / bandwidth}
+        rows.append(row)
+        print(f"tiles {tiles:4d} ({shape[0]}x{k}): {row['mma_us']:6.1f} us  {row['mma_ratio_to_copy']:.3f} of copy",
+              flush=True)
+    return rows
+
+
 # The 35B-A3B ninfer-v2 projections outside the experts (all W8G32) and the 27B split ones: small grids, where the
 # block geometry decides how much of the GPU a launch keeps busy.
 SMALL_SHAPES = {"35b gdn in_proj 12288x2048": (W8G32, (12288, 2048)),
-                "35b attn in_proj 9216x2048": (W8G32, (9216, 2048)), "35b output 2048x4096": (W8G32, (2048, 4096)), "35b shared gate_up 1024x2048": (W8G32, (1024, 2048)),
+                "35b attn in_proj 9216x2048": (W8G32, (9216, 2048)), "35b output 2048x4096": (W8G32, (2048, 4096)),
+                "35b shared gate_up 1024x2048": (W8G32, (1024, 2048)),
                 "35b shared down 2048x512": (W8G32, (2048, 512)), "27b gdn query_key 4096x5120": (Q4G64, (4096, 5120)),
                 "27b gdn value_z 12288x5120": (Q5G64, (12288, 5120)), "27b gdn output 5120x6144": (Q5G64, (5120, 6144))}
 SMALL_GEOMETRIES = [(8, 2), (4, 2), (16, 2), (16, 1), (32, 1), (8, 1)]  # (warps, unroll), one tile per block
@@ -268,6 +300,11 @@ def main() -> None:
     if "--strides" in sys.argv:  # does the Q4 GEMV's bandwidth depend on its row tiles' stride?
         report["rows"] = stride_sweep(device, bandwidth, rng)
         out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_strides.json"
+        out.write_text(json.dumps(report, indent=1))
+        return
+    if "--tiles" in sys.argv:  # does the Q4 GEMV's time step with the most blocks an SM holds?
+        report["rows"] = tile_sweep(device, bandwidth, rng)
+        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_tiles.json"
         out.write_text(json.dumps(report, indent=1))
         return
     if "--small" in sys.argv:  # the geometry search on the small projections alone
