@@ -183,6 +183,21 @@ def quant_mma() -> None:
             qm.linear_quant_mma(fragments, weight, y, stream=0, accumulate=True)
             want = qm.linear_quant_mma_reference(x, fmt, shape, payload, y0, accumulate=True)
             assert _rel(y, want) < 1e-5, (fmt, rows, _rel(y, want))
+        split_shape = (40, 512)  # 3 row tiles (a partial one), 8 K blocks: ranges of 4 and 2 blocks
+        split_payload = codec.encode_buffer(rng.standard_normal(split_shape).astype(np.float32) * 0.05, fmt)
+        split_weight = qm.upload_quant_mma(fmt, split_shape, split_payload)
+        x = rng.standard_normal((3, split_shape[1])).astype(np.float32)
+        fragments = qm.x_fragments_reference(x)
+        want = qm.linear_quant_mma_reference(x, fmt, split_shape, split_payload)
+        for splits in qm.SPLITS:
+            arrivals = np.zeros(3, np.int32)
+            range_sums = np.full(qm.split_sum_words(split_shape[0], splits), np.nan, np.float32)
+            got = [np.full((3, split_shape[0]), np.nan, np.float32) for _ in range(2)]
+            for y in got:  # twice: the first launch leaves the counts zero for the second
+                qm.linear_quant_mma_split(fragments, split_weight, y, range_sums, arrivals, splits=splits, stream=0)
+                assert not arrivals.any(), (fmt, splits, arrivals)
+            assert _rel(got[0], want) < 1e-5, (fmt, splits, _rel(got[0], want))
+            assert np.array_equal(got[0], got[1]), (fmt, splits)
         out = np.zeros(shape, np.uint16)
         qm.dequantize_mma_bf16(weight, out, stream=0)
         assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, shape, payload)), fmt
