@@ -1,14 +1,16 @@
-"""Which cuBLAS call serves the MoE prefill's expert GEMMs best: the grouped GEMM the model runs, or one strided-
-batched GEMM over the experts with each expert's rows padded to the largest count?
+"""Which cuBLAS call serves the MoE prefill's expert GEMMs best: the grouped GEMM, one strided-batched GEMM over the
+experts with each expert's rows padded to the largest count (the model's choice while that padding stays under 2x),
+or a pointer-array batched GEMM over chunks of 128 or 256 rows, each expert's rows padded to whole chunks (padding
+bounded whatever the skew)?
 
 The 35B-A3B 8K prefill multiplies 8192 tokens x 8 slots of rows by their experts' [1024, 2048] gate_up (and [2048,
 512] down) matrices. `Blas.grouped_gemm_bf16` (cublasGemmGroupedBatchedEx, bf16 out) ran an sm80 mma.sync kernel at
 ~275 TFLOP/s in the profiles (results/cuda_model_session10.json); a strided-batched GEMM gets cuBLAS's sm90 kernels
 but computes the padding too. The expert counts reach the host before either call (the grouped call's offsets), so
 the model could size the padded batch per layer. Per routing (uniform over experts, as a balanced router, and
-skewed), this probe times both on one layer's gate_up: wall time per call (host work included, device
+skewed), this probe times each on one layer's gate_up: wall time per call (host work included, device
 synchronised), TFLOP/s of the useful FLOPs, the padding's share of the batched FLOPs, and the relative difference
-of the two results on the real rows.
+of each result to the grouped one on the real rows.
 
 Run on the GPU machine: `python bench/grouped_gemm_probe.py`; JSON to $OUT/grouped_gemm_probe.json (bench/results
 without OUT).
@@ -30,6 +32,7 @@ from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E4
 
 EXPERTS, ROWS_PER_EXPERT, K, TOKENS, SLOTS = 256, 1024, 2048, 8192, 8
 PAD = 16  # padded expert rows round up to this (tensor-core tile friendly)
+CHUNKS = (128, 256)  # rows a batch entry of the pointer-array form: padding at most a chunk less one an expert
 CUDA_R_16BF = 14
 
 
@@ -71,6 +74,31 @@ def main() -> None:
         def grouped():
             blas.grouped_gemm_bf16(x, w, y, offsets, ROWS_PER_EXPERT)
 
+        chunked = {}
+        for chunk in CHUNKS:  # each expert's rows padded to whole chunks; one batch entry per chunk
+            chunks = -(-counts // chunk)
+            expert_of = np.repeat(np.arange(EXPERTS), chunks)
+            x_chunked_host = np.zeros((int(chunks.sum()) * chunk, K), np.uint16)
+            starts = np.concatenate([[0], np.cumsum(chunks)]) * chunk
+            for e in range(EXPERTS):
+                x_chunked_host[starts[e]:starts[e] + counts[e]] = x_host[offsets[e]:offsets[e + 1]]
+            x_chunked = device.upload(x_chunked_host, "bench")
+            y_chunked = device.empty((x_chunked_host.shape[0], ROWS_PER_EXPERT), np.uint16, "bench")
+            entries = np.arange(expert_of.size, dtype=np.uint64)
+            tables = device.upload(np.concatenate([
+                device_pointer(w) + expert_of.astype(np.uint64) * (ROWS_PER_EXPERT * K * 2),
+                device_pointer(x_chunked) + entries * (chunk * K * 2),
+                device_pointer(y_chunked) + entries * (chunk * ROWS_PER_EXPERT * 2)]).astype(np.uint64), "bench")
+            chunked[chunk] = (expert_of.size, starts, x_chunked, y_chunked, tables)
+
+        def pointer_batched(chunk):  # y_i^T = W_e(i) . x_i^T for every chunk i of `chunk` rows
+            entries, _, _, _, tables = chunked[chunk]
+            table = device_pointer(tables)
+            cublas.gemm_batched_ex(
+                blas.handle, cublas.Operation.T, cublas.Operation.N, ROWS_PER_EXPERT, chunk, K, one.ctypes.data,
+                table, CUDA_R_16BF, K, table + 8 * entries, CUDA_R_16BF, K, zero.ctypes.data, table + 16 * entries,
+                CUDA_R_16BF, ROWS_PER_EXPERT, entries, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+
         def batched():  # y_e^T = W_e . x_e^T for every expert, `padded` rows each
             cublas.gemm_strided_batched_ex(
                 blas.handle, cublas.Operation.T, cublas.Operation.N, ROWS_PER_EXPERT, padded, K, one.ctypes.data,
@@ -80,15 +108,25 @@ def main() -> None:
 
         row = {"rows": rows, "max_expert_rows": int(counts.max()), "padded_rows": padded,
                "padding_share": 1.0 - rows / (EXPERTS * padded), "flops": flops}
-        for name, call in (("grouped", grouped), ("padded batched", batched)):
+        calls = [("grouped", grouped, row["padding_share"]), ("padded batched", batched, row["padding_share"])]
+        for chunk in CHUNKS:
+            rows_chunked = chunked[chunk][2].shape[0]
+            calls.append((f"chunks of {chunk}", lambda chunk=chunk: pointer_batched(chunk), 1.0 - rows / rows_chunked))
+        for name, call, padding in calls:
             seconds = wall_seconds(call, device.synchronize, repeats=5)
-            row[name] = {"seconds": seconds, "tflop_s": flops / seconds / 1e12}
+            row[name] = {"seconds": seconds, "tflop_s": flops / seconds / 1e12, "padding_share": padding}
             print(f"{routing:8s} {name:15s} {seconds * 1e3:8.3f} ms  {flops / seconds / 1e12:6.1f} TFLOP/s useful"
-                  f"  (max {counts.max()} rows an expert, padding {row['padding_share']:.0%})", flush=True)
+                  f"  (max {counts.max()} rows an expert, padding {padding:.0%})", flush=True)
         got_grouped = bf16_bits_to_f32(y.copy_to_host()).astype(np.float64)
         got_padded = bf16_bits_to_f32(y_padded.copy_to_host())
         got_batched = np.concatenate([got_padded[e, :counts[e]] for e in range(EXPERTS)]).astype(np.float64)
         row["rel_batched_to_grouped"] = float(np.linalg.norm(got_batched - got_grouped) / np.linalg.norm(got_grouped))
+        for chunk in CHUNKS:
+            _, starts, _, y_chunked, _ = chunked[chunk]
+            got_all = bf16_bits_to_f32(y_chunked.copy_to_host())
+            got = np.concatenate([got_all[starts[e]:starts[e] + counts[e]] for e in range(EXPERTS)]).astype(np.float64)
+            row[f"rel_chunks_of_{chunk}_to_grouped"] = float(np.linalg.norm(got - got_grouped)
+                                                             / np.linalg.norm(got_grouped))
         report["routings"][routing] = row
     out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "grouped_gemm_probe.json"
     out.write_text(json.dumps(report, indent=1))
