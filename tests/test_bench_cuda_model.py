@@ -50,6 +50,17 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     assert [(row["k"], row["proposals"]) for row in result["mtp_round"]] == [(k, "full") for k in (1, 2, 3)]
 
 
+def test_decode_with_and_without_k_split_gemvs(bench):
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "ninfer-v2", "bf16", 1e12, 1e14, device=HostDevice(),
+                                dims=cuda_tiny_dims(moe=True), context=70, prefill_tokens=128, repeats=4,
+                                batches=(1, 8), decode_only=True, gemv_splits=(0, 4))
+    assert [(row["gemv_splits"], row["batch"]) for row in result["decode"]] == [
+        (splits, batch) for splits in (0, 4) for batch in (1, 8)]
+    assert result["gemv_splits_after_decode"] == 4
+
+
 def test_mtp_rounds_with_the_shortlist_head_time_both_proposal_heads(bench):
     from ninfer.backends.cuda.host import HostDevice
 

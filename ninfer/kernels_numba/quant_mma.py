@@ -633,12 +633,12 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     return quant_mma_kernel
 
 
-def make_quant_mma_split_kernel(bits: int, splits: int, warps: int = WARPS, unroll: int = UNROLL):
-    """The plain kernel (one tile a block, one fragment set) with each tile's K blocks cut into `splits` contiguous
-    ranges, one block per (tile, range): `linear_quant_mma_split`."""
-    ACC = 4
-    tile_sums = make_tile_sums(bits, 1, warps, unroll, 1)
-    store_sums = make_store_sums(1, 1)
+def make_quant_mma_split_kernel(bits: int, splits: int, sets: int = 1, warps: int = WARPS, unroll: int = UNROLL):
+    """The plain kernel (one tile a block, `sets` fragment sets) with each tile's K blocks cut into `splits`
+    contiguous ranges, one block per (tile, range): `linear_quant_mma_split`."""
+    ACC = 4 * sets
+    tile_sums = make_tile_sums(bits, 1, warps, unroll, sets)
+    store_sums = make_store_sums(1, sets)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32, float32[::1],
              int32[::1]), fastmath=False)
@@ -752,8 +752,8 @@ QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, sets=sets)
 # K-range splits a tile may take (`linear_quant_mma_split`): more, shorter blocks than row tiles, so the SMs share a
 # matrix of few tiles evenly (320 one-tile blocks over 132 SMs leave 56 of them a third block).
 SPLITS = (2, 4)
-QUANT_MMA_SPLIT_KERNELS = {(bits, splits): make_quant_mma_split_kernel(bits, splits)
-                           for bits in (4, 5, 6, 8) for splits in SPLITS}
+QUANT_MMA_SPLIT_KERNELS = {(bits, splits, sets): make_quant_mma_split_kernel(bits, splits, sets)
+                           for bits in (4, 5, 6, 8) for splits in SPLITS for sets in range(1, ROW_SETS + 1)}
 QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
 # The format pairs the recipes split projections into (convert/qwen_hf.py: Q4 query|key beside Q5 gate|value and
 # value|z); other pairs run as two launches.
@@ -783,32 +783,33 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
            int32(qw.blocks), int32(1 if accumulate else 0), programmatic=programmatic)
 
 
-def split_sum_words(N: int, splits: int) -> int:
-    """fp32 words of `linear_quant_mma_split`'s range sums for an N-row matrix."""
-    return math.ceil(N / TILE_ROWS) * splits * 4 * 32
+def split_sum_words(N: int, splits: int, sets: int = ROW_SETS) -> int:
+    """fp32 words of `linear_quant_mma_split`'s range sums for an N-row matrix and up to 8 `sets` x rows."""
+    return math.ceil(N / TILE_ROWS) * splits * 4 * sets * 32
 
 
 def linear_quant_mma_split(xf, qw: QuantMmaWeight, y, range_sums, arrivals, *, splits: int, stream,
                            accumulate: bool = False) -> None:
-    """`linear_quant_mma` for M <= 8 with each row tile's K blocks cut into `splits` contiguous ranges, one block per
-    (tile, range): `splits` times the blocks, each that much shorter, for matrices whose few row tiles leave SMs
-    idle. The tile's last block to arrive adds the ranges' sums in range order and stores: the result does not depend
-    on which block is last, nor on M (the ranges follow the shape alone), but differs from `linear_quant_mma`'s in
-    summation order. range_sums fp32 [>= split_sum_words(N, splits)]; arrivals int32 [>= tiles], zero before the
-    first launch (each launch leaves it zero). Capture-safe."""
+    """`linear_quant_mma` (M <= 8 ROW_SETS) with each row tile's K blocks cut into `splits` contiguous ranges, one
+    block per (tile, range): `splits` times the blocks, each that much shorter, for matrices whose few row tiles
+    leave SMs idle. The tile's last block to arrive adds the ranges' sums in range order and stores: the result does
+    not depend on which block is last, nor on M (the ranges follow the shape alone; each fragment set's sums are
+    those a one-set launch gives), but differs from `linear_quant_mma`'s in summation order. range_sums fp32
+    [>= split_sum_words(N, splits, sets)]; arrivals int32 [>= row tiles], zero before the first launch (each launch
+    leaves it zero). Capture-safe."""
     M, N = y.shape
     K = qw.shape[1]
-    tiles = math.ceil(N / TILE_ROWS)
-    if N != qw.shape[0] or M > MAX_X_ROWS or xf.shape[0] < x_fragment_words(K) or splits not in SPLITS or (
-            range_sums.shape[0] < split_sum_words(N, splits) or arrivals.shape[0] < tiles):
-        raise ValueError(f"tensor-core split linear: W{qw.shape} y{tuple(y.shape)} (M <= {MAX_X_ROWS}), "
+    tiles, sets = math.ceil(N / TILE_ROWS), x_sets(M)
+    if N != qw.shape[0] or sets > ROW_SETS or xf.shape[0] < sets * x_fragment_words(K) or splits not in SPLITS or (
+            range_sums.shape[0] < split_sum_words(N, splits, sets) or arrivals.shape[0] < tiles):
+        raise ValueError(f"tensor-core split linear: W{qw.shape} y{tuple(y.shape)} (M <= {MAX_X_ROWS * ROW_SETS}), "
                          f"{xf.shape[0]} x words, splits {splits} (of {SPLITS}), {range_sums.shape[0]} range sum "
                          f"words, {arrivals.shape[0]} arrival counts")
     if M == 0:
         return
-    fn = QUANT_MMA_SPLIT_KERNELS[FORMAT_BITS[qw.fmt], splits]
-    launch(fn, tiles * splits, 32 * WARPS, stream, _partials_bytes(1, WARPS), xf, qw.base, qw.high, qw.scales, y,
-           int32(qw.blocks), int32(1 if accumulate else 0), range_sums, arrivals, programmatic=False)
+    fn = QUANT_MMA_SPLIT_KERNELS[FORMAT_BITS[qw.fmt], splits, sets]
+    launch(fn, tiles * splits, 32 * WARPS, stream, _partials_bytes(1, WARPS, sets), xf, qw.base, qw.high, qw.scales,
+           y, int32(qw.blocks), int32(1 if accumulate else 0), range_sums, arrivals, programmatic=False)
 
 
 def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:

@@ -343,11 +343,11 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("splits", QM.SPLITS)
-@pytest.mark.parametrize("m,n,k", [(1, 5120, 17408), (3, 40, 512), (8, 70, 1024)])
+@pytest.mark.parametrize("m,n,k", [(1, 5120, 17408), (3, 40, 512), (8, 70, 1024), (17, 40, 5120), (32, 70, 1024)])
 def test_split_kernels_match_the_twin_and_keep_rows_independent(fmt, splits, m, n, k):
     """K cut into ranges (one block each, the last to arrive adds them in order): within float tolerance of the
     twin, accumulation included; the same bits on a second launch (the arrival counts come back to zero), and each
-    row's bits whatever rows launch beside it."""
+    row's bits whatever rows launch beside it (one fragment set or four)."""
     from ninfer.kernels_numba.numba_setup import cuda
 
     rng = np.random.default_rng(m + n + k + splits)
@@ -360,7 +360,7 @@ def test_split_kernels_match_the_twin_and_keep_rows_independent(fmt, splits, m, 
     arrivals = cuda.to_device(np.zeros(-(-n // 16), np.int32), stream=stream)
 
     def split(rows, accumulate=False):
-        xf = cuda.device_array(QM.x_fragment_words(k), np.uint32, stream=stream)
+        xf = cuda.device_array(QM.x_sets(len(x[rows])) * QM.x_fragment_words(k), np.uint32, stream=stream)
         QM.x_fragments(cuda.to_device(x[rows], stream=stream), xf, stream=stream)
         dy = cuda.to_device(y0[rows] if accumulate else np.full((len(x[rows]), n), np.nan, np.float32),
                             stream=stream)
@@ -384,8 +384,12 @@ def test_split_launches_check_their_scratch():
     qw = QM.QuantMmaWeight(Q4G64, (40, 128), None, None, None, 2, 0)  # refused before any device work
     xf = np.zeros(QM.x_fragment_words(128), np.uint32)
     y = np.zeros((1, 40), np.float32)
-    for sums, counts, splits in ((QM.split_sum_words(40, 2) - 1, 3, 2), (QM.split_sum_words(40, 2), 2, 2),
-                                 (QM.split_sum_words(40, 3), 3, 3)):
+    with pytest.raises(ValueError, match="split linear"):  # 33 rows: more than four fragment sets
+        QM.linear_quant_mma_split(np.zeros(5 * QM.x_fragment_words(128), np.uint32), qw,
+                                  np.zeros((33, 40), np.float32), np.zeros(QM.split_sum_words(40, 2), np.float32),
+                                  np.zeros(3, np.int32), splits=2, stream=0)
+    for sums, counts, splits in ((QM.split_sum_words(40, 2, 1) - 1, 3, 2), (QM.split_sum_words(40, 2, 1), 2, 2),
+                                 (QM.split_sum_words(40, 3, 1), 3, 3)):
         with pytest.raises(ValueError, match="split linear"):
             QM.linear_quant_mma_split(xf, qw, y, np.zeros(sums, np.float32), np.zeros(counts, np.int32),
                                       splits=splits, stream=0)

@@ -186,13 +186,13 @@ def quant_mma() -> None:
         split_shape = (40, 512)  # 3 row tiles (a partial one), 8 K blocks: ranges of 4 and 2 blocks
         split_payload = codec.encode_buffer(rng.standard_normal(split_shape).astype(np.float32) * 0.05, fmt)
         split_weight = qm.upload_quant_mma(fmt, split_shape, split_payload)
-        x = rng.standard_normal((3, split_shape[1])).astype(np.float32)
-        fragments = qm.x_fragments_reference(x)
-        want = qm.linear_quant_mma_reference(x, fmt, split_shape, split_payload)
-        for splits in qm.SPLITS:
+        for rows, splits in ((3, 2), (9, 4)):  # one fragment set, two
+            x = rng.standard_normal((rows, split_shape[1])).astype(np.float32)
+            fragments = qm.x_fragments_reference(x)
+            want = qm.linear_quant_mma_reference(x, fmt, split_shape, split_payload)
             arrivals = np.zeros(3, np.int32)
             range_sums = np.full(qm.split_sum_words(split_shape[0], splits), np.nan, np.float32)
-            got = [np.full((3, split_shape[0]), np.nan, np.float32) for _ in range(2)]
+            got = [np.full((rows, split_shape[0]), np.nan, np.float32) for _ in range(2)]
             for y in got:  # twice: the first launch leaves the counts zero for the second
                 qm.linear_quant_mma_split(fragments, split_weight, y, range_sums, arrivals, splits=splits, stream=0)
                 assert not arrivals.any(), (fmt, splits, arrivals)

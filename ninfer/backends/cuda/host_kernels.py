@@ -112,6 +112,16 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False)
     y[...] = (y + out) if accumulate else out
 
 
+def linear_quant_mma_split(xf, qw, y, range_sums, arrivals, *, splits, stream, accumulate=False):
+    """The K-split GEMV's twin is the plain one's (the device differs only in summation order)."""
+    rows, N = y.shape
+    if splits not in _quant_mma.SPLITS or range_sums.shape[0] < _quant_mma.split_sum_words(
+            N, splits, _quant_mma.x_sets(rows)) or arrivals.shape[0] < -(-N // _quant_mma.TILE_ROWS):
+        raise ValueError(f"tensor-core split linear: y{tuple(y.shape)}, splits {splits}, {range_sums.shape[0]} range "
+                         f"sum words, {arrivals.shape[0]} arrival counts")
+    linear_quant_mma(xf, qw, y, stream=stream, accumulate=accumulate)
+
+
 def has_pair_kernel(first, second):
     return _quant_mma.has_pair_kernel(first, second)
 
