@@ -312,6 +312,9 @@ def test_padded_expert_gemms_give_the_grouped_gemms_logits(device_kind, artifact
     got, _ = prompt_logits(model, cpu, ids)
     assert len(calls) == before
     np.testing.assert_array_equal(got, logits["grouped"])
+    model.moe_prefill_gemm = "pad"
+    with pytest.raises(ValueError, match="moe_prefill_gemm"):
+        prompt_logits(model, cpu, ids)
 
 
 @pytest.mark.parametrize("kind,recipe", CASES)

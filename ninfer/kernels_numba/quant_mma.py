@@ -788,6 +788,18 @@ def split_sum_words(N: int, splits: int, sets: int = ROW_SETS) -> int:
     return math.ceil(N / TILE_ROWS) * splits * 4 * sets * 32
 
 
+def check_split_shapes(x_words: int, w_shape: tuple[int, int], y_shape: tuple[int, int], splits: int,
+                       sum_words: int, arrival_count: int) -> None:
+    """The ValueError of `linear_quant_mma_split` (and its host twin) for shapes or scratch it cannot take."""
+    M, N = y_shape
+    sets = x_sets(M)
+    if N != w_shape[0] or sets > ROW_SETS or x_words < sets * x_fragment_words(w_shape[1]) or splits not in SPLITS or (
+            sum_words < split_sum_words(N, splits, sets) or arrival_count < math.ceil(N / TILE_ROWS)):
+        raise ValueError(f"tensor-core split linear: W{tuple(w_shape)} y{tuple(y_shape)} (M <= "
+                         f"{MAX_X_ROWS * ROW_SETS}), {x_words} x words, splits {splits} (of {SPLITS}), {sum_words} "
+                         f"range sum words, {arrival_count} arrival counts")
+
+
 def linear_quant_mma_split(xf, qw: QuantMmaWeight, y, range_sums, arrivals, *, splits: int, stream,
                            accumulate: bool = False) -> None:
     """`linear_quant_mma` (M <= 8 ROW_SETS) with each row tile's K blocks cut into `splits` contiguous ranges, one
@@ -797,19 +809,14 @@ def linear_quant_mma_split(xf, qw: QuantMmaWeight, y, range_sums, arrivals, *, s
     those a one-set launch gives), but differs from `linear_quant_mma`'s in summation order. range_sums fp32
     [>= split_sum_words(N, splits, sets)]; arrivals int32 [>= row tiles], zero before the first launch (each launch
     leaves it zero). Capture-safe."""
+    check_split_shapes(xf.shape[0], qw.shape, y.shape, splits, range_sums.shape[0], arrivals.shape[0])
     M, N = y.shape
-    K = qw.shape[1]
-    tiles, sets = math.ceil(N / TILE_ROWS), x_sets(M)
-    if N != qw.shape[0] or sets > ROW_SETS or xf.shape[0] < sets * x_fragment_words(K) or splits not in SPLITS or (
-            range_sums.shape[0] < split_sum_words(N, splits, sets) or arrivals.shape[0] < tiles):
-        raise ValueError(f"tensor-core split linear: W{qw.shape} y{tuple(y.shape)} (M <= {MAX_X_ROWS * ROW_SETS}), "
-                         f"{xf.shape[0]} x words, splits {splits} (of {SPLITS}), {range_sums.shape[0]} range sum "
-                         f"words, {arrivals.shape[0]} arrival counts")
     if M == 0:
         return
-    fn = QUANT_MMA_SPLIT_KERNELS[FORMAT_BITS[qw.fmt], splits, sets]
-    launch(fn, tiles * splits, 32 * WARPS, stream, _partials_bytes(1, WARPS, sets), xf, qw.base, qw.high, qw.scales,
-           y, int32(qw.blocks), int32(1 if accumulate else 0), range_sums, arrivals, programmatic=False)
+    sets = x_sets(M)
+    launch(QUANT_MMA_SPLIT_KERNELS[FORMAT_BITS[qw.fmt], splits, sets], math.ceil(N / TILE_ROWS) * splits, 32 * WARPS,
+           stream, _partials_bytes(1, WARPS, sets), xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks),
+           int32(1 if accumulate else 0), range_sums, arrivals, programmatic=False)
 
 
 def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:

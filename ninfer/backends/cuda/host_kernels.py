@@ -114,11 +114,7 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False)
 
 def linear_quant_mma_split(xf, qw, y, range_sums, arrivals, *, splits, stream, accumulate=False):
     """The K-split GEMV's twin is the plain one's (the device differs only in summation order)."""
-    rows, N = y.shape
-    if splits not in _quant_mma.SPLITS or range_sums.shape[0] < _quant_mma.split_sum_words(
-            N, splits, _quant_mma.x_sets(rows)) or arrivals.shape[0] < -(-N // _quant_mma.TILE_ROWS):
-        raise ValueError(f"tensor-core split linear: y{tuple(y.shape)}, splits {splits}, {range_sums.shape[0]} range "
-                         f"sum words, {arrivals.shape[0]} arrival counts")
+    _quant_mma.check_split_shapes(xf.shape[0], qw.shape, y.shape, splits, range_sums.shape[0], arrivals.shape[0])
     linear_quant_mma(xf, qw, y, stream=stream, accumulate=accumulate)
 
 

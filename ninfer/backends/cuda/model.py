@@ -54,9 +54,10 @@ PAGE_TOKENS = 64
 SHORT_PREFILL_ROW_KEYS = 64 * 8192
 SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
 # The MoE prefill pads every expert's rows to the largest count for one strided-batched GEMM (sm90 kernels, 484
-# TFLOP/s of useful work) while the padded rows stay within this multiple of the routed ones; past it the grouped
-# GEMM (sm80 kernel, 210 TFLOP/s whatever the skew) does less work in less time. Break-even ~2.3 (results/
-# grouped_gemm_probe_session12.json).
+# TFLOP/s of useful work at 20% padding in results/grouped_gemm_probe_session12.json) while the padded rows stay
+# within this multiple of the routed ones; past it the grouped GEMM (sm80 kernel, ~210 TFLOP/s whatever the skew)
+# does less work in less time. In the 35B-A3B 8K bench the layers within 2x took 0.95 ms (gate_up + down) against
+# 1.50 grouped (results/cuda_model_session12.json): the break-even lies near 3x; the limit also sizes the scratch.
 PADDED_EXPERT_ROWS_LIMIT = 2.0
 SPLIT_MAX_TILES = 1024  # the largest matrix (in 16-row tiles) whose GEMVs Capacity.gemv_splits cuts along K
 
@@ -1411,6 +1412,8 @@ class CudaQwen:
         """Rows a group of the padded layout (the largest expert count), or 0 for the grouped GEMM: when asked for
         it, when the padded rows would not fit the permuted scratch, or ("auto") when they pass
         PADDED_EXPERT_ROWS_LIMIT times the routed rows."""
+        if self.moe_prefill_gemm not in ("auto", "grouped", "padded"):
+            raise ValueError(f"moe_prefill_gemm must be 'auto', 'grouped' or 'padded', got {self.moe_prefill_gemm!r}")
         largest, experts = int(counts.max()), counts.size
         if self.moe_prefill_gemm == "grouped" or experts * largest > self.workspace.perm_in.shape[0]:
             return 0
