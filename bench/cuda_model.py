@@ -162,7 +162,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 gemv_splits: tuple[int, ...] = (0,)) -> dict:
+                 gemv_splits: tuple[int, ...] = (0,), moe_gemms: tuple[str, ...] = ("auto",)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -252,25 +252,27 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
 
     result["prefill"] = []
-    for attention in prefill_attentions:
-        model.prefill_attention = attention
+    for attention, moe_gemm in ((a, m) for a in prefill_attentions for m in (moe_gemms if dims.is_moe else ("auto",))):
+        model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
+        label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}")
         prefill()
         device.synchronize()
         times = event_time(device.stream, prefill, 3)
         seconds = float(np.median(times))
         flops = prefill_flops(model, prefill_tokens)
-        result["prefill"].append({"attention": attention, "tokens": prefill_tokens, "seconds": seconds,
+        result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm, "tokens": prefill_tokens,
+                                  "seconds": seconds,
                                   "tok_s": prefill_tokens / seconds, "flops": flops,
                                   "ratio_to_gemm_peak": flops / seconds / gemm})
-        print(f"  prefill [{attention}] {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} "
+        print(f"  prefill [{label}] {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} "
               f"tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}", flush=True)
         if profile:  # GPU busy time against the wall time: is the eager prefill bound by the GPU or the host?
             from bench.kernel_profile import print_profile, profile_replays
 
             kernels = profile_replays(prefill, device.synchronize, replays=1)
-            print_profile(f"prefill [{attention}]", kernels, top=20)
+            print_profile(f"prefill [{label}]", kernels, top=20)
             result["prefill"][-1]["profile"] = kernels
-    model.prefill_attention = "kernel"
+    model.prefill_attention, model.moe_prefill_gemm = "kernel", "auto"
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
                                               profile=profile)
 
@@ -409,6 +411,9 @@ def main() -> None:
     parser.add_argument("--gemv-splits", default="0",
                         help="decode with the tensor-core GEMVs of at most SPLIT_MAX_TILES row tiles K-split into "
                              "this many ranges (0: off; e.g. 0,2,4); the MTP rounds use the last")
+    parser.add_argument("--moe-gemm", default="auto",
+                        help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
+                             "a list times each)")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--profile", action="store_true",
@@ -450,7 +455,8 @@ def main() -> None:
                                                           programmatic=tuple(p == "on" for p in
                                                                              args.programmatic.split(",")),
                                                           gemv_splits=tuple(int(n) for n in
-                                                                            args.gemv_splits.split(","))))
+                                                                            args.gemv_splits.split(",")),
+                                                          moe_gemms=tuple(args.moe_gemm.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

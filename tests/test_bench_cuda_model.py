@@ -50,6 +50,15 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     assert [(row["k"], row["proposals"]) for row in result["mtp_round"]] == [(k, "full") for k in (1, 2, 3)]
 
 
+def test_moe_prefill_with_each_expert_gemm_layout(bench):
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
+                                context=70, prefill_tokens=128, repeats=4, batches=(1,), prefill_attentions=("gemm",),
+                                moe_gemms=("auto", "chunked"))
+    assert [(row["attention"], row["moe_gemm"]) for row in result["prefill"]] == [("gemm", "auto"), ("gemm", "chunked")]
+
+
 def test_decode_with_and_without_k_split_gemvs(bench):
     from ninfer.backends.cuda.host import HostDevice
 

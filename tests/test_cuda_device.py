@@ -150,6 +150,32 @@ def test_batched_gemm_multiplies_each_padded_group_by_its_own_weight_block(devic
     blas.close()
 
 
+def test_chunked_gemm_multiplies_each_chunk_by_its_groups_weight_block(device):
+    """The chunked MoE prefill's pointer-array batched GEMM: chunks of one group or another in any order, bf16
+    outputs within one bf16 step of the host twin, rows past the chunks untouched; the same call again on other
+    chunks reuses the address table in stream order."""
+    from ninfer.backends.cuda.blas import Blas
+    from ninfer.backends.cuda.host import HostBlas
+
+    rng = np.random.default_rng(5)
+    chunk, n, k, groups = 32, 48, 128, 5
+    blas = Blas(device)
+    w = f32_to_bf16_bits(rng.standard_normal((groups * n, k)) * 0.1)
+    for chunk_groups in (np.array([0, 0, 3, 1, 4, 4, 4]), np.array([2, 1])):
+        rows = len(chunk_groups) * chunk + 5
+        x = f32_to_bf16_bits(rng.standard_normal((rows, k)))
+        y = device.upload(np.full((rows, n), 0x7FC1, np.uint16), "test")
+        blas.chunked_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, chunk_groups, chunk)
+        device.synchronize()
+        want = np.full((rows, n), 0x7FC1, np.uint16)
+        HostBlas().chunked_gemm_bf16(x, w, want, chunk_groups, chunk)
+        got32, want32 = bf16_bits_to_f32(y.copy_to_host()), bf16_bits_to_f32(want)
+        assert np.all(np.abs(got32 - want32) <= np.abs(want32) * 2.0 ** -7 + 1e-6), chunk_groups
+    with pytest.raises(ValueError, match="chunked gemm shapes"):
+        blas.chunked_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, np.array([groups]), chunk)
+    blas.close()
+
+
 def test_a_captured_graph_replays_numba_launches_and_cublas_together(device):
     from ninfer.backends.cuda.blas import Blas
     from ninfer.backends.cuda.graphs import capture

@@ -44,3 +44,22 @@ def test_host_batched_gemm_is_the_grouped_gemm_over_equal_groups_and_checks_its_
     for bad_x, bad_y in ((x[:-1], y[:-1]), (x, y[:, :-1]), (x, y.astype(np.float32))):
         with pytest.raises(ValueError, match="batched gemm shapes"):
             HostBlas().batched_gemm_bf16(bad_x, w, bad_y, groups)
+
+
+def test_host_chunked_gemm_multiplies_each_chunk_by_its_groups_weights_and_checks_its_shapes():
+    """HostBlas.chunked_gemm_bf16 (the chunked MoE prefill): chunk i's rows times the weight block of its group,
+    rounded once to bf16, rows past the chunks untouched; a group out of range or an fp32 output is refused."""
+    rng = np.random.default_rng(6)
+    chunk, n, k, groups = 4, 6, 16, 3
+    chunk_groups = np.array([0, 0, 2, 1, 2])
+    x = f32_to_bf16_bits(rng.standard_normal((len(chunk_groups) * chunk + 2, k)))
+    w = f32_to_bf16_bits(rng.standard_normal((groups * n, k)))
+    y = np.full((x.shape[0], n), 0x7FC1, np.uint16)
+    HostBlas().chunked_gemm_bf16(x, w, y, chunk_groups, chunk)
+    for i, g in enumerate(chunk_groups):
+        want = bf16_bits_to_f32(x[i * chunk:(i + 1) * chunk]) @ bf16_bits_to_f32(w[g * n:(g + 1) * n]).T
+        np.testing.assert_array_equal(y[i * chunk:(i + 1) * chunk], f32_to_bf16_bits(want.astype(np.float32)))
+    assert np.all(y[-2:] == 0x7FC1)
+    for groups_bad, y_bad in ((np.array([0, 3]), y), (chunk_groups, y.astype(np.float32))):
+        with pytest.raises(ValueError, match="chunked gemm shapes"):
+            HostBlas().chunked_gemm_bf16(x, w, y_bad, groups_bad, chunk)

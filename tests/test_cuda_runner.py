@@ -279,39 +279,46 @@ def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifa
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
-def test_padded_expert_gemms_give_the_grouped_gemms_logits(device_kind, artifacts, recipe):
-    """The MoE prefill's expert GEMMs as one strided-batched call over experts padded to the largest count, against
-    the grouped call over contiguous groups: the same logits (bitwise on the host's twins, within a bf16 step's
-    effect on the GPU, where each call picks its own kernels), and the CPU model's within bf16 tolerance. "auto"
-    picks the padded call at this balance and falls back to the grouped one when the padded rows pass the scratch."""
+def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_kind, artifacts, recipe):
+    """The MoE prefill's expert GEMMs as one strided-batched call over experts padded to the largest count, or one
+    pointer-array batched call over 128-row chunks, against the grouped call over contiguous groups: the same
+    logits (bitwise on the host's twins, within a bf16 step's effect on the GPU, where each call picks its own
+    kernels), and the CPU model's within bf16 tolerance. "auto" picks the padded call at this balance; both fall
+    back to the grouped one when their rows pass the scratch."""
+    from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
+
     path = artifacts[("moe", recipe)]
     build = cuda_build(device_kind, path, prefill_chunk=256)
     model, cpu = build.model, load_model(path)
-    blas = model.linear.blas
-    calls = []
-    batched = blas.batched_gemm_bf16
-    blas.batched_gemm_bf16 = lambda *args: (calls.append(args[-1]), batched(*args))
+    blas, calls = model.linear.blas, []
+    for name in ("batched_gemm_bf16", "chunked_gemm_bf16"):
+        call = getattr(blas, name)
+        setattr(blas, name, lambda *args, name=name, call=call: (calls.append((name, args[-1])), call(*args)))
     ids = prompt(5, 100)
-    logits = {}
-    for choice in ("grouped", "padded", "auto"):
+    logits, used = {}, {}
+    for choice in ("grouped", "padded", "chunked", "auto"):
         model.moe_prefill_gemm = choice
         before = len(calls)
         logits[choice], want = prompt_logits(model, cpu, ids)
-        assert (len(calls) > before) == (choice != "grouped"), choice
+        used[choice] = set(calls[before:])
         assert np.linalg.norm(logits[choice] - want) / np.linalg.norm(want) < 2e-2, choice
-    assert set(calls) == {model.dims.moe_experts}
-    if device_kind == "host":
-        np.testing.assert_array_equal(logits["padded"], logits["grouped"])
-    else:
-        assert np.linalg.norm(logits["padded"] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
+    experts = model.dims.moe_experts
+    assert used == {"grouped": set(), "padded": {("batched_gemm_bf16", experts)},
+                    "chunked": {("chunked_gemm_bf16", MOE_CHUNK_ROWS)}, "auto": {("batched_gemm_bf16", experts)}}
+    for choice in ("padded", "chunked"):
+        if device_kind == "host":
+            np.testing.assert_array_equal(logits[choice], logits["grouped"])
+        else:
+            assert np.linalg.norm(logits[choice] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
     np.testing.assert_array_equal(logits["auto"], logits["padded"])
     before = len(calls)
     routed = len(ids) * model.dims.moe_top_k
     model.workspace.perm_in = model.workspace.perm_in[:routed]  # room for the routed rows, not the padded ones
-    model.moe_prefill_gemm = "padded"
-    got, _ = prompt_logits(model, cpu, ids)
+    for choice in ("padded", "chunked"):
+        model.moe_prefill_gemm = choice
+        got, _ = prompt_logits(model, cpu, ids)
+        np.testing.assert_array_equal(got, logits["grouped"])
     assert len(calls) == before
-    np.testing.assert_array_equal(got, logits["grouped"])
     model.moe_prefill_gemm = "pad"
     with pytest.raises(ValueError, match="moe_prefill_gemm"):
         prompt_logits(model, cpu, ids)

@@ -377,31 +377,32 @@ def moe_scatter_rows_reference(x, position_of, top_k, out):
     return result
 
 
-@kernel((I32_2D, int32[::1], int32[::1], int32, int32[::1]), fastmath=False)
-def _moe_pad_positions_kernel(expert_ids, position_of, offsets, rows_per_expert, padded):
+@kernel((I32_2D, int32[::1], int32[::1], int32[::1], int32[::1]), fastmath=False)
+def _moe_pad_positions_kernel(expert_ids, position_of, offsets, starts, placed):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     slots = expert_ids.shape[1]
     if i < position_of.shape[0]:
         e = expert_ids[i // slots, i % slots]
-        padded[i] = e * rows_per_expert + position_of[i] - offsets[e]
+        placed[i] = starts[e] + position_of[i] - offsets[e]
 
 
-def moe_pad_positions(expert_ids, position_of, offsets, rows_per_expert, padded, *, stream):
-    """padded[r*S + s] = e * rows_per_expert + position_of[r*S + s] - offsets[e], e = expert_ids[r, s]: moe_group's
-    positions moved to a layout where expert e's rows start at row e * rows_per_expert (at least the largest
-    expert's count, which the caller checks), the operand layout of one strided-batched GEMM over the experts
-    (Blas.batched_gemm_bf16). expert_ids int32 [R, S]; position_of, padded int32 [R*S]; offsets int32 [E + 1]."""
-    if position_of.shape[0] != expert_ids.shape[0] * expert_ids.shape[1] or padded.shape != position_of.shape:
+def moe_pad_positions(expert_ids, position_of, offsets, starts, placed, *, stream):
+    """placed[r*S + s] = starts[e] + position_of[r*S + s] - offsets[e], e = expert_ids[r, s]: moe_group's positions
+    moved to a layout where expert e's rows start at row starts[e] (with room for its count up to the next start,
+    which the caller sizes): e * P for one strided-batched GEMM over experts padded to P rows
+    (Blas.batched_gemm_bf16), or whole chunks per expert for a pointer-array batched one (Blas.chunked_gemm_bf16).
+    expert_ids int32 [R, S]; position_of, placed int32 [R*S]; offsets int32 [E + 1]; starts int32 [E]."""
+    if position_of.shape[0] != expert_ids.shape[0] * expert_ids.shape[1] or placed.shape != position_of.shape:
         raise ValueError(f"moe_pad_positions takes R*S positions for ids {tuple(expert_ids.shape)}; got "
-                         f"{tuple(position_of.shape)} and {tuple(padded.shape)}")
+                         f"{tuple(position_of.shape)} and {tuple(placed.shape)}")
     if position_of.shape[0]:
         _moe_pad_positions_kernel[blocks_for(position_of.shape[0], TILE), TILE, stream](
-            expert_ids, position_of, offsets, np.int32(rows_per_expert), padded)
+            expert_ids, position_of, offsets, starts, placed)
 
 
-def moe_pad_positions_reference(expert_ids, position_of, offsets, rows_per_expert):
+def moe_pad_positions_reference(expert_ids, position_of, offsets, starts):
     experts = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
-    return (experts * rows_per_expert + np.asarray(position_of) - np.asarray(offsets)[experts]).astype(np.int32)
+    return (np.asarray(starts)[experts] + np.asarray(position_of) - np.asarray(offsets)[experts]).astype(np.int32)
 
 
 COMBINE_COLUMNS = 4  # columns per thread of moe_scatter_combine (independent loads in flight)

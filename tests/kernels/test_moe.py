@@ -287,60 +287,71 @@ def _padded_layout(rng, rows, experts, k):
     ids = np.sort(np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
     counts, offsets, slot_of, position_of = moe.moe_group_reference(ids, experts)
     largest = int(counts.max())
-    return ids, offsets, slot_of, position_of, largest
+    return ids, counts, offsets, slot_of, position_of, largest
 
 
+def _chunk_starts(counts, chunk):
+    """Each expert's first row when every expert's rows fill whole chunks of `chunk` rows."""
+    return (np.concatenate([[0], np.cumsum(-(-counts // chunk))[:-1]]) * chunk).astype(np.int32)
+
+
+@pytest.mark.parametrize("layout", ["padded", "chunks of 4"])
 @pytest.mark.parametrize("rows,experts,k", [(1, 8, 2), (9, 8, 2), (100, 16, 4)])
-def test_padded_positions_give_each_expert_its_rows_at_a_fixed_stride(rows, experts, k):
-    """moe_pad_positions: expert e's rows at e * P + their rank, in moe_group's order; the scatter through them
-    fills those rows alone, and the combine through them equals the combine of the contiguous layout."""
+def test_placed_positions_give_each_expert_its_rows_from_its_start(layout, rows, experts, k):
+    """moe_pad_positions: expert e's rows at starts[e] + their rank, in moe_group's order (starts e * P, or whole
+    chunks per expert); the scatter through them fills those rows alone, and the combine through them equals the
+    combine of the contiguous layout."""
     rng = np.random.default_rng(rows + experts)
-    ids, offsets, slot_of, position_of, largest = _padded_layout(rng, rows, experts, k)
-    padded = moe.moe_pad_positions_reference(ids, position_of, offsets, largest)
+    ids, counts, offsets, slot_of, position_of, largest = _padded_layout(rng, rows, experts, k)
+    starts = (np.arange(experts) * largest).astype(np.int32) if layout == "padded" else _chunk_starts(counts, 4)
+    total = experts * largest if layout == "padded" else int(starts[-1] + 4 * -(-counts[-1] // 4))
+    placed = moe.moe_pad_positions_reference(ids, position_of, offsets, starts)
     flat = ids.reshape(-1)
-    np.testing.assert_array_equal(padded // largest, flat)
-    np.testing.assert_array_equal(padded - flat * largest, position_of - offsets[flat])
+    np.testing.assert_array_equal(placed - starts[flat], position_of - offsets[flat])
+    assert np.all(placed - starts[flat] < counts[flat]) and placed.max() < total
     x = rand(rng, rows, 10)
-    blank = np.full((experts * largest, 10), 0x7FC1, np.uint16)
-    scattered = moe.moe_scatter_rows_reference(x, padded, k, blank)
-    np.testing.assert_array_equal(scattered[padded], moe.moe_gather_reference(x, slot_of, k)[position_of])
-    untouched = np.setdiff1d(np.arange(experts * largest), padded)
+    blank = np.full((total, 10), 0x7FC1, np.uint16)
+    scattered = moe.moe_scatter_rows_reference(x, placed, k, blank)
+    np.testing.assert_array_equal(scattered[placed], moe.moe_gather_reference(x, slot_of, k)[position_of])
+    untouched = np.setdiff1d(np.arange(total), placed)
     assert np.all(scattered[untouched] == 0x7FC1)
     contiguous = moe.moe_scatter_rows_reference(x, position_of, k, np.zeros((rows * k, 10), np.uint16))
     np.testing.assert_array_equal(contiguous, moe.moe_gather_reference(x, slot_of, k))
     w, res = rand(rng, rows, k), rand(rng, rows, 10)
-    np.testing.assert_array_equal(moe.moe_scatter_combine_reference(scattered, padded, w, k, res),
+    np.testing.assert_array_equal(moe.moe_scatter_combine_reference(scattered, placed, w, k, res),
                                   moe.moe_scatter_combine_reference(contiguous, position_of, w, k, res))
 
 
 def test_pad_positions_checks_its_shapes():
     with pytest.raises(ValueError, match="R\\*S positions"):
-        moe.moe_pad_positions(np.zeros((3, 2), np.int32), np.zeros(5, np.int32), np.zeros(9, np.int32), 4,
-                              np.zeros(5, np.int32), stream=0)
+        moe.moe_pad_positions(np.zeros((3, 2), np.int32), np.zeros(5, np.int32), np.zeros(9, np.int32),
+                              np.zeros(8, np.int32), np.zeros(5, np.int32), stream=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,experts,k,hidden", [(9, 8, 2, 64), (300, 256, 8, 2048), (37, 16, 4, 5)])
 def test_gpu_pad_positions_and_padded_gather(rows, experts, k, hidden):
-    """The device's padded positions and the scatter through them (pairs of columns, and single ones for an odd
-    width) equal their twins, padding rows untouched."""
+    """The device's placed positions (chunks of 8 rows per expert) and the scatter through them (pairs of columns,
+    and single ones for an odd width) equal their twins, the rows between untouched."""
     cuda = _cuda()
     stream = cuda.stream()
     rng = np.random.default_rng(rows * k)
-    ids, offsets, slot_of, position_of, largest = _padded_layout(rng, rows, experts, k)
-    d_padded = cuda.to_device(np.full(rows * k, -1, np.int32), stream=stream)
+    ids, counts, offsets, slot_of, position_of, _ = _padded_layout(rng, rows, experts, k)
+    starts = _chunk_starts(counts, 8)
+    d_placed = cuda.to_device(np.full(rows * k, -1, np.int32), stream=stream)
     moe.moe_pad_positions(cuda.to_device(ids, stream=stream), cuda.to_device(position_of, stream=stream),
-                          cuda.to_device(offsets, stream=stream), largest, d_padded, stream=stream)
-    padded = d_padded.copy_to_host(stream=stream)
+                          cuda.to_device(offsets, stream=stream), cuda.to_device(starts, stream=stream), d_placed,
+                          stream=stream)
+    placed = d_placed.copy_to_host(stream=stream)
     stream.synchronize()
-    np.testing.assert_array_equal(padded, moe.moe_pad_positions_reference(ids, position_of, offsets, largest))
+    np.testing.assert_array_equal(placed, moe.moe_pad_positions_reference(ids, position_of, offsets, starts))
     x = rand(rng, rows, hidden)
-    blank = np.full((experts * largest, hidden), 0x7FC1, np.uint16)
+    blank = np.full((int(starts[-1]) + 8 * -(-int(counts[-1]) // 8), hidden), 0x7FC1, np.uint16)
     d_out = cuda.to_device(blank, stream=stream)
-    moe.moe_gather(cuda.to_device(x, stream=stream), slot_of, k, d_out, position_of=d_padded, stream=stream)
+    moe.moe_gather(cuda.to_device(x, stream=stream), slot_of, k, d_out, position_of=d_placed, stream=stream)
     out = d_out.copy_to_host(stream=stream)
     stream.synchronize()
-    np.testing.assert_array_equal(out, moe.moe_scatter_rows_reference(x, padded, k, blank))
+    np.testing.assert_array_equal(out, moe.moe_scatter_rows_reference(x, placed, k, blank))
 
 
 def test_scatter_combine_takes_bf16_outputs_only():

@@ -15,6 +15,7 @@ from ninfer.backends.cuda.device import device_pointer
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 WORKSPACE_BYTES = 32 << 20
 MAX_GROUPS = 1024  # groups (MoE experts) one grouped GEMM takes: the size of its device table of operand addresses
+MAX_CHUNKS = 8192  # row chunks one chunked GEMM takes (its address table)
 
 
 def check_column_block(x_shape: tuple, w_shape: tuple, y_shape: tuple, first_column: int) -> None:
@@ -35,6 +36,21 @@ def check_batched(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, 
     return p, n, k
 
 
+def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, chunk_groups: np.ndarray, chunk: int,
+                  groups: int) -> tuple[int, int]:
+    """The shapes `chunked_gemm_bf16` takes: x [C chunk, K], w [G N, K], y bf16 bits [C chunk, N] for C chunks whose
+    groups lie in [0, G); returns (N, K)."""
+    chunks, k = len(chunk_groups), x_shape[1]
+    n = w_shape[0] // max(groups, 1)
+    if groups < 1 or chunk < 1 or chunks > MAX_CHUNKS or tuple(w_shape) != (groups * n, k) or \
+            x_shape[0] < chunks * chunk or tuple(y_shape[1:]) != (n,) or y_shape[0] < chunks * chunk or \
+            np.dtype(y_dtype) != np.uint16 or (chunks and not 0 <= int(np.min(chunk_groups)) <= int(
+                np.max(chunk_groups)) < groups):
+        raise ValueError(f"chunked gemm shapes x{tuple(x_shape)} w{tuple(w_shape)} y{tuple(y_shape)} {y_dtype}: "
+                         f"{chunks} chunks of {chunk} rows over {groups} groups (bf16 y, at most {MAX_CHUNKS} chunks)")
+    return n, k
+
+
 class Blas:
     def __init__(self, device: Any, *, stream_handle: int | None = None) -> None:
         """A handle bound to the device's serving stream, or to `stream_handle` (a side stream's)."""
@@ -49,6 +65,7 @@ class Blas:
         cublas.set_pointer_mode(self._handle, cublas.PointerMode.HOST)
         self._device = device
         self._group_addresses = device.empty(3 * MAX_GROUPS, np.uint64, "workspace")
+        self._chunk_addresses = device.empty(3 * MAX_CHUNKS, np.uint64, "workspace")
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
@@ -124,6 +141,29 @@ class Blas:
             self._handle, cublas.Operation.T, cublas.Operation.N, n, p, k, self._one.ctypes.data, device_pointer(w),
             CUDA_R_16BF, k, n * k, device_pointer(x), CUDA_R_16BF, k, p * k, self._zero.ctypes.data,
             device_pointer(y), CUDA_R_16BF, n, p * n, groups, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+
+    def chunked_gemm_bf16(self, x: Any, w: Any, y: Any, chunk_groups: np.ndarray, chunk: int) -> None:
+        """For each chunk i: y[i C:(i+1) C] (bf16 bits [., N]) = x[i C:(i+1) C] (bf16 [., K]) @ w[g N:(g+1) N]^T,
+        g = chunk_groups[i], C = chunk; fp32 accumulation rounded once to bf16. The MoE prefill with each expert's
+        rows padded to whole chunks (moe_pad_positions): one pointer-array batched GEMM (cublasGemmBatchedEx),
+        padding under a chunk an expert whatever the routing's skew. The operand addresses go to the device in
+        stream order, as the grouped call's."""
+        groups = w.shape[0] // max(y.shape[1], 1)
+        n, k = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk, groups)
+        chunks = len(chunk_groups)
+        if chunks == 0:
+            return
+        index = np.arange(chunks, dtype=np.uint64)
+        addresses = np.concatenate([
+            device_pointer(w) + np.asarray(chunk_groups, np.uint64) * np.uint64(n * k * 2),
+            device_pointer(x) + index * np.uint64(chunk * k * 2), device_pointer(y) + index * np.uint64(chunk * n * 2)])
+        self._device.write(self._chunk_addresses[:3 * chunks], addresses.astype(np.uint64))
+        table = device_pointer(self._chunk_addresses)
+        cublas = self._cublas
+        cublas.gemm_batched_ex(
+            self._handle, cublas.Operation.T, cublas.Operation.N, n, chunk, k, self._one.ctypes.data, table,
+            CUDA_R_16BF, k, table + 8 * chunks, CUDA_R_16BF, k, self._zero.ctypes.data, table + 16 * chunks,
+            CUDA_R_16BF, n, chunks, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
 
     def batched_scores(self, q: Any, k: Any, keys: int, scores: Any) -> None:
         """scores[b] (fp32 [M, keys]) = q[b] (bf16 [M, D]) @ k[b, :keys]^T (k bf16 [B, S >= keys, D]). q and k may

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.backends.cuda.blas import check_batched, check_column_block
+from ninfer.backends.cuda.blas import check_batched, check_chunked, check_column_block
 from ninfer.backends.cuda.device import DeviceInfo
 
 HOST_BYTES = 64 << 30  # the memory a HostDevice reports by default (KV auto-sizing needs a number)
@@ -106,6 +106,16 @@ class HostBlas:
         """Blas.batched_gemm_bf16: fp32 products rounded to bf16 bits (y uint16)."""
         p, n, _ = check_batched(x.shape, w.shape, y.shape, y.dtype, groups)
         self.grouped_gemm_bf16(x, w, y, np.arange(groups + 1) * p, n)
+
+    def chunked_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, chunk_groups: np.ndarray,
+                          chunk: int) -> None:
+        """Blas.chunked_gemm_bf16: fp32 products rounded to bf16 bits (y uint16)."""
+        n, _ = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk, w.shape[0] // max(y.shape[1], 1))
+        for i, group in enumerate(np.asarray(chunk_groups).tolist()):
+            rows = slice(i * chunk, (i + 1) * chunk)
+            product = np.empty((chunk, n), np.float32)
+            self.gemm_bf16(x[rows], w[group * n:(group + 1) * n], product)
+            y[rows] = f32_to_bf16_bits(product)
 
     def batched_scores(self, q: np.ndarray, k: np.ndarray, keys: int, scores: np.ndarray) -> None:
         scores[...] = np.matmul(bf16_bits_to_f32(q), bf16_bits_to_f32(k[:, :keys]).transpose(0, 2, 1))

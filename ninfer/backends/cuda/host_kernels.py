@@ -255,8 +255,8 @@ def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
         out[...] = _moe.moe_scatter_rows_reference(x, position_of, top_k, out)
 
 
-def moe_pad_positions(expert_ids, position_of, offsets, rows_per_expert, padded, *, stream):
-    padded[...] = _moe.moe_pad_positions_reference(expert_ids, position_of, offsets, rows_per_expert)
+def moe_pad_positions(expert_ids, position_of, offsets, starts, placed, *, stream):
+    placed[...] = _moe.moe_pad_positions_reference(expert_ids, position_of, offsets, starts)
 
 
 def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):

@@ -38,6 +38,7 @@ from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.kernels_numba.quant_mma import SPLITS as GEMV_SPLITS
 from ninfer.kernels_numba.quant_mma import split_sum_words
+from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.device import CudaDevice, Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
 from ninfer.models.dflash import DFlashMismatchError
@@ -59,6 +60,10 @@ SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill
 # does less work in less time. In the 35B-A3B 8K bench the layers within 2x took 0.95 ms (gate_up + down) against
 # 1.50 grouped (results/cuda_model_session12.json): the break-even lies near 3x; the limit also sizes the scratch.
 PADDED_EXPERT_ROWS_LIMIT = 2.0
+# Rows a batch entry of the chunked layout (moe_prefill_gemm "chunked": each expert's rows padded to whole chunks,
+# one pointer-array batched GEMM; padding under a chunk an expert whatever the skew). Opt-in until
+# bench/grouped_gemm_probe.py and bench/cuda_model.py --moe-gemm have measured it.
+MOE_CHUNK_ROWS = 128
 SPLIT_MAX_TILES = 1024  # the largest matrix (in 16-row tiles) whose GEMVs Capacity.gemv_splits cuts along K
 
 
@@ -546,6 +551,7 @@ class Workspace:
             self.moe_position_of = buf(rows * s, dtype=np.int32)
             if rows > SKINNY_ROWS:
                 self.moe_padded_position_of = buf(rows * s, dtype=np.int32)
+                self.moe_starts = buf(e, dtype=np.int32)  # each expert's first row in the padded layouts
                 # the expert GEMMs' input, bf16 outputs and the activation between them, with room for the padded
                 # layout wherever the "auto" rule takes it
                 permuted = int(rows * s * PADDED_EXPERT_ROWS_LIMIT)
@@ -799,8 +805,8 @@ class CudaQwen:
             self.prefill_attention = "gemm" if dims.is_moe else "flash"
         else:
             self.prefill_attention = "kernel"
-        # MoE prefill expert GEMMs: "auto" (padded while within PADDED_EXPERT_ROWS_LIMIT, else grouped), "grouped"
-        # or "padded" (where the padded rows fit the permuted scratch; grouped otherwise).
+        # MoE prefill expert GEMMs: "auto" (padded while within PADDED_EXPERT_ROWS_LIMIT, else grouped), "grouped",
+        # "padded" or "chunked" (the last two where their rows fit the permuted scratch; grouped otherwise).
         self.moe_prefill_gemm = "auto"
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
@@ -1375,9 +1381,9 @@ class CudaQwen:
 
     def _moe_grouped(self, w: MoeFfn, rows: int) -> None:
         """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS call per projection,
-        bf16 outputs (not captured: the group sizes are read back to the host). The call is a strided-batched GEMM
-        over the experts with each one's rows padded to the largest count, or the grouped GEMM on the contiguous
-        groups (`moe_prefill_gemm`, `_padded_expert_rows`)."""
+        bf16 outputs (not captured: the group sizes are read back to the host). The call is the grouped GEMM on the
+        contiguous groups, a strided-batched GEMM over the experts padded to the largest count, or a pointer-array
+        batched GEMM over chunks of MOE_CHUNK_ROWS rows (`moe_prefill_gemm`, `_expert_layout`)."""
         ws, stream = self.workspace, self.device.stream
         s, e = self.dims.moe_top_k, self.dims.moe_experts
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
@@ -1385,16 +1391,21 @@ class CudaQwen:
         position_of = ws.moe_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
         offsets = self.device.read(ws.moe_offsets)
-        padded = self._padded_expert_rows(np.diff(offsets), rows * s)
+        counts = np.diff(offsets)
+        layout, starts, count = self._expert_layout(counts, rows * s)
         gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
-        placed, count = position_of, rows * s
-        if padded:
-            placed, count = ws.moe_padded_position_of[: rows * s], e * padded
-            self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, padded, placed, stream=stream)
+        placed = position_of
+        if starts is not None:
+            placed = ws.moe_padded_position_of[: rows * s]
+            self.device.write(ws.moe_starts, starts)
+            self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, ws.moe_starts, placed, stream=stream)
+        chunk_groups = np.repeat(np.arange(e), -(-counts // MOE_CHUNK_ROWS)) if layout == "chunked" else None
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
-            if padded:
+            if layout == "padded":
                 self.linear.blas.batched_gemm_bf16(x, weight, y, e)
+            elif layout == "chunked":
+                self.linear.blas.chunked_gemm_bf16(x, weight, y, chunk_groups, MOE_CHUNK_ROWS)
             else:
                 self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
 
@@ -1408,18 +1419,27 @@ class CudaQwen:
         expert_gemm(act_bf16, self.linear.bf16_weight(w.routed_down), out)
         self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream)
 
-    def _padded_expert_rows(self, counts: np.ndarray, routed: int) -> int:
-        """Rows a group of the padded layout (the largest expert count), or 0 for the grouped GEMM: when asked for
-        it, when the padded rows would not fit the permuted scratch, or ("auto") when they pass
-        PADDED_EXPERT_ROWS_LIMIT times the routed rows."""
-        if self.moe_prefill_gemm not in ("auto", "grouped", "padded"):
-            raise ValueError(f"moe_prefill_gemm must be 'auto', 'grouped' or 'padded', got {self.moe_prefill_gemm!r}")
-        largest, experts = int(counts.max()), counts.size
-        if self.moe_prefill_gemm == "grouped" or experts * largest > self.workspace.perm_in.shape[0]:
-            return 0
-        if self.moe_prefill_gemm == "auto" and experts * largest > PADDED_EXPERT_ROWS_LIMIT * routed:
-            return 0
-        return largest
+    def _expert_layout(self, counts: np.ndarray, routed: int) -> tuple[str, np.ndarray | None, int]:
+        """(layout, each expert's first row or None, rows in all) of the expert GEMMs: "grouped" (contiguous
+        groups: moe_group's positions), "padded" (expert e from row e * P, P the largest count) or "chunked" (each
+        expert's rows padded to whole MOE_CHUNK_ROWS chunks). The padded and chunked layouts run where asked for
+        ("auto" takes padded within PADDED_EXPERT_ROWS_LIMIT times the routed rows) and their rows fit the
+        permuted scratch; the grouped one otherwise."""
+        choice, room, experts = self.moe_prefill_gemm, self.workspace.perm_in.shape[0], counts.size
+        if choice not in ("auto", "grouped", "padded", "chunked"):
+            raise ValueError(f"moe_prefill_gemm must be 'auto', 'grouped', 'padded' or 'chunked', got {choice!r}")
+        grouped = ("grouped", None, routed)
+        if choice == "chunked":
+            chunks = -(-counts // MOE_CHUNK_ROWS)
+            if int(chunks.sum()) * MOE_CHUNK_ROWS > room or int(chunks.sum()) > MAX_CHUNKS:
+                return grouped
+            starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]) * MOE_CHUNK_ROWS
+            return "chunked", starts.astype(np.int32), int(chunks.sum()) * MOE_CHUNK_ROWS
+        largest = int(counts.max())
+        if choice == "grouped" or experts * largest > room or (
+                choice == "auto" and experts * largest > PADDED_EXPERT_ROWS_LIMIT * routed):
+            return grouped
+        return "padded", (np.arange(experts) * largest).astype(np.int32), experts * largest
 
     # ---- state operations ----
 
