@@ -162,7 +162,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 gemv_splits: tuple[int, ...] = (0,), moe_gemms: tuple[str, ...] = ("auto",)) -> dict:
+                 gemv_splits: tuple[int, ...] = (0,), moe_gemms: tuple[str, ...] = ("auto",),
+                 fused_router: tuple[bool, ...] = (False,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -183,11 +184,14 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
-    for linear, side, pdl, splits in ((linear, side, pdl, splits) for linear in decode_linears for side in branches
-                                      for pdl in programmatic for splits in gemv_splits):
+    routers = fused_router if dims.is_moe else (False,)
+    for linear, side, pdl, splits, fused in ((linear, side, pdl, splits, fused) for linear in decode_linears
+                                             for side in branches for pdl in programmatic for splits in gemv_splits
+                                             for fused in routers):
         model.set_branches(side)
         model.set_programmatic(pdl)
         model.set_gemv_splits(splits)
+        model.fused_router = fused
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
@@ -210,13 +214,13 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
             decode.append({"linear": linear, "branches": side, "programmatic": pdl, "gemv_splits": splits,
-                           "batch": batch,
+                           "fused_router": fused, "batch": batch,
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
             label = (linear + (" +branches" if side else "") + (" +programmatic" if pdl else "")
-                     + (f" +split{splits}" if splits else ""))
+                     + (f" +split{splits}" if splits else "") + (" +fused-router" if fused else ""))
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
@@ -232,10 +236,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
     model.set_programmatic(programmatic[-1])
     model.set_gemv_splits(gemv_splits[-1])
+    model.fused_router = routers[-1]
     result["decode"] = decode
     result["branches_after_decode"] = branches[-1]
     result["programmatic_after_decode"] = programmatic[-1]
     result["gemv_splits_after_decode"] = gemv_splits[-1]
+    result["fused_router_after_decode"] = routers[-1]
     if decode_only:
         return result
 
@@ -411,6 +417,9 @@ def main() -> None:
     parser.add_argument("--gemv-splits", default="0",
                         help="decode with the tensor-core GEMVs of at most SPLIT_MAX_TILES row tiles K-split into "
                              "this many ranges (0: off; e.g. 0,2,4); the MTP rounds use the last")
+    parser.add_argument("--fused-router", default="off",
+                        help="MoE decode with the router GEMV and top-k in one launch off and/or on (off,on); the "
+                             "MTP rounds use the last")
     parser.add_argument("--moe-gemm", default="auto",
                         help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
                              "a list times each)")
@@ -424,6 +433,8 @@ def main() -> None:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     if not set(args.programmatic.split(",")) <= {"off", "on"}:
         parser.error(f"--programmatic takes off, on or off,on; got {args.programmatic!r}")
+    if not set(args.fused_router.split(",")) <= {"off", "on"}:
+        parser.error(f"--fused-router takes off, on or off,on; got {args.fused_router!r}")
     if not all(splits.isdigit() for splits in args.gemv_splits.split(",")):
         parser.error(f"--gemv-splits takes a list of split counts (0: off); got {args.gemv_splits!r}")
     device = CudaDevice(0)
@@ -456,7 +467,9 @@ def main() -> None:
                                                                              args.programmatic.split(",")),
                                                           gemv_splits=tuple(int(n) for n in
                                                                             args.gemv_splits.split(",")),
-                                                          moe_gemms=tuple(args.moe_gemm.split(","))))
+                                                          moe_gemms=tuple(args.moe_gemm.split(",")),
+                                                          fused_router=tuple(f == "on" for f in
+                                                                             args.fused_router.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -56,7 +56,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               gemv_splits: int = 0):
+               gemv_splits: int = 0, fused_router: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -66,7 +66,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                              device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
-                             gemv_splits=gemv_splits)
+                             gemv_splits=gemv_splits, fused_router=fused_router)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -207,6 +207,33 @@ def test_k_split_gemvs_keep_the_logits_and_greedy_mtp_equal_to_greedy(device_kin
         cuda_build(device_kind, path, decode_quant="mma").runner, prompts, 24)
     with pytest.raises(ValueError, match="gemv_splits"):
         switched.model.set_gemv_splits(3)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
+def test_the_fused_router_keeps_the_logits_and_greedy_mtp_equal_to_greedy(device_kind, artifacts, recipe,
+                                                                          monkeypatch):
+    """Capacity.fused_router: the MoE decode routing in one launch (router GEMV + top-k) at up to SKINNY_ROWS rows
+    gives logits within the bf16 tolerance of the CPU model, and greedy MTP equals greedy row for row (the router's
+    sums are the same at every row count). The tiny MoE's router has near-ties (see the tensor-core test), so tokens
+    are compared between the runner's own paths only."""
+    from ninfer.backends.cuda.model import SKINNY_ROWS
+
+    path = artifacts[("moe", recipe)]
+    cpu = load_model(path)
+    build = cuda_build(device_kind, path, fused_router=True)
+    kernels, rows_seen = build.model.k, []
+    fused = kernels.router_route
+    monkeypatch.setattr(kernels, "router_route", lambda x, *args, **kw: (rows_seen.append(x.shape[0]),
+                                                                          fused(x, *args, **kw)))
+    for length in (1, 9, SKINNY_ROWS, SKINNY_ROWS + 1):
+        got, want = prompt_logits(build.model, cpu, prompt(length, length))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
+    assert set(rows_seen) == {1, 9, SKINNY_ROWS}  # past SKINNY_ROWS: the prefill's cuBLAS router
+    monkeypatch.undo()
+    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
+    got = run_lanes(cuda_build(device_kind, path, fused_router=True).runner, prompts, 24)
+    speculative = run_lanes(cuda_build(device_kind, path, fused_router=True, draft_tokens=3).runner, prompts, 24)
+    assert speculative == got
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

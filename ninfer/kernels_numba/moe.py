@@ -138,6 +138,86 @@ def route_top_k_reference(router_logits: np.ndarray, top_k: int) -> tuple[np.nda
             np.take_along_axis(w, order, axis=-1).astype(np.float32))
 
 
+# ---------------------------------------------------------------------------------------------- router_route
+
+ROUTER_WARPS = 4  # router rows (logit columns) a block of router_route: 66 blocks for the 35B-A3B's 264
+ROUTER_ROW_GROUP = 8  # x rows one pass over a router row's weights serves
+
+
+@kernel((F32_2D, uint32[:, ::1], F32_2D, int32, int32, I32_2D, F32_2D, int32[::1]), fastmath=False)
+def _router_route_kernel(x, w_words, logits, n_exp, top_k, expert_ids, weights, arrivals):
+    last = cuda.shared.array(1, int32)
+    t = cuda.threadIdx.x
+    lane = t & 31
+    warp = t >> 5
+    n = cuda.blockIdx.x * ROUTER_WARPS + warp
+    rows = x.shape[0]
+    words = w_words.shape[1]
+    if n < logits.shape[1]:  # warp-uniform: the warp sums below see all 32 lanes
+        acc = cuda.local.array(ROUTER_ROW_GROUP, float32)
+        for first in range(0, rows, ROUTER_ROW_GROUP):
+            for m in range(ROUTER_ROW_GROUP):
+                acc[m] = float32(0.0)
+            j = lane
+            while j < words:
+                pair = w_words[n, j]
+                w_lo = bf16_to_f32(pair & uint32(0xFFFF))
+                w_hi = bf16_to_f32(pair >> uint32(16))
+                for m in range(ROUTER_ROW_GROUP):
+                    if first + m < rows:  # x rounded to bf16, as the cuBLAS router's input
+                        x_lo = bf16_to_f32(f32_to_bf16(x[first + m, 2 * j]))
+                        x_hi = bf16_to_f32(f32_to_bf16(x[first + m, 2 * j + 1]))
+                        acc[m] += w_lo * x_lo + w_hi * x_hi
+                j += 32
+            for m in range(ROUTER_ROW_GROUP):
+                total = warp_sum(acc[m])
+                if lane == 0 and first + m < rows:
+                    logits[first + m, n] = total
+    cuda.threadfence()  # the logits are visible GPU-wide before the count says so
+    cuda.syncthreads()
+    if t == 0:
+        last[0] = int32(cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x - 1)
+    cuda.syncthreads()
+    if last[0] != 0:  # the last block to arrive routes every row, a warp a row
+        cuda.threadfence()
+        r = warp
+        while r < rows:
+            _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane)
+            r += ROUTER_WARPS
+        if t == 0:
+            arrivals[0] = 0
+
+
+def check_router_route(x_shape: tuple, w_shape: tuple, logits_shape: tuple, top_k: int, experts: int,
+                       arrival_count: int) -> None:
+    """The ValueError of `router_route` (and its host twin) for shapes it cannot take."""
+    (rows, width), columns = x_shape, logits_shape[1]
+    _check_route(top_k, experts, columns)
+    if tuple(w_shape) != (columns, width) or width % 2 or logits_shape[0] != rows or arrival_count < 1:
+        raise ValueError(f"router_route: x{tuple(x_shape)} w{tuple(w_shape)} logits{tuple(logits_shape)} (w "
+                         f"[columns, H], H even), {arrival_count} arrival counts")
+
+
+def router_route(x, w, router_logits, top_k, expert_ids, weights, arrivals, *, experts, stream):
+    """The decode router in one launch: router_logits fp32 [R, C] = bf16(x) @ w^T (x fp32 [R, H]; w bf16 bits
+    [C, H], the router's rows then the shared expert's gate and zero rows: every column is written), then
+    `route_top_k` over the first `experts` columns into expert_ids / weights. Blocks of ROUTER_WARPS warps each take
+    ROUTER_WARPS columns (a warp a column, its dot products summed lane-strided then across the warp, each row the
+    same whatever R); the last block to arrive (arrivals int32 [>= 1], zero between launches: it zeroes it again)
+    routes. Replaces a cuBLAS GEMV and the route_top_k launch at decode. Capture-safe."""
+    check_router_route(x.shape, w.shape, router_logits.shape, top_k, experts, arrivals.shape[0])
+    if x.shape[0]:
+        _router_route_kernel[blocks_for(router_logits.shape[1], ROUTER_WARPS), 32 * ROUTER_WARPS, stream](
+            x, w.view(np.uint32), router_logits, np.int32(experts), np.int32(top_k), expert_ids, weights, arrivals)
+
+
+def router_route_reference(x, w, top_k, experts):
+    """(router_logits, expert_ids, weights): bf16(x) @ bf16 w^T in fp32, then route_top_k_reference."""
+    logits = (bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(x, np.float32))).astype(np.float64)
+              @ bf16_bits_to_f32(np.asarray(w, np.uint16)).astype(np.float64).T).astype(np.float32)
+    return (logits, *route_top_k_reference(logits[:, :experts], top_k))
+
+
 # ---------------------------------------------------------------------------------------------------- combine
 
 

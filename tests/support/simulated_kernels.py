@@ -371,10 +371,38 @@ def moe_padded() -> None:
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 
+def router_route() -> None:
+    """router_route (a warp a logit column, the last block to arrive routes every row) equals its twin: logits within
+    fp32 summation order, ids exactly, weights within fp32 rounding; a second launch the same (the count is zero
+    again); 1 and 10 rows (two row groups)."""
+    from ninfer.artifact.codec import f32_to_bf16_bits
+    from ninfer.kernels_numba import moe
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(moe))
+    rng = np.random.default_rng(2)
+    experts, columns, width, k = 16, 24, 64, 4
+    w = f32_to_bf16_bits(rng.standard_normal((columns, width)).astype(np.float32))
+    w[experts + 1:] = 0  # zero rows past the shared expert's gate, as the model pads them
+    for rows in (1, 10):
+        x = rng.standard_normal((rows, width)).astype(np.float32)
+        want_logits, want_ids, want_weights = moe.router_route_reference(x, w, k, experts)
+        arrivals = np.zeros(1, np.int32)
+        for _ in range(2):
+            logits = np.full((rows, columns), np.nan, np.float32)
+            ids, weights = np.full((rows, k), -1, np.int32), np.full((rows, k), np.nan, np.float32)
+            moe.router_route(x, w, logits, k, ids, weights, arrivals, experts=experts, stream=0)
+            assert arrivals[0] == 0, arrivals
+            assert _rel(logits, want_logits) < 1e-6, _rel(logits, want_logits)
+            np.testing.assert_array_equal(ids, want_ids)
+            assert _rel(weights, want_weights) < 1e-6
+        print("ok router_route", rows, flush=True)
+
+
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "moe_route": moe_route, "gdn_output": gdn_output,
-          "moe_padded": moe_padded}
+          "moe_padded": moe_padded, "router_route": router_route}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

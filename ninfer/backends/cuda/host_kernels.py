@@ -240,6 +240,11 @@ def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=No
     expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits[:, :columns], top_k)
 
 
+def router_route(x, w, router_logits, top_k, expert_ids, weights, arrivals, *, experts, stream):
+    _moe.check_router_route(x.shape, w.shape, router_logits.shape, top_k, experts, arrivals.shape[0])
+    router_logits[...], expert_ids[...], weights[...] = _moe.router_route_reference(x, w, top_k, experts)
+
+
 def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_logit=None):
     residual[...] = _moe.moe_combine_reference(expert_out, weights, residual, shared_out, gate_logit)
 

@@ -15,7 +15,7 @@ from ninfer.kernels_numba.gdn_chunked import gdn_chunked
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
 from ninfer.kernels_numba.moe import (moe_combine, moe_gather, moe_group, moe_pad_positions, moe_scatter_combine,
-                                     route_top_k)
+                                     route_top_k, router_route)
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
@@ -66,6 +66,7 @@ __all__ = [
     "repack_quant",
     "rms_norm_rows",
     "route_top_k",
+    "router_route",
     "scratch_columns",
     "sigmoid_gate_add",
     "silu_mul_bf16_rows",

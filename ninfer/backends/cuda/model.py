@@ -115,6 +115,11 @@ class Capacity:
     # 320 one-tile blocks leave 56 SMs a third block). 0: off. Different summation order, the same at every row
     # count; off until bench/quant_gemv.py --tiles and bench/cuda_model.py --gemv-splits have measured it.
     gemv_splits: int = 0
+    # MoE decode routing (up to SKINNY_ROWS rows) in one launch (`router_route`: the router GEMV and the top-k, the
+    # last block to arrive routing), instead of a cuBLAS GEMV and `route_top_k` (7 + 5 us a 35B-A3B layer on the
+    # H200). Another summation order for the router logits, the same at every row count; off until bench/
+    # cuda_model.py --fused-router has measured it.
+    fused_router: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.decode_linear not in ("cublas", "kernels"):
@@ -545,6 +550,8 @@ class Workspace:
             self.shared_act = buf(rows, d.shared_intermediate)
             self.shared_out = buf(rows, h)
             widths += [d.moe_intermediate, d.shared_intermediate]
+            # router_route's arrival count (Capacity.fused_router), zero between launches
+            self.router_arrivals = device.zeros(1, np.int32, "workspace")
             self.moe_counts = buf(e, dtype=np.int32)
             self.moe_offsets = buf(e + 1, dtype=np.int32)
             self.moe_slot_of = buf(rows * s, dtype=np.int32)
@@ -901,6 +908,7 @@ class CudaQwen:
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments,
                                          self.workspace.side_range_sums, self.workspace.side_arrivals)
         self.set_gemv_splits(capacity.gemv_splits)
+        self.fused_router = capacity.fused_router  # switchable between steps, like the branches
         self.branches = False
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
 
@@ -1307,9 +1315,13 @@ class CudaQwen:
             side.fork()
             side_linear = self.linear.beside(side, self._side_scratch)
             side.run(lambda: self._shared_expert(w, rows, side_linear, side.stream, None, h_frag))
-        self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
-        self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
+        if self.fused_router and rows <= SKINNY_ROWS:
+            self.k.router_route(h, w.router_shared_gate.data, router_logits, d.moe_top_k, ids, weights,
+                                ws.router_arrivals, experts=e, stream=stream)
+        else:
+            self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+            self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
         if rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
