@@ -393,6 +393,14 @@ def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
     return out
 
 
+def on_off(parser: argparse.ArgumentParser, option: str, value: str) -> tuple[bool, ...]:
+    """An off/on list option (off, on or off,on) as booleans, or the parser's error."""
+    choices = value.split(",")
+    if not set(choices) <= {"off", "on"}:
+        parser.error(f"{option} takes off, on or off,on; got {value!r}")
+    return tuple(choice == "on" for choice in choices)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="27b,35b")
@@ -431,10 +439,8 @@ def main() -> None:
     args = parser.parse_args()
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
-    if not set(args.programmatic.split(",")) <= {"off", "on"}:
-        parser.error(f"--programmatic takes off, on or off,on; got {args.programmatic!r}")
-    if not set(args.fused_router.split(",")) <= {"off", "on"}:
-        parser.error(f"--fused-router takes off, on or off,on; got {args.fused_router!r}")
+    programmatic = on_off(parser, "--programmatic", args.programmatic)
+    fused_router = on_off(parser, "--fused-router", args.fused_router)
     if not all(splits.isdigit() for splits in args.gemv_splits.split(",")):
         parser.error(f"--gemv-splits takes a list of split counts (0: off); got {args.gemv_splits!r}")
     device = CudaDevice(0)
@@ -463,13 +469,11 @@ def main() -> None:
                                                           draft_head=args.lm_head_draft,
                                                           branches=tuple({"on": True, "off": False}.get(b) for b in
                                                                          args.branches.split(",")),
-                                                          programmatic=tuple(p == "on" for p in
-                                                                             args.programmatic.split(",")),
+                                                          programmatic=programmatic,
                                                           gemv_splits=tuple(int(n) for n in
                                                                             args.gemv_splits.split(",")),
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
-                                                          fused_router=tuple(f == "on" for f in
-                                                                             args.fused_router.split(","))))
+                                                          fused_router=fused_router))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -89,3 +89,13 @@ def test_the_ncu_program_runs_its_eager_steps_on_the_host_device(moe):
     dims = cuda_tiny_dims(moe=moe)
     tokens = ncu.eager_steps(HostDevice(), dims, "ninfer-v2", 2, 1, context=70)
     assert len(tokens) == 2 and all(0 <= t < dims.vocab_ids for t in tokens)
+
+
+def test_off_on_options_parse_to_booleans_and_refuse_anything_else(bench):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    assert bench.on_off(parser, "--fused-router", "off,on") == (False, True)
+    assert bench.on_off(parser, "--programmatic", "on") == (True,)
+    with pytest.raises(SystemExit):
+        bench.on_off(parser, "--programmatic", "yes")
