@@ -153,26 +153,28 @@ def _router_route_kernel(x, w_words, logits, n_exp, top_k, expert_ids, weights, 
     n = cuda.blockIdx.x * ROUTER_WARPS + warp
     rows = x.shape[0]
     words = w_words.shape[1]
-    if n < logits.shape[1]:  # warp-uniform: the warp sums below see all 32 lanes
-        acc = cuda.local.array(ROUTER_ROW_GROUP, float32)
-        for first in range(0, rows, ROUTER_ROW_GROUP):
+    # Every warp runs the sums (a column past the logits reads no weights): the shuffles sit outside any branch
+    # the compiler cannot prove warp-uniform.
+    columns = logits.shape[1]
+    acc = cuda.local.array(ROUTER_ROW_GROUP, float32)
+    for first in range(0, rows, ROUTER_ROW_GROUP):
+        for m in range(ROUTER_ROW_GROUP):
+            acc[m] = float32(0.0)
+        j = lane if n < columns else words
+        while j < words:
+            pair = w_words[n, j]
+            w_lo = bf16_to_f32(pair & uint32(0xFFFF))
+            w_hi = bf16_to_f32(pair >> uint32(16))
             for m in range(ROUTER_ROW_GROUP):
-                acc[m] = float32(0.0)
-            j = lane
-            while j < words:
-                pair = w_words[n, j]
-                w_lo = bf16_to_f32(pair & uint32(0xFFFF))
-                w_hi = bf16_to_f32(pair >> uint32(16))
-                for m in range(ROUTER_ROW_GROUP):
-                    if first + m < rows:  # x rounded to bf16, as the cuBLAS router's input
-                        x_lo = bf16_to_f32(f32_to_bf16(x[first + m, 2 * j]))
-                        x_hi = bf16_to_f32(f32_to_bf16(x[first + m, 2 * j + 1]))
-                        acc[m] += w_lo * x_lo + w_hi * x_hi
-                j += 32
-            for m in range(ROUTER_ROW_GROUP):
-                total = warp_sum(acc[m])
-                if lane == 0 and first + m < rows:
-                    logits[first + m, n] = total
+                if first + m < rows:  # x rounded to bf16, as the cuBLAS router's input
+                    x_lo = bf16_to_f32(f32_to_bf16(x[first + m, 2 * j]))
+                    x_hi = bf16_to_f32(f32_to_bf16(x[first + m, 2 * j + 1]))
+                    acc[m] += w_lo * x_lo + w_hi * x_hi
+            j += 32
+        for m in range(ROUTER_ROW_GROUP):
+            total = warp_sum(acc[m])
+            if lane == 0 and first + m < rows and n < columns:
+                logits[first + m, n] = total
     cuda.threadfence()  # the logits are visible GPU-wide before the count says so
     cuda.syncthreads()
     if t == 0:
