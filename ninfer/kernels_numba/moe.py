@@ -24,8 +24,8 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32,
-                                         warp_max, warp_sum)
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16,
+                                         last_to_arrive, sigmoid_f32, warp_max, warp_sum)
 from ninfer.kernels_numba.elementwise import sigmoid_gate_add_reference
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
@@ -146,7 +146,7 @@ ROUTER_ROW_GROUP = 8  # x rows one pass over a router row's weights serves
 
 @kernel((F32_2D, uint32[:, ::1], F32_2D, int32, int32, I32_2D, F32_2D, int32[::1]), fastmath=False)
 def _router_route_kernel(x, w_words, logits, n_exp, top_k, expert_ids, weights, arrivals):
-    last = cuda.shared.array(1, int32)
+    flag = cuda.shared.array(1, int32)
     t = cuda.threadIdx.x
     lane = t & 31
     warp = t >> 5
@@ -175,19 +175,11 @@ def _router_route_kernel(x, w_words, logits, n_exp, top_k, expert_ids, weights, 
             total = warp_sum(acc[m])
             if lane == 0 and first + m < rows and n < columns:
                 logits[first + m, n] = total
-    cuda.threadfence()  # the logits are visible GPU-wide before the count says so
-    cuda.syncthreads()
-    if t == 0:
-        last[0] = int32(cuda.atomic.add(arrivals, 0, 1) == cuda.gridDim.x - 1)
-    cuda.syncthreads()
-    if last[0] != 0:  # the last block to arrive routes every row, a warp a row
-        cuda.threadfence()
+    if last_to_arrive(arrivals, 0, cuda.gridDim.x, flag):  # it routes every row, a warp a row
         r = warp
         while r < rows:
             _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane)
             r += ROUTER_WARPS
-        if t == 0:
-            arrivals[0] = 0
 
 
 def check_router_route(x_shape: tuple, w_shape: tuple, logits_shape: tuple, top_k: int, experts: int,

@@ -48,8 +48,8 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
-                                         load_words2_at, load_words4_at, store_words4_at)
+from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, last_to_arrive,
+                                         load_word_at, load_words2_at, load_words4_at, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -644,10 +644,10 @@ def make_quant_mma_split_kernel(bits: int, splits: int, sets: int = 1, warps: in
              int32[::1]), fastmath=False)
     def quant_mma_split_kernel(xf, base, high, scales, y, blocks, accumulate, range_sums, arrivals):
         """Block b: tile b // splits, K blocks [r B / splits, (r + 1) B / splits) for r = b % splits. Its sums go to
-        range_sums; the tile's last block to arrive (arrivals[tile] counts them) adds the ranges in range order,
-        stores, and zeroes the count for the next launch."""
+        range_sums; the tile's last block to arrive (`last_to_arrive` on arrivals[tile]) adds the ranges in range
+        order and stores."""
         partials = cuda.shared.array(0, float32)
-        last = cuda.shared.array(1, int32)
+        flag = cuda.shared.array(1, int32)
         N = int32(y.shape[1])
         tile = int32(cuda.blockIdx.x) // splits
         part = int32(cuda.blockIdx.x) % splits
@@ -658,22 +658,14 @@ def make_quant_mma_split_kernel(bits: int, splits: int, sets: int = 1, warps: in
         if cuda.threadIdx.x < 32:
             for a in range(ACC):  # one 128-byte line per (tile, range, register): no line holds two tiles' sums
                 range_sums[((tile * splits + part) * ACC + a) * 32 + lane] = acc[a]
-            cuda.threadfence()  # the sums are visible GPU-wide before the count says so
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            last[0] = int32(cuda.atomic.add(arrivals, tile, 1) == splits - 1)
-        cuda.syncthreads()
-        if last[0] != 0:
+        if last_to_arrive(arrivals, tile, splits, flag):
             if cuda.threadIdx.x < 32:
-                cuda.threadfence()
                 for a in range(ACC):
                     total = float32(0.0)
                     for r in range(splits):
                         total += range_sums[((tile * splits + r) * ACC + a) * 32 + lane]
                     acc[a] = total
             store_sums(y, acc, tile * TILE_ROWS, N, accumulate)
-            if cuda.threadIdx.x == 0:
-                arrivals[tile] = 0
 
     return quant_mma_split_kernel
 
