@@ -14,8 +14,8 @@ from ninfer.backends.cuda.device import device_pointer
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 WORKSPACE_BYTES = 32 << 20
-MAX_GROUPS = 1024  # groups (MoE experts) one grouped GEMM takes: the size of its device table of operand addresses
-MAX_CHUNKS = 8192  # row chunks one chunked GEMM takes (its address table)
+MAX_GROUPS = 1024  # groups (MoE experts) one grouped GEMM takes
+MAX_CHUNKS = 8192  # row chunks one chunked GEMM takes: with MAX_GROUPS, what sizes the device table of addresses
 
 
 def check_column_block(x_shape: tuple, w_shape: tuple, y_shape: tuple, first_column: int) -> None:
@@ -36,12 +36,12 @@ def check_batched(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, 
     return p, n, k
 
 
-def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, chunk_groups: np.ndarray, chunk: int,
-                  groups: int) -> tuple[int, int]:
+def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, chunk_groups: np.ndarray,
+                  chunk: int) -> tuple[int, int]:
     """The shapes `chunked_gemm_bf16` takes: x [C chunk, K], w [G N, K], y bf16 bits [C chunk, N] for C chunks whose
     groups lie in [0, G); returns (N, K)."""
-    chunks, k = len(chunk_groups), x_shape[1]
-    n = w_shape[0] // max(groups, 1)
+    chunks, k, n = len(chunk_groups), x_shape[1], y_shape[1]
+    groups = w_shape[0] // max(n, 1)
     if groups < 1 or chunk < 1 or chunks > MAX_CHUNKS or tuple(w_shape) != (groups * n, k) or \
             x_shape[0] < chunks * chunk or tuple(y_shape[1:]) != (n,) or y_shape[0] < chunks * chunk or \
             np.dtype(y_dtype) != np.uint16 or (chunks and not 0 <= int(np.min(chunk_groups)) <= int(
@@ -64,8 +64,8 @@ class Blas:
         cublas.set_workspace(self._handle, device_pointer(self._workspace), WORKSPACE_BYTES)
         cublas.set_pointer_mode(self._handle, cublas.PointerMode.HOST)
         self._device = device
-        self._group_addresses = device.empty(3 * MAX_GROUPS, np.uint64, "workspace")
-        self._chunk_addresses = device.empty(3 * MAX_CHUNKS, np.uint64, "workspace")
+        # the grouped and chunked calls' operand addresses, written in stream order before each call
+        self._addresses = device.empty(3 * max(MAX_GROUPS, MAX_CHUNKS), np.uint64, "workspace")
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
@@ -109,8 +109,8 @@ class Blas:
             return
         addresses = np.concatenate([device_pointer(w) + live * (n * k * 2), device_pointer(x) + starts[live] * (k * 2),
                                     device_pointer(y) + starts[live] * (n * 2)]).astype(np.uint64)
-        self._device.write(self._group_addresses[:3 * g], addresses)
-        table = device_pointer(self._group_addresses)
+        self._device.write(self._addresses[:3 * g], addresses)
+        table = device_pointer(self._addresses)
         cublas = self._cublas
         # Per-group host arrays, read by cuBLAS during the call. Each group is one problem, the column-major
         # y_e^T = W_e . x_e^T of `gemm_bf16` on the expert's rows.
@@ -148,8 +148,7 @@ class Blas:
         rows padded to whole chunks (moe_pad_positions): one pointer-array batched GEMM (cublasGemmBatchedEx),
         padding under a chunk an expert whatever the routing's skew. The operand addresses go to the device in
         stream order, as the grouped call's."""
-        groups = w.shape[0] // max(y.shape[1], 1)
-        n, k = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk, groups)
+        n, k = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk)
         chunks = len(chunk_groups)
         if chunks == 0:
             return
@@ -157,8 +156,8 @@ class Blas:
         addresses = np.concatenate([
             device_pointer(w) + np.asarray(chunk_groups, np.uint64) * np.uint64(n * k * 2),
             device_pointer(x) + index * np.uint64(chunk * k * 2), device_pointer(y) + index * np.uint64(chunk * n * 2)])
-        self._device.write(self._chunk_addresses[:3 * chunks], addresses.astype(np.uint64))
-        table = device_pointer(self._chunk_addresses)
+        self._device.write(self._addresses[:3 * chunks], addresses.astype(np.uint64))
+        table = device_pointer(self._addresses)
         cublas = self._cublas
         cublas.gemm_batched_ex(
             self._handle, cublas.Operation.T, cublas.Operation.N, n, chunk, k, self._one.ctypes.data, table,

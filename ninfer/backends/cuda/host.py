@@ -98,9 +98,7 @@ class HostBlas:
         n = int(rows_per_group)
         for group, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
             if stop > start:
-                product = np.empty((stop - start, n), np.float32)
-                self.gemm_bf16(x[start:stop], w[group * n:(group + 1) * n], product)
-                y[start:stop] = f32_to_bf16_bits(product)
+                self._rounded_product(x[start:stop], w[group * n:(group + 1) * n], y[start:stop])
 
     def batched_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, groups: int) -> None:
         """Blas.batched_gemm_bf16: fp32 products rounded to bf16 bits (y uint16)."""
@@ -110,12 +108,16 @@ class HostBlas:
     def chunked_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, chunk_groups: np.ndarray,
                           chunk: int) -> None:
         """Blas.chunked_gemm_bf16: fp32 products rounded to bf16 bits (y uint16)."""
-        n, _ = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk, w.shape[0] // max(y.shape[1], 1))
+        n, _ = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk)
         for i, group in enumerate(np.asarray(chunk_groups).tolist()):
             rows = slice(i * chunk, (i + 1) * chunk)
-            product = np.empty((chunk, n), np.float32)
-            self.gemm_bf16(x[rows], w[group * n:(group + 1) * n], product)
-            y[rows] = f32_to_bf16_bits(product)
+            self._rounded_product(x[rows], w[group * n:(group + 1) * n], y[rows])
+
+    def _rounded_product(self, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
+        """y (bf16 bits) = x @ w^T in fp32, rounded once: one group or chunk of the expert GEMMs."""
+        product = np.empty((x.shape[0], w.shape[0]), np.float32)
+        self.gemm_bf16(x, w, product)
+        y[...] = f32_to_bf16_bits(product)
 
     def batched_scores(self, q: np.ndarray, k: np.ndarray, keys: int, scores: np.ndarray) -> None:
         scores[...] = np.matmul(bf16_bits_to_f32(q), bf16_bits_to_f32(k[:, :keys]).transpose(0, 2, 1))
