@@ -75,6 +75,12 @@ class PrefillSpan:
     kv_start: int
 
 
+def check_gemv_splits(splits: int) -> None:
+    """The ValueError of a K-split count the tensor-core GEMVs have no kernels for (0: off)."""
+    if splits not in (0,) + GEMV_SPLITS:
+        raise ValueError(f"gemv_splits must be 0 or one of {GEMV_SPLITS}, got {splits!r}")
+
+
 @attrs.frozen
 class Capacity:
     """Everything that sizes the runtime layout except the KV pool's page count (sized last, from what is left)."""
@@ -126,8 +132,7 @@ class Capacity:
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
             raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
-        if self.gemv_splits not in (0,) + GEMV_SPLITS:
-            raise ValueError(f"gemv_splits must be 0 or one of {GEMV_SPLITS}, got {self.gemv_splits!r}")
+        check_gemv_splits(self.gemv_splits)
         if self.spec not in SPEC_BACKENDS:
             raise ValueError(f"spec must be one of {', '.join(SPEC_BACKENDS)}, got {self.spec!r}")
 
@@ -922,8 +927,7 @@ class CudaQwen:
 
     def set_gemv_splits(self, splits: int) -> None:
         """Capacity.gemv_splits, switchable between steps like the branches."""
-        if splits not in (0,) + GEMV_SPLITS:
-            raise ValueError(f"gemv_splits must be 0 or one of {GEMV_SPLITS}, got {splits!r}")
+        check_gemv_splits(splits)
         for linear in (self.linear, self.dflash_linear):
             if linear is not None:
                 linear.gemv_splits = splits
