@@ -33,7 +33,6 @@ from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E4
 EXPERTS, ROWS_PER_EXPERT, K, TOKENS, SLOTS = 256, 1024, 2048, 8192, 8
 PAD = 16  # padded expert rows round up to this (tensor-core tile friendly)
 CHUNKS = (128, 256)  # rows a batch entry of the pointer-array form: padding at most a chunk less one an expert
-CUDA_R_16BF = 14
 
 
 def expert_counts(rng: np.random.Generator, routing: str) -> np.ndarray:
@@ -42,10 +41,8 @@ def expert_counts(rng: np.random.Generator, routing: str) -> np.ndarray:
 
 
 def main() -> None:
-    from nvmath.bindings import cublas
-
     from ninfer.backends.cuda.blas import Blas
-    from ninfer.backends.cuda.device import CudaDevice, device_pointer
+    from ninfer.backends.cuda.device import CudaDevice
 
     device = CudaDevice(0)
     blas = Blas(device)
@@ -55,7 +52,6 @@ def main() -> None:
     for e in range(EXPERTS):  # one random expert repeated: the time does not depend on the values
         device.write(w[e * ROWS_PER_EXPERT:(e + 1) * ROWS_PER_EXPERT], w_host_expert)
     report = {"device": device.info.name, "shape": [EXPERTS, ROWS_PER_EXPERT, K], "routings": {}}
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
     for routing in ("uniform", "skewed"):
         counts = expert_counts(rng, routing)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -66,9 +62,9 @@ def main() -> None:
         for e in range(EXPERTS):
             x_padded_host[e, :counts[e]] = x_host[offsets[e]:offsets[e + 1]]
         x = device.upload(x_host, "bench")
-        x_padded = device.upload(x_padded_host, "bench")
+        x_padded = device.upload(x_padded_host.reshape(EXPERTS * padded, K), "bench")
         y = device.empty((rows, ROWS_PER_EXPERT), np.uint16, "bench")
-        y_padded = device.empty((EXPERTS, padded, ROWS_PER_EXPERT), np.uint16, "bench")
+        y_padded = device.empty((EXPERTS * padded, ROWS_PER_EXPERT), np.uint16, "bench")
         flops = 2.0 * rows * ROWS_PER_EXPERT * K
 
         def grouped():
@@ -84,27 +80,14 @@ def main() -> None:
                 x_chunked_host[starts[e]:starts[e] + counts[e]] = x_host[offsets[e]:offsets[e + 1]]
             x_chunked = device.upload(x_chunked_host, "bench")
             y_chunked = device.empty((x_chunked_host.shape[0], ROWS_PER_EXPERT), np.uint16, "bench")
-            entries = np.arange(expert_of.size, dtype=np.uint64)
-            tables = device.upload(np.concatenate([
-                device_pointer(w) + expert_of.astype(np.uint64) * (ROWS_PER_EXPERT * K * 2),
-                device_pointer(x_chunked) + entries * (chunk * K * 2),
-                device_pointer(y_chunked) + entries * (chunk * ROWS_PER_EXPERT * 2)]).astype(np.uint64), "bench")
-            chunked[chunk] = (expert_of.size, starts, x_chunked, y_chunked, tables)
+            chunked[chunk] = (expert_of, starts, x_chunked, y_chunked)
 
-        def pointer_batched(chunk):  # y_i^T = W_e(i) . x_i^T for every chunk i of `chunk` rows
-            entries, _, _, _, tables = chunked[chunk]
-            table = device_pointer(tables)
-            cublas.gemm_batched_ex(
-                blas.handle, cublas.Operation.T, cublas.Operation.N, ROWS_PER_EXPERT, chunk, K, one.ctypes.data,
-                table, CUDA_R_16BF, K, table + 8 * entries, CUDA_R_16BF, K, zero.ctypes.data, table + 16 * entries,
-                CUDA_R_16BF, ROWS_PER_EXPERT, entries, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+        def pointer_batched(chunk):  # the model's chunked layout (its host table write included)
+            expert_of, _, x_chunked, y_chunked = chunked[chunk]
+            blas.chunked_gemm_bf16(x_chunked, w, y_chunked, expert_of, chunk)
 
-        def batched():  # y_e^T = W_e . x_e^T for every expert, `padded` rows each
-            cublas.gemm_strided_batched_ex(
-                blas.handle, cublas.Operation.T, cublas.Operation.N, ROWS_PER_EXPERT, padded, K, one.ctypes.data,
-                device_pointer(w), CUDA_R_16BF, K, ROWS_PER_EXPERT * K, device_pointer(x_padded), CUDA_R_16BF, K,
-                padded * K, zero.ctypes.data, device_pointer(y_padded), CUDA_R_16BF, ROWS_PER_EXPERT,
-                padded * ROWS_PER_EXPERT, EXPERTS, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
+        def batched():  # the model's padded layout: every expert `padded` rows
+            blas.batched_gemm_bf16(x_padded, w, y_padded, EXPERTS)
 
         row = {"rows": rows, "max_expert_rows": int(counts.max()), "padded_rows": padded,
                "padding_share": 1.0 - rows / (EXPERTS * padded), "flops": flops}
@@ -118,11 +101,11 @@ def main() -> None:
             print(f"{routing:8s} {name:15s} {seconds * 1e3:8.3f} ms  {flops / seconds / 1e12:6.1f} TFLOP/s useful"
                   f"  (max {counts.max()} rows an expert, padding {padding:.0%})", flush=True)
         got_grouped = bf16_bits_to_f32(y.copy_to_host()).astype(np.float64)
-        got_padded = bf16_bits_to_f32(y_padded.copy_to_host())
+        got_padded = bf16_bits_to_f32(y_padded.copy_to_host()).reshape(EXPERTS, padded, ROWS_PER_EXPERT)
         got_batched = np.concatenate([got_padded[e, :counts[e]] for e in range(EXPERTS)]).astype(np.float64)
         row["rel_batched_to_grouped"] = float(np.linalg.norm(got_batched - got_grouped) / np.linalg.norm(got_grouped))
         for chunk in CHUNKS:
-            _, starts, _, y_chunked, _ = chunked[chunk]
+            _, starts, _, y_chunked = chunked[chunk]
             got_all = bf16_bits_to_f32(y_chunked.copy_to_host())
             got = np.concatenate([got_all[starts[e]:starts[e] + counts[e]] for e in range(EXPERTS)]).astype(np.float64)
             row[f"rel_chunks_of_{chunk}_to_grouped"] = float(np.linalg.norm(got - got_grouped)
