@@ -372,19 +372,21 @@ def moe_padded() -> None:
 
 
 def router_route() -> None:
-    """router_route (a warp a logit column, the last block to arrive routes every row) equals its twin: logits within
-    fp32 summation order, ids exactly, weights within fp32 rounding; a second launch the same (the count is zero
-    again); 1 and 10 rows (two row groups)."""
+    """router_route (a team of warps a logit column, the last block to arrive routes every row) equals its twin:
+    logits within fp32 summation order, ids exactly, weights within fp32 rounding; a second launch the same (the
+    count is zero again); 1 and 10 rows (two row groups) of a row narrower than a team's pass, and 3 rows of one
+    that takes two passes, the second partial."""
     from ninfer.artifact.codec import f32_to_bf16_bits
     from ninfer.kernels_numba import moe
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(moe))
     rng = np.random.default_rng(2)
-    experts, columns, width, k = 16, 24, 64, 4
-    w = f32_to_bf16_bits(rng.standard_normal((columns, width)).astype(np.float32))
-    w[experts + 1:] = 0  # zero rows past the shared expert's gate, as the model pads them
-    for rows in (1, 10):
+    experts, columns, k = 16, 24, 4
+    for rows, width in ((1, 64), (10, 64), (3, 2 * (moe.ROUTER_TEAM_THREADS * moe.ROUTER_UNROLL + 128))):
+        # logits of the same spread at every width: the softmax weights' rounding follows the logits' size
+        w = f32_to_bf16_bits((rng.standard_normal((columns, width)) * np.sqrt(64 / width)).astype(np.float32))
+        w[experts + 1:] = 0  # zero rows past the shared expert's gate, as the model pads them
         x = rng.standard_normal((rows, width)).astype(np.float32)
         want_logits, want_ids, want_weights = moe.router_route_reference(x, w, k, experts)
         arrivals = np.zeros(1, np.int32)
@@ -396,7 +398,7 @@ def router_route() -> None:
             assert _rel(logits, want_logits) < 1e-6, _rel(logits, want_logits)
             np.testing.assert_array_equal(ids, want_ids)
             assert _rel(weights, want_weights) < 1e-6
-        print("ok router_route", rows, flush=True)
+        print("ok router_route", rows, width, flush=True)
 
 
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
