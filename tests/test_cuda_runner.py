@@ -310,8 +310,8 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     """The MoE prefill's expert GEMMs as one strided-batched call over experts padded to the largest count, or one
     pointer-array batched call over 128-row chunks, against the grouped call over contiguous groups: the same
     logits (bitwise on the host's twins, within a bf16 step's effect on the GPU, where each call picks its own
-    kernels), and the CPU model's within bf16 tolerance. "auto" picks the padded call at this balance; both fall
-    back to the grouped one when their rows pass the scratch."""
+    kernels), and the CPU model's within bf16 tolerance. "auto" gives the logits of the layout its rule picks for
+    this routing; both fall back to the grouped call when their rows pass the scratch."""
     from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
 
     path = artifacts[("moe", recipe)]
@@ -330,14 +330,15 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
         used[choice] = set(calls[before:])
         assert np.linalg.norm(logits[choice] - want) / np.linalg.norm(want) < 2e-2, choice
     experts = model.dims.moe_experts
-    assert used == {"grouped": set(), "padded": {("batched_gemm_bf16", experts)},
-                    "chunked": {("chunked_gemm_bf16", MOE_CHUNK_ROWS)}, "auto": {("batched_gemm_bf16", experts)}}
+    picked = {("batched_gemm_bf16", experts): "padded", ("chunked_gemm_bf16", MOE_CHUNK_ROWS): "chunked"}
+    assert used["grouped"] == set() and used["padded"] == {("batched_gemm_bf16", experts)}
+    assert used["chunked"] == {("chunked_gemm_bf16", MOE_CHUNK_ROWS)} and len(used["auto"]) == 1
     for choice in ("padded", "chunked"):
         if device_kind == "host":
             np.testing.assert_array_equal(logits[choice], logits["grouped"])
         else:
             assert np.linalg.norm(logits[choice] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
-    np.testing.assert_array_equal(logits["auto"], logits["padded"])
+    np.testing.assert_array_equal(logits["auto"], logits[picked[next(iter(used["auto"]))]])
     before = len(calls)
     routed = len(ids) * model.dims.moe_top_k
     model.workspace.perm_in = model.workspace.perm_in[:routed]  # room for the routed rows, not the padded ones
@@ -349,6 +350,30 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     model.moe_prefill_gemm = "pad"
     with pytest.raises(ValueError, match="moe_prefill_gemm"):
         prompt_logits(model, cpu, ids)
+
+
+def test_auto_expert_layout_pads_balanced_routing_and_chunks_skewed_routing(artifacts):
+    """The "auto" rule on given expert counts: padded while the experts padded to the largest count stay within
+    PADDED_EXPERT_ROWS_LIMIT times the routed rows, chunked past it (each expert to whole MOE_CHUNK_ROWS chunks,
+    chunks laid end to end), grouped when neither fits the permuted scratch."""
+    from ninfer.backends.cuda.model import MOE_CHUNK_ROWS, PADDED_EXPERT_ROWS_LIMIT
+
+    model = cuda_build("host", artifacts[("moe", "bf16")], prefill_chunk=256).model
+    experts = model.dims.moe_experts
+    room = model.workspace.perm_in.shape[0]
+    balanced = np.full(experts, 20)
+    balanced[0] = int(20 * PADDED_EXPERT_ROWS_LIMIT)
+    layout, starts, rows = model._expert_layout(balanced, int(balanced.sum()))
+    assert layout == "padded" and rows == experts * balanced[0] <= room
+    np.testing.assert_array_equal(starts, np.arange(experts) * balanced[0])
+    skewed = np.zeros(experts, np.int64)
+    skewed[:2] = (MOE_CHUNK_ROWS + 1, 3)
+    layout, starts, rows = model._expert_layout(skewed, int(skewed.sum()))
+    assert layout == "chunked" and rows == 3 * MOE_CHUNK_ROWS
+    np.testing.assert_array_equal(starts[:3], [0, 2 * MOE_CHUNK_ROWS, 3 * MOE_CHUNK_ROWS])
+    assert model._expert_layout(np.full(experts, room // experts + 1), room + 1)[0] == "grouped"
+    model.moe_prefill_gemm = "grouped"
+    assert model._expert_layout(balanced, int(balanced.sum())) == ("grouped", None, int(balanced.sum()))
 
 
 @pytest.mark.parametrize("kind,recipe", CASES)

@@ -54,16 +54,15 @@ PAGE_TOKENS = 64
 # lane's keys (64 rows at 8K context, 16 at 32K); where it should sit is still to be measured on the GPU.
 SHORT_PREFILL_ROW_KEYS = 64 * 8192
 SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
-# The MoE prefill pads every expert's rows to the largest count for one strided-batched GEMM (sm90 kernels, 484
-# TFLOP/s of useful work at 20% padding in results/grouped_gemm_probe_session12.json) while the padded rows stay
-# within this multiple of the routed ones; past it the grouped GEMM (sm80 kernel, ~210 TFLOP/s whatever the skew)
-# does less work in less time. In the 35B-A3B 8K bench the layers within 2x took 0.95 ms (gate_up + down) against
-# 1.50 grouped (results/cuda_model_session12.json): the break-even lies near 3x; the limit also sizes the scratch.
-PADDED_EXPERT_ROWS_LIMIT = 2.0
-# Rows a batch entry of the chunked layout (moe_prefill_gemm "chunked": each expert's rows padded to whole chunks,
-# one pointer-array batched GEMM; padding under a chunk an expert whatever the skew). Opt-in until
-# bench/grouped_gemm_probe.py and bench/cuda_model.py --moe-gemm have measured it.
-MOE_CHUNK_ROWS = 128
+# The MoE prefill's expert GEMMs (bf16, 8K chunk of the 35B-A3B's gate_up, results/grouped_gemm_probe_session13.json,
+# time with the host's work): every expert padded to the largest count, one strided-batched GEMM, 0.52 ms at 20%
+# padding (time grows with the padded rows); each expert padded to whole MOE_CHUNK_ROWS chunks, one pointer-array
+# batched GEMM, 0.67-0.71 ms whatever the skew; the grouped GEMM on the contiguous groups 1.10-1.26 ms. So the
+# padded layout while the padded rows stay within this multiple of the routed ones (0.71 / 0.52 * 1.2), the chunked
+# one past it. In the model (results/cuda_model_35b_bf16_moe_gemm_session13.json) chunked everywhere took the 8K
+# prefill from 249.8 ms ("auto" then: padded within 2x, else grouped) to 230.5.
+PADDED_EXPERT_ROWS_LIMIT = 1.6
+MOE_CHUNK_ROWS = 128  # rows a batch entry of the chunked layout
 SPLIT_MAX_TILES = 1024  # the largest matrix (in 16-row tiles) whose GEMVs Capacity.gemv_splits cuts along K
 
 
@@ -566,7 +565,7 @@ class Workspace:
                 self.moe_starts = buf(e, dtype=np.int32)  # each expert's first row in the padded layouts
                 # the expert GEMMs' input, bf16 outputs and the activation between them, with room for the padded
                 # layout wherever the "auto" rule takes it
-                permuted = int(rows * s * PADDED_EXPERT_ROWS_LIMIT)
+                permuted = max(int(rows * s * PADDED_EXPERT_ROWS_LIMIT), rows * s + e * (MOE_CHUNK_ROWS - 1))
                 self.perm_in = buf(permuted, h, dtype=np.uint16)
                 self.perm_gate_up = buf(permuted, 2 * d.moe_intermediate, dtype=np.uint16)
                 self.perm_act_bf16 = buf(permuted, d.moe_intermediate, dtype=np.uint16)
@@ -817,7 +816,7 @@ class CudaQwen:
             self.prefill_attention = "gemm" if dims.is_moe else "flash"
         else:
             self.prefill_attention = "kernel"
-        # MoE prefill expert GEMMs: "auto" (padded while within PADDED_EXPERT_ROWS_LIMIT, else grouped), "grouped",
+        # MoE prefill expert GEMMs: "auto" (padded while within PADDED_EXPERT_ROWS_LIMIT, else chunked), "grouped",
         # "padded" or "chunked" (the last two where their rows fit the permuted scratch; grouped otherwise).
         self.moe_prefill_gemm = "auto"
         fused = dims.is_moe
@@ -1438,24 +1437,26 @@ class CudaQwen:
     def _expert_layout(self, counts: np.ndarray, routed: int) -> tuple[str, np.ndarray | None, int]:
         """(layout, each expert's first row or None, rows in all) of the expert GEMMs: "grouped" (contiguous
         groups: moe_group's positions), "padded" (expert e from row e * P, P the largest count) or "chunked" (each
-        expert's rows padded to whole MOE_CHUNK_ROWS chunks). The padded and chunked layouts run where asked for
-        ("auto" takes padded within PADDED_EXPERT_ROWS_LIMIT times the routed rows) and their rows fit the
-        permuted scratch; the grouped one otherwise."""
+        expert's rows padded to whole MOE_CHUNK_ROWS chunks). "auto" takes padded while the padded rows stay within
+        PADDED_EXPERT_ROWS_LIMIT times the routed ones, chunked past it. A padded or chunked layout whose rows do not
+        fit the permuted scratch (or whose chunks the device table) falls back to grouped."""
         choice, room, experts = self.moe_prefill_gemm, self.workspace.perm_in.shape[0], counts.size
         if choice not in ("auto", "grouped", "padded", "chunked"):
             raise ValueError(f"moe_prefill_gemm must be 'auto', 'grouped', 'padded' or 'chunked', got {choice!r}")
         grouped = ("grouped", None, routed)
-        if choice == "chunked":
-            chunks = -(-counts // MOE_CHUNK_ROWS)
-            if int(chunks.sum()) * MOE_CHUNK_ROWS > room or int(chunks.sum()) > MAX_CHUNKS:
-                return grouped
-            starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]) * MOE_CHUNK_ROWS
-            return "chunked", starts.astype(np.int32), int(chunks.sum()) * MOE_CHUNK_ROWS
-        largest = int(counts.max())
-        if choice == "grouped" or experts * largest > room or (
-                choice == "auto" and experts * largest > PADDED_EXPERT_ROWS_LIMIT * routed):
+        if choice == "grouped":
             return grouped
-        return "padded", (np.arange(experts) * largest).astype(np.int32), experts * largest
+        largest = int(counts.max())
+        padded_rows = experts * largest
+        if choice == "padded" or (choice == "auto" and padded_rows <= PADDED_EXPERT_ROWS_LIMIT * routed):
+            if padded_rows > room:
+                return grouped
+            return "padded", (np.arange(experts) * largest).astype(np.int32), padded_rows
+        chunks = -(-counts // MOE_CHUNK_ROWS)
+        if int(chunks.sum()) * MOE_CHUNK_ROWS > room or int(chunks.sum()) > MAX_CHUNKS:
+            return grouped
+        starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]) * MOE_CHUNK_ROWS
+        return "chunked", starts.astype(np.int32), int(chunks.sum()) * MOE_CHUNK_ROWS
 
     # ---- state operations ----
 
