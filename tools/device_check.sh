@@ -27,14 +27,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 case "$what" in
   tests)
     # xdist workers on 3/4 of the cores (numba compiles per process: ~3 min with 12 on 16 cores); SIGINT at the
-    # limit makes pytest print the summary of what ran, failures named, instead of dying silently.
+    # limit makes pytest print the summary of what ran, failures named, instead of dying silently. -v names each
+    # result as it lands: in session 13 the controller twice hung tearing its workers down after the last test,
+    # summary unprinted, until the SIGINT (the failure's name then came from nowhere else).
     seconds="${1:-540}"; shift || true
     paths=("$@")
     [ ${#paths[@]} -gt 0 ] || paths=(tests/test_cuda_device.py tests/kernels tests/test_cuda_runner.py
       tests/test_cuda_vision.py tests/test_lane_image.py tests/test_cold_tier.py tests/test_cuda_dflash.py)
-    timeout -s INT "$seconds" python3 -m pytest -q -n $(( $(nproc) * 3 / 4 )) -p no:cacheprovider -m gpu \
+    timeout -s INT "$seconds" python3 -m pytest -v -n $(( $(nproc) * 3 / 4 )) -p no:cacheprovider -m gpu \
       -o addopts="-ra" --timeout 400 "${paths[@]}" > "$OUT/gpu_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
+    echo "$(grep -c " PASSED " "$OUT/gpu_tests.log") PASSED lines"
+    grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
   bench)
     python3 bench/cuda_model.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cuda_model.log" | tail -60 ;;
   peers)
