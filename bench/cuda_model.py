@@ -162,8 +162,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 gemv_splits: tuple[int, ...] = (0,), moe_gemms: tuple[str, ...] = ("auto",),
-                 fused_router: tuple[bool, ...] = (False,)) -> dict:
+                 moe_gemms: tuple[str, ...] = ("auto",)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -184,14 +183,10 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
-    routers = fused_router if dims.is_moe else (False,)
-    for linear, side, pdl, splits, fused in ((linear, side, pdl, splits, fused) for linear in decode_linears
-                                             for side in branches for pdl in programmatic for splits in gemv_splits
-                                             for fused in routers):
+    for linear, side, pdl in ((linear, side, pdl) for linear in decode_linears for side in branches
+                              for pdl in programmatic):
         model.set_branches(side)
         model.set_programmatic(pdl)
-        model.set_gemv_splits(splits)
-        model.fused_router = fused
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
@@ -213,14 +208,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             seconds = float(np.median(times[3:]))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
-            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "gemv_splits": splits,
-                           "fused_router": fused, "batch": batch,
+            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "batch": batch,
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
-            label = (linear + (" +branches" if side else "") + (" +programmatic" if pdl else "")
-                     + (f" +split{splits}" if splits else "") + (" +fused-router" if fused else ""))
+            label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
@@ -235,13 +228,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.linear.pad_rows = capacity.decode_rows
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
     model.set_programmatic(programmatic[-1])
-    model.set_gemv_splits(gemv_splits[-1])
-    model.fused_router = routers[-1]
     result["decode"] = decode
     result["branches_after_decode"] = branches[-1]
     result["programmatic_after_decode"] = programmatic[-1]
-    result["gemv_splits_after_decode"] = gemv_splits[-1]
-    result["fused_router_after_decode"] = routers[-1]
     if decode_only:
         return result
 
@@ -422,12 +411,6 @@ def main() -> None:
     parser.add_argument("--programmatic", default="off",
                         help="decode with the quantized GEMVs launched programmatically off and/or on (off,on); the "
                              "MTP rounds use the last")
-    parser.add_argument("--gemv-splits", default="0",
-                        help="decode with the tensor-core GEMVs of at most SPLIT_MAX_TILES row tiles K-split into "
-                             "this many ranges (0: off; e.g. 0,2,4); the MTP rounds use the last")
-    parser.add_argument("--fused-router", default="off",
-                        help="MoE decode with the router GEMV and top-k in one launch off and/or on (off,on); the "
-                             "MTP rounds use the last")
     parser.add_argument("--moe-gemm", default="auto",
                         help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
                              "a list times each)")
@@ -440,9 +423,6 @@ def main() -> None:
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     programmatic = on_off(parser, "--programmatic", args.programmatic)
-    fused_router = on_off(parser, "--fused-router", args.fused_router)
-    if not all(splits.isdigit() for splits in args.gemv_splits.split(",")):
-        parser.error(f"--gemv-splits takes a list of split counts (0: off); got {args.gemv_splits!r}")
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
@@ -470,10 +450,7 @@ def main() -> None:
                                                           branches=tuple({"on": True, "off": False}.get(b) for b in
                                                                          args.branches.split(",")),
                                                           programmatic=programmatic,
-                                                          gemv_splits=tuple(int(n) for n in
-                                                                            args.gemv_splits.split(",")),
-                                                          moe_gemms=tuple(args.moe_gemm.split(",")),
-                                                          fused_router=fused_router))
+                                                          moe_gemms=tuple(args.moe_gemm.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -8,8 +8,8 @@ Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OU
 without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 27B split Q4/Q5) at M = 1, JSON to
 quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at a time around the down and gate_up
 shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
-= 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, plain and K-split,
-JSON to quant_gemv_tiles.json.
+= 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, JSON to
+quant_gemv_tiles.json.
 """
 
 from __future__ import annotations
@@ -213,12 +213,13 @@ TILE_COUNTS = (132, 200, 263, 264, 265, 300, 320, 330, 396, 397, 462, 528, 529)
 
 def tile_sweep(device, bandwidth, rng) -> list[dict]:
     """The Q4 tensor-core GEMV at M = 1, K = 17408 (the 27B down projection) over row-tile counts around multiples
-    of the H200's 132 SMs, then on the 27B shapes: the plain kernel, and the K-split one (`linear_quant_mma_split`)
-    at each of its splits. A plain block (one tile, 8 warps, 64 registers a thread) is resident 4 to an SM, so every
-    count here runs in one wave. Plain time that steps at 132, 264, 396, 528 tiles (the most blocks any SM holds)
-    rather than growing with the bytes would say a block's own duration, not DRAM, sets the 320-tile shapes' ~0.5
-    of copy bandwidth (the SMs holding 3 blocks finish last while the others idle), and the split kernel, whose
-    shorter blocks spread evenly, is the fix."""
+    of the H200's 132 SMs, then on the 27B shapes. A block (one tile, 8 warps, 64 registers a thread) is resident 4
+    to an SM, so every count here runs in one wave. Time that steps at 132, 264, 396, 528 tiles (the most blocks any
+    SM holds) rather than growing with the bytes would say a block's own duration, not DRAM, sets the 320-tile
+    shapes' ~0.5 of copy bandwidth. On the H200 (results/quant_gemv_tiles_session13.json) it jumps past 264 and 528
+    tiles (13.7 -> 16.1 us, 26.2 -> 39.9) but grows with the bytes in between; a K-split kernel (each tile's K over
+    2 or 4 shorter blocks, spread evenly) gained nothing at the 320-tile down projection (21.9 us plain, 21.3 /
+    21.5 split 2 / 4) and lost on the other 27B shapes, and was removed."""
     from ninfer.kernels_numba import quant_mma as QM
 
     rows = []
@@ -231,27 +232,11 @@ def tile_sweep(device, bandwidth, rng) -> list[dict]:
         QM.x_fragments(dx, dxf, stream=device.stream)
         y = device.empty((1, n), np.float32, "bench")
         seconds = timed(device, lambda: QM.linear_quant_mma(dxf, mma, y, stream=device.stream))
-        QM.linear_quant_mma(dxf, mma, y, stream=device.stream)
-        plain = device.read(y).astype(np.float64)
         row = {"format": Q4G64, "matrix": name, "shape": list(shape), "tiles": -(-n // 16), "mma_us": seconds * 1e6,
                "mma_ratio_to_copy": mma.nbytes / seconds / bandwidth}
-        for splits in QM.SPLITS:
-            sums = device.empty(QM.split_sum_words(n, splits), np.float32, "bench")
-            arrivals = device.upload(np.zeros(-(-n // 16), np.int32), "bench")
-
-            def launch(sums=sums, arrivals=arrivals, splits=splits):
-                QM.linear_quant_mma_split(dxf, mma, y, sums, arrivals, splits=splits, stream=device.stream)
-
-            seconds = timed(device, launch)
-            launch()
-            got = device.read(y).astype(np.float64)
-            row[f"split{splits}_us"] = seconds * 1e6
-            row[f"split{splits}_ratio_to_copy"] = mma.nbytes / seconds / bandwidth
-            row[f"split{splits}_rel_to_plain"] = float(np.linalg.norm(got - plain) / np.linalg.norm(plain))
         rows.append(row)
-        print(f"{name:26s} tiles {row['tiles']:4d}: plain {row['mma_us']:6.1f} us {row['mma_ratio_to_copy']:.3f}"
-              + "".join(f"  split {s} {row[f'split{s}_us']:6.1f} us {row[f'split{s}_ratio_to_copy']:.3f}"
-                        f" (rel {row[f'split{s}_rel_to_plain']:.0e})" for s in QM.SPLITS), flush=True)
+        print(f"{name:26s} tiles {row['tiles']:4d}: {row['mma_us']:6.1f} us  {row['mma_ratio_to_copy']:.3f} of copy",
+              flush=True)
     return rows
 
 

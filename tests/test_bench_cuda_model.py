@@ -59,17 +59,6 @@ def test_moe_prefill_with_each_expert_gemm_layout(bench):
     assert [(row["attention"], row["moe_gemm"]) for row in result["prefill"]] == [("gemm", "auto"), ("gemm", "chunked")]
 
 
-def test_decode_with_and_without_k_split_gemvs_and_the_fused_router(bench):
-    from ninfer.backends.cuda.host import HostDevice
-
-    result = bench.bench_config("tiny", "ninfer-v2", "bf16", 1e12, 1e14, device=HostDevice(),
-                                dims=cuda_tiny_dims(moe=True), context=70, prefill_tokens=128, repeats=4,
-                                batches=(1, 8), decode_only=True, gemv_splits=(0, 4), fused_router=(False, True))
-    assert [(row["gemv_splits"], row["fused_router"], row["batch"]) for row in result["decode"]] == [
-        (splits, fused, batch) for splits in (0, 4) for fused in (False, True) for batch in (1, 8)]
-    assert result["gemv_splits_after_decode"] == 4 and result["fused_router_after_decode"] is True
-
-
 def test_mtp_rounds_with_the_shortlist_head_time_both_proposal_heads(bench):
     from ninfer.backends.cuda.host import HostDevice
 
@@ -95,7 +84,6 @@ def test_off_on_options_parse_to_booleans_and_refuse_anything_else(bench):
     import argparse
 
     parser = argparse.ArgumentParser()
-    assert bench.on_off(parser, "--fused-router", "off,on") == (False, True)
     assert bench.on_off(parser, "--programmatic", "on") == (True,)
     with pytest.raises(SystemExit):
         bench.on_off(parser, "--programmatic", "yes")

@@ -55,8 +55,7 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
-               branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               gemv_splits: int = 0, fused_router: bool = False):
+               branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -65,8 +64,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
     return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs,
                              device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
-                             decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
-                             gemv_splits=gemv_splits, fused_router=fused_router)
+                             decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -173,67 +171,6 @@ def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifa
             assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
     speculative = run_lanes(cuda_build(device_kind, path, decode_quant="mma", draft_tokens=3).runner, prompts, 24)
     assert speculative == got  # greedy MTP equals greedy, row for row (verify rows: 4 per lane, chunked by 8)
-
-
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_k_split_gemvs_keep_the_logits_and_greedy_mtp_equal_to_greedy(device_kind, artifacts, kind, monkeypatch):
-    """Capacity.gemv_splits: the tensor-core GEMVs cut along K (another summation order) give logits within the bf16
-    tolerance of the CPU model at every row count (one fragment set, several, and the launches past them), and
-    greedy MTP equals greedy row for row: a token's bits do not depend on how many rows carry it. Switching the
-    splits off again restores the plain kernels' tokens."""
-    from ninfer.backends.cuda.model import SKINNY_ROWS
-
-    path = artifacts[(kind, "ninfer-v2")]
-    cpu = load_model(path)
-    build = cuda_build(device_kind, path, decode_quant="mma", gemv_splits=4)
-    assert build.model.linear.gemv_splits == 4
-    kernels, splits_seen = build.model.k, []
-    split_launch = kernels.linear_quant_mma_split
-    monkeypatch.setattr(kernels, "linear_quant_mma_split",
-                        lambda *args, **kw: (splits_seen.append(kw["splits"]), split_launch(*args, **kw)))
-    for length in (1, 9, 33, SKINNY_ROWS):
-        got, want = prompt_logits(build.model, cpu, prompt(length, length))
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
-    assert splits_seen and set(splits_seen) == {4}
-    monkeypatch.undo()
-    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
-    got = run_lanes(cuda_build(device_kind, path, decode_quant="mma", gemv_splits=4).runner, prompts, 24)
-    speculative = run_lanes(cuda_build(device_kind, path, decode_quant="mma", gemv_splits=4, draft_tokens=3).runner,
-                            prompts, 24)
-    assert speculative == got
-    switched = cuda_build(device_kind, path, decode_quant="mma", gemv_splits=2)
-    switched.model.set_gemv_splits(0)
-    assert run_lanes(switched.runner, prompts, 24) == run_lanes(
-        cuda_build(device_kind, path, decode_quant="mma").runner, prompts, 24)
-    with pytest.raises(ValueError, match="gemv_splits"):
-        switched.model.set_gemv_splits(3)
-
-
-@pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
-def test_the_fused_router_keeps_the_logits_and_greedy_mtp_equal_to_greedy(device_kind, artifacts, recipe,
-                                                                          monkeypatch):
-    """Capacity.fused_router: the MoE decode routing in one launch (router GEMV + top-k) at up to SKINNY_ROWS rows
-    gives logits within the bf16 tolerance of the CPU model, and greedy MTP equals greedy row for row (the router's
-    sums are the same at every row count). The tiny MoE's router has near-ties (see the tensor-core test), so tokens
-    are compared between the runner's own paths only."""
-    from ninfer.backends.cuda.model import SKINNY_ROWS
-
-    path = artifacts[("moe", recipe)]
-    cpu = load_model(path)
-    build = cuda_build(device_kind, path, fused_router=True)
-    kernels, rows_seen = build.model.k, []
-    fused = kernels.router_route
-    monkeypatch.setattr(kernels, "router_route", lambda x, *args, **kw: (rows_seen.append(x.shape[0]),
-                                                                          fused(x, *args, **kw)))
-    for length in (1, 9, SKINNY_ROWS, SKINNY_ROWS + 1):
-        got, want = prompt_logits(build.model, cpu, prompt(length, length))
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
-    assert set(rows_seen) == {1, 9, SKINNY_ROWS}  # past SKINNY_ROWS: the prefill's cuBLAS router
-    monkeypatch.undo()
-    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
-    got = run_lanes(cuda_build(device_kind, path, fused_router=True).runner, prompts, 24)
-    speculative = run_lanes(cuda_build(device_kind, path, fused_router=True, draft_tokens=3).runner, prompts, 24)
-    assert speculative == got
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

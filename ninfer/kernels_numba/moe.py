@@ -24,8 +24,8 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16,
-                                         last_to_arrive, sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32,
+                                         warp_max, warp_sum)
 from ninfer.kernels_numba.elementwise import sigmoid_gate_add_reference
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
@@ -136,111 +136,6 @@ def route_top_k_reference(router_logits: np.ndarray, top_k: int) -> tuple[np.nda
     order = np.argsort(ids, axis=-1, kind="stable")
     return (np.take_along_axis(ids, order, axis=-1).astype(np.int32),
             np.take_along_axis(w, order, axis=-1).astype(np.float32))
-
-
-# ---------------------------------------------------------------------------------------------- router_route
-
-# router_route: a team of ROUTER_TEAM_WARPS warps a logit column, ROUTER_COLUMNS columns a block (132 blocks for
-# the 35B-A3B's 264 columns, one an SM). Each thread loads ROUTER_UNROLL weight words before it multiplies any, so a
-# 2048-wide router row is one round trip from DRAM (the first version, a warp a column loading a word at a time,
-# took 30 us a launch: results/cuda_model_35b_fused_router_session13.log).
-ROUTER_TEAM_WARPS = 4
-ROUTER_COLUMNS = 2
-ROUTER_WARPS = ROUTER_TEAM_WARPS * ROUTER_COLUMNS
-ROUTER_TEAM_THREADS = 32 * ROUTER_TEAM_WARPS
-ROUTER_UNROLL = 8
-ROUTER_ROW_GROUP = 8  # x rows one pass over a router row's weights serves
-
-
-@kernel((F32_2D, uint32[:, ::1], F32_2D, int32, int32, I32_2D, F32_2D, int32[::1]), fastmath=False)
-def _router_route_kernel(x, w_words, logits, n_exp, top_k, expert_ids, weights, arrivals):
-    partial = cuda.shared.array((ROUTER_WARPS, ROUTER_ROW_GROUP), float32)
-    flag = cuda.shared.array(1, int32)
-    t = cuda.threadIdx.x
-    lane = t & 31
-    warp = t >> 5
-    team = warp // ROUTER_TEAM_WARPS
-    member = t % ROUTER_TEAM_THREADS
-    n = cuda.blockIdx.x * ROUTER_COLUMNS + team
-    rows = x.shape[0]
-    words = w_words.shape[1]
-    columns = logits.shape[1]
-    # Every warp runs the sums (a column past the logits reads no weights): the shuffles and barriers sit outside
-    # any branch the compiler cannot prove block-uniform.
-    w_lo = cuda.local.array(ROUTER_UNROLL, float32)
-    w_hi = cuda.local.array(ROUTER_UNROLL, float32)
-    x_lo = cuda.local.array(ROUTER_UNROLL, float32)
-    x_hi = cuda.local.array(ROUTER_UNROLL, float32)
-    acc = cuda.local.array(ROUTER_ROW_GROUP, float32)
-    for first in range(0, rows, ROUTER_ROW_GROUP):
-        for m in range(ROUTER_ROW_GROUP):
-            acc[m] = float32(0.0)
-        for base in range(member, words, ROUTER_TEAM_THREADS * ROUTER_UNROLL):
-            for u in range(ROUTER_UNROLL):
-                j = base + ROUTER_TEAM_THREADS * u
-                pair = uint32(0)
-                if n < columns and j < words:
-                    pair = w_words[n, j]
-                w_lo[u] = bf16_to_f32(pair & uint32(0xFFFF))
-                w_hi[u] = bf16_to_f32(pair >> uint32(16))
-            for m in range(ROUTER_ROW_GROUP):
-                if first + m < rows:
-                    for u in range(ROUTER_UNROLL):  # the row's x loads all issued before the first product
-                        j = base + ROUTER_TEAM_THREADS * u
-                        x_lo[u] = float32(0.0)
-                        x_hi[u] = float32(0.0)
-                        if j < words:
-                            x_lo[u] = x[first + m, 2 * j]
-                            x_hi[u] = x[first + m, 2 * j + 1]
-                    for u in range(ROUTER_UNROLL):  # x rounded to bf16, as the cuBLAS router's input
-                        acc[m] += (w_lo[u] * bf16_to_f32(f32_to_bf16(x_lo[u]))
-                                   + w_hi[u] * bf16_to_f32(f32_to_bf16(x_hi[u])))
-        for m in range(ROUTER_ROW_GROUP):
-            total = warp_sum(acc[m])
-            if lane == 0:
-                partial[warp, m] = total
-        cuda.syncthreads()
-        if member < ROUTER_ROW_GROUP and first + member < rows and n < columns:
-            total = float32(0.0)
-            for q in range(ROUTER_TEAM_WARPS):  # the team's warps in order: each row's sum the same whatever R
-                total += partial[team * ROUTER_TEAM_WARPS + q, member]
-            logits[first + member, n] = total
-        cuda.syncthreads()  # the partials are read before the next row group writes them
-    if last_to_arrive(arrivals, 0, cuda.gridDim.x, flag):  # it routes every row, a warp a row
-        r = warp
-        while r < rows:
-            _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane)
-            r += ROUTER_WARPS
-
-
-def check_router_route(x_shape: tuple, w_shape: tuple, logits_shape: tuple, top_k: int, experts: int,
-                       arrival_count: int) -> None:
-    """The ValueError of `router_route` (and its host twin) for shapes it cannot take."""
-    (rows, width), columns = x_shape, logits_shape[1]
-    _check_route(top_k, experts, columns)
-    if tuple(w_shape) != (columns, width) or width % 2 or logits_shape[0] != rows or arrival_count < 1:
-        raise ValueError(f"router_route: x{tuple(x_shape)} w{tuple(w_shape)} logits{tuple(logits_shape)} (w "
-                         f"[columns, H], H even), {arrival_count} arrival counts")
-
-
-def router_route(x, w, router_logits, top_k, expert_ids, weights, arrivals, *, experts, stream):
-    """The decode router in one launch: router_logits fp32 [R, C] = bf16(x) @ w^T (x fp32 [R, H]; w bf16 bits
-    [C, H], the router's rows then the shared expert's gate and zero rows: every column is written), then
-    `route_top_k` over the first `experts` columns into expert_ids / weights. A block takes ROUTER_COLUMNS columns,
-    a team of ROUTER_TEAM_WARPS warps each (its dot products summed thread-strided, across each warp, then over the
-    team's warps in order: each row the same whatever R); the last block to arrive (arrivals int32 [>= 1], zero between launches: it zeroes it again)
-    routes. Replaces a cuBLAS GEMV and the route_top_k launch at decode. Capture-safe."""
-    check_router_route(x.shape, w.shape, router_logits.shape, top_k, experts, arrivals.shape[0])
-    if x.shape[0]:
-        _router_route_kernel[blocks_for(router_logits.shape[1], ROUTER_COLUMNS), 32 * ROUTER_WARPS, stream](
-            x, w.view(np.uint32), router_logits, np.int32(experts), np.int32(top_k), expert_ids, weights, arrivals)
-
-
-def router_route_reference(x, w, top_k, experts):
-    """(router_logits, expert_ids, weights): bf16(x) @ bf16 w^T in fp32, then route_top_k_reference."""
-    logits = (bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(x, np.float32))).astype(np.float64)
-              @ bf16_bits_to_f32(np.asarray(w, np.uint16)).astype(np.float64).T).astype(np.float32)
-    return (logits, *route_top_k_reference(logits[:, :experts], top_k))
 
 
 # ---------------------------------------------------------------------------------------------------- combine

@@ -48,8 +48,8 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, last_to_arrive,
-                                         load_word_at, load_words2_at, load_words4_at, store_words4_at)
+from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
+                                         load_words2_at, load_words4_at, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -386,9 +386,9 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
     Each weight fragment is decoded once and multiplied by every set: a set's sums are those a one-set block gives.
     Tiles past `last_tile` reload it, so every load stays inside the matrix (or inside one expert's rows); the
-    caller drops their sums. Warp w takes the K blocks q_first + w, q_first + w + warps, ... below q_stop (0 and
-    `blocks`: all of them), `unroll` blocks per step whose loads are all issued before the step's first mma; the
-    warps' sums meet in `partials` (shared, warps * 4 * tiles * sets * 32 floats) and are added in warp order.
+    caller drops their sums. Warp w takes the K blocks w, w + warps, ..., `unroll` blocks per step whose loads are
+    all issued before the step's first mma; the warps' sums meet in `partials` (shared, warps * 4 * tiles * sets * 32
+    floats) and are added in warp order.
 
     Loads go through raw addresses (`address_of`): a block q of the weight planes, of the scales and of the x
     fragments sits q times a fixed stride past the warp's first, so a step costs one add per stream and the unrolled
@@ -411,14 +411,14 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     X_BLOCK = FRAGMENT_WORDS * 4
 
     @large_device_function
-    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, q_stop,
+    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
                   clamp, part):
-        """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one below
-        q_stop when `clamp`): `part` WEIGHTS (planes and scales), X (x fragments) or both (WEIGHTS | X)."""
+        """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
+        `clamp`): `part` WEIGHTS (planes and scales), X (x fragments) or both (WEIGHTS | X)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
-                q = min(q, q_stop - 1)
+                q = min(q, blocks - 1)
             q64 = int64(q)
             for r in range(tiles if part & WEIGHTS else 0):
                 w0 = 4 * (r * unroll + u)
@@ -442,7 +442,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                 xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
 
     @large_device_function
-    def step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop):
+    def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
         """Add the step's blocks (those that exist) to acc: per tile and block, the mma chain of its k-steps times
         the block's scales, for each set (the A fragment of a k-step decoded once)."""
         minus = uint32(MINUS)
@@ -450,7 +450,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         chain = cuda.local.array(CHAIN, float32)
         chain_low = cuda.local.array(CHAIN, float32)  # W8: the low nibbles' chain
         for u in range(unroll):
-            if q0 + u * warps < q_stop:
+            if q0 + u * warps < blocks:
                 for r in range(tiles):
                     w0 = 4 * (r * unroll + u)
                     h0 = HW * (r * unroll + u)
@@ -518,7 +518,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @large_device_function
-    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks, q_first, q_stop):
+    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
@@ -538,26 +538,26 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         set_bytes = int64(blocks) * X_BLOCK  # one fragment set (8 x rows) of K
         for a in range(ACC):
             acc[a] = float32(0.0)
-        q0 = q_first + warp
-        full = q_stop - (unroll - 1) * warps  # steps that start below this have all their blocks
+        q0 = warp
+        full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
         if q0 < full:  # the first step's weights stream in while the kernels before this one finish
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, False, WEIGHTS)
+                      blocks, False, WEIGHTS)
         wait_for_prior_grids()  # x, the expert ids and y are theirs until they complete (a programmatic launch)
         if q0 < full:
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, False, X)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop)
+                      blocks, False, X)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         while q0 < full:
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, False, WEIGHTS | X)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop)
+                      blocks, False, WEIGHTS | X)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
-        while q0 < q_stop:  # the warp's last step lacks blocks: at most one
+        while q0 < blocks:  # the warp's last step lacks blocks: at most one
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, True, WEIGHTS | X)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop)
+                      blocks, True, WEIGHTS | X)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
@@ -626,48 +626,10 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
         N = int32(y.shape[1])
         tile0 = int32(cuda.blockIdx.x) * tiles
         acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks, int32(0),
-                  blocks)
+        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks)
         store_sums(y, acc, tile0 * TILE_ROWS, N, accumulate)
 
     return quant_mma_kernel
-
-
-def make_quant_mma_split_kernel(bits: int, splits: int, sets: int = 1, warps: int = WARPS, unroll: int = UNROLL):
-    """The plain kernel (one tile a block, `sets` fragment sets) with each tile's K blocks cut into `splits`
-    contiguous ranges, one block per (tile, range): `linear_quant_mma_split`."""
-    ACC = 4 * sets
-    tile_sums = make_tile_sums(bits, 1, warps, unroll, sets)
-    store_sums = make_store_sums(1, sets)
-
-    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32, float32[::1],
-             int32[::1]), fastmath=False)
-    def quant_mma_split_kernel(xf, base, high, scales, y, blocks, accumulate, range_sums, arrivals):
-        """Block b: tile b // splits, K blocks [r B / splits, (r + 1) B / splits) for r = b % splits. Its sums go to
-        range_sums; the tile's last block to arrive (`last_to_arrive` on arrivals[tile]) adds the ranges in range
-        order and stores."""
-        partials = cuda.shared.array(0, float32)
-        flag = cuda.shared.array(1, int32)
-        N = int32(y.shape[1])
-        tile = int32(cuda.blockIdx.x) // splits
-        part = int32(cuda.blockIdx.x) % splits
-        acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile, ((N + 15) >> 4) - 1, blocks,
-                  part * blocks // splits, (part + 1) * blocks // splits)
-        lane = int32(cuda.threadIdx.x & 31)
-        if cuda.threadIdx.x < 32:
-            for a in range(ACC):  # one 128-byte line per (tile, range, register): no line holds two tiles' sums
-                range_sums[((tile * splits + part) * ACC + a) * 32 + lane] = acc[a]
-        if last_to_arrive(arrivals, tile, splits, flag):
-            if cuda.threadIdx.x < 32:
-                for a in range(ACC):
-                    total = float32(0.0)
-                    for r in range(splits):
-                        total += range_sums[((tile * splits + r) * ACC + a) * 32 + lane]
-                    acc[a] = total
-            store_sums(y, acc, tile * TILE_ROWS, N, accumulate)
-
-    return quant_mma_split_kernel
 
 
 def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
@@ -693,7 +655,7 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
         expert_tile0 = ids[row, slot] * expert_tiles
         acc = cuda.local.array(ACC, float32)
         tile_sums(acc, partials, xf, slot * x_set_words, base, high, scales, expert_tile0 + tile0,
-                  expert_tile0 + expert_tiles - 1, blocks, int32(0), blocks)
+                  expert_tile0 + expert_tiles - 1, blocks)
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
             for a in range(ACC):
@@ -726,12 +688,12 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
         tile = int32(cuda.blockIdx.x)
         acc = cuda.local.array(ACC, float32)
         if tile < tiles_a:  # block-uniform: the barriers inside the sums see every thread of the block
-            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks, int32(0), blocks)
+            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks)
             first = tile * TILE_ROWS
             end = rows_a
         else:
             sums_b(acc, partials, xf, int32(0), base_b, high_b, scales_b, tile - tiles_a,
-                   ((N - rows_a + 15) >> 4) - 1, blocks, int32(0), blocks)
+                   ((N - rows_a + 15) >> 4) - 1, blocks)
             first = rows_a + (tile - tiles_a) * TILE_ROWS
             end = N
         store_sums(y, acc, first, end, 0)
@@ -741,11 +703,6 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
 
 QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, sets=sets)
                      for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
-# K-range splits a tile may take (`linear_quant_mma_split`): more, shorter blocks than row tiles, so the SMs share a
-# matrix of few tiles evenly (320 one-tile blocks over 132 SMs leave 56 of them a third block).
-SPLITS = (2, 4)
-QUANT_MMA_SPLIT_KERNELS = {(bits, splits, sets): make_quant_mma_split_kernel(bits, splits, sets)
-                           for bits in (4, 5, 6, 8) for splits in SPLITS for sets in range(1, ROW_SETS + 1)}
 QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
 # The format pairs the recipes split projections into (convert/qwen_hf.py: Q4 query|key beside Q5 gate|value and
 # value|z); other pairs run as two launches.
@@ -773,42 +730,6 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
     launch(fn, grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets), xf, qw.base, qw.high, qw.scales, y,
            int32(qw.blocks), int32(1 if accumulate else 0), programmatic=programmatic)
-
-
-def split_sum_words(N: int, splits: int, sets: int = ROW_SETS) -> int:
-    """fp32 words of `linear_quant_mma_split`'s range sums for an N-row matrix and up to 8 `sets` x rows."""
-    return math.ceil(N / TILE_ROWS) * splits * 4 * sets * 32
-
-
-def check_split_shapes(x_words: int, w_shape: tuple[int, int], y_shape: tuple[int, int], splits: int,
-                       sum_words: int, arrival_count: int) -> None:
-    """The ValueError of `linear_quant_mma_split` (and its host twin) for shapes or scratch it cannot take."""
-    M, N = y_shape
-    sets = x_sets(M)
-    if N != w_shape[0] or sets > ROW_SETS or x_words < sets * x_fragment_words(w_shape[1]) or splits not in SPLITS or (
-            sum_words < split_sum_words(N, splits, sets) or arrival_count < math.ceil(N / TILE_ROWS)):
-        raise ValueError(f"tensor-core split linear: W{tuple(w_shape)} y{tuple(y_shape)} (M <= "
-                         f"{MAX_X_ROWS * ROW_SETS}), {x_words} x words, splits {splits} (of {SPLITS}), {sum_words} "
-                         f"range sum words, {arrival_count} arrival counts")
-
-
-def linear_quant_mma_split(xf, qw: QuantMmaWeight, y, range_sums, arrivals, *, splits: int, stream,
-                           accumulate: bool = False) -> None:
-    """`linear_quant_mma` (M <= 8 ROW_SETS) with each row tile's K blocks cut into `splits` contiguous ranges, one
-    block per (tile, range): `splits` times the blocks, each that much shorter, for matrices whose few row tiles
-    leave SMs idle. The tile's last block to arrive adds the ranges' sums in range order and stores: the result does
-    not depend on which block is last, nor on M (the ranges follow the shape alone; each fragment set's sums are
-    those a one-set launch gives), but differs from `linear_quant_mma`'s in summation order. range_sums fp32
-    [>= split_sum_words(N, splits, sets)]; arrivals int32 [>= row tiles], zero before the first launch (each launch
-    leaves it zero). Capture-safe."""
-    check_split_shapes(xf.shape[0], qw.shape, y.shape, splits, range_sums.shape[0], arrivals.shape[0])
-    M, N = y.shape
-    if M == 0:
-        return
-    sets = x_sets(M)
-    launch(QUANT_MMA_SPLIT_KERNELS[FORMAT_BITS[qw.fmt], splits, sets], math.ceil(N / TILE_ROWS) * splits, 32 * WARPS,
-           stream, _partials_bytes(1, WARPS, sets), xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks),
-           int32(1 if accumulate else 0), range_sums, arrivals, programmatic=False)
 
 
 def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:

@@ -207,56 +207,6 @@ def test_gpu_moe_group_and_gather(rows, experts, k, hidden):
     np.testing.assert_array_equal(out2, out)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,experts,columns,width,k", [(1, 256, 264, 2048, 8), (8, 256, 264, 2048, 8),
-                                                          (9, 256, 264, 2048, 8), (64, 16, 24, 64, 4)])
-def test_gpu_router_route_matches_its_twin(rows, experts, columns, width, k):
-    """The fused decode router: logits within fp32 summation order of the twin, the same ids, weights within fp32
-    rounding, each row's bits whatever rows launch beside it, and the same bits again (the count back to zero)."""
-    cuda = _cuda()
-    stream = cuda.stream()
-    rng = np.random.default_rng(rows + columns)
-    w = f32_to_bf16_bits((rng.standard_normal((columns, width)) * 0.05).astype(np.float32))
-    w[experts + 1:] = 0
-    x = rand(rng, rows, width)
-    d_w, d_arrivals = cuda.to_device(w, stream=stream), cuda.to_device(np.zeros(1, np.int32), stream=stream)
-
-    def route(x_rows):
-        outs = [cuda.to_device(a, stream=stream) for a in (np.full((len(x_rows), columns), np.nan, np.float32),
-                                                           np.full((len(x_rows), k), -1, np.int32),
-                                                           np.full((len(x_rows), k), np.nan, np.float32))]
-        moe.router_route(cuda.to_device(x_rows, stream=stream), d_w, *outs[:1], k, *outs[1:], d_arrivals,
-                         experts=experts, stream=stream)
-        got = [a.copy_to_host(stream=stream) for a in outs]
-        stream.synchronize()
-        return got
-
-    logits, ids, weights = route(x)
-    want_logits, want_ids, want_weights = moe.router_route_reference(x, w, k, experts)
-    assert rel_l2(logits, want_logits) < 1e-5
-    np.testing.assert_array_equal(ids, want_ids)
-    assert rel_l2(weights, want_weights) < 1e-5
-    assert not d_arrivals.copy_to_host().any()
-    for got, again in zip((logits, ids, weights), route(x)):
-        np.testing.assert_array_equal(again, got)
-    for got, one in zip((logits, ids, weights), route(x[-1:].copy())):
-        np.testing.assert_array_equal(one[0], got[-1])
-
-
-def test_router_route_checks_its_shapes():
-    with pytest.raises(ValueError, match="router_route"):
-        moe.router_route(np.zeros((2, 64), np.float32), np.zeros((24, 63), np.uint16), np.zeros((2, 24), np.float32),
-                         4, np.zeros((2, 4), np.int32), np.zeros((2, 4), np.float32), np.zeros(1, np.int32),
-                         experts=16, stream=0)
-
-
-def test_router_route_in_cuda_simulator():
-    """router_route's kernel run thread by thread against its twin (`simulated_kernels.router_route`)."""
-    from tests.support.simulated_kernels import run
-
-    assert len([line for line in run("router_route").splitlines() if line.startswith("ok router_route")]) == 3
-
-
 def test_route_top_k_checks_the_expert_columns():
     with pytest.raises(ValueError, match="logit columns"):
         moe.route_top_k(np.zeros((2, 9), np.float32), 2, np.zeros((2, 2), np.int32), np.zeros((2, 2), np.float32),

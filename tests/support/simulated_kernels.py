@@ -183,21 +183,6 @@ def quant_mma() -> None:
             qm.linear_quant_mma(fragments, weight, y, stream=0, accumulate=True)
             want = qm.linear_quant_mma_reference(x, fmt, shape, payload, y0, accumulate=True)
             assert _rel(y, want) < 1e-5, (fmt, rows, _rel(y, want))
-        split_shape = (40, 512)  # 3 row tiles (a partial one), 8 K blocks: ranges of 4 and 2 blocks
-        split_payload = codec.encode_buffer(rng.standard_normal(split_shape).astype(np.float32) * 0.05, fmt)
-        split_weight = qm.upload_quant_mma(fmt, split_shape, split_payload)
-        for rows, splits in ((3, 2), (9, 4)):  # one fragment set, two
-            x = rng.standard_normal((rows, split_shape[1])).astype(np.float32)
-            fragments = qm.x_fragments_reference(x)
-            want = qm.linear_quant_mma_reference(x, fmt, split_shape, split_payload)
-            arrivals = np.zeros(3, np.int32)
-            range_sums = np.full(qm.split_sum_words(split_shape[0], splits), np.nan, np.float32)
-            got = [np.full((rows, split_shape[0]), np.nan, np.float32) for _ in range(2)]
-            for y in got:  # twice: the first launch leaves the counts zero for the second
-                qm.linear_quant_mma_split(fragments, split_weight, y, range_sums, arrivals, splits=splits, stream=0)
-                assert not arrivals.any(), (fmt, splits, arrivals)
-            assert _rel(got[0], want) < 1e-5, (fmt, splits, _rel(got[0], want))
-            assert np.array_equal(got[0], got[1]), (fmt, splits)
         out = np.zeros(shape, np.uint16)
         qm.dequantize_mma_bf16(weight, out, stream=0)
         assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, shape, payload)), fmt
@@ -371,40 +356,10 @@ def moe_padded() -> None:
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 
-def router_route() -> None:
-    """router_route (a team of warps a logit column, the last block to arrive routes every row) equals its twin:
-    logits within fp32 summation order, ids exactly, weights within fp32 rounding; a second launch the same (the
-    count is zero again); 1 and 10 rows (two row groups) of a row narrower than a team's pass, and 3 rows of one
-    that takes two passes, the second partial."""
-    from ninfer.artifact.codec import f32_to_bf16_bits
-    from ninfer.kernels_numba import moe
-    from tests.support import cuda_simulator
-
-    cuda_simulator.install(vars(moe))
-    rng = np.random.default_rng(2)
-    experts, columns, k = 16, 24, 4
-    for rows, width in ((1, 64), (10, 64), (3, 2 * (moe.ROUTER_TEAM_THREADS * moe.ROUTER_UNROLL + 128))):
-        # logits of the same spread at every width: the softmax weights' rounding follows the logits' size
-        w = f32_to_bf16_bits((rng.standard_normal((columns, width)) * np.sqrt(64 / width)).astype(np.float32))
-        w[experts + 1:] = 0  # zero rows past the shared expert's gate, as the model pads them
-        x = rng.standard_normal((rows, width)).astype(np.float32)
-        want_logits, want_ids, want_weights = moe.router_route_reference(x, w, k, experts)
-        arrivals = np.zeros(1, np.int32)
-        for _ in range(2):
-            logits = np.full((rows, columns), np.nan, np.float32)
-            ids, weights = np.full((rows, k), -1, np.int32), np.full((rows, k), np.nan, np.float32)
-            moe.router_route(x, w, logits, k, ids, weights, arrivals, experts=experts, stream=0)
-            assert arrivals[0] == 0, arrivals
-            assert _rel(logits, want_logits) < 1e-6, _rel(logits, want_logits)
-            np.testing.assert_array_equal(ids, want_ids)
-            assert _rel(weights, want_weights) < 1e-6
-        print("ok router_route", rows, width, flush=True)
-
-
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "moe_route": moe_route, "gdn_output": gdn_output,
-          "moe_padded": moe_padded, "router_route": router_route}
+          "moe_padded": moe_padded}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -112,12 +112,6 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False)
     y[...] = (y + out) if accumulate else out
 
 
-def linear_quant_mma_split(xf, qw, y, range_sums, arrivals, *, splits, stream, accumulate=False):
-    """The K-split GEMV's twin is the plain one's (the device differs only in summation order)."""
-    _quant_mma.check_split_shapes(xf.shape[0], qw.shape, y.shape, splits, range_sums.shape[0], arrivals.shape[0])
-    linear_quant_mma(xf, qw, y, stream=stream, accumulate=accumulate)
-
-
 def has_pair_kernel(first, second):
     return _quant_mma.has_pair_kernel(first, second)
 
@@ -238,11 +232,6 @@ def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, 
 def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=None):
     columns = router_logits.shape[1] if experts is None else experts
     expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits[:, :columns], top_k)
-
-
-def router_route(x, w, router_logits, top_k, expert_ids, weights, arrivals, *, experts, stream):
-    _moe.check_router_route(x.shape, w.shape, router_logits.shape, top_k, experts, arrivals.shape[0])
-    router_logits[...], expert_ids[...], weights[...] = _moe.router_route_reference(x, w, top_k, experts)
 
 
 def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_logit=None):

@@ -15,13 +15,13 @@ from ninfer.kernels_numba.gdn_chunked import gdn_chunked
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
 from ninfer.kernels_numba.moe import (moe_combine, moe_gather, moe_group, moe_pad_positions, moe_scatter_combine,
-                                     route_top_k, router_route)
+                                     route_top_k)
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
 from ninfer.kernels_numba.quant_mma import (ROW_SETS, dequantize_mma_bf16, has_pair_kernel, linear_quant_mma,
-                                            linear_quant_mma_gathered, linear_quant_mma_pair, linear_quant_mma_split,
-                                            repack_quant_mma, upload_quant_mma,
+                                            linear_quant_mma_gathered, linear_quant_mma_pair, repack_quant_mma,
+                                            upload_quant_mma,
                                             upload_quant_mma_planes, x_fragment_words, x_fragments, x_slot_fragments)
 from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
 from ninfer.kernels_numba.vision import (add_rows, bias_gelu_bf16, layer_norm_bf16, vision_heads, vision_merge_heads,
@@ -66,7 +66,6 @@ __all__ = [
     "repack_quant",
     "rms_norm_rows",
     "route_top_k",
-    "router_route",
     "scratch_columns",
     "sigmoid_gate_add",
     "silu_mul_bf16_rows",
@@ -87,7 +86,6 @@ __all__ = [
     "linear_quant_mma",
     "linear_quant_mma_gathered",
     "linear_quant_mma_pair",
-    "linear_quant_mma_split",
     "has_pair_kernel",
     "repack_quant_mma",
     "upload_quant_mma",

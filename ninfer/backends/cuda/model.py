@@ -36,8 +36,6 @@ from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
-from ninfer.kernels_numba.quant_mma import SPLITS as GEMV_SPLITS
-from ninfer.kernels_numba.quant_mma import split_sum_words
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.device import CudaDevice, Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
@@ -63,7 +61,6 @@ SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill
 # prefill from 249.8 ms ("auto" then: padded within 2x, else grouped) to 230.5.
 PADDED_EXPERT_ROWS_LIMIT = 1.6
 MOE_CHUNK_ROWS = 128  # rows a batch entry of the chunked layout
-SPLIT_MAX_TILES = 1024  # the largest matrix (in 16-row tiles) whose GEMVs Capacity.gemv_splits cuts along K
 
 
 @attrs.frozen
@@ -72,12 +69,6 @@ class PrefillSpan:
 
     lane: int
     kv_start: int
-
-
-def check_gemv_splits(splits: int) -> None:
-    """The ValueError of a K-split count the tensor-core GEMVs have no kernels for (0: off)."""
-    if splits not in (0,) + GEMV_SPLITS:
-        raise ValueError(f"gemv_splits must be 0 or one of {GEMV_SPLITS}, got {splits!r}")
 
 
 @attrs.frozen
@@ -115,23 +106,12 @@ class Capacity:
     # while the kernel before finishes and load their first weights before waiting for it. Same kernels, same bits;
     # off until bench/cuda_model.py --programmatic off,on has measured it on the GPU.
     programmatic_launch: bool = False
-    # Tensor-core quantized GEMVs of matrices with at most SPLIT_MAX_TILES row tiles cut each tile's K into this
-    # many ranges, one block each (`linear_quant_mma_split`: more, shorter blocks spread evenly over the SMs, where
-    # 320 one-tile blocks leave 56 SMs a third block). 0: off. Different summation order, the same at every row
-    # count; off until bench/quant_gemv.py --tiles and bench/cuda_model.py --gemv-splits have measured it.
-    gemv_splits: int = 0
-    # MoE decode routing (up to SKINNY_ROWS rows) in one launch (`router_route`: the router GEMV and the top-k, the
-    # last block to arrive routing), instead of a cuBLAS GEMV and `route_top_k` (7 + 5 us a 35B-A3B layer on the
-    # H200). Another summation order for the router logits, the same at every row count; off until bench/
-    # cuda_model.py --fused-router has measured it.
-    fused_router: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.decode_linear not in ("cublas", "kernels"):
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
             raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
-        check_gemv_splits(self.gemv_splits)
         if self.spec not in SPEC_BACKENDS:
             raise ValueError(f"spec must be one of {', '.join(SPEC_BACKENDS)}, got {self.spec!r}")
 
@@ -554,8 +534,6 @@ class Workspace:
             self.shared_act = buf(rows, d.shared_intermediate)
             self.shared_out = buf(rows, h)
             widths += [d.moe_intermediate, d.shared_intermediate]
-            # router_route's arrival count (Capacity.fused_router), zero between launches
-            self.router_arrivals = device.zeros(1, np.int32, "workspace")
             self.moe_counts = buf(e, dtype=np.int32)
             self.moe_offsets = buf(e + 1, dtype=np.int32)
             self.moe_slot_of = buf(rows * s, dtype=np.int32)
@@ -604,14 +582,6 @@ class Workspace:
         # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
         self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
         self.side_x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
-        # K-split GEMVs (Capacity.gemv_splits, switchable): each stream's range sums and per-tile arrival counts
-        # (zero between launches)
-        self.range_sums = self.side_range_sums = self.arrivals = self.side_arrivals = None
-        if fragment_words:
-            words = split_sum_words(SPLIT_MAX_TILES * 16, max(GEMV_SPLITS))
-            self.range_sums, self.side_range_sums = buf(words), buf(words)
-            self.arrivals = device.zeros(SPLIT_MAX_TILES, np.int32, "workspace")
-            self.side_arrivals = device.zeros(SPLIT_MAX_TILES, np.int32, "workspace")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -625,8 +595,6 @@ class SideScratch:
 
     x_bf16: Any
     x_fragments: Any
-    range_sums: Any = None
-    arrivals: Any = None
     split_a: None = None
     split_b: None = None
     w_bf16: None = None
@@ -653,7 +621,6 @@ class Linear:
         self._stream = device.stream
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
         self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
-        self.gemv_splits = 0  # Capacity.gemv_splits (CudaQwen.set_gemv_splits)
 
     def beside(self, side: Any, scratch: "SideScratch") -> Linear:
         """A Linear with this one's settings that launches on the side stream `side`, with its cuBLAS handle and
@@ -678,8 +645,15 @@ class Linear:
             return
         if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if _tensor_core(w):
-                splits = self.gemv_splits if -(-w.shape[0] // 16) <= SPLIT_MAX_TILES else 0
-                self._tensor_core_rows(x, w, y, rows, accumulate, x_fragments, splits)
+                if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
+                    k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate,
+                                       programmatic=self.programmatic)
+                    return
+                for first in range(0, rows, self.mma_launch_rows):  # a row's result is independent of the others
+                    last = min(rows, first + self.mma_launch_rows)
+                    k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
+                    k.linear_quant_mma(self._ws.x_fragments, w, y[first:last], stream=stream, accumulate=accumulate,
+                                       programmatic=self.programmatic)
             elif is_quantized(w):
                 k.linear_quant(x[:rows], w, y[:rows], stream=stream, accumulate=accumulate)
             else:
@@ -691,28 +665,6 @@ class Linear:
             k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=stream)
         self.blas.gemm_bf16(self.bf16_input(gemm_rows, width), self.bf16_weight(w), y[:gemm_rows],
                             accumulate=accumulate)
-
-    def _tensor_core_rows(self, x: Any, w: Matrix, y: Any, rows: int, accumulate: bool, x_fragments: Any,
-                          splits: int) -> None:
-        """Up to SKINNY_ROWS rows through the tensor-core GEMV, K-split into `splits` ranges or not (0), in launches
-        of `mma_launch_rows` rows: a row's result is independent of the others."""
-        k, stream = self._k, self._stream
-
-        def gemv(fragments: Any, out: Any) -> None:
-            if splits:
-                k.linear_quant_mma_split(fragments, w, out, self._ws.range_sums, self._ws.arrivals, splits=splits,
-                                         stream=stream, accumulate=accumulate)
-            else:
-                k.linear_quant_mma(fragments, w, out, stream=stream, accumulate=accumulate,
-                                   programmatic=self.programmatic)
-
-        if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
-            gemv(x_fragments, y[:rows])
-            return
-        for first in range(0, rows, self.mma_launch_rows):
-            last = min(rows, first + self.mma_launch_rows)
-            k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
-            gemv(self._ws.x_fragments, y[first:last])
 
     def _gemm_rows(self, rows: int, x: Any, y: Any) -> int:
         """Rows a cuBLAS call computes: `pad_rows` for calls of up to that many (one GEMM shape whatever the
@@ -783,10 +735,7 @@ class Linear:
             return
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
             out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
-            if _tensor_core(part):  # never K-split: the bits of the pair launch, which takes the other row counts
-                self._tensor_core_rows(x, part, out, rows, False, x_fragments, 0)
-            else:
-                self(x, part, out, rows=rows, x_fragments=x_fragments)
+            self(x, part, out, rows=rows, x_fragments=x_fragments)
             outputs.append(out[:rows])
         self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._stream)
 
@@ -909,10 +858,7 @@ class CudaQwen:
                              pad_rows=capacity.decode_rows if cublas else 0)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self.set_programmatic(capacity.programmatic_launch)
-        self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments,
-                                         self.workspace.side_range_sums, self.workspace.side_arrivals)
-        self.set_gemv_splits(capacity.gemv_splits)
-        self.fused_router = capacity.fused_router  # switchable between steps, like the branches
+        self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
 
@@ -923,13 +869,6 @@ class CudaQwen:
         for linear in (self.linear, self.dflash_linear):
             if linear is not None:
                 linear.programmatic = on
-
-    def set_gemv_splits(self, splits: int) -> None:
-        """Capacity.gemv_splits, switchable between steps like the branches."""
-        check_gemv_splits(splits)
-        for linear in (self.linear, self.dflash_linear):
-            if linear is not None:
-                linear.gemv_splits = splits
 
     def set_branches(self, on: bool) -> None:
         """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
@@ -1318,13 +1257,9 @@ class CudaQwen:
             side.fork()
             side_linear = self.linear.beside(side, self._side_scratch)
             side.run(lambda: self._shared_expert(w, rows, side_linear, side.stream, None, h_frag))
+        self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
-        if self.fused_router and rows <= SKINNY_ROWS:
-            self.k.router_route(h, w.router_shared_gate.data, router_logits, d.moe_top_k, ids, weights,
-                                ws.router_arrivals, experts=e, stream=stream)
-        else:
-            self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-            self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
+        self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
         if rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
