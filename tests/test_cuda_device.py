@@ -18,6 +18,14 @@ def device():
     return CudaDevice(0)
 
 
+def assert_bf16_rows_match(got, want, end: int, note=None) -> None:
+    """bf16 bits of a GPU GEMM against its host twin: rows below `end` within one bf16 step, the rows past it (which
+    the call must leave alone; NaN fill in these tests) the same bits."""
+    np.testing.assert_array_equal(got[end:], want[end:])
+    got32, want32 = bf16_bits_to_f32(got[:end]), bf16_bits_to_f32(want[:end])
+    assert np.all(np.abs(got32 - want32) <= np.abs(want32) * 2.0 ** -7 + 1e-6), note
+
+
 def test_allocations_are_charged_to_their_purpose(device):
     before = device.ledger["test"]
     zeros = device.zeros((3, 5), np.float32, "test")
@@ -114,11 +122,7 @@ def test_grouped_gemm_multiplies_each_row_group_by_its_own_weight_block(device):
         device.synchronize()
         want = np.full((rows, n), 0x7FC1, np.uint16)
         HostBlas().grouped_gemm_bf16(x, w, want, offsets, n)
-        got = y.copy_to_host()
-        assert np.array_equal(got[offsets[-1]:], want[offsets[-1]:])
-        end = int(offsets[-1])
-        got32, want32 = bf16_bits_to_f32(got[:end]), bf16_bits_to_f32(want[:end])
-        assert np.all(np.abs(got32 - want32) <= np.abs(want32) * 2.0 ** -7 + 1e-6), sizes  # one bf16 step apart
+        assert_bf16_rows_match(y.copy_to_host(), want, int(offsets[-1]), sizes)
     with pytest.raises(ValueError, match="grouped gemm"):
         blas.grouped_gemm_bf16(device.upload(x, "test"), device.upload(w[:-1], "test"), y, offsets, n)
     with pytest.raises(ValueError, match="grouped gemm"):
@@ -143,8 +147,7 @@ def test_batched_gemm_multiplies_each_padded_group_by_its_own_weight_block(devic
     device.synchronize()
     want = np.zeros((groups * p, n), np.uint16)
     HostBlas().batched_gemm_bf16(x, w, want, groups)
-    got32, want32 = bf16_bits_to_f32(y.copy_to_host()), bf16_bits_to_f32(want)
-    assert np.all(np.abs(got32 - want32) <= np.abs(want32) * 2.0 ** -7 + 1e-6)  # one bf16 step apart
+    assert_bf16_rows_match(y.copy_to_host(), want, groups * p)
     with pytest.raises(ValueError, match="batched gemm shapes"):
         blas.batched_gemm_bf16(device.upload(x[:-1], "test"), device.upload(w, "test"), y, groups)
     blas.close()
@@ -169,11 +172,7 @@ def test_chunked_gemm_multiplies_each_chunk_by_its_groups_weight_block(device):
         device.synchronize()
         want = np.full((rows, n), 0x7FC1, np.uint16)
         HostBlas().chunked_gemm_bf16(x, w, want, chunk_groups, chunk)
-        got = y.copy_to_host()
-        covered = len(chunk_groups) * chunk  # the rows past it keep their NaN bits, compared as bits
-        got32, want32 = bf16_bits_to_f32(got[:covered]), bf16_bits_to_f32(want[:covered])
-        assert np.all(np.abs(got32 - want32) <= np.abs(want32) * 2.0 ** -7 + 1e-6), chunk_groups
-        np.testing.assert_array_equal(got[covered:], want[covered:])
+        assert_bf16_rows_match(y.copy_to_host(), want, len(chunk_groups) * chunk, chunk_groups)
     with pytest.raises(ValueError, match="chunked gemm shapes"):
         blas.chunked_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, np.array([groups]), chunk)
     blas.close()
