@@ -33,7 +33,7 @@ from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (numpy shim fir
 
 from bench.kernel_profile import wall_seconds  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
-from ninfer.backends.cuda.model import GEMV_STREAM_BLOCKS, Capacity, CudaQwen, PrefillSpan  # noqa: E402
+from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
 from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402
@@ -162,7 +162,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 gemv_stream: tuple[int, ...] = (0,), moe_gemms: tuple[str, ...] = ("auto",)) -> dict:
+                 moe_gemms: tuple[str, ...] = ("auto",)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -183,11 +183,10 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
-    for linear, side, pdl, stream_k in ((linear, side, pdl, stream_k) for linear in decode_linears
-                                        for side in branches for pdl in programmatic for stream_k in gemv_stream):
+    for linear, side, pdl in ((linear, side, pdl) for linear in decode_linears for side in branches
+                              for pdl in programmatic):
         model.set_branches(side)
         model.set_programmatic(pdl)
-        model.set_gemv_stream(stream_k)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
@@ -209,14 +208,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             seconds = float(np.median(times[3:]))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
-            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "gemv_stream": stream_k,
-                           "batch": batch,
+            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "batch": batch,
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
-            label = (linear + (" +branches" if side else "") + (" +programmatic" if pdl else "")
-                     + (f" +stream{stream_k}" if stream_k else ""))
+            label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
@@ -231,11 +228,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.linear.pad_rows = capacity.decode_rows
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
     model.set_programmatic(programmatic[-1])
-    model.set_gemv_stream(gemv_stream[-1])
     result["decode"] = decode
     result["branches_after_decode"] = branches[-1]
     result["programmatic_after_decode"] = programmatic[-1]
-    result["gemv_stream_after_decode"] = gemv_stream[-1]
     if decode_only:
         return result
 
@@ -416,9 +411,6 @@ def main() -> None:
     parser.add_argument("--programmatic", default="off",
                         help="decode with the quantized GEMVs launched programmatically off and/or on (off,on); the "
                              "MTP rounds use the last")
-    parser.add_argument("--gemv-stream", default="0",
-                        help="decode with the tensor-core GEMVs as stream-K grids of this many blocks an SM (0: off; "
-                             "e.g. 0,2,3); the MTP rounds use the last")
     parser.add_argument("--moe-gemm", default="auto",
                         help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
                              "a list times each)")
@@ -431,9 +423,6 @@ def main() -> None:
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     programmatic = on_off(parser, "--programmatic", args.programmatic)
-    if not set(args.gemv_stream.split(",")) <= {str(n) for n in (0,) + GEMV_STREAM_BLOCKS}:
-        parser.error(f"--gemv-stream takes a list of blocks an SM out of 0 (off), {GEMV_STREAM_BLOCKS}; got "
-                     f"{args.gemv_stream!r}")
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
@@ -461,8 +450,6 @@ def main() -> None:
                                                           branches=tuple({"on": True, "off": False}.get(b) for b in
                                                                          args.branches.split(",")),
                                                           programmatic=programmatic,
-                                                          gemv_stream=tuple(int(n) for n in
-                                                                            args.gemv_stream.split(",")),
                                                           moe_gemms=tuple(args.moe_gemm.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()

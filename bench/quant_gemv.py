@@ -8,8 +8,8 @@ Run on the GPU machine: `python bench/quant_gemv.py [--sweep-only]`; JSON to $OU
 without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 27B split Q4/Q5) at M = 1, JSON to
 quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at a time around the down and gate_up
 shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
-= 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, plain and stream-K,
-JSON to quant_gemv_tiles.json.
+= 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, JSON to
+quant_gemv_tiles.json.
 """
 
 from __future__ import annotations
@@ -211,23 +211,19 @@ def stride_sweep(device, bandwidth, rng) -> list[dict]:
 TILE_COUNTS = (132, 200, 263, 264, 265, 300, 320, 330, 396, 397, 462, 528, 529)
 
 
-STREAM_BLOCKS_PER_SM = (2, 3)  # stream-K grids timed: a whole number of blocks an SM (70 registers: 3 fit)
-
-
 def tile_sweep(device, bandwidth, rng) -> list[dict]:
     """The Q4 tensor-core GEMV at M = 1, K = 17408 (the 27B down projection) over row-tile counts around multiples
-    of the H200's 132 SMs, then on the 27B shapes: the plain kernel (one block a tile) and the stream-K one
-    (`linear_quant_mma_stream`, STREAM_BLOCKS_PER_SM blocks an SM, each an equal run of the (tile, K block) steps).
-    A plain block (one tile, 8 warps, 64 registers a thread) is resident 4 to an SM, so every count here runs in one
-    wave. On the H200 (results/quant_gemv_tiles_session13.json) the plain time is flat from 132 to 264 tiles and
-    jumps past 264 and 528 (13.7 -> 16.1 us, 26.2 -> 39.9): each SM streams its blocks at ~20 GB/s whether it holds
-    2, 3 or 4, so the SM with the most tiles sets the time (320 tiles: 56 SMs hold 3, 76 hold 2, 0.52 of copy
-    against 0.67 at 264). A K-split kernel (each tile's K over 2 or 4 equal blocks) gained nothing: its last 112
-    half-tiles ran alone on their SMs (~12 GB/s a lone block); it was removed. Stream-K gives every SM the same
-    bytes: expected ~17 us for the 320-tile down projection (21.5 plain) if the per-SM rate holds."""
+    of the H200's 132 SMs, then on the 27B shapes. A block (one tile, 8 warps, 64 registers a thread) is resident 4
+    to an SM, so every count here runs in one wave. Time that steps at 132, 264, 396, 528 tiles (the most blocks any
+    SM holds) rather than growing with the bytes would say a block's own duration, not DRAM, sets the 320-tile
+    shapes' ~0.5 of copy bandwidth. On the H200 (results/quant_gemv_tiles_session13.json) it jumps past 264 and 528
+    tiles (13.7 -> 16.1 us, 26.2 -> 39.9) but grows with the bytes in between; a K-split kernel (each tile's K over
+    2 or 4 shorter blocks, spread evenly) gained nothing at the 320-tile down projection (21.9 us plain, 21.3 /
+    21.5 split 2 / 4) and lost on the other 27B shapes, and was removed. So was a stream-K kernel (every block an
+    equal run of the (tile, K block) steps, split tiles summed by the last block to arrive): slower at every count
+    but 264 and 396 tiles, down 22.9 us at 3 blocks an SM against 21.5 (results/quant_gemv_tiles_session14.json)."""
     from ninfer.kernels_numba import quant_mma as QM
 
-    sms = device.info.multiprocessors
     rows = []
     shapes = [(f"down-like {16 * tiles}x17408", (16 * tiles, 17408)) for tiles in TILE_COUNTS] + list(SHAPES.items())
     for name, shape in shapes:
@@ -238,28 +234,11 @@ def tile_sweep(device, bandwidth, rng) -> list[dict]:
         QM.x_fragments(dx, dxf, stream=device.stream)
         y = device.empty((1, n), np.float32, "bench")
         seconds = timed(device, lambda: QM.linear_quant_mma(dxf, mma, y, stream=device.stream))
-        QM.linear_quant_mma(dxf, mma, y, stream=device.stream)
-        plain = device.read(y).astype(np.float64)
         row = {"format": Q4G64, "matrix": name, "shape": list(shape), "tiles": -(-n // 16), "mma_us": seconds * 1e6,
                "mma_ratio_to_copy": mma.nbytes / seconds / bandwidth}
-        arrivals = device.upload(np.zeros(row["tiles"], np.int32), "bench")
-        for per_sm in STREAM_BLOCKS_PER_SM:
-            workers = per_sm * sms
-            sums = device.empty(QM.stream_sum_words(workers, 1), np.float32, "bench")
-
-            def launch(sums=sums, workers=workers):
-                QM.linear_quant_mma_stream(dxf, mma, y, sums, arrivals, workers=workers, stream=device.stream)
-
-            seconds = timed(device, launch)
-            launch()
-            got = device.read(y).astype(np.float64)
-            row[f"stream{per_sm}_us"] = seconds * 1e6
-            row[f"stream{per_sm}_ratio_to_copy"] = mma.nbytes / seconds / bandwidth
-            row[f"stream{per_sm}_rel_to_plain"] = float(np.linalg.norm(got - plain) / np.linalg.norm(plain))
         rows.append(row)
-        print(f"{name:26s} tiles {row['tiles']:4d}: plain {row['mma_us']:6.1f} us {row['mma_ratio_to_copy']:.3f}"
-              + "".join(f"  stream {p}/SM {row[f'stream{p}_us']:6.1f} us {row[f'stream{p}_ratio_to_copy']:.3f}"
-                        f" (rel {row[f'stream{p}_rel_to_plain']:.0e})" for p in STREAM_BLOCKS_PER_SM), flush=True)
+        print(f"{name:26s} tiles {row['tiles']:4d}: {row['mma_us']:6.1f} us  {row['mma_ratio_to_copy']:.3f} of copy",
+              flush=True)
     return rows
 
 

@@ -59,22 +59,6 @@ def test_moe_prefill_with_each_expert_gemm_layout(bench):
     assert [(row["attention"], row["moe_gemm"]) for row in result["prefill"]] == [("gemm", "auto"), ("gemm", "chunked")]
 
 
-def test_decode_with_and_without_stream_k_gemvs(bench, monkeypatch):
-    from ninfer.backends.cuda import host_kernels
-    from ninfer.backends.cuda.host import HostDevice
-
-    workers, stream_launch = [], host_kernels.linear_quant_mma_stream
-    monkeypatch.setattr(host_kernels, "linear_quant_mma_stream",
-                        lambda *args, **kw: (workers.append(kw["workers"]), stream_launch(*args, **kw)))
-    result = bench.bench_config("tiny", "ninfer-v2", "bf16", 1e12, 1e14, device=HostDevice(),
-                                dims=cuda_tiny_dims(moe=True), context=70, prefill_tokens=128, repeats=4,
-                                batches=(1, 8), decode_only=True, gemv_stream=(0, 3))
-    assert [(row["gemv_stream"], row["batch"]) for row in result["decode"]] == [
-        (blocks, batch) for blocks in (0, 3) for batch in (1, 8)]
-    assert result["gemv_stream_after_decode"] == 3
-    assert workers and set(workers) == {6}  # 3 blocks on each of the HostDevice's 2 SMs
-
-
 def test_mtp_rounds_with_the_shortlist_head_time_both_proposal_heads(bench):
     from ninfer.backends.cuda.host import HostDevice
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import attrs
 import numpy as np
 import pytest
 
@@ -56,8 +55,7 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
-               branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               gemv_stream: int = 0):
+               branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -66,8 +64,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
     return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs,
                              device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
-                             decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
-                             gemv_stream=gemv_stream)
+                             decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -174,54 +171,6 @@ def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifa
             assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
     speculative = run_lanes(cuda_build(device_kind, path, decode_quant="mma", draft_tokens=3).runner, prompts, 24)
     assert speculative == got  # greedy MTP equals greedy, row for row (verify rows: 4 per lane, chunked by 8)
-
-
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_stream_k_gemvs_keep_the_logits_and_greedy_mtp_equal_to_greedy(device_kind, artifacts, kind, monkeypatch):
-    """Capacity.gemv_stream: the tensor-core GEMVs as stream-K grids (another summation order on the split tiles)
-    give logits within the bf16 tolerance of the CPU model at every row count (one fragment set, several, and the
-    launches past them), and greedy MTP equals greedy row for row: a token's bits do not depend on how many rows
-    carry it. The MoE model's side branch (its shared expert) launches with its own scratch. Switched off again, no
-    GEMV takes the stream-K kernel and the tokens are the default build's. The tiny models' matrices have at most 32
-    (tile, K block) steps, too few for 3 blocks on each of a GPU's SMs, so the model sees 2 SMs there (a HostDevice
-    reports 2): 6 blocks, which the kernel takes as well as any other grid."""
-    from ninfer.backends.cuda.model import SKINNY_ROWS, Capacity
-
-    if device_kind == "cuda":
-        from ninfer.backends.cuda.device import CudaDevice
-
-        info = CudaDevice.info.fget
-        monkeypatch.setattr(CudaDevice, "info", property(lambda self: attrs.evolve(info(self), multiprocessors=2)))
-    path = artifacts[(kind, "ninfer-v2")]
-    cpu = load_model(path)
-    build = cuda_build(device_kind, path, decode_quant="mma", gemv_stream=3)
-    assert build.model.linear.stream_workers == 6
-    kernels, side_arrivals, launches = build.model.k, build.model.workspace.side_arrivals, []
-    stream_launch = kernels.linear_quant_mma_stream
-    with monkeypatch.context() as patch:
-        patch.setattr(kernels, "linear_quant_mma_stream",
-                      lambda *args, **kw: (launches.append((kw["workers"], args[4] is side_arrivals)),
-                                           stream_launch(*args, **kw)))
-        for length in (1, 9, 33, SKINNY_ROWS):
-            got, want = prompt_logits(build.model, cpu, prompt(length, length))
-            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
-    assert {workers for workers, _ in launches} == {6}
-    assert {side for _, side in launches} == ({False, True} if kind == "moe" else {False})
-    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
-    got = run_lanes(cuda_build(device_kind, path, decode_quant="mma", gemv_stream=3).runner, prompts, 24)
-    speculative = run_lanes(cuda_build(device_kind, path, decode_quant="mma", gemv_stream=3, draft_tokens=3).runner,
-                            prompts, 24)
-    assert speculative == got
-    switched = cuda_build(device_kind, path, decode_quant="mma", gemv_stream=3, graphs=False)
-    switched.model.set_gemv_stream(0)
-    with monkeypatch.context() as patch:
-        patch.setattr(kernels, "linear_quant_mma_stream", lambda *args, **kw: pytest.fail("a stream-K launch"))
-        assert run_lanes(switched.runner, prompts, 24) == run_lanes(
-            cuda_build(device_kind, path, decode_quant="mma").runner, prompts, 24)
-    with pytest.raises(ValueError, match="gemv_stream"):
-        switched.model.set_gemv_stream(1)
-    with pytest.raises(ValueError, match="gemv_stream"):
-        Capacity(lanes=1, max_context=256, kv_dtype="bf16", prefill_rows=128, draft_tokens=0, gemv_stream=4)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

@@ -79,25 +79,6 @@ def warp_max(value):
 
 
 @device_function
-def last_to_arrive(counts, index, blocks, flag):
-    """Called by every thread of a block after it wrote what it hands over to the block that finishes the work:
-    whether this block is the last of `blocks` to arrive at counts[index] (int32, zero before the first arrival).
-    The writes are made visible GPU-wide before the count; the last block zeroes the count for the next launch
-    and, after its own fence, reads the others' writes fresh. flag: a shared int32[1] of the caller."""
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        last = cuda.atomic.add(counts, index, 1) == blocks - 1
-        if last:
-            counts[index] = 0
-        flag[0] = int32(last)
-    cuda.syncthreads()
-    if flag[0] != 0:
-        cuda.threadfence()
-    return flag[0] != 0
-
-
-@device_function
 def sigmoid_f32(x):
     """Split by sign like `ops.sigmoid`, so exp never overflows."""
     if x >= float32(0.0):

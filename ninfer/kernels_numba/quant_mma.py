@@ -48,8 +48,8 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, last_to_arrive,
-                                         load_word_at, load_words2_at, load_words4_at, store_words4_at)
+from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
+                                         load_words2_at, load_words4_at, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -386,9 +386,9 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
     Each weight fragment is decoded once and multiplied by every set: a set's sums are those a one-set block gives.
     Tiles past `last_tile` reload it, so every load stays inside the matrix (or inside one expert's rows); the
-    caller drops their sums. Warp w takes the K blocks q_first + w, q_first + w + warps, ... below q_stop (0 and
-    `blocks`: all of them), `unroll` blocks per step whose loads are all issued before the step's first mma; the
-    warps' sums meet in `partials` (shared, warps * 4 * tiles * sets * 32 floats) and are added in warp order.
+    caller drops their sums. Warp w takes the K blocks w, w + warps, ..., `unroll` blocks per step whose loads are
+    all issued before the step's first mma; the warps' sums meet in `partials` (shared, warps * 4 * tiles * sets * 32
+    floats) and are added in warp order.
 
     Loads go through raw addresses (`address_of`): a block q of the weight planes, of the scales and of the x
     fragments sits q times a fixed stride past the warp's first, so a step costs one add per stream and the unrolled
@@ -411,14 +411,14 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     X_BLOCK = FRAGMENT_WORDS * 4
 
     @large_device_function
-    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, q_stop,
+    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
                   clamp, part):
-        """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one below
-        q_stop when `clamp`): `part` WEIGHTS (planes and scales), X (x fragments) or both (WEIGHTS | X)."""
+        """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
+        `clamp`): `part` WEIGHTS (planes and scales), X (x fragments) or both (WEIGHTS | X)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
-                q = min(q, q_stop - 1)
+                q = min(q, blocks - 1)
             q64 = int64(q)
             for r in range(tiles if part & WEIGHTS else 0):
                 w0 = 4 * (r * unroll + u)
@@ -442,7 +442,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                 xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
 
     @large_device_function
-    def step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop):
+    def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
         """Add the step's blocks (those that exist) to acc: per tile and block, the mma chain of its k-steps times
         the block's scales, for each set (the A fragment of a k-step decoded once)."""
         minus = uint32(MINUS)
@@ -450,7 +450,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         chain = cuda.local.array(CHAIN, float32)
         chain_low = cuda.local.array(CHAIN, float32)  # W8: the low nibbles' chain
         for u in range(unroll):
-            if q0 + u * warps < q_stop:
+            if q0 + u * warps < blocks:
                 for r in range(tiles):
                     w0 = 4 * (r * unroll + u)
                     h0 = HW * (r * unroll + u)
@@ -518,7 +518,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @large_device_function
-    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks, q_first, q_stop):
+    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
@@ -538,26 +538,26 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         set_bytes = int64(blocks) * X_BLOCK  # one fragment set (8 x rows) of K
         for a in range(ACC):
             acc[a] = float32(0.0)
-        q0 = q_first + warp
-        full = q_stop - (unroll - 1) * warps  # steps that start below this have all their blocks
+        q0 = warp
+        full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
         if q0 < full:  # the first step's weights stream in while the kernels before this one finish
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, False, WEIGHTS)
+                      blocks, False, WEIGHTS)
         wait_for_prior_grids()  # x, the expert ids and y are theirs until they complete (a programmatic launch)
         if q0 < full:
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, False, X)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop)
+                      blocks, False, X)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         while q0 < full:
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, False, WEIGHTS | X)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop)
+                      blocks, False, WEIGHTS | X)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
-        while q0 < q_stop:  # the warp's last step lacks blocks: at most one
+        while q0 < blocks:  # the warp's last step lacks blocks: at most one
             load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      q_stop, True, WEIGHTS | X)
-            step_sums(acc, words, highs, scale_pairs, xs, q0, q_stop)
+                      blocks, True, WEIGHTS | X)
+            step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
             q0 += warps * unroll
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
@@ -626,75 +626,10 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
         N = int32(y.shape[1])
         tile0 = int32(cuda.blockIdx.x) * tiles
         acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks, int32(0),
-                  blocks)
+        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks)
         store_sums(y, acc, tile0 * TILE_ROWS, N, accumulate)
 
     return quant_mma_kernel
-
-
-@device_function
-def stream_owner(step, workers, steps):
-    """The worker of `make_quant_mma_stream_kernel` whose share holds (tile, K block) step `step` of `steps`: the
-    largest w with w * steps // workers <= step (int64)."""
-    return ((step + 1) * workers - 1) // steps
-
-
-def make_quant_mma_stream_kernel(bits: int, sets: int = 1, warps: int = WARPS, unroll: int = UNROLL):
-    """The plain kernel's sums (one tile at a time, `sets` fragment sets) over a stream-K split of the matrix: the
-    tiles' K blocks laid end to end, block w of W takes steps [w U // W, (w + 1) U // W) of the U = tiles x blocks,
-    one tile's run of them at a time: `linear_quant_mma_stream`."""
-    ACC = 4 * sets
-    tile_sums = make_tile_sums(bits, 1, warps, unroll, sets)
-    store_sums = make_store_sums(1, sets)
-
-    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32, float32[::1],
-             int32[::1]), fastmath=False)
-    def quant_mma_stream_kernel(xf, base, high, scales, y, blocks, accumulate, partial_sums, arrivals):
-        """A tile whose steps one block holds all of is stored by that block. A tile shared by blocks f..l: each
-        writes its run's sums to its slot of partial_sums (slot 0: the run its share starts with, 1: the run it
-        ends with), and the last to arrive (`last_to_arrive` on arrivals[tile]) adds the runs in K order and
-        stores."""
-        partials = cuda.shared.array(0, float32)
-        flag = cuda.shared.array(1, int32)
-        N = int32(y.shape[1])
-        last_tile = ((N + 15) >> 4) - 1
-        workers = int64(cuda.gridDim.x)
-        worker = int64(cuda.blockIdx.x)
-        steps = int64(last_tile + 1) * blocks
-        start = worker * steps // workers
-        end = (worker + 1) * steps // workers
-        lane = int32(cuda.threadIdx.x & 31)
-        acc = cuda.local.array(ACC, float32)
-        position = start
-        while position < end:  # block-uniform: the barriers inside see every thread
-            tile = int32(position // blocks)
-            q_first = int32(position - int64(tile) * blocks)
-            q_stop = int32(min(int64(blocks), q_first + end - position))
-            tile_sums(acc, partials, xf, int32(0), base, high, scales, tile, last_tile, blocks, q_first, q_stop)
-            first = stream_owner(int64(tile) * blocks, workers, steps)
-            last = stream_owner(int64(tile + 1) * blocks - 1, workers, steps)
-            if first == last:
-                store_sums(y, acc, tile * TILE_ROWS, N, accumulate)
-            else:
-                slot = worker * 2 + (0 if position == start else 1)
-                if cuda.threadIdx.x < 32:
-                    for a in range(ACC):  # one 128-byte line per (slot, register)
-                        partial_sums[(slot * ACC + a) * 32 + lane] = acc[a]
-                if last_to_arrive(arrivals, tile, int32(last - first + 1), flag):
-                    if cuda.threadIdx.x < 32:
-                        # block `first` ran this tile last in its share (slot 1) unless its share starts here
-                        first_slot = first * 2 + (0 if first * steps // workers >= int64(tile) * blocks else 1)
-                        for a in range(ACC):
-                            total = partial_sums[(first_slot * ACC + a) * 32 + lane]
-                            for w in range(first + 1, last + 1):  # every later block's share starts in this tile
-                                total += partial_sums[((w * 2) * ACC + a) * 32 + lane]
-                            acc[a] = total
-                    store_sums(y, acc, tile * TILE_ROWS, N, accumulate)
-            cuda.syncthreads()  # warp 0 has read `partials` before the next run's sums write them
-            position += q_stop - q_first
-
-    return quant_mma_stream_kernel
 
 
 def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
@@ -720,7 +655,7 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
         expert_tile0 = ids[row, slot] * expert_tiles
         acc = cuda.local.array(ACC, float32)
         tile_sums(acc, partials, xf, slot * x_set_words, base, high, scales, expert_tile0 + tile0,
-                  expert_tile0 + expert_tiles - 1, blocks, int32(0), blocks)
+                  expert_tile0 + expert_tiles - 1, blocks)
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
             for a in range(ACC):
@@ -753,12 +688,12 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
         tile = int32(cuda.blockIdx.x)
         acc = cuda.local.array(ACC, float32)
         if tile < tiles_a:  # block-uniform: the barriers inside the sums see every thread of the block
-            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks, int32(0), blocks)
+            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks)
             first = tile * TILE_ROWS
             end = rows_a
         else:
             sums_b(acc, partials, xf, int32(0), base_b, high_b, scales_b, tile - tiles_a,
-                   ((N - rows_a + 15) >> 4) - 1, blocks, int32(0), blocks)
+                   ((N - rows_a + 15) >> 4) - 1, blocks)
             first = rows_a + (tile - tiles_a) * TILE_ROWS
             end = N
         store_sums(y, acc, first, end, 0)
@@ -768,8 +703,6 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
 
 QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, sets=sets)
                      for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
-QUANT_MMA_STREAM_KERNELS = {(bits, sets): make_quant_mma_stream_kernel(bits, sets)
-                            for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
 QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
 # The format pairs the recipes split projections into (convert/qwen_hf.py: Q4 query|key beside Q5 gate|value and
 # value|z); other pairs run as two launches.
@@ -797,44 +730,6 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
     launch(fn, grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets), xf, qw.base, qw.high, qw.scales, y,
            int32(qw.blocks), int32(1 if accumulate else 0), programmatic=programmatic)
-
-
-def stream_sum_words(workers: int, sets: int = ROW_SETS) -> int:
-    """fp32 words of `linear_quant_mma_stream`'s partial sums for `workers` blocks and up to 8 `sets` x rows."""
-    return workers * 2 * 4 * sets * 32
-
-
-def check_stream_shapes(x_words: int, w_shape: tuple[int, int], y_shape: tuple[int, int], workers: int,
-                        sum_words: int, arrival_count: int, blocks: int) -> None:
-    """The ValueError of `linear_quant_mma_stream` for shapes or scratch it cannot take (every block needs a step)."""
-    M, N = y_shape
-    sets = x_sets(M)
-    tiles = math.ceil(N / TILE_ROWS)
-    if N != w_shape[0] or sets > ROW_SETS or x_words < sets * x_fragment_words(w_shape[1]) or not (
-            0 < workers <= tiles * blocks) or sum_words < stream_sum_words(workers, sets) or arrival_count < tiles:
-        raise ValueError(f"tensor-core stream-K linear: W{tuple(w_shape)} y{tuple(y_shape)} (M <= "
-                         f"{MAX_X_ROWS * ROW_SETS}), {x_words} x words, {workers} workers (1..{tiles * blocks}), "
-                         f"{sum_words} partial sum words, {arrival_count} arrival counts")
-
-
-def linear_quant_mma_stream(xf, qw: QuantMmaWeight, y, partial_sums, arrivals, *, workers: int, stream,
-                            accumulate: bool = False) -> None:
-    """`linear_quant_mma` (M <= 8 ROW_SETS) as a stream-K launch of `workers` blocks (a whole number an SM: every SM
-    then streams the same bytes and none idles while others finish, where one block a tile leaves a last partial
-    wave): each block takes an equal run of the (tile, K block) steps, tile by tile; a tile split between blocks is
-    summed by the last of them to arrive, its runs in K order. The result depends on the shape and `workers` alone,
-    not on M nor on which block arrives last, and differs from `linear_quant_mma`'s in summation order on the split
-    tiles. partial_sums fp32 [>= stream_sum_words(workers, sets)]; arrivals int32 [>= row tiles], zero before the
-    first launch (each launch leaves it zero). Capture-safe."""
-    check_stream_shapes(xf.shape[0], qw.shape, y.shape, workers, partial_sums.shape[0], arrivals.shape[0],
-                        qw.blocks)
-    M = y.shape[0]
-    if M == 0:
-        return
-    sets = x_sets(M)
-    launch(QUANT_MMA_STREAM_KERNELS[FORMAT_BITS[qw.fmt], sets], workers, 32 * WARPS, stream,
-           _partials_bytes(1, WARPS, sets), xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks),
-           int32(1 if accumulate else 0), partial_sums, arrivals, programmatic=False)
 
 
 def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:

@@ -340,67 +340,10 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
     assert _rel(wide_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,n,k,workers", [(1, 5120, 17408, 264), (1, 5120, 17408, 396), (3, 40, 512, 5),
-                                           (8, 70, 1024, 17), (17, 40, 5120, 7), (32, 70, 1024, 40)])
-def test_stream_kernels_match_the_twin_and_keep_rows_independent(fmt, m, n, k, workers):
-    """Stream-K (equal runs of (tile, K block) steps a block, a split tile summed by the last block to arrive):
-    within float tolerance of the twin, accumulation included; the same bits on a second launch (the arrival counts
-    come back to zero), and each row's bits whatever rows launch beside it (one fragment set or four)."""
-    from ninfer.kernels_numba.numba_setup import cuda
-
-    rng = np.random.default_rng(m + n + k + workers)
-    payload = _payload(rng, (n, k), fmt)
-    qw = QM.upload_quant_mma(fmt, (n, k), payload)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    y0 = rng.standard_normal((m, n)).astype(np.float32)
-    stream = cuda.stream()
-    partial_sums = cuda.to_device(np.full(QM.stream_sum_words(workers), np.nan, np.float32), stream=stream)
-    arrivals = cuda.to_device(np.zeros(-(-n // 16), np.int32), stream=stream)
-
-    def run(rows, accumulate=False):
-        xf = cuda.device_array(QM.x_sets(len(x[rows])) * QM.x_fragment_words(k), np.uint32, stream=stream)
-        QM.x_fragments(cuda.to_device(x[rows], stream=stream), xf, stream=stream)
-        dy = cuda.to_device(y0[rows] if accumulate else np.full((len(x[rows]), n), np.nan, np.float32),
-                            stream=stream)
-        QM.linear_quant_mma_stream(xf, qw, dy, partial_sums, arrivals, workers=workers, stream=stream,
-                                   accumulate=accumulate)
-        out = dy.copy_to_host(stream=stream)
-        stream.synchronize()
-        return out
-
-    got = run(slice(0, m))
-    assert _rel(got, QM.linear_quant_mma_reference(x, fmt, (n, k), payload)) < 1e-5
-    assert not arrivals.copy_to_host().any()
-    np.testing.assert_array_equal(run(slice(0, m)), got)
-    got_acc = run(slice(0, m), accumulate=True)
-    assert _rel(got_acc, QM.linear_quant_mma_reference(x, fmt, (n, k), payload, y0, accumulate=True)) < 1e-5
-    for i in sorted({0, m - 1}):
-        np.testing.assert_array_equal(run(slice(i, i + 1))[0], got[i])
-
-
-def test_stream_launches_check_their_shapes_and_scratch():
-    qw = QM.QuantMmaWeight(Q4G64, (40, 128), None, None, None, 2, 0)  # refused before any device work
-    xf = np.zeros(QM.x_fragment_words(128), np.uint32)
-    y = np.zeros((1, 40), np.float32)
-    with pytest.raises(ValueError, match="stream-K linear"):  # 33 rows: more than four fragment sets
-        QM.linear_quant_mma_stream(np.zeros(5 * QM.x_fragment_words(128), np.uint32), qw,
-                                   np.zeros((33, 40), np.float32), np.zeros(QM.stream_sum_words(2), np.float32),
-                                   np.zeros(3, np.int32), workers=2, stream=0)
-    # too small partial sums, too few arrival counts, no worker, more workers than the 3 x 2 steps
-    for sums, counts, workers in ((QM.stream_sum_words(2, 1) - 1, 3, 2), (QM.stream_sum_words(2, 1), 2, 2),
-                                  (QM.stream_sum_words(2, 1), 3, 0), (QM.stream_sum_words(7, 1), 3, 7)):
-        with pytest.raises(ValueError, match="stream-K linear"):
-            QM.linear_quant_mma_stream(xf, qw, y, np.zeros(sums, np.float32), np.zeros(counts, np.int32),
-                                       workers=workers, stream=0)
-
-
 @pytest.mark.slow
 def test_kernels_match_their_twins_in_the_cuda_simulator():
-    """Every format's x fragments, GEMV (one and two fragment sets, accumulating), stream-K GEMV (Q4; 2, 5 and 12
-    workers, twice: the arrival counts come back to zero), gathered MoE GEMV (shared and per-slot x) and
-    dequantization, and the Q4|Q5 pair launch (bitwise the two single launches), their own source run
+    """Every format's x fragments, GEMV (one and two fragment sets, accumulating), gathered MoE GEMV (shared and
+    per-slot x) and dequantization, and the Q4|Q5 pair launch (bitwise the two single launches), their own source run
     thread by thread with the mma, packed bf16 fma and global loads emulated (about 20 s)."""
     from tests.support.simulated_kernels import run
 

@@ -17,9 +17,6 @@ from ninfer.backends.cuda.blas import check_batched, check_chunked, check_column
 from ninfer.backends.cuda.device import DeviceInfo
 
 HOST_BYTES = 64 << 30  # the memory a HostDevice reports by default (KV auto-sizing needs a number)
-# The SMs a HostDevice reports: few, so that a stream-K grid of a few blocks an SM (Capacity.gemv_stream) fits the
-# (tile, K block) steps of the tiny test models' GEMVs and the model's stream-K path runs on the host too.
-HOST_MULTIPROCESSORS = 2
 
 
 class HostDevice:
@@ -36,7 +33,7 @@ class HostDevice:
     @property
     def info(self) -> DeviceInfo:
         used = sum(self.ledger.values())
-        return DeviceInfo(0, "host (NumPy twins)", self._total, self._total - used, HOST_MULTIPROCESSORS)
+        return DeviceInfo(0, "host (NumPy twins)", self._total, self._total - used, 0)
 
     @property
     def kernels(self) -> Any:

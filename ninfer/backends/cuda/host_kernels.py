@@ -73,11 +73,6 @@ class QuantMmaWeight(QuantWeight):
 
     tensor_core = True
 
-    @property
-    def blocks(self) -> int:
-        """K blocks of a row tile, as the device weight counts them (`Linear` sizes stream-K grids by them)."""
-        return self.shape[1] // _quant_mma.BLOCK
-
 
 def upload_quant_mma(fmt, shape, payload, *, stream=0) -> QuantMmaWeight:
     payload = np.asarray(payload, dtype=np.uint8).copy()
@@ -115,13 +110,6 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False)
                          f"{xf.shape[0]} x words")
     out = row_linear(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded())
     y[...] = (y + out) if accumulate else out
-
-
-def linear_quant_mma_stream(xf, qw, y, partial_sums, arrivals, *, workers, stream, accumulate=False):
-    """The stream-K GEMV's twin is the plain one's (the device differs only in summation order)."""
-    _quant_mma.check_stream_shapes(xf.shape[0], qw.shape, y.shape, workers, partial_sums.shape[0], arrivals.shape[0],
-                                   qw.blocks)
-    linear_quant_mma(xf, qw, y, stream=stream, accumulate=accumulate)
 
 
 def has_pair_kernel(first, second):

@@ -36,8 +36,6 @@ from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
-from ninfer.kernels_numba.quant_mma import TILE_ROWS as MMA_TILE_ROWS
-from ninfer.kernels_numba.quant_mma import stream_sum_words
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.device import CudaDevice, Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
@@ -63,9 +61,6 @@ SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill
 # prefill from 249.8 ms ("auto" then: padded within 2x, else grouped) to 230.5.
 PADDED_EXPERT_ROWS_LIMIT = 1.6
 MOE_CHUNK_ROWS = 128  # rows a batch entry of the chunked layout
-# Blocks an SM a stream-K GEMV grid may take (Capacity.gemv_stream): whole numbers, so every SM streams the same
-# bytes, and at most 3, what the kernel's 70 registers a thread keep resident at once.
-GEMV_STREAM_BLOCKS = (2, 3)
 
 
 @attrs.frozen
@@ -74,13 +69,6 @@ class PrefillSpan:
 
     lane: int
     kv_start: int
-
-
-def check_gemv_stream(blocks_per_sm: int) -> None:
-    """The ValueError of a stream-K grid size the tensor-core GEMVs do not take (0: off)."""
-    if blocks_per_sm not in (0,) + GEMV_STREAM_BLOCKS:
-        raise ValueError(f"gemv_stream must be 0 or one of {GEMV_STREAM_BLOCKS} (blocks an SM), got "
-                         f"{blocks_per_sm!r}")
 
 
 @attrs.frozen
@@ -118,20 +106,12 @@ class Capacity:
     # while the kernel before finishes and load their first weights before waiting for it. Same kernels, same bits;
     # off until bench/cuda_model.py --programmatic off,on has measured it on the GPU.
     programmatic_launch: bool = False
-    # Tensor-core quantized GEMVs as stream-K grids of this many blocks an SM (`linear_quant_mma_stream`: each block
-    # an equal run of the matrix's (tile, K block) steps), for every matrix with a step for each block. Session 13's
-    # tile sweep has each SM streaming ~20 GB/s whatever blocks it holds, so a 320-tile matrix (the 27B's down,
-    # o_proj, gdn out) leaves 56 of the H200's 132 SMs a third tile while the rest idle; stream-K gives every SM the
-    # same bytes. 0: off. Another summation order on the split tiles, the same at every row count; off until
-    # bench/quant_gemv.py --tiles and bench/cuda_model.py --gemv-stream have measured it.
-    gemv_stream: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.decode_linear not in ("cublas", "kernels"):
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
             raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
-        check_gemv_stream(self.gemv_stream)
         if self.spec not in SPEC_BACKENDS:
             raise ValueError(f"spec must be one of {', '.join(SPEC_BACKENDS)}, got {self.spec!r}")
 
@@ -508,10 +488,7 @@ class Workspace:
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
                  decode_attention_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0,
-                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0,
-                 stream_workers: int = 0, stream_tiles: int = 0) -> None:
-        """`stream_workers`: the largest stream-K grid (Capacity.gemv_stream); `stream_tiles`: row tiles of the
-        tallest tensor-core matrix."""
+                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -605,14 +582,6 @@ class Workspace:
         # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
         self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
         self.side_x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
-        # stream-K GEMVs (Capacity.gemv_stream, switchable): each stream's partial sums and per-tile arrival counts
-        # (zero between launches), so the side branch's launches never share the serving stream's
-        self.partial_sums = self.side_partial_sums = self.arrivals = self.side_arrivals = None
-        if fragment_words:
-            words = stream_sum_words(stream_workers, device.kernels.ROW_SETS)
-            self.partial_sums, self.side_partial_sums = buf(words), buf(words)
-            self.arrivals = device.zeros(stream_tiles, np.int32, "workspace")
-            self.side_arrivals = device.zeros(stream_tiles, np.int32, "workspace")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -626,8 +595,6 @@ class SideScratch:
 
     x_bf16: Any
     x_fragments: Any
-    partial_sums: Any = None
-    arrivals: Any = None
     split_a: None = None
     split_b: None = None
     w_bf16: None = None
@@ -654,7 +621,6 @@ class Linear:
         self._stream = device.stream
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
         self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
-        self.stream_workers = 0  # Capacity.gemv_stream blocks an SM x the SMs (CudaQwen.set_gemv_stream); 0: off
 
     def beside(self, side: Any, scratch: "SideScratch") -> Linear:
         """A Linear with this one's settings that launches on the side stream `side`, with its cuBLAS handle and
@@ -679,7 +645,15 @@ class Linear:
             return
         if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
             if _tensor_core(w):
-                self._tensor_core_rows(x, w, y, rows, accumulate, x_fragments, self.stream_workers)
+                if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
+                    k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate,
+                                       programmatic=self.programmatic)
+                    return
+                for first in range(0, rows, self.mma_launch_rows):  # a row's result is independent of the others
+                    last = min(rows, first + self.mma_launch_rows)
+                    k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
+                    k.linear_quant_mma(self._ws.x_fragments, w, y[first:last], stream=stream, accumulate=accumulate,
+                                       programmatic=self.programmatic)
             elif is_quantized(w):
                 k.linear_quant(x[:rows], w, y[:rows], stream=stream, accumulate=accumulate)
             else:
@@ -691,30 +665,6 @@ class Linear:
             k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=stream)
         self.blas.gemm_bf16(self.bf16_input(gemm_rows, width), self.bf16_weight(w), y[:gemm_rows],
                             accumulate=accumulate)
-
-    def _tensor_core_rows(self, x: Any, w: Matrix, y: Any, rows: int, accumulate: bool, x_fragments: Any,
-                          workers: int) -> None:
-        """Up to SKINNY_ROWS rows through the tensor-core GEMV in launches of `mma_launch_rows` rows (a row's result
-        is independent of the others): a stream-K grid of `workers` blocks where w has a (tile, K block) step for
-        each (at every row count, so a row's bits never depend on how many rows carry it), else the plain kernel."""
-        k, stream = self._k, self._stream
-        workers = workers if -(-w.shape[0] // MMA_TILE_ROWS) * w.blocks >= workers else 0
-
-        def gemv(fragments: Any, out: Any) -> None:
-            if workers:
-                k.linear_quant_mma_stream(fragments, w, out, self._ws.partial_sums, self._ws.arrivals,
-                                          workers=workers, stream=stream, accumulate=accumulate)
-            else:
-                k.linear_quant_mma(fragments, w, out, stream=stream, accumulate=accumulate,
-                                   programmatic=self.programmatic)
-
-        if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
-            gemv(x_fragments, y[:rows])
-            return
-        for first in range(0, rows, self.mma_launch_rows):
-            last = min(rows, first + self.mma_launch_rows)
-            k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
-            gemv(self._ws.x_fragments, y[first:last])
 
     def _gemm_rows(self, rows: int, x: Any, y: Any) -> int:
         """Rows a cuBLAS call computes: `pad_rows` for calls of up to that many (one GEMM shape whatever the
@@ -778,17 +728,14 @@ class Linear:
             x_fragments = self._ws.x_fragments  # one conversion for both blocks
             self._k.x_fragments(x[:rows], x_fragments, stream=self._stream)
         first, second = w.parts
-        paired = _tensor_core(first) and _tensor_core(second) and self._k.has_pair_kernel(first, second)
-        if x_fragments is not None and rows <= min(self.mma_launch_rows, SKINNY_ROWS) and paired:
+        if (x_fragments is not None and rows <= min(self.mma_launch_rows, SKINNY_ROWS) and _tensor_core(first)
+                and _tensor_core(second) and self._k.has_pair_kernel(first, second)):
             self._k.linear_quant_mma_pair(x_fragments, first, second, y[:rows], stream=self._stream,
                                           programmatic=self.programmatic)  # one launch, no join
             return
         for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
             out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
-            if paired:  # never stream-K: the bits of the pair launch, which takes the other row counts
-                self._tensor_core_rows(x, part, out, rows, False, x_fragments, 0)
-            else:
-                self(x, part, out, rows=rows, x_fragments=x_fragments)
+            self(x, part, out, rows=rows, x_fragments=x_fragments)
             outputs.append(out[:rows])
         self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._stream)
 
@@ -847,7 +794,6 @@ class CudaQwen:
         self.inv_freq = device.upload(rope_inv_freq(dims.rotary_dim, dims.rope_theta), "weights")
         device.synchronize()
         self.free_after_weights = device.info.free_bytes  # what --kv-capacity auto sizes from
-        self.multiprocessors = device.info.multiprocessors  # the stream-K GEMVs' grids are whole blocks an SM
 
         self.pages = 0
         self.kv: dict[int, KvPool] = {}
@@ -866,9 +812,7 @@ class CudaQwen:
                                    tensor_core_attention=capacity.tensor_core_attention,
                                    fragment_words=self._fragment_words(),
                                    slot_fragment_words=self._slot_fragment_words(), dflash=drafter,
-                                   decode_rows=capacity.decode_rows,
-                                   stream_workers=max(GEMV_STREAM_BLOCKS) * self.multiprocessors,
-                                   stream_tiles=self._stream_tiles())
+                                   decode_rows=capacity.decode_rows)
         # DFlash: the sliding layers' rings, each lane's committed columns not yet projected (their context
         # features, k+1 rows a lane), which target layer fills which column block of the features, the call buffers.
         self.dflash_rings: dict[int, DFlashRing] = {}
@@ -914,9 +858,7 @@ class CudaQwen:
                              pad_rows=capacity.decode_rows if cublas else 0)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self.set_programmatic(capacity.programmatic_launch)
-        self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments,
-                                         self.workspace.side_partial_sums, self.workspace.side_arrivals)
-        self.set_gemv_stream(capacity.gemv_stream)
+        self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
 
@@ -927,13 +869,6 @@ class CudaQwen:
         for linear in (self.linear, self.dflash_linear):
             if linear is not None:
                 linear.programmatic = on
-
-    def set_gemv_stream(self, blocks_per_sm: int) -> None:
-        """Capacity.gemv_stream, switchable between steps like the branches."""
-        check_gemv_stream(blocks_per_sm)
-        for linear in (self.linear, self.dflash_linear):
-            if linear is not None:
-                linear.stream_workers = blocks_per_sm * self.multiprocessors
 
     def set_branches(self, on: bool) -> None:
         """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
@@ -979,11 +914,6 @@ class CudaQwen:
         """x-fragment words of the widest input a tensor-core quantized matrix reads, for the sets of one launch."""
         widths = [m.shape[1] for m in (*self._matrices(), self.head) if _tensor_core(m)]
         return self.k.ROW_SETS * self.k.x_fragment_words(max(widths)) if widths else 0
-
-    def _stream_tiles(self) -> int:
-        """Row tiles of the tallest tensor-core matrix: the arrival counts a stream-K GEMV needs (one a tile)."""
-        matrices = (*self._matrices(), self.head, self.draft_head)
-        return max((-(-m.shape[0] // MMA_TILE_ROWS) for m in matrices if _tensor_core(m)), default=0)
 
     def _slot_fragment_words(self) -> int:
         """x-fragment words of the per-slot inputs of the MoE down projections, when they are tensor-core: one set
