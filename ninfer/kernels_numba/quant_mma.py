@@ -411,10 +411,9 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     X_BLOCK = FRAGMENT_WORDS * 4
 
     @large_device_function
-    def load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0, blocks,
-                  clamp, part):
+    def load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, clamp, part):
         """The loads of the step whose first block is q0 (block u: q0 + u * warps, clamped to the last one when
-        `clamp`): `part` WEIGHTS (planes and scales), X (x fragments) or both (WEIGHTS | X)."""
+        `clamp`): `part` WEIGHTS (the code planes), X (x fragments) or both (WEIGHTS | X)."""
         for u in range(unroll):
             q = q0 + u * warps
             if clamp:
@@ -433,13 +432,20 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                         highs[h0], highs[h0 + 1] = load_words2_at(at)
                     else:
                         highs[h0], highs[h0 + 1], highs[h0 + 2], highs[h0 + 3] = load_words4_at(at)
-                for k in range(SW):
-                    scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
             for t in range(sets if part & X else 0):  # block q's x fragments of every set
                 at = x_lane + t * set_bytes + q64 * X_BLOCK
                 x0 = 8 * (u * sets + t)
                 xs[x0], xs[x0 + 1], xs[x0 + 2], xs[x0 + 3] = load_words4_at(at)
                 xs[x0 + 4], xs[x0 + 5], xs[x0 + 6], xs[x0 + 7] = load_words4_at(at + 16)
+
+    @device_function
+    def load_scales(scale_pairs, tile_scale, q0, blocks):
+        """The scale pairs of the step whose first block is q0 (blocks past the last clamped onto it)."""
+        for u in range(unroll):
+            q64 = int64(min(q0 + u * warps, blocks - 1))
+            for r in range(tiles):
+                for k in range(SW):
+                    scale_pairs[SW * (r * unroll + u) + k] = load_word_at(tile_scale[r] + q64 * SCALE_BLOCK + 32 * k)
 
     @large_device_function
     def step_sums(acc, words, highs, scale_pairs, xs, q0, blocks):
@@ -518,13 +524,14 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
     @large_device_function
-    def tile_sums(acc, partials, xf, x_base, base, high, scales, first_tile, last_tile, blocks):
+    def tile_sums(acc, partials, xf, x_base, x_lane_index, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
         warp = int32(cuda.threadIdx.x >> 5)
         g = lane >> 2
         words = cuda.local.array(WORDS, uint32)
         highs = cuda.local.array(HIGHS, uint32)
         scale_pairs = cuda.local.array(SCALES, uint32)
+        next_scales = cuda.local.array(SCALES, uint32)
         xs = cuda.local.array(XS, uint32)
         tile_base = cuda.local.array(tiles, int64)  # block 0 of tile r, this lane's slot
         tile_high = cuda.local.array(tiles, int64)
@@ -534,31 +541,38 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
             tile_base[r] = address_of(base) + at * BASE_BLOCK + lane * 16
             tile_high[r] = address_of(high) + at * HIGH_BLOCK + lane * (HW * 4)
             tile_scale[r] = address_of(scales) + at * SCALE_BLOCK + g * 4
-        x_lane = address_of(xf) + int64(x_base) * 4 + lane * 32
+        x_lane = address_of(xf) + int64(x_base) * 4 + x_lane_index * 32
         set_bytes = int64(blocks) * X_BLOCK  # one fragment set (8 x rows) of K
         for a in range(ACC):
             acc[a] = float32(0.0)
         q0 = warp
+        stride = warps * unroll
         full = blocks - (unroll - 1) * warps  # steps that start below this have all their blocks
-        if q0 < full:  # the first step's weights stream in while the kernels before this one finish
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      blocks, False, WEIGHTS)
+        # A step's scales load during the step before it: ptxas places a scale load issued with its step's codes
+        # after the step's first mma (it is needed only after the chain), which left a DRAM round trip per step
+        # on the critical path.
+        if q0 < blocks:  # the first step's weights stream in while the kernels before this one finish
+            load_scales(scale_pairs, tile_scale, q0, blocks)
+        if q0 < full:
+            load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, False, WEIGHTS)
         wait_for_prior_grids()  # x, the expert ids and y are theirs until they complete (a programmatic launch)
         if q0 < full:
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      blocks, False, X)
+            load_scales(next_scales, tile_scale, q0 + stride, blocks)
+            load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, False, X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-            q0 += warps * unroll
+            for i in range(SCALES):
+                scale_pairs[i] = next_scales[i]
+            q0 += stride
         while q0 < full:
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      blocks, False, WEIGHTS | X)
+            load_scales(next_scales, tile_scale, q0 + stride, blocks)
+            load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, False, WEIGHTS | X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-            q0 += warps * unroll
-        while q0 < blocks:  # the warp's last step lacks blocks: at most one
-            load_step(words, highs, scale_pairs, xs, tile_base, tile_high, tile_scale, x_lane, set_bytes, q0,
-                      blocks, True, WEIGHTS | X)
+            for i in range(SCALES):
+                scale_pairs[i] = next_scales[i]
+            q0 += stride
+        if q0 < blocks:  # the warp's last step lacks blocks (at most one); its scales are loaded
+            load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, True, WEIGHTS | X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-            q0 += warps * unroll
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
         cuda.syncthreads()
@@ -570,6 +584,20 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                 acc[a] = total
 
     return tile_sums
+
+
+@device_function
+def x_fragment_lane(rows):
+    """The lane whose x-fragment words this lane loads when the launch keeps only x rows below `rows`: row g sits in
+    lanes 4 g .. 4 g + 3 (the B fragment's column), so rows 0..P-1 (P the power of two >= rows) are lanes below 4 P,
+    and a lane above reads lane (lane mod 4 P)'s words into an mma column that is dropped. At M = 1 a warp then
+    reads 128 bytes of x a K block instead of 1 KB: on the H200 a chained weight stream with the full x fragments
+    ran 17.9 us at the 27B down shape, with the narrow ones 15.9 (bench/results/dram_streams_session14.json).
+    More than 8 rows (several fragment sets): every lane its own."""
+    span = int32(4)
+    while span < 4 * rows and span < 32:
+        span *= 2
+    return int32(cuda.threadIdx.x) & (span - 1)
 
 
 @device_function
@@ -626,7 +654,8 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
         N = int32(y.shape[1])
         tile0 = int32(cuda.blockIdx.x) * tiles
         acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, int32(0), base, high, scales, tile0, ((N + 15) >> 4) - 1, blocks)
+        tile_sums(acc, partials, xf, int32(0), x_fragment_lane(int32(y.shape[0])), base, high, scales, tile0,
+                  ((N + 15) >> 4) - 1, blocks)
         store_sums(y, acc, tile0 * TILE_ROWS, N, accumulate)
 
     return quant_mma_kernel
@@ -654,7 +683,8 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
         tile0 = int32(cuda.blockIdx.x) * tiles  # inside the expert
         expert_tile0 = ids[row, slot] * expert_tiles
         acc = cuda.local.array(ACC, float32)
-        tile_sums(acc, partials, xf, slot * x_set_words, base, high, scales, expert_tile0 + tile0,
+        x_lane_index = (int32(cuda.threadIdx.x) & 3) | (row << 2)  # every column a copy of x row `row`'s
+        tile_sums(acc, partials, xf, slot * x_set_words, x_lane_index, base, high, scales, expert_tile0 + tile0,
                   expert_tile0 + expert_tiles - 1, blocks)
         if cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
@@ -687,12 +717,13 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
         tiles_a = (rows_a + 15) >> 4
         tile = int32(cuda.blockIdx.x)
         acc = cuda.local.array(ACC, float32)
+        x_lane_index = x_fragment_lane(int32(y.shape[0]))
         if tile < tiles_a:  # block-uniform: the barriers inside the sums see every thread of the block
-            sums_a(acc, partials, xf, int32(0), base_a, high_a, scales_a, tile, tiles_a - 1, blocks)
+            sums_a(acc, partials, xf, int32(0), x_lane_index, base_a, high_a, scales_a, tile, tiles_a - 1, blocks)
             first = tile * TILE_ROWS
             end = rows_a
         else:
-            sums_b(acc, partials, xf, int32(0), base_b, high_b, scales_b, tile - tiles_a,
+            sums_b(acc, partials, xf, int32(0), x_lane_index, base_b, high_b, scales_b, tile - tiles_a,
                    ((N - rows_a + 15) >> 4) - 1, blocks)
             first = rows_a + (tile - tiles_a) * TILE_ROWS
             end = N

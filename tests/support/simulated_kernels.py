@@ -159,8 +159,10 @@ def gdn_chunked() -> None:
 
 def quant_mma() -> None:
     """The tensor-core quantized decode kernels of every format against their twins: x fragments, the plain GEMV
-    with one and two fragment sets and accumulation (a partial row tile), the gathered MoE GEMV with shared and
-    per-slot x, and the dequantization for prefill (bitwise)."""
+    with one and two fragment sets and accumulation (a partial row tile; one x row, whose lanes read narrow x), over
+    a K of 2 blocks (every warp's only step partial) and of 40 (full steps, their scales loaded a step ahead, then
+    a partial one), the gathered MoE GEMV with shared and per-slot x, and the dequantization for prefill
+    (bitwise)."""
     from ninfer.artifact import codec
     from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
     from ninfer.kernels_numba import quant_linear
@@ -170,10 +172,10 @@ def quant_mma() -> None:
     cuda_simulator.install(vars(qm))
     rng = np.random.default_rng(5)
     for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
-        shape = (24, 128)
-        payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
-        weight = qm.upload_quant_mma(fmt, shape, payload)
-        for rows in (3, 9):
+        for rows, k in ((1, 128), (3, 128), (9, 128), (1, 2560), (9, 2560)):
+            shape = (24, k)
+            payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
+            weight = qm.upload_quant_mma(fmt, shape, payload)
             x = rng.standard_normal((rows, shape[1])).astype(np.float32)
             fragments = np.zeros(qm.x_sets(rows) * qm.x_fragment_words(shape[1]), np.uint32)
             qm.x_fragments(x, fragments, stream=0)
@@ -182,7 +184,10 @@ def quant_mma() -> None:
             y = y0.copy()
             qm.linear_quant_mma(fragments, weight, y, stream=0, accumulate=True)
             want = qm.linear_quant_mma_reference(x, fmt, shape, payload, y0, accumulate=True)
-            assert _rel(y, want) < 1e-5, (fmt, rows, _rel(y, want))
+            assert _rel(y, want) < 1e-5, (fmt, rows, k, _rel(y, want))
+        shape = (24, 128)
+        payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
+        weight = qm.upload_quant_mma(fmt, shape, payload)
         out = np.zeros(shape, np.uint16)
         qm.dequantize_mma_bf16(weight, out, stream=0)
         assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, shape, payload)), fmt
