@@ -23,7 +23,11 @@ On the H200 (results/dram_streams_session14.json; 320 tiles, the 27B down projec
   GEMV itself 23.0 with copies cycled (21.6 reusing one, which the L2 partly holds);
 - the GEMV's SASS (tools/sass.py) showed ptxas issuing each step's first scale load after the step's first mma,
   a second DRAM round trip a step: with the scales loaded a step ahead and narrow x at M <= 4 the GEMV took 20.4
-  (results/dram_streams_session14_after.json).
+  (results/dram_streams_session14_after.json);
+- without L1 allocation for the weights and scales (`no-allocate`) the probe's chained + scales + narrow x went
+  17.0 -> 15.9 us, but the GEMV with such loads ran as before (20.2 against 20.3) and with 4 chunks a warp slower
+  (25.2), so the GEMV's remaining ~3 us over its probe is its own arithmetic between a step's loads and the next
+  (results/dram_streams_session14_no_allocate.json).
 
 Run on the GPU machine: `python bench/dram_streams.py`; JSON to $OUT/dram_streams.json (bench/results without OUT).
 """
@@ -42,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer.kernels_numba.common import address_of, load_word_at, load_words2_at, load_words4_at
 from ninfer.kernels_numba.linear import load4  # noqa: E402
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402
-from numba import int32, int64, uint32  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import int32, int64, types, uint32  # noqa: E402
+from numba.cuda.extending import intrinsic  # noqa: E402
 
 WARPS = 8
 CHUNK = 512  # bytes a warp loads at once: 32 lanes x 16 bytes, one (tile, K block) of the Q4 layout
@@ -54,20 +60,47 @@ SCALES_WIDE = 2  # the step's `unroll` scale words of a lane as one load (scales
 X = 4  # two 16-byte words a lane of the K block's x fragments (1 KB: 8 x rows), one array every block reads
 X_NARROW = 8  # the same two words from a 128-byte K block (lanes with equal lane % 4 share them: M = 1)
 X_SHARED = 16  # X_NARROW's K blocks staged once a block in shared memory (34 KB), read from there
+NO_ALLOCATE = 32  # the weight and scale loads through the read-only path without L1 allocation
 SCALE_CHUNK = 32  # scale bytes of a (tile, K block): 8 words, lane l reads word l // 4
 X_CHUNK = 1024  # x-fragment bytes of a K block: 32 bytes a lane, the same for every tile
 X_NARROW_CHUNK = 128
-UNROLLS = (2, 4)
+UNROLLS = (2,)
 # (striped, chained, extras): session 14's first run found tiles = stripes and the chain costing ~15% at unroll 2,
 # the second that the x fragments and the scales cost most of the rest
 VARIANTS = ((False, False, 0), (False, True, 0), (False, True, SCALES), (False, True, SCALES_WIDE),
             (False, True, X), (False, True, X_NARROW), (False, True, X_SHARED), (False, True, SCALES | X),
-            (False, True, SCALES_WIDE | X_SHARED), (False, True, SCALES_WIDE | X_NARROW))
-EXTRA_NAMES = {SCALES: "scales", SCALES_WIDE: "scales-wide", X: "x", X_NARROW: "x-narrow", X_SHARED: "x-shared"}
+            (False, True, SCALES | X_NARROW), (False, True, SCALES | X_NARROW | NO_ALLOCATE),
+            (False, True, SCALES | X | NO_ALLOCATE))
+EXTRA_NAMES = {SCALES: "scales", SCALES_WIDE: "scales-wide", X: "x", X_NARROW: "x-narrow", X_SHARED: "x-shared",
+               NO_ALLOCATE: "no-allocate"}
 ROTATION_BYTES = 256 << 20  # bytes of copies launches cycle through: 5x the L2
 READ_BLOCKS_PER_SM = 4
 GEMV_COPIES = 5
 _KERNELS: dict = {}
+
+
+def _make_no_allocate_load(count: int):
+    @intrinsic
+    def load_no_allocate(typingctx, address):
+        """`count` (1 or 4) uint32 words at a global byte address through the read-only path without L1 allocation
+        (`ld.global.nc.L1::no_allocate`), so the streamed bytes leave the L1 to the x lines."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            if count == 1:
+                return builder.asm(ir.FunctionType(i32, [ir.IntType(64)]),
+                                   "ld.global.nc.L1::no_allocate.u32 $0, [$1];", "=r,l", list(args), side_effect=False)
+            value = builder.asm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)]),
+                                "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                list(args), side_effect=False)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(value, i) for i in range(4)])
+
+        return (uint32 if count == 1 else types.UniTuple(uint32, 4))(int64), codegen
+
+    return load_no_allocate
+
+
+load_word_no_allocate_at = _make_no_allocate_load(1)
+load_words4_no_allocate_at = _make_no_allocate_load(4)
 
 
 def stream_kernel(unroll: int, striped: bool, chained: bool, extras: int = 0):
@@ -115,11 +148,14 @@ def stream_kernel(unroll: int, striped: bool, chained: bool, extras: int = 0):
                 else:
                     others[0], others[1], others[2], others[3] = load_words4_at(at)
             for u in range(unroll):
-                words[4 * u], words[4 * u + 1], words[4 * u + 2], words[4 * u + 3] = load_words4_at(
-                    lane_at + (chunk + u * WARPS) * CHUNK)
+                at = lane_at + (chunk + u * WARPS) * CHUNK
+                if extras & NO_ALLOCATE:
+                    words[4 * u], words[4 * u + 1], words[4 * u + 2], words[4 * u + 3] = load_words4_no_allocate_at(at)
+                else:
+                    words[4 * u], words[4 * u + 1], words[4 * u + 2], words[4 * u + 3] = load_words4_at(at)
                 if extras & SCALES:
-                    others[u] = load_word_at(address_of(scales) + (chunk + u * WARPS + warp) * SCALE_CHUNK
-                                             + (lane >> 2) * 4)
+                    at = address_of(scales) + (chunk + u * WARPS + warp) * SCALE_CHUNK + (lane >> 2) * 4
+                    others[u] = load_word_no_allocate_at(at) if extras & NO_ALLOCATE else load_word_at(at)
                 o = scale_words + 8 * u
                 if extras & (X | X_NARROW):
                     at = x_at + (x_chunk + u * WARPS) * x_stride
@@ -153,9 +189,10 @@ def read_grid_stride(buf, out, vectors):
     out[cuda.grid(1)] = acc
 
 
-def gemv_row(device, record, tiles: int, rng) -> None:
+def gemv_rows(device, record, tiles: int, rng) -> None:
     """The Q4 tensor-core GEMV itself at M = 1 on a [16 tiles, 17408] matrix, cycling through GEMV_COPIES copies
-    (the probe rows' setting; bench/quant_gemv.py --tiles reuses one copy, which the 50 MB L2 partly holds)."""
+    (the probe rows' setting), then reusing one copy as bench/quant_gemv.py --tiles does (the 50 MB L2 partly holds
+    it)."""
     from bench.quant_gemv import random_payload
     from ninfer.artifact.formats import Q4G64
     from ninfer.kernels_numba import quant_mma as QM
@@ -239,7 +276,7 @@ def main() -> None:
                          "bytes": tiles * steps * WARPS * unroll * CHUNK},
                         lambda data, scales, fn=fn, shared=shared: fn[tiles, WARPS * 32, device.stream, shared](
                             data, out, int32(steps), zero, scales, xf, int32(x_words)))
-        gemv_row(device, measure_gemv, tiles, rng)
+        gemv_rows(device, measure_gemv, tiles, rng)
     path = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "dram_streams.json"
     path.write_text(json.dumps(report, indent=1))
 

@@ -18,6 +18,7 @@ def test_every_probe_variant_compiles_with_its_loads():
             ptx = hopper_ptx(D.stream_kernel(unroll, striped, chained, extras).py_func, signature, {})
             assert ".target sm_90" in ptx and "ld.global.v4.u32" in ptx, (unroll, extras)
             assert ("ld.shared.v4.u32" in ptx) == bool(extras & D.X_SHARED), (unroll, extras)
+            assert ("ld.global.nc.L1::no_allocate.v4.u32" in ptx) == bool(extras & D.NO_ALLOCATE), (unroll, extras)
             if extras & D.SCALES_WIDE:  # the step's scale words of a lane as one load
                 assert f"ld.global.v{unroll}.u32" in ptx, (unroll, extras)
     ptx = hopper_ptx(D.read_grid_stride.py_func, (uint32[::1], uint32[::1], int64), {})
