@@ -9,7 +9,8 @@ without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 
 quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at a time around the down and gate_up
 shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
 = 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, JSON to
-quant_gemv_tiles.json.
+quant_gemv_tiles.json. (Session 14 timed the kernels with each step's codes loaded during the step before against
+the former ones, matrix copies cycled: results/quant_gemv_prefetch_session14.json.)
 """
 
 from __future__ import annotations
