@@ -37,6 +37,7 @@ from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: 
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
 from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402
+from ninfer.kernels_numba.attention import DEFAULT_SPLITS  # noqa: E402
 
 MODELS = {"27b": QWEN36_27B_DIMS, "35b": QWEN36_35B_A3B_DIMS}
 CONTEXT = 1024  # tokens already in each lane's KV during decode timing
@@ -162,7 +163,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 moe_gemms: tuple[str, ...] = ("auto",)) -> dict:
+                 moe_gemms: tuple[str, ...] = ("auto",), attention_splits: tuple[int, ...] = (DEFAULT_SPLITS,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -170,7 +171,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
     capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
                         prefill_rows=prefill_tokens, draft_tokens=3, tensor_core_attention=True,
-                        decode_quant=decode_quant, draft_head=draft_head)
+                        decode_quant=decode_quant, draft_head=draft_head, attention_splits=attention_splits[0])
     began = time.perf_counter()
     model = CudaQwen(dims, RandomDeviceWeights(specs, recipe, device), device, capacity)
     model.allocate_kv(8 * capacity.max_pages_per_lane)
@@ -183,8 +184,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
-    for linear, side, pdl in ((linear, side, pdl) for linear in decode_linears for side in branches
-                              for pdl in programmatic):
+    for splits, linear, side, pdl in ((splits, linear, side, pdl) for splits in attention_splits
+                                      for linear in decode_linears for side in branches for pdl in programmatic):
+        model.set_attention_splits(splits)
         model.set_branches(side)
         model.set_programmatic(pdl)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
@@ -208,12 +210,14 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             seconds = float(np.median(times[3:]))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
-            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "batch": batch,
+            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "attention_splits": splits,
+                           "context": context, "batch": batch,
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
-            label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "")
+            label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "") + (
+                f" splits {splits}" if len(attention_splits) > 1 else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
@@ -226,6 +230,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             graph.close()
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
+    model.set_attention_splits(attention_splits[-1])
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
     model.set_programmatic(programmatic[-1])
     result["decode"] = decode
@@ -416,6 +421,10 @@ def main() -> None:
                              "a list times each)")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="tokens each decode row attends to")
+    parser.add_argument("--attention-splits", default=str(DEFAULT_SPLITS),
+                        help="decode with these most key splits a row (a list times each; the MTP rounds use the "
+                             "last)")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
@@ -433,7 +442,7 @@ def main() -> None:
                              text=True).stdout.strip()
     commit += "+changes" if changed else ""
     report = {"device": device.info.name, "commit": commit, "copy_bandwidth_bytes_s": bandwidth,
-              "gemm_bf16_flop_s": gemm, "decode_context": CONTEXT, "configs": []}
+              "gemm_bf16_flop_s": gemm, "decode_context": args.context, "configs": []}
     del device
     for name in args.models.split(","):
         for recipe in args.recipes.split(","):
@@ -450,7 +459,10 @@ def main() -> None:
                                                           branches=tuple({"on": True, "off": False}.get(b) for b in
                                                                          args.branches.split(",")),
                                                           programmatic=programmatic,
-                                                          moe_gemms=tuple(args.moe_gemm.split(","))))
+                                                          moe_gemms=tuple(args.moe_gemm.split(",")),
+                                                          context=args.context,
+                                                          attention_splits=tuple(
+                                                              int(x) for x in args.attention_splits.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

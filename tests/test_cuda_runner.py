@@ -18,6 +18,7 @@ from ninfer.artifact.reader import Artifact
 from ninfer.backends.cpu.runner import CpuRunner
 from ninfer.engine.config import EngineConfig
 from ninfer.models.loader import load_model
+from ninfer.kernels_numba.attention import MAX_SPLITS
 from tests.support.cuda_models import write_tiny_qwen_artifact
 from tests.test_runner_cpu import GREEDY, SAMPLED, Lane, decode_round, prompt, text_positions
 
@@ -403,6 +404,21 @@ def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     want_mtp = run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16)
     speculative = cuda_build(device_kind, path, draft_tokens=3, programmatic_launch=True, **settings)
     assert run_lanes(speculative.runner, prompts, 16) == want_mtp
+
+
+def test_more_attention_splits_keep_the_greedy_tokens(device_kind, artifacts):
+    """Capacity.attention_splits past 32 (the combine's lanes then merge several splits each): eager decode with the
+    most splits gives the tokens the default gives, which match the CPU runner's."""
+    path = artifacts[("dense", "bf16")]
+    prompts = [prompt(3, 150), prompt(4, 9)]
+    want = run_lanes(cuda_build(device_kind, path, lanes=2).runner, prompts, 12, chunk=64)
+    build = cuda_build(device_kind, path, lanes=2, graphs=False)
+    build.model.set_attention_splits(MAX_SPLITS)
+    assert build.model.workspace.partials.shape[2] == MAX_SPLITS
+    assert run_lanes(build.runner, prompts, 12, chunk=64) == want
+    model = load_model(path)
+    for got, expected, p in zip(want, run_lanes(cpu_runner(path, lanes=2), prompts, 12, chunk=64), prompts):
+        assert_same_or_near_tie(got, expected, model, p)
 
 
 def test_graph_replay_equals_eager_decode_and_batching_changes_nothing(device_kind, artifacts):

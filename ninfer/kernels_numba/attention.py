@@ -299,7 +299,11 @@ def attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, row_l
 # scratch. A row's split boundaries depend on its own length only: batch invariant. (Splits of a fixed 4 pages left
 # 16 blocks busy at 1K context: 175 us per 27B layer on the H200.)
 DEFAULT_SPLITS = 32
-MAX_SPLITS = 32  # one per lane when the combine merges them (`merge_partials`)
+# Splits a row's keys may take: SPLIT_SLOTS a lane when the combine merges them (`merge_partials`). More splits keep
+# more blocks streaming a long context (32 splits of a 32K-token row are 1K keys a block, one block a kv head and
+# split); the model keeps DEFAULT_SPLITS unless Capacity.attention_splits asks for more.
+SPLIT_SLOTS = 8
+MAX_SPLITS = 32 * SPLIT_SLOTS
 SPLIT_ALIGN = 4  # = FAST_KEYS, the keys of one warp step
 
 
@@ -408,32 +412,47 @@ MERGE_LOADS = 8  # accumulator loads a thread issues together while merging spli
 
 @device_function
 def merge_partials(partials, r, h, d, splits):
-    """(accumulator d, softmax sum) of row r, q head h over its first `splits` (<= 32) partials, in split order
-    (empty splits, max -inf, skipped). Called by whole warps: lane s loads split s's max and sum, the warp's max is
-    the row's, and each thread then walks the splits in order with `MERGE_LOADS` accumulator loads in flight (a
-    chain of one load per split took 9 us at 32 splits)."""
+    """(accumulator d, softmax sum) of row r, q head h over its first `splits` (<= MAX_SPLITS) partials, in split
+    order (empty splits, max -inf, skipped). Called by whole warps: lane l loads the max and sum of splits l, l + 32,
+    ... (slot i: split l + 32 i), the warp's max is the row's, and each thread then walks the splits in order with
+    `MERGE_LOADS` accumulator loads in flight (a chain of one load per split took 9 us at 32 splits)."""
     lane = cuda.threadIdx.x & 31
     last = partials.shape[2] - 1
+    m_slots = cuda.local.array(SPLIT_SLOTS, float32)
+    l_slots = cuda.local.array(SPLIT_SLOTS, float32)
+    f_slots = cuda.local.array(SPLIT_SLOTS, float32)
     m_lane = float32(NEG_INF)
-    l_lane = float32(0.0)
-    if lane < splits:
-        m_lane = partials[r, h, lane, 0]
-        l_lane = partials[r, h, lane, 1]
+    for i in range(SPLIT_SLOTS):
+        m_slots[i] = float32(NEG_INF)
+        l_slots[i] = float32(0.0)
+        if lane + 32 * i < splits:
+            m_slots[i] = partials[r, h, lane + 32 * i, 0]
+            l_slots[i] = partials[r, h, lane + 32 * i, 1]
+        m_lane = max(m_lane, m_slots[i])
     mx = warp_max(m_lane)
-    f_lane = float32(0.0)
-    if m_lane != float32(NEG_INF):
-        f_lane = math.exp(m_lane - mx)
+    for i in range(SPLIT_SLOTS):
+        f_slots[i] = float32(0.0)
+        if m_slots[i] != float32(NEG_INF):
+            f_slots[i] = math.exp(m_slots[i] - mx)
     values = cuda.local.array(MERGE_LOADS, float32)
     total_l = float32(0.0)
     total_a = float32(0.0)
-    for s0 in range(0, MAX_SPLITS, MERGE_LOADS):
+    for s0 in range(0, splits, MERGE_LOADS):  # warp-uniform: `splits` is the row's
+        f_lane = f_slots[0]  # slot s0 // 32 of every lane (a batch never crosses a multiple of 32)
+        l_lane = l_slots[0]
+        m_slot = m_slots[0]
+        for i in range(1, SPLIT_SLOTS):
+            if i == s0 // 32:
+                f_lane = f_slots[i]
+                l_lane = l_slots[i]
+                m_slot = m_slots[i]
         for i in range(MERGE_LOADS):  # in bounds whatever `splits`: unused loads are never summed
             values[i] = partials[r, h, min(s0 + i, last), 2 + d]
         for i in range(MERGE_LOADS):
             s = s0 + i
-            f = cuda.shfl_sync(FULL_MASK, f_lane, s)
-            l_s = cuda.shfl_sync(FULL_MASK, l_lane, s)
-            empty = cuda.shfl_sync(FULL_MASK, m_lane, s) == float32(NEG_INF)
+            f = cuda.shfl_sync(FULL_MASK, f_lane, s & 31)
+            l_s = cuda.shfl_sync(FULL_MASK, l_lane, s & 31)
+            empty = cuda.shfl_sync(FULL_MASK, m_slot, s & 31) == float32(NEG_INF)
             if s < splits and not empty:
                 total_l += l_s * f
                 total_a += values[i] * f

@@ -140,6 +140,10 @@ def test_decode_twin_against_float64_formula():
 def test_decode_partials_shape():
     assert A.decode_partials_shape(8, 24, 256) == (8, 24, A.DEFAULT_SPLITS, 258)
     assert A.decode_partials_shape(8, 24, 256, 5) == (8, 24, 5, 258)
+    assert A.decode_partials_shape(8, 24, 256, A.MAX_SPLITS) == (8, 24, 256, 258)
+    for splits in (0, A.MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match="splits"):
+            A.decode_partials_shape(8, 24, 256, splits)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -184,7 +188,7 @@ def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype):
     qkgv = rng.standard_normal((rows, 2 * (heads + kv_heads) * d)).astype(F32)
     want = A.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools, np.zeros((rows, heads * d), F32),
                                         heads=heads, kv_heads=kv_heads, head_dim=d)
-    for splits in (1, 7, A.DEFAULT_SPLITS):
+    for splits in (1, 7, A.DEFAULT_SPLITS, A.MAX_SPLITS):
         got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, splits)
         assert np.isfinite(got).all()
         assert _rel(got, want) < 1e-5, _rel(got, want)
@@ -193,6 +197,15 @@ def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype):
             alone = _decode_gpu(cuda, q[r:r + 1], qkgv[r:r + 1], tables, row_lane[r:r + 1], row_pos[r:r + 1], pools,
                                 heads, kv_heads, d, splits)
             np.testing.assert_array_equal(alone[0], got[r])
+
+
+def test_decode_kernels_with_more_than_32_splits_in_cuda_simulator():
+    """The split decode kernel and the combine run thread by thread against the exact twin with 96 splits a row
+    (`simulated_kernels.attention_decode`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("attention_decode").splitlines()
+                if line.startswith("ok attention_decode")]) == 1
 
 
 def test_prepare_kernel_in_cuda_simulator():

@@ -277,6 +277,34 @@ def attention_prepare() -> None:
             print("ok attention_prepare", cfg, dtype, flush=True)
 
 
+def attention_decode() -> None:
+    """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row
+    (the combine's lanes hold several splits each), rows of 1, 150 and 400 keys over pages of 16 tokens.
+    (The head_dim 256 kernel writes the same partials; thread by thread it takes minutes here, and the GPU tests run
+    it with up to MAX_SPLITS.)"""
+    from ninfer.kernels_numba import attention
+    from tests.kernels.test_attention import _random_pools
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(attention))
+    rng = np.random.default_rng(6)
+    heads, kv_heads, d, splits = 4, 2, 32, 96
+    pools = _random_pools(rng, 32, 16, kv_heads, d, "bf16")
+    tables = np.stack([rng.permutation(32)[:26] for _ in range(2)]).astype(np.int32)
+    row_lane = np.array([0, 1, 0], np.int32)
+    row_pos = np.array([0, 149, 399], np.int32)
+    q = rng.standard_normal((3, heads, d)).astype(np.float32)
+    qkgv = rng.standard_normal((3, 2 * (heads + kv_heads) * d)).astype(np.float32)
+    dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d)
+    want = attention.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools,
+                                                np.zeros((3, heads * d), np.float32), **dims)
+    out = np.full((3, heads * d), np.nan, np.float32)
+    partials = np.full(attention.decode_partials_shape(3, heads, d, splits), np.nan, np.float32)
+    attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, **dims)
+    assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
+    print("ok attention_decode", heads, kv_heads, d, splits, flush=True)
+
+
 def elementwise() -> None:
     """silu_mul_to_bf16_rows (16-byte loads by address, 8-byte stores): bitwise its twin, a partial column tile."""
     from ninfer.kernels_numba import elementwise as ew
@@ -363,6 +391,7 @@ def moe_padded() -> None:
 
 CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
+          "attention_decode": attention_decode,
           "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded}
 

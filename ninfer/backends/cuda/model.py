@@ -34,6 +34,7 @@ from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
 from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
+from ninfer.kernels_numba.attention import DEFAULT_SPLITS, check_splits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
@@ -106,8 +107,14 @@ class Capacity:
     # while the kernel before finishes and load their first weights before waiting for it. Same kernels, same bits;
     # off until bench/cuda_model.py --programmatic off,on has measured it on the GPU.
     programmatic_launch: bool = False
+    # The most key splits a decode attention row takes (`attention_decode`: ceil(length / S) keys each, one block a
+    # kv head and split). 32 keeps 64 blocks streaming a 35B-A3B row (2 kv heads) at any context; more splits keep
+    # more at long contexts, at S x (head_dim + 2) fp32 of scratch a row and q head. A row's bits depend on its
+    # keys and S only, so one S holds for every batch size.
+    attention_splits: int = DEFAULT_SPLITS
 
     def __attrs_post_init__(self) -> None:
+        check_splits(self.attention_splits)
         if self.decode_linear not in ("cublas", "kernels"):
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
@@ -487,7 +494,8 @@ class Workspace:
     """Activation buffers for up to `rows` rows, allocated once."""
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_attention_rows: int, max_context: int, tensor_core_attention: bool, fragment_words: int = 0,
+                 decode_attention_rows: int, attention_splits: int = DEFAULT_SPLITS, max_context: int,
+                 tensor_core_attention: bool, fragment_words: int = 0,
                  slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0) -> None:
         d, f32 = dims, np.float32
 
@@ -502,7 +510,9 @@ class Workspace:
         self.q = buf(rows, d.attn_heads, d.head_dim)
         self.attended = buf(rows, d.q_width)
         # split partials of the decode attention kernel: decode and verify rows, and short prefill chunks
-        self.partials = buf(*device.kernels.decode_partials_shape(decode_attention_rows, d.attn_heads, d.head_dim))
+        self.partials = buf(*device.kernels.decode_partials_shape(decode_attention_rows, d.attn_heads, d.head_dim,
+                                                                  attention_splits))
+        self._device = device
         channels = d.gdn_conv_channels
         self.projected = buf(rows, channels + d.gdn_v_width)
         self.ab = buf(rows, 2 * d.gdn_v_heads)
@@ -582,6 +592,13 @@ class Workspace:
         # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
         self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
         self.side_x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
+
+    def set_attention_splits(self, splits: int) -> None:
+        """Reallocate the decode attention partials for `splits` splits a row (never during a capture)."""
+        rows, heads, old, width = self.partials.shape
+        if splits != old:
+            check_splits(splits)
+            self.partials = self._device.empty((rows, heads, splits, width), np.float32, "workspace")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -808,6 +825,7 @@ class CudaQwen:
         self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
                                    decode_attention_rows=max(capacity.decode_rows, capacity.short_prefill_rows),
+                                   attention_splits=capacity.attention_splits,
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
                                    tensor_core_attention=capacity.tensor_core_attention,
                                    fragment_words=self._fragment_words(),
@@ -869,6 +887,11 @@ class CudaQwen:
         for linear in (self.linear, self.dflash_linear):
             if linear is not None:
                 linear.programmatic = on
+
+    def set_attention_splits(self, splits: int) -> None:
+        """Capacity.attention_splits, switchable between steps for benchmarks: the partials are reallocated (graphs
+        captured before keep the old buffer)."""
+        self.workspace.set_attention_splits(splits)
 
     def set_branches(self, on: bool) -> None:
         """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
