@@ -16,6 +16,8 @@
 #                                                   instruction (SourceCounters), as CSV, and the report itself
 #   bash tools/device_check.sh ncu-dram MODEL RECIPE REGEX [COUNT]  the same kernels' DRAM and L2 traffic against
 #                                                   their duration (bytes read from DRAM vs requested, throughput)
+# The filters run --line-buffered, so a call cut short by its time limit still brings back its log up to the cut
+# (session 14 lost a whole call's figures to grep's block buffer).
 # numba compiles every kernel specialization in each new process (tens of seconds in all): keep a call's work in one
 # process where possible, and leave each call well inside the 10-minute limit.
 set -uo pipefail
@@ -23,6 +25,7 @@ cd "$(dirname "$0")/.."
 . tools/device_setup.sh || exit 1
 OUT="${OUT:-$PWD/device-out}"; mkdir -p "$OUT"
 what="${1:-tests}"; shift || true
+quiet() { grep --line-buffered -v -i "warn"; }  # drop the warning lines, keep each other line as it comes
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 case "$what" in
   tests)
@@ -39,19 +42,19 @@ case "$what" in
     echo "$(grep -c " PASSED " "$OUT/gpu_tests.log") PASSED lines"
     grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
   bench)
-    python3 bench/cuda_model.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cuda_model.log" | tail -60 ;;
+    python3 bench/cuda_model.py "$@" 2>&1 | quiet | tee "$OUT/cuda_model.log" | tail -60 ;;
   peers)
-    python3 bench/transformers_side_by_side.py 2>&1 | grep -v -i "warn" | tee "$OUT/side_by_side.log" | tail -20 ;;
+    python3 bench/transformers_side_by_side.py 2>&1 | quiet | tee "$OUT/side_by_side.log" | tail -20 ;;
   cold)
-    python3 bench/cold_tier_ttft.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/cold_tier_ttft.log" | tail -20 ;;
+    python3 bench/cold_tier_ttft.py "$@" 2>&1 | quiet | tee "$OUT/cold_tier_ttft.log" | tail -20 ;;
   vision)
-    python3 bench/vision_tower_gpu.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/vision_tower_gpu.log" | tail -20 ;;
+    python3 bench/vision_tower_gpu.py "$@" 2>&1 | quiet | tee "$OUT/vision_tower_gpu.log" | tail -20 ;;
   quant)
-    python3 bench/quant_gemv.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/quant_gemv.log" | tail -40 ;;
+    python3 bench/quant_gemv.py "$@" 2>&1 | quiet | tee "$OUT/quant_gemv.log" | tail -40 ;;
   dflash)
-    python3 bench/dflash_round.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/dflash_round.log" | tail -20 ;;
+    python3 bench/dflash_round.py "$@" 2>&1 | quiet | tee "$OUT/dflash_round.log" | tail -20 ;;
   moe)
-    python3 bench/moe_gathered.py "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/moe_gathered.log" | tail -20 ;;
+    python3 bench/moe_gathered.py "$@" 2>&1 | quiet | tee "$OUT/moe_gathered.log" | tail -20 ;;
   ncu)
     # Counters with the clocks left alone (METHOD.md); the sections that say what bounds a kernel: throughput against
     # the peaks, memory traffic per level, occupancy and its limiter, registers, and where warps stall.
