@@ -161,8 +161,8 @@ def quant_mma() -> None:
     """The tensor-core quantized decode kernels of every format against their twins: x fragments, the plain GEMV
     with one and two fragment sets and accumulation (a partial row tile; one x row, whose lanes read narrow x), over
     a K of 2 blocks (every warp's only step partial) and of 40 (full steps, their scales loaded a step ahead, then
-    a partial one), the gathered MoE GEMV with shared and per-slot x, and the dequantization for prefill
-    (bitwise)."""
+    a partial one; the kernel with two later steps in flight gives the same bits), the gathered MoE GEMV with shared
+    and per-slot x, and the dequantization for prefill (bitwise)."""
     from ninfer.artifact import codec
     from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
     from ninfer.kernels_numba import quant_linear
@@ -185,6 +185,11 @@ def quant_mma() -> None:
             qm.linear_quant_mma(fragments, weight, y, stream=0, accumulate=True)
             want = qm.linear_quant_mma_reference(x, fmt, shape, payload, y0, accumulate=True)
             assert _rel(y, want) < 1e-5, (fmt, rows, k, _rel(y, want))
+            if k > 128 and rows == 1:  # two later steps' codes in flight: the same sums in the same order
+                deep = y0.copy()
+                qm.linear_quant_mma(fragments, weight, deep, stream=0, accumulate=True,
+                                    _kernel=qm.make_quant_mma_kernel(qm.FORMAT_BITS[fmt], depth=2))
+                assert np.array_equal(deep, y), fmt
         shape = (24, 128)
         payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
         weight = qm.upload_quant_mma(fmt, shape, payload)
