@@ -523,6 +523,16 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 2] += s_hi * chain[4 * t + 2]
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
+    @device_function
+    def advance(current, ahead, arriving, count):
+        """Move one step on: the next step's loads become current (through `ahead` at depth 2)."""
+        for i in range(count):
+            if depth == 2:
+                current[i] = ahead[i]
+                ahead[i] = arriving[i]
+            else:
+                current[i] = arriving[i]
+
     @large_device_function
     def tile_sums(acc, partials, xf, x_base, x_lane_index, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
@@ -571,23 +581,9 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                       blocks, True, WEIGHTS)
             load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, True, X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-            if depth == 2:
-                for i in range(WORDS):
-                    words[i] = ahead_words[i]
-                    ahead_words[i] = next_words[i]
-                for i in range(HIGHS):
-                    highs[i] = ahead_highs[i]
-                    ahead_highs[i] = next_highs[i]
-                for i in range(SCALES):
-                    scale_pairs[i] = ahead_scales[i]
-                    ahead_scales[i] = next_scales[i]
-            else:
-                for i in range(WORDS):
-                    words[i] = next_words[i]
-                for i in range(HIGHS):
-                    highs[i] = next_highs[i]
-                for i in range(SCALES):
-                    scale_pairs[i] = next_scales[i]
+            advance(words, ahead_words, next_words, WORDS)
+            advance(highs, ahead_highs, next_highs, HIGHS)
+            advance(scale_pairs, ahead_scales, next_scales, SCALES)
             q0 += stride
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]

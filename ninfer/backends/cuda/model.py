@@ -494,7 +494,7 @@ class Workspace:
     """Activation buffers for up to `rows` rows, allocated once."""
 
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_attention_rows: int, attention_splits: int = DEFAULT_SPLITS, max_context: int,
+                 decode_attention_rows: int, attention_splits: int, max_context: int,
                  tensor_core_attention: bool, fragment_words: int = 0,
                  slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0) -> None:
         d, f32 = dims, np.float32
@@ -512,7 +512,6 @@ class Workspace:
         # split partials of the decode attention kernel: decode and verify rows, and short prefill chunks
         self.partials = buf(*device.kernels.decode_partials_shape(decode_attention_rows, d.attn_heads, d.head_dim,
                                                                   attention_splits))
-        self._device = device
         channels = d.gdn_conv_channels
         self.projected = buf(rows, channels + d.gdn_v_width)
         self.ab = buf(rows, 2 * d.gdn_v_heads)
@@ -592,13 +591,6 @@ class Workspace:
         # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
         self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
         self.side_x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
-
-    def set_attention_splits(self, splits: int) -> None:
-        """Reallocate the decode attention partials for `splits` splits a row (never during a capture)."""
-        rows, heads, old, width = self.partials.shape
-        if splits != old:
-            check_splits(splits)
-            self.partials = self._device.empty((rows, heads, splits, width), np.float32, "workspace")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -891,7 +883,11 @@ class CudaQwen:
     def set_attention_splits(self, splits: int) -> None:
         """Capacity.attention_splits, switchable between steps for benchmarks: the partials are reallocated (graphs
         captured before keep the old buffer)."""
-        self.workspace.set_attention_splits(splits)
+        ws = self.workspace
+        rows, heads, old, width = ws.partials.shape
+        if splits != old:
+            check_splits(splits)
+            ws.partials = self.device.empty((rows, heads, splits, width), np.float32, "workspace")
 
     def set_branches(self, on: bool) -> None:
         """Capacity.branches, switchable between steps (graphs captured before keep what they recorded). The side
