@@ -163,7 +163,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 moe_gemms: tuple[str, ...] = ("auto",), attention_splits: tuple[int, ...] = (DEFAULT_SPLITS,)) -> dict:
+                 narrow: tuple[bool, ...] = (True,), moe_gemms: tuple[str, ...] = ("auto",), attention_splits: tuple[int, ...] = (DEFAULT_SPLITS,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -184,11 +184,13 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
-    for splits, linear, side, pdl in ((splits, linear, side, pdl) for splits in attention_splits
-                                      for linear in decode_linears for side in branches for pdl in programmatic):
+    for splits, linear, side, pdl, thin in ((splits, linear, side, pdl, thin) for splits in attention_splits
+                                            for linear in decode_linears for side in branches
+                                            for pdl in programmatic for thin in narrow):
         model.set_attention_splits(splits)
         model.set_branches(side)
         model.set_programmatic(pdl)
+        model.set_narrow(thin)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
         # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
         model.linear.cublas_decode = linear.startswith("cublas")
@@ -210,14 +212,15 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             seconds = float(np.median(times[3:]))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
-            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "attention_splits": splits,
+            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "narrow": thin,
+                           "attention_splits": splits,
                            "context": context, "batch": batch,
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
             label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "") + (
-                f" splits {splits}" if len(attention_splits) > 1 else "")
+                " -narrow" if not thin else "") + (f" splits {splits}" if len(attention_splits) > 1 else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
@@ -233,9 +236,11 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.set_attention_splits(attention_splits[-1])
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
     model.set_programmatic(programmatic[-1])
+    model.set_narrow(narrow[-1])
     result["decode"] = decode
     result["branches_after_decode"] = branches[-1]
     result["programmatic_after_decode"] = programmatic[-1]
+    result["narrow_after_decode"] = narrow[-1]
     if decode_only:
         return result
 
@@ -416,6 +421,9 @@ def main() -> None:
     parser.add_argument("--programmatic", default="off",
                         help="decode with the quantized GEMVs launched programmatically off and/or on (off,on); the "
                              "MTP rounds use the last")
+    parser.add_argument("--narrow", default="on",
+                        help="decode with the narrow bf16 GEMVs (router + routing, GDN a/b) off and/or on (off,on); "
+                             "the MTP rounds use the last")
     parser.add_argument("--moe-gemm", default="auto",
                         help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
                              "a list times each)")
@@ -432,6 +440,7 @@ def main() -> None:
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     programmatic = on_off(parser, "--programmatic", args.programmatic)
+    narrow = on_off(parser, "--narrow", args.narrow)
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
@@ -458,7 +467,7 @@ def main() -> None:
                                                           draft_head=args.lm_head_draft,
                                                           branches=tuple({"on": True, "off": False}.get(b) for b in
                                                                          args.branches.split(",")),
-                                                          programmatic=programmatic,
+                                                          programmatic=programmatic, narrow=narrow,
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
                                                           context=args.context,
                                                           attention_splits=tuple(

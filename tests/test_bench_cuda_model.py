@@ -21,12 +21,14 @@ def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
                                 context=70, prefill_tokens=128, repeats=4, batches=(1, 8),
                                 prefill_attentions=("gemm",), profile=False, branches=(False, True),
-                                programmatic=(False, True), attention_splits=(32, 96))
-    assert [(row["attention_splits"], row["branches"], row["programmatic"], row["batch"])
-            for row in result["decode"]] == [(splits, side, pdl, batch) for splits in (32, 96) for side in (False, True)
-                                             for pdl in (False, True) for batch in (1, 8)]
+                                programmatic=(False, True), narrow=(False, True), attention_splits=(32, 96))
+    assert [(row["attention_splits"], row["branches"], row["programmatic"], row["narrow"], row["batch"])
+            for row in result["decode"]] == [(splits, side, pdl, thin, batch) for splits in (32, 96)
+                                             for side in (False, True) for pdl in (False, True)
+                                             for thin in (False, True) for batch in (1, 8)]
     assert all(row["context"] == 70 for row in result["decode"])
     assert result["branches_after_decode"] is True and result["programmatic_after_decode"] is True
+    assert result["narrow_after_decode"] is True
     assert [row["attention"] for row in result["prefill"]] == ["gemm"]
     from bench.kernel_profile import host_profile
 

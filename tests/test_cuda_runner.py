@@ -56,7 +56,8 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
 def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
-               branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False):
+               branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
+               narrow_decode: bool = True):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -65,7 +66,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
     return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs,
                              device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
-                             decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch)
+                             decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
+                             narrow_decode=narrow_decode)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -348,7 +350,8 @@ def test_side_stream_branches_change_no_token(device_kind, artifacts, kind, reci
 
 def test_split_projections_decode_in_one_pair_launch(artifacts, monkeypatch):
     """The dense ninfer-v2 recipe stores query|key (Q4) apart from gate|value and value|z (Q5): on the tensor-core
-    decode path each such projection is one `linear_quant_mma_pair` launch, and the tokens stay the CPU runner's."""
+    decode path each such projection is one `linear_quant_mma_pair` launch, and the tokens stay the CPU runner's up to
+    the near ties of bf16-rounded activations."""
     from ninfer.backends.cuda import host_kernels
 
     calls = []
@@ -360,7 +363,9 @@ def test_split_projections_decode_in_one_pair_launch(artifacts, monkeypatch):
     got = run_lanes(cuda_build("host", path, decode_linear="cublas", decode_quant="mma").runner, prompts, 6)
     # decode steps (1-2 rows) and these short prompts' prefill (up to 32 rows: one launch of 4 fragment sets)
     assert {rows for rows, _ in calls} >= {1, 2, 9} and max(rows for rows, _ in calls) <= 32
-    assert got == run_lanes(cpu_runner(path), prompts, 6)
+    cpu = load_model(path)
+    for g, w, p in zip(got, run_lanes(cpu_runner(path), prompts, 6), prompts):  # bf16 activations: up to ties
+        assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
 
 
 def test_split_projections_prefill_into_their_columns_without_a_join(artifacts, monkeypatch):
@@ -404,6 +409,39 @@ def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     want_mtp = run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16)
     speculative = cuda_build(device_kind, path, draft_tokens=3, programmatic_launch=True, **settings)
     assert run_lanes(speculative.runner, prompts, 16) == want_mtp
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
+def test_narrow_decode_routes_in_one_launch(device_kind, artifacts, recipe, monkeypatch):
+    """Capacity.narrow_decode: the MoE router (and the a/b projection) of decode rows through `linear_narrow`, the
+    router's GEMV and the routing in one launch, none left to route_top_k; prefill chunks past SKINNY_ROWS keep the
+    cuBLAS router and route_top_k. Graphs give the eager tokens, greedy MTP the greedy ones, across batch and chunk
+    sizes; with bf16 weights (fp32 activations throughout) they are the CPU runner's up to fp32 near ties (the tiny
+    MoE's router has near ties that the quantized recipe's bf16-rounded activations flip). On the GPU this is the
+    check that the routing block reads every block's logits and leaves its counter at zero for the next replay."""
+    from ninfer.backends.cuda import host_kernels
+    from ninfer.backends.cuda.model import SKINNY_ROWS
+
+    routed, fused = [], []
+    for name, calls in (("route_top_k", routed), ("linear_bf16_narrow_route", fused)):
+        original = getattr(host_kernels, name)
+        monkeypatch.setattr(host_kernels, name, lambda *a, _calls=calls, _original=original, **k: (
+            _calls.append(a[0].shape[0]), _original(*a, **k)))
+    path = artifacts[("moe", recipe)]
+    prompts = [prompt(12, 5), prompt(13, SKINNY_ROWS + 9), prompt(14, 23)]
+    eager = run_lanes(cuda_build(device_kind, path, graphs=False, decode_quant="mma").runner, prompts, 16,
+                      chunk=SKINNY_ROWS + 9)
+    assert run_lanes(cuda_build(device_kind, path, decode_quant="mma").runner, prompts, 16) == eager
+    speculative = cuda_build(device_kind, path, draft_tokens=3, decode_quant="mma")
+    assert run_lanes(speculative.runner, prompts, 16) == eager
+    if recipe == "bf16":
+        cpu = load_model(path)
+        for g, w, p in zip(eager, run_lanes(cpu_runner(path), prompts, 16), prompts):
+            assert_same_or_near_tie(g, w, cpu, p)
+    if device_kind == "host":
+        assert fused and max(fused) <= SKINNY_ROWS and routed and min(routed) > SKINNY_ROWS, (fused, routed)
+    off = cuda_build(device_kind, path, decode_quant="mma", narrow_decode=False)
+    assert not off.model.linear.narrow and cuda_build(device_kind, path).model.linear.narrow
 
 
 def test_more_attention_splits_keep_the_greedy_tokens(device_kind, artifacts):

@@ -136,6 +136,24 @@ def stage_x_bf16(xs, x, row0, rows, c0, width, kc):
     stage_x(xs, x, row0, rows, c0, width, kc, 0)
 
 
+@device_function
+def fma_bf16x8(s, a, b, x0, x1, x2, x3, x4, x5, x6, x7):
+    """s plus the 8 bf16 of the little-endian words a (columns 0-3) and b (4-7) times x0..x7, added one product at
+    a time in column order (the summation order the kernels' twins and batch invariance rely on)."""
+    u0 = uint32(a & uint64(0xFFFFFFFF))
+    u1 = uint32(a >> uint64(32))
+    u2 = uint32(b & uint64(0xFFFFFFFF))
+    u3 = uint32(b >> uint64(32))
+    s += bf16_to_f32(u0) * x0
+    s += bf16_hi_to_f32(u0) * x1
+    s += bf16_to_f32(u1) * x2
+    s += bf16_hi_to_f32(u1) * x3
+    s += bf16_to_f32(u2) * x4
+    s += bf16_hi_to_f32(u2) * x5
+    s += bf16_to_f32(u3) * x6
+    s += bf16_hi_to_f32(u3) * x7
+    return s
+
 def _register_options(max_registers: int | None) -> dict:
     """cuda.jit options for a register cap (a tuning knob: more resident warps, maybe spills)."""
     return {} if max_registers is None else {"max_registers": int(max_registers)}
@@ -195,20 +213,8 @@ def make_linear_bf16_kernel(R: int, MT: int = ROW_TILE, max_registers: int | Non
                                 x0, x1, x2, x3 = load4(xs, p)
                                 x4, x5, x6, x7 = load4(xs, p + 128)
                                 for r in range(R):
-                                    u0 = uint32(ca[r] & uint64(0xFFFFFFFF))
-                                    u1 = uint32(ca[r] >> uint64(32))
-                                    u2 = uint32(cb[r] & uint64(0xFFFFFFFF))
-                                    u3 = uint32(cb[r] >> uint64(32))
-                                    s = acc[m * R + r]
-                                    s += bf16_to_f32(u0) * x0
-                                    s += bf16_hi_to_f32(u0) * x1
-                                    s += bf16_to_f32(u1) * x2
-                                    s += bf16_hi_to_f32(u1) * x3
-                                    s += bf16_to_f32(u2) * x4
-                                    s += bf16_hi_to_f32(u2) * x5
-                                    s += bf16_to_f32(u3) * x6
-                                    s += bf16_hi_to_f32(u3) * x7
-                                    acc[m * R + r] = s
+                                    acc[m * R + r] = fma_bf16x8(acc[m * R + r], ca[r], cb[r], x0, x1, x2, x3, x4,
+                                                                x5, x6, x7)
                         c = cn
             if n0 < N:
                 for m in range(MT):
@@ -270,20 +276,7 @@ def make_linear_bf16_gathered_kernel(R: int):
                     x0, x1, x2, x3 = load4(xs, p)
                     x4, x5, x6, x7 = load4(xs, p + 128)
                     for r in range(R):
-                        u0 = uint32(ca[r] & uint64(0xFFFFFFFF))
-                        u1 = uint32(ca[r] >> uint64(32))
-                        u2 = uint32(cb[r] & uint64(0xFFFFFFFF))
-                        u3 = uint32(cb[r] >> uint64(32))
-                        s = acc[r]
-                        s += bf16_to_f32(u0) * x0
-                        s += bf16_hi_to_f32(u0) * x1
-                        s += bf16_to_f32(u1) * x2
-                        s += bf16_hi_to_f32(u1) * x3
-                        s += bf16_to_f32(u2) * x4
-                        s += bf16_hi_to_f32(u2) * x5
-                        s += bf16_to_f32(u3) * x6
-                        s += bf16_hi_to_f32(u3) * x7
-                        acc[r] = s
+                        acc[r] = fma_bf16x8(acc[r], ca[r], cb[r], x0, x1, x2, x3, x4, x5, x6, x7)
                     c = cn
         if n0 < rpe:
             for r in range(R):

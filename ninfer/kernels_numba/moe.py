@@ -45,7 +45,7 @@ I32_2D = int32[:, ::1]
 
 
 @device_function
-def _route_row(logits, r, n_exp, top_k, expert_ids, weights, lane):
+def route_row(logits, r, n_exp, top_k, expert_ids, weights, lane):
     """One warp routes row r: softmax over the first n_exp logits, the top_k by probability (ties to the lower id),
     written in ascending id order with their probabilities renormalised."""
     v = cuda.local.array(8, float32)
@@ -108,10 +108,10 @@ def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
     t = cuda.threadIdx.x
     r = cuda.blockIdx.x * ROUTE_WARPS + (t >> 5)
     if r < logits.shape[0]:  # a whole warp leaves together
-        _route_row(logits, r, n_exp, top_k, expert_ids, weights, t & 31)
+        route_row(logits, r, n_exp, top_k, expert_ids, weights, t & 31)
 
 
-def _check_route(top_k: int, experts: int, columns: int) -> None:
+def check_route(top_k: int, experts: int, columns: int) -> None:
     """The ValueError of a routing launch that cannot pick top_k of the first `experts` of `columns` logits."""
     if not 0 < top_k <= min(experts, MAX_TOP_K) or not 0 < experts <= min(columns, MAX_EXPERTS):
         raise ValueError(f"routing supports E <= {MAX_EXPERTS} of the {columns} logit columns, 0 < k <= min(E, "
@@ -124,7 +124,7 @@ def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts: i
     weights fp32 [R, k] (sum 1)."""
     rows, columns = router_logits.shape
     n_exp = columns if experts is None else int(experts)
-    _check_route(top_k, n_exp, columns)
+    check_route(top_k, n_exp, columns)
     if rows:
         _route_top_k_kernel[blocks_for(rows, ROUTE_WARPS), 32 * ROUTE_WARPS, stream](
             router_logits, np.int32(n_exp), np.int32(top_k), expert_ids, weights)

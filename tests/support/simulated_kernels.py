@@ -83,6 +83,50 @@ def linear() -> None:
                 x, fmt, (E * rpe, 64), payload, ids, rows_per_expert=rpe, x_per_slot=False))
 
 
+def linear_narrow() -> None:
+    """The narrow bf16 GEMV (K split over a block's warps) equals its twin in every shape it tiles differently: a
+    partial last 256-column step, every warp's four steps (K = 8192), a step past the first warp's, x rows past one
+    tile of 8, one and two output rows a block; a row's bits do not depend on the rows launched beside it. The fused router GEMV + routing writes the
+    logits, ids and weights of the GEMV then `route_top_k`, and leaves its completion counter at zero for the next
+    launch."""
+    from ninfer.artifact import codec
+    from ninfer.kernels_numba import linear, linear_narrow, moe
+    from tests.support import cuda_simulator
+
+    for module in (linear, linear_narrow, moe):
+        cuda_simulator.install(vars(module))
+    rng = np.random.default_rng(5)
+    for m, n, k, per_block in [(3, 5, 320, 1), (9, 3, 8192, 2), (2, 4, 2056, 2)]:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = codec.f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
+        y0 = rng.standard_normal((m, n)).astype(np.float32)
+        y = y0.copy()
+        linear_narrow.linear_bf16_narrow(x, w, y, stream=0, accumulate=True, rows_per_block=per_block)
+        _check(f"narrow {m}x{n}x{k} R={per_block}", y, linear_narrow.linear_bf16_narrow_reference(
+            x, w, y0, accumulate=True))  # the launch beside others, then the last row alone, on the other grid
+        alone = np.full((1, n), np.nan, np.float32)
+        linear_narrow.linear_bf16_narrow(x[m - 1:], w, alone, stream=0, rows_per_block=3 - per_block)
+        beside = np.full((m, n), np.nan, np.float32)
+        linear_narrow.linear_bf16_narrow(x, w, beside, stream=0, rows_per_block=3 - per_block)
+        np.testing.assert_array_equal(alone[0], beside[m - 1])
+    rows, experts, columns, top = 3, 32, 40, 4
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    w = codec.f32_to_bf16_bits(rng.standard_normal((columns, 64)).astype(np.float32))
+    counter = np.zeros(1, np.int32)
+    for launch in range(2):
+        logits = np.full((rows, columns), np.nan, np.float32)
+        ids, weights = np.full((rows, top), -1, np.int32), np.full((rows, top), np.nan, np.float32)
+        linear_narrow.linear_bf16_narrow_route(x, w, logits, counter, top, ids, weights, stream=0, experts=experts)
+        want_logits, _, _ = linear_narrow.linear_bf16_narrow_route_reference(x, w, top, experts=experts)
+        _check(f"narrow route logits, launch {launch}", logits, want_logits)
+        routed_ids, routed_weights = moe.route_top_k_reference(logits[:, :experts], top)
+        np.testing.assert_array_equal(ids, routed_ids)
+        assert _rel(weights, routed_weights) < 1e-6, _rel(weights, routed_weights)
+        assert counter[0] == 0, counter
+        print("ok narrow route, launch", launch, flush=True)
+        x = x[::-1].copy()
+
+
 def flash_prefill() -> None:
     """Every head dim, a prefix (first position > 0), partial query and key tiles, one row; rows past `rows` of the
     output untouched. Small head counts: a block's key tile takes the simulator about a second."""
@@ -394,7 +438,7 @@ def moe_padded() -> None:
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 
-CHECKS = {"linear": linear, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
+CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
           "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode,
           "moe_route": moe_route, "gdn_output": gdn_output,

@@ -21,6 +21,7 @@ from ninfer.kernels_numba import gdn as _gdn
 from ninfer.kernels_numba import gdn_chunked as _gdn_chunked
 from ninfer.kernels_numba import layout as _layout
 from ninfer.kernels_numba import linear as _linear
+from ninfer.kernels_numba import linear_narrow as _linear_narrow
 from ninfer.kernels_numba import moe as _moe
 from ninfer.kernels_numba import quant_mma as _quant_mma
 from ninfer.kernels_numba import sampling as _sampling
@@ -259,6 +260,16 @@ def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, posi
 
 def linear_bf16(x, w, y, *, stream, accumulate=False):
     y[...] = _linear.linear_bf16_reference(x, w, y, accumulate=accumulate)
+
+
+def linear_bf16_narrow(x, w, y, *, stream, accumulate=False):
+    y[...] = _linear_narrow.linear_bf16_narrow_reference(x, w, y, accumulate=accumulate)
+
+
+def linear_bf16_narrow_route(x, w, logits, counter, top_k, expert_ids, weights, *, stream, experts):
+    _moe.check_route(top_k, experts, logits.shape[1])
+    logits[...], expert_ids[...], weights[...] = _linear_narrow.linear_bf16_narrow_route_reference(
+        x, w, top_k, experts=experts)
 
 
 def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert, x_per_slot, stream):
