@@ -17,10 +17,12 @@ kernels).
 
 `linear_bf16_narrow_route`: the same GEMV into the router logits, then the block that finishes last (a counter in
 device memory, reset by that block for the next launch: graph replays need no host patch) runs
-`moe.route_top_k`'s per-row routing on the finished logits. One launch instead of two; the routing's arithmetic is
-`moe.route_row`'s, so ids and weights equal `route_top_k`'s on the same logits.
+`moe.route_top_k`'s per-row routing on the finished logits, one warp a row (up to FUSED_ROUTE_ROWS rows). One
+launch instead of two; the routing's arithmetic is `moe.route_row`'s, so ids and weights equal `route_top_k`'s on
+the same logits.
 
-Requirements: K % 8 == 0, K <= NARROW_MAX_K, arrays C-contiguous, 16-byte aligned rows (K % 8 == 0 does it for x and w).
+Requirements: K % 8 == 0, K <= NARROW_MAX_K, arrays C-contiguous, 16-byte aligned rows (K % 8 == 0 does it for x
+and w).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ NARROW_SPAN = 256  # columns a warp step covers (32 lanes x 8 bf16)
 # x reads from L2, which every block repeats).
 NARROW_ONE_ROW_LIMIT = 192
 NARROW_MAX_ROWS = 512  # the widest matrix Linear sends here (wider ones fill the GPU through the other kernels)
+# x rows the fused routing takes: one warp of the last block a row. Past it the rows would queue on its warps
+# (~1.5 us a row) while route_top_k spreads them over blocks.
+FUSED_ROUTE_ROWS = NARROW_WARPS
 
 _GEMV_ARGS = (float32[:, ::1], uint64[:, ::1], float32[:, ::1], int32)
 _ROUTE_ARGS = (int32[::1], int32, int32, int32[:, ::1], float32[:, ::1])
@@ -123,8 +128,8 @@ def make_linear_narrow_kernel(R: int, route: bool):
         cuda.syncthreads()
         if last[0] != 0:  # every block's logits are written: route each row, one warp a row
             cuda.threadfence()
-            for row in range(t >> 5, y.shape[0], NARROW_WARPS):
-                route_row(y, row, n_exp, top_k, expert_ids, weights, t & 31)
+            if (t >> 5) < y.shape[0]:
+                route_row(y, t >> 5, n_exp, top_k, expert_ids, weights, t & 31)
             if t == 0:
                 counter[0] = 0  # ready for the next launch (a graph replays the same counter)
 
@@ -159,9 +164,11 @@ def linear_bf16_narrow_route(x, w, logits, counter, top_k: int, expert_ids, weig
     """logits = x @ w^T (the router's rows, then any more such as the shared expert's gate), then
     `route_top_k(logits, top_k, expert_ids, weights, experts=experts)` in the same launch. `counter`: int32 [1]
     device memory, zero before the first launch (each launch leaves it zero); launches sharing one must not run
-    concurrently."""
+    concurrently. At most FUSED_ROUTE_ROWS rows."""
     rows, columns = logits.shape
     check_route(top_k, experts, columns)
+    if rows > FUSED_ROUTE_ROWS:
+        raise ValueError(f"the fused routing takes at most {FUSED_ROUTE_ROWS} rows, got {rows}")
     if rows:
         _launch(x, w, logits, True, int32(0), counter, int32(experts), int32(top_k), expert_ids, weights,
                 stream=stream, rows_per_block=rows_per_block)

@@ -268,6 +268,8 @@ def linear_bf16_narrow(x, w, y, *, stream, accumulate=False):
 
 def linear_bf16_narrow_route(x, w, logits, counter, top_k, expert_ids, weights, *, stream, experts):
     _moe.check_route(top_k, experts, logits.shape[1])
+    if logits.shape[0] > _linear_narrow.FUSED_ROUTE_ROWS:
+        raise ValueError(f"the fused routing takes at most {_linear_narrow.FUSED_ROUTE_ROWS} rows")
     logits[...], expert_ids[...], weights[...] = _linear_narrow.linear_bf16_narrow_route_reference(
         x, w, top_k, experts=experts)
 

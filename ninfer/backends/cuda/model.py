@@ -36,7 +36,7 @@ from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.attention import DEFAULT_SPLITS, check_splits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
-from ninfer.kernels_numba.linear_narrow import NARROW_MAX_K, NARROW_MAX_ROWS
+from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.device import CudaDevice, Device
@@ -1303,7 +1303,7 @@ class CudaQwen:
             side_linear = self.linear.beside(side, self._side_scratch)
             side.run(lambda: self._shared_expert(w, rows, side_linear, side.stream, None, h_frag))
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
-        if self.linear.reads_narrow(w.router_shared_gate, rows):  # the router's GEMV and the routing in one launch
+        if rows <= FUSED_ROUTE_ROWS and self.linear.reads_narrow(w.router_shared_gate, rows):  # one launch
             self.k.linear_bf16_narrow_route(h, w.router_shared_gate.data, router_logits, ws.route_counter,
                                             d.moe_top_k, ids, weights, stream=stream, experts=e)
         else:
