@@ -163,7 +163,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 narrow: tuple[bool, ...] = (True,), moe_gemms: tuple[str, ...] = ("auto",), attention_splits: tuple[int, ...] = (DEFAULT_SPLITS,)) -> dict:
+                 narrow: tuple[bool, ...] = (True,), moe_gemms: tuple[str, ...] = ("auto",),
+                 attention_splits: tuple[int, ...] = (DEFAULT_SPLITS,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]

@@ -413,12 +413,12 @@ def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
 
 @pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])
 def test_narrow_decode_routes_in_one_launch(device_kind, artifacts, recipe, monkeypatch):
-    """Capacity.narrow_decode: the MoE router (and the a/b projection) of decode rows through `linear_narrow`, for
-    up to 8 rows the router's GEMV and the routing in one launch; more rows route through route_top_k, and prefill
-    chunks past SKINNY_ROWS keep the cuBLAS router. Graphs give the eager tokens, greedy MTP the greedy ones, across batch and chunk
+    """Capacity.narrow_decode: the MoE router (and the a/b projection) of decode rows through `linear_narrow`, for up to
+    8 rows the router's GEMV and the routing in one launch; more rows route through route_top_k, and prefill chunks past
+    SKINNY_ROWS keep the cuBLAS router. Graphs give the eager tokens, greedy MTP the greedy ones, across batch and chunk
     sizes; with bf16 weights (fp32 activations throughout) they are the CPU runner's up to fp32 near ties (the tiny
-    MoE's router has near ties that the quantized recipe's bf16-rounded activations flip). On the GPU this is the
-    check that the routing block reads every block's logits and leaves its counter at zero for the next replay."""
+    MoE's router has near ties that the quantized recipe's bf16-rounded activations flip). On the GPU this is the check
+    that the routing block reads every block's logits and leaves its counter at zero for the next replay."""
     from ninfer.backends.cuda import host_kernels
     from ninfer.backends.cuda.model import SKINNY_ROWS
 

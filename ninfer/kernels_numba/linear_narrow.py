@@ -153,8 +153,8 @@ def _launch(x, w, y, route: bool, *extra, stream, rows_per_block: int | None) ->
 
 def linear_bf16_narrow(x, w, y, *, stream, accumulate: bool = False, rows_per_block: int | None = None) -> None:
     """y[M, N] (+)= x[M, K] @ w[N, K]^T (w uint16 bf16 bits or its uint64 view; x, y fp32). No allocation, no sync:
-    capture-safe. Meant for N <= NARROW_MAX_ROWS; correct for any N (K <= NARROW_MAX_K). `rows_per_block` (1 or 2; by default from N)
-    changes the grid, never the bits."""
+    capture-safe. Meant for N <= NARROW_MAX_ROWS; correct for any N (K <= NARROW_MAX_K). `rows_per_block` (1 or 2; by
+    default from N) changes the grid, never the bits."""
     if x.shape[0] and y.shape[1]:
         _launch(x, w, y, False, int32(1 if accumulate else 0), stream=stream, rows_per_block=rows_per_block)
 

@@ -85,10 +85,10 @@ def linear() -> None:
 
 def linear_narrow() -> None:
     """The narrow bf16 GEMV (K split over a block's warps) equals its twin in every shape it tiles differently: a
-    partial last 256-column step, every warp's four steps (K = 8192), a step past the first warp's, x rows past one
-    tile of 8, one and two output rows a block; a row's bits do not depend on the rows launched beside it. The fused router GEMV + routing writes the
-    logits, ids and weights of the GEMV then `route_top_k`, and leaves its completion counter at zero for the next
-    launch."""
+    partial last 256-column step, every warp's four steps (K = 8192), a step past the first warp's, x rows past one tile
+    of 8, one and two output rows a block; a row's bits do not depend on the rows launched beside it. The fused router
+    GEMV + routing writes the logits, ids and weights of the GEMV then `route_top_k`, and leaves its completion counter
+    at zero for the next launch."""
     from ninfer.artifact import codec
     from ninfer.kernels_numba import linear, linear_narrow, moe
     from tests.support import cuda_simulator
@@ -438,8 +438,8 @@ def moe_padded() -> None:
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 
-CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv, "gdn_chunked": gdn_chunked,
-          "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
+CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
+          "gdn_chunked": gdn_chunked, "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode,
           "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded}
