@@ -439,10 +439,9 @@ def moe_padded() -> None:
 
 
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
-          "gdn_chunked": gdn_chunked, "quant_mma": quant_mma, "elementwise": elementwise, "attention_prepare": attention_prepare,
-          "attention_decode": attention_decode,
-          "moe_route": moe_route, "gdn_output": gdn_output,
-          "moe_padded": moe_padded}
+          "gdn_chunked": gdn_chunked, "quant_mma": quant_mma, "elementwise": elementwise,
+          "attention_prepare": attention_prepare, "attention_decode": attention_decode, "moe_route": moe_route,
+          "gdn_output": gdn_output, "moe_padded": moe_padded}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
