@@ -35,7 +35,7 @@ from ninfer.kernels_numba.common import bf16_pair, warp_sum
 from ninfer.kernels_numba.linear import (
     ROW_TILE, WARPS, _register_options, chunk_columns, gathered_reference, load2, load4, stage_x, store4,
 )
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 
 QUANT_SPAN = 1024  # columns one warp covers per step (32 lanes x 32-column segments)
 QUANT_ROWS_PER_WARP = 2
@@ -169,7 +169,7 @@ def spread_high(h0, h1, j, p, bits):
     return hb & uint32(0x30303030)
 
 
-@device_function
+@large_device_function
 def code_bytes(bits, b0, b1, b2, b3, h0, h1, v):
     """Slot v (0..7) of a segment as a word of four unsigned code bytes (code + 2^(bits-1)). Q: slot v = 2 j + p
     holds codes 8 j + 2 i + p (i = byte); W8: slot v holds codes 4 v + i (b0..b3 are the four uint64 words)."""
@@ -209,7 +209,7 @@ def stage_x_quant(xs, x, row0, rows, c0, width, kc, bits):
     stage_x(xs, x, row0, rows, c0, width, kc, bits)
 
 
-@device_function
+@large_device_function
 def load_segment(base, high, n, s, bits):
     """(b0, b1, b2, b3, h0, h1) of segment s of row n."""
     B8 = base.shape[1]
@@ -235,7 +235,7 @@ def make_slot(bits: int, R: int, MT: int):
     """FMAs of code slot v (a literal at each call site, so the bit selection folds) for R weight rows and up to 8
     x rows: part[m * R + r] += sum_i code(r, v, i) * x[m, slot v component i]."""
 
-    @device_function
+    @large_device_function
     def slot(v, part, xs, xo, slot_stride, mt, kc, b0, b1, b2, b3, h0, h1, offset):
         cw = cuda.local.array(R, uint32)
         for r in range(R):
