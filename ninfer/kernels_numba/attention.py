@@ -536,6 +536,30 @@ def _bf16_lane(word, i):
     return bf16_hi_to_f32(word)
 
 
+@device_function
+def _fast_step(page_tables, lane_id, key0, stop, page_tokens):
+    """(page, first offset in it, index of the row's last key past key0) of the decode step at key0: the step's 4
+    keys share a page (4 divides page_tokens); keys past the row's end repeat its last key."""
+    key32 = int32(key0)
+    slot = key32 // page_tokens
+    page = page_tables[lane_id, slot]
+    return page, key32 - slot * page_tokens, int32(stop - 1) - key32
+
+
+@device_function
+def _fast_load(words, scales, lane_at, scale_pool, page, off0, last, page_tokens, token_bytes, kvh, lane, quant):
+    """Issue the loads of a step's 4 K (or V) rows of this lane: 16 bytes a key (bf16), or 8 bytes and its scale
+    (int8)."""
+    for j in range(FAST_KEYS):
+        off = off0 + min(int32(j), last)
+        at = (int64(page) * page_tokens + off) * token_bytes
+        if quant:
+            words[4 * j], words[4 * j + 1] = load_words2_at(lane_at + at)
+            scales[j] = f16_bits_to_f32(scale_pool[page, off, kvh, lane // 8])
+        else:
+            words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load_words4_at(lane_at + at)
+
+
 def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
                         heads, kv_heads, quant):
     """head_dim == 256 path of the split kernel. Block = G x KW warps (blockDim.x = 32*G*KW): warp w serves q head
@@ -581,29 +605,26 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     lane_bytes = int64(kvh * k_words.shape[3] * 8 + lane * (8 if quant else 16))
     k_lane = address_of(k_words) + lane_bytes
     v_lane = address_of(v_words) + lane_bytes
-    for key0 in range(start + kw_i * FAST_KEYS, stop, key_warps * FAST_KEYS):
-        key32 = int32(key0)
-        slot = key32 // page_tokens
-        page = page_tables[lane_id, slot]
-        off0 = key32 - slot * page_tokens
-        last = int32(stop - 1) - key32  # keys past the row's end repeat its last key (same page: 4 | page_tokens)
-        for j in range(FAST_KEYS):
-            off = off0 + min(int32(j), last)
-            at = (int64(page) * page_tokens + off) * token_bytes
-            if quant:
-                kw[4 * j], kw[4 * j + 1] = load_words2_at(k_lane + at)
-                vw[4 * j], vw[4 * j + 1] = load_words2_at(v_lane + at)
-                ksc[j] = f16_bits_to_f32(k_scale[page, off, kvh, lane // 8])
-                vsc[j] = f16_bits_to_f32(v_scale[page, off, kvh, lane // 8])
-            else:
-                kw[4 * j], kw[4 * j + 1], kw[4 * j + 2], kw[4 * j + 3] = load_words4_at(k_lane + at)
-                vw[4 * j], vw[4 * j + 1], vw[4 * j + 2], vw[4 * j + 3] = load_words4_at(v_lane + at)
+    # Software-pipelined: a step's K words are converted, then the next step's K loads are issued into the freed
+    # registers before this step's scores; the same for V before the P V update. Every warp then has a step's loads
+    # in flight while it computes, instead of one DRAM round trip per step.
+    step_keys = key_warps * FAST_KEYS
+    key0 = start + kw_i * FAST_KEYS
+    if key0 < stop:
+        page, off0, last = _fast_step(page_tables, lane_id, key0, stop, page_tokens)
+        _fast_load(kw, ksc, k_lane, k_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
+        _fast_load(vw, vsc, v_lane, v_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
+    while key0 < stop:
+        nxt = key0 + step_keys
         for j in range(FAST_KEYS):
             for e in range(8):
                 if quant:
                     kx[j * 8 + e] = _int8_lane(kw[4 * j + e // 4], e % 4) * ksc[j]
                 else:
                     kx[j * 8 + e] = _bf16_lane(kw[4 * j + e // 2], e % 2)
+        if nxt < stop:
+            page, off0, last = _fast_step(page_tables, lane_id, nxt, stop, page_tokens)
+            _fast_load(kw, ksc, k_lane, k_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
         for j in range(FAST_KEYS):
             dot = float32(0.0)
             for e in range(8):
@@ -641,8 +662,11 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
                     kx[j * 8 + e] = _int8_lane(vw[4 * j + e // 4], e % 4) * vsc[j]
                 else:
                     kx[j * 8 + e] = _bf16_lane(vw[4 * j + e // 2], e % 2)
+        if nxt < stop:
+            _fast_load(vw, vsc, v_lane, v_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
         for e in range(8):
             acc[e] = acc[e] * alpha + p0 * kx[e] + p1 * kx[8 + e] + p2 * kx[16 + e] + p3 * kx[24 + e]
+        key0 = nxt
     sm_m = cuda.shared.array(FAST_MAX_WARPS, float32)
     sm_l = cuda.shared.array(FAST_MAX_WARPS, float32)
     sm_acc = cuda.shared.array((FAST_MAX_WARPS, 256), float32)
@@ -675,9 +699,12 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
 
 
 u64_4d = uint64[:, :, :, ::1]
+# At most 168 registers: 12 warps of 168 (5376 a warp, the allocation unit's multiple) fill the 65536 of an SM; at
+# 170 the 12-warp launch would fail (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES) where a capped compile spills instead.
+FAST_MAX_REGISTERS = 168
 decode_fast_kernel = kernel(
     (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32),
-    fastmath=True,
+    fastmath=True, max_registers=FAST_MAX_REGISTERS,
 )(_decode_fast_kernel)
 
 

@@ -45,6 +45,8 @@ def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], A
         _REGISTERED_PER_MODULE[module] = sequence + 1
         REGISTRY.append(RegisteredKernel(f"{module}.{function.__qualname__}", function, signatures, dict(options),
                                          (module, sequence)))
+        if config.ENABLE_CUDASIM:  # the simulator runs Python: it takes no register cap
+            return cuda.jit(**{k: v for k, v in options.items() if k != "max_registers"})(function)
         return cuda.jit(**options)(function)
 
     return wrap

@@ -208,6 +208,14 @@ def test_decode_kernels_with_more_than_32_splits_in_cuda_simulator():
                 if line.startswith("ok attention_decode")]) == 1
 
 
+def test_head_dim_256_decode_kernel_in_cuda_simulator():
+    """The head_dim 256 decode kernel (the real models'), software-pipelined over 4-key steps, run thread by thread
+    against the exact twin with bf16 and int8 KV (`simulated_kernels.attention_decode_fast`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("attention_decode_fast").splitlines()
+                if line.startswith("ok attention_decode_fast")]) == 2
+
 def test_prepare_kernel_in_cuda_simulator():
     """The prepare kernel (a warp per row and head) run thread by thread against its twin, bf16 and int8 pools, the
     tiny head dims and 256 (`simulated_kernels.attention_prepare`)."""

@@ -328,9 +328,8 @@ def attention_prepare() -> None:
 
 def attention_decode() -> None:
     """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row
-    (the combine's lanes hold several splits each), rows of 1, 150 and 400 keys over pages of 16 tokens.
-    (The head_dim 256 kernel writes the same partials; thread by thread it takes minutes here, and the GPU tests run
-    it with up to MAX_SPLITS.)"""
+    (the combine's lanes hold several splits each), rows of 1, 150 and 400 keys over pages of 16 tokens (the head_dim
+    256 kernel: `attention_decode_fast`)."""
     from ninfer.kernels_numba import attention
     from tests.kernels.test_attention import _random_pools
     from tests.support import cuda_simulator
@@ -352,6 +351,34 @@ def attention_decode() -> None:
     attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, **dims)
     assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
     print("ok attention_decode", heads, kv_heads, d, splits, flush=True)
+
+
+def attention_decode_fast() -> None:
+    """The head_dim 256 decode kernel (software-pipelined 4-key steps, the 12-warp blocks of 2 q heads a kv head)
+    and the combine against the exact twin, bf16 and int8 KV: rows of 1 and 70 keys over pages of 16 tokens in 2
+    splits, so a warp runs several steps and the last step of a split repeats the row's last key."""
+    from ninfer.kernels_numba import attention
+    from tests.kernels.test_attention import _random_pools
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(attention))
+    rng = np.random.default_rng(8)
+    heads, kv_heads, d, splits = 2, 1, 256, 2
+    for dtype in ("bf16", "int8"):
+        pools = _random_pools(rng, 8, 16, kv_heads, d, dtype)
+        tables = rng.permutation(8)[None, :6].astype(np.int32)
+        row_lane = np.array([0, 0], np.int32)
+        row_pos = np.array([0, 69], np.int32)
+        q = rng.standard_normal((2, heads, d)).astype(np.float32)
+        qkgv = rng.standard_normal((2, 2 * (heads + kv_heads) * d)).astype(np.float32)
+        dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d)
+        want = attention.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools,
+                                                    np.zeros((2, heads * d), np.float32), **dims)
+        out = np.full((2, heads * d), np.nan, np.float32)
+        partials = np.full(attention.decode_partials_shape(2, heads, d, splits), np.nan, np.float32)
+        attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, **dims)
+        assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (dtype, _rel(out, want))
+        print("ok attention_decode_fast", dtype, flush=True)
 
 
 def elementwise() -> None:
@@ -440,7 +467,8 @@ def moe_padded() -> None:
 
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "quant_mma": quant_mma, "elementwise": elementwise,
-          "attention_prepare": attention_prepare, "attention_decode": attention_decode, "moe_route": moe_route,
+          "attention_prepare": attention_prepare, "attention_decode": attention_decode,
+          "attention_decode_fast": attention_decode_fast, "moe_route": moe_route,
           "gdn_output": gdn_output, "moe_padded": moe_padded}
 
 if __name__ == "__main__":
