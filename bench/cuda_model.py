@@ -163,7 +163,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 narrow: tuple[bool, ...] = (True,), moe_gemms: tuple[str, ...] = ("auto",),
+                 narrow: tuple[bool, ...] = (False,), moe_gemms: tuple[str, ...] = ("auto",),
                  attention_splits: tuple[int, ...] = (DEFAULT_SPLITS,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
@@ -422,7 +422,7 @@ def main() -> None:
     parser.add_argument("--programmatic", default="off",
                         help="decode with the quantized GEMVs launched programmatically off and/or on (off,on); the "
                              "MTP rounds use the last")
-    parser.add_argument("--narrow", default="on",
+    parser.add_argument("--narrow", default="off",
                         help="decode with the narrow bf16 GEMVs (router + routing, GDN a/b) off and/or on (off,on); "
                              "the MTP rounds use the last")
     parser.add_argument("--moe-gemm", default="auto",

@@ -117,8 +117,10 @@ class Capacity:
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
     # weight load issued first; the router's GEMV and the expert routing in one launch) instead of decode_linear's
     # path. Batch invariant like the quantized kernels. Why: on the H200 each of those cuBLAS GEMVs took ~6.7 us for
-    # ~0.3 us of bytes (35B-A3B decode: 70 a step, 471 us) and the routing launch after the router ~5 us more.
-    narrow_decode: bool = True
+    # ~0.3 us of bytes (35B-A3B decode: 70 a step, 471 us) and the routing launch after the router ~5 us more. Off
+    # until bench/cuda_model.py --narrow off,on has measured it: session 13's fused router (the same design) was
+    # faster alone but slowed the step, its ~130 blocks competing with the shared expert on the side stream.
+    narrow_decode: bool = False
 
     def __attrs_post_init__(self) -> None:
         check_splits(self.attention_splits)
