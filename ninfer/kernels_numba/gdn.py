@@ -291,6 +291,8 @@ REC_DEFAULT_GROUPS = 4
 _REC_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1],
             float32[:, :, :, ::1], float32[:, :, :, :, ::1], int32[::1], int32[::1], int32[::1], int32[::1],
             float32[:, :, ::1], int32, int32, int32, int32)
+# the gated form: (mixed, ab, neg_a, dt_bias) in place of (q, k, mixed, log_decay, beta)
+_REC_GATED_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1]) + _REC_SIG[5:]
 
 _REC_LOAD = """
         for e in range({pf}):
@@ -298,8 +300,7 @@ _REC_LOAD = """
             r = idx // {k_dim}
             i = idx - r * {k_dim}
             if nxt + r < count:
-                pk[e] = k[uint64(start + nxt + r), uint64(hq), uint64(i)]
-                pq[e] = q[uint64(start + nxt + r), uint64(hq), uint64(i)]
+{load_qk}
         for e in range({pv}):
             idx = tid + e * {threads}
             r = idx // REC_COLS
@@ -307,12 +308,40 @@ _REC_LOAD = """
             if nxt + r < count and col0 + cc < v_dim:
                 pv[e] = mixed[uint64(start + nxt + r), uint64(v_base + cc)]
         if tid < REC_CHUNK and nxt + tid < count:
-            pg = math.exp(log_decay[start + nxt + tid, h])
-            pb = beta[start + nxt + tid, h]
+{load_gates}
+"""
+
+# q and k rows as gdn_gates writes them, or (gated) raw from the conv output, normalised once staged
+_QK_PLAIN = """                pk[e] = k[uint64(start + nxt + r), uint64(hq), uint64(i)]
+                pq[e] = q[uint64(start + nxt + r), uint64(hq), uint64(i)]"""
+_QK_GATED = """                pk[e] = mixed[uint64(start + nxt + r), uint64(k_channel + i)]
+                pq[e] = mixed[uint64(start + nxt + r), uint64(q_channel + i)]"""
+_GATES_PLAIN = """            pg = math.exp(log_decay[start + nxt + tid, h])
+            pb = beta[start + nxt + tid, h]"""
+# gdn_gates' arithmetic for this row and head (log decay, then its exp here, as the plain form reads it)
+_GATES_GATED = """            pg = math.exp(neg_a[h] * _softplus(ab[start + nxt + tid, h] + dt_bias[h]))
+            pb = sigmoid_f32(ab[start + nxt + tid, v_heads + h])"""
+# gdn_gates' L2 norms of the staged rows' q and k (a warp a row's q or k: the same lane-strided sums, butterfly and
+# roundings, so the same bits), between the staging barrier and one more
+_NORMALIZE = """
+        for item in range(tid // WARP, 2 * min(REC_CHUNK, count - base), {threads} // WARP):
+            at = uint64(off + (item >> 1) * {k_dim})
+            total = float32(0.0)
+            for i in range(lane, {k_dim}, WARP):
+                x = q_sh[at + uint64(i)] if (item & 1) == 0 else k_sh[at + uint64(i)]
+                total += x * x
+            denom = math.sqrt(warp_sum(total) + float32(L2_EPS))
+            scale = float32(1.0) / math.sqrt(float32({k_dim}))
+            for i in range(lane, {k_dim}, WARP):
+                if (item & 1) == 0:
+                    q_sh[at + uint64(i)] = (q_sh[at + uint64(i)] / denom) * scale
+                else:
+                    k_sh[at + uint64(i)] = k_sh[at + uint64(i)] / denom
+        cuda.syncthreads()
 """
 
 _RECURRENT_SOURCE = """
-def gdn_recurrent_kernel_dk{k_dim}_g{groups}(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane,
+def gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}({inputs}, ssm_state, ssm_columns, seg_lane,
                                             seg_row, seg_count, seg_record, out, qk_heads, v_heads, v_dim,
                                             channels_qk):
     k_sh = cuda.shared.array({stage2}, float32)
@@ -343,6 +372,8 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}(q, k, mixed, log_decay, beta, ssm_s
     record = seg_record[seg]
     hq = h // (v_heads // qk_heads)
     v_base = channels_qk + h * v_dim + col0
+    q_channel = hq * {k_dim}
+    k_channel = (channels_qk >> 1) + hq * {k_dim}
 
     uslot = uint64(slot)
     uh = uint64(h)
@@ -367,7 +398,7 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}(q, k, mixed, log_decay, beta, ssm_s
             g_sh[buf * REC_CHUNK + tid] = pg
             b_sh[buf * REC_CHUNK + tid] = pb
         cuda.syncthreads()
-        if chunk + 1 < chunks:
+{normalize}        if chunk + 1 < chunks:
             nxt = base + REC_CHUNK
 {load}
         n = min(REC_CHUNK, count - base)
@@ -415,10 +446,11 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}(q, k, mixed, log_decay, beta, ssm_s
 """
 
 
-def _make_recurrent_kernel(k_dim: int, groups: int):
-    """One compiled variant per (key dim, key groups): numba needs the register-array and shared-array sizes as
-    literals, so the source is instantiated with them (closure constants are not literal enough for
-    `cuda.shared.array`)."""
+def _make_recurrent_kernel(k_dim: int, groups: int, gated: bool = False):
+    """One compiled variant per (key dim, key groups, gated): numba needs the register-array and shared-array sizes
+    as literals, so the source is instantiated with them (closure constants are not literal enough for
+    `cuda.shared.array`). `gated`: q, k, the decay and beta from the conv output and the a/b projection (gdn_gates'
+    work done in this kernel: one launch fewer a decode layer)."""
     threads = REC_COLS * groups  # (32 / groups) columns per warp, REC_COLS columns per block
     per_warp = WARP // groups
     assert k_dim % (2 * groups) == 0 and (REC_CHUNK * k_dim) % threads == 0
@@ -437,18 +469,25 @@ def _make_recurrent_kernel(k_dim: int, groups: int):
                  stage=REC_CHUNK * k_dim, stage2=2 * REC_CHUNK * k_dim, vstage=REC_CHUNK * REC_COLS,
                  vstage2=2 * REC_CHUNK * REC_COLS, chunk2=2 * REC_CHUNK, pf=REC_CHUNK * k_dim // threads,
                  pv=REC_CHUNK * REC_COLS // threads)
-    source = _RECURRENT_SOURCE.format(load=_REC_LOAD.format(**sizes), reduce_pred=butterfly("pred"),
-                                      reduce_o=butterfly("o"), **sizes)
-    name = f"gdn_recurrent_kernel_dk{k_dim}_g{groups}"
+    load = _REC_LOAD.format(load_qk=_QK_GATED if gated else _QK_PLAIN,
+                            load_gates=_GATES_GATED if gated else _GATES_PLAIN, **sizes)
+    suffix = "_gated" if gated else ""
+    source = _RECURRENT_SOURCE.format(load=load, reduce_pred=butterfly("pred"), reduce_o=butterfly("o"),
+                                      normalize=_NORMALIZE.format(**sizes) if gated else "", suffix=suffix,
+                                      inputs="mixed, ab, neg_a, dt_bias" if gated else "q, k, mixed, log_decay, beta",
+                                      **sizes)
+    name = f"gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}"
     namespace = dict(globals())
     exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102  (our own template, literal sizes only)
     function = namespace[name]
     function.__module__ = __name__
-    return kernel(_REC_SIG)(function), threads
+    return kernel(_REC_GATED_SIG if gated else _REC_SIG)(function), threads
 
 
 # Key dims with a compiled variant: the real models (128) and the tiny test models (16); key groups 4 and 8.
 _RECURRENT_KERNELS = {(dk, g): _make_recurrent_kernel(dk, g) for dk in (16, 32, 64, 128) for g in REC_GROUP_CHOICES}
+_GATED_RECURRENT_KERNELS = {(dk, g): _make_recurrent_kernel(dk, g, gated=True) for dk in (16, 32, 64, 128)
+                            for g in REC_GROUP_CHOICES}
 
 
 def gdn_recurrent(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record,
@@ -466,6 +505,32 @@ def gdn_recurrent(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane
     function[grid, threads, stream](
         q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record, out,
         np.int32(qk_heads), np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk))
+
+
+def gdn_recurrent_gated(mixed, ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record,
+                        out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk, stream, groups=REC_DEFAULT_GROUPS):
+    """`gdn_gates` then `gdn_recurrent` in one launch (the decode path): q and k from the conv output `mixed`
+    (L2-normalised in the kernel, q scaled by 1/sqrt(Dk)), the decay and beta from ab [R, 2*Hv] = a | b, with
+    gdn_gates' arithmetic, so the results equal the two launches' bit for bit."""
+    if (k_dim, groups) not in _GATED_RECURRENT_KERNELS:
+        raise ValueError(f"gdn_recurrent_gated has no variant for k_dim={k_dim}, groups={groups}")
+    function, threads = _GATED_RECURRENT_KERNELS[(k_dim, groups)]
+    grid = (seg_lane.shape[0], v_heads, blocks_for(v_dim, REC_COLS))
+    function[grid, threads, stream](
+        mixed, ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record, out,
+        np.int32(qk_heads), np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk))
+
+
+def gdn_recurrent_gated_reference(mixed, ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row, seg_count,
+                                  seg_record, out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk):
+    rows = mixed.shape[0]
+    q, k = np.empty((rows, qk_heads, k_dim), F32), np.empty((rows, qk_heads, k_dim), F32)
+    log_decay, beta = np.empty((rows, v_heads), F32), np.empty((rows, v_heads), F32)
+    gdn_gates_reference(mixed, ab, neg_a, dt_bias, q, k, log_decay, beta, qk_heads=qk_heads, v_heads=v_heads,
+                        k_dim=k_dim)
+    gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count,
+                            seg_record, out, qk_heads=qk_heads, v_heads=v_heads, k_dim=k_dim, v_dim=v_dim,
+                            channels_qk=channels_qk)
 
 
 def gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count,

@@ -225,8 +225,9 @@ def _gpu_case(rng, d, mix, order, lanes=5, max_cols=8):
     )
 
 
-def _run_gpu(case, d, groups=gdn.REC_DEFAULT_GROUPS):
-    """All four kernels on the GPU; returns host copies of every output and state."""
+def _run_gpu(case, d, groups=gdn.REC_DEFAULT_GROUPS, gated=False):
+    """All four kernels on the GPU; returns host copies of every output and state. `gated`: the recurrence computes
+    the gates itself (`gdn_recurrent_gated`, the decode path) and q, k, log_decay, beta stay unwritten."""
     from ninfer.kernels_numba.numba_setup import cuda
 
     stream = cuda.stream()
@@ -244,10 +245,14 @@ def _run_gpu(case, d, groups=gdn.REC_DEFAULT_GROUPS):
     log_decay, beta, out, result = nan(rows, hv), nan(rows, hv), nan(rows, hv, dv), nan(rows, hv * dv)
     gdn.gdn_conv(dev["projected"], dev["conv_weight"], dev["conv_state"], dev["conv_columns"], *seg, mixed,
                  channels=c, stream=stream)
-    gdn.gdn_gates(mixed, dev["ab"], dev["neg_a"], dev["dt_bias"], q, k, log_decay, beta, qk_heads=hq, v_heads=hv,
-                  k_dim=dk, stream=stream)
-    gdn.gdn_recurrent(q, k, mixed, log_decay, beta, dev["ssm_state"], dev["ssm_columns"], *seg, out, qk_heads=hq,
-                      v_heads=hv, k_dim=dk, v_dim=dv, channels_qk=2 * hq * dk, stream=stream, groups=groups)
+    heads = dict(qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv, channels_qk=2 * hq * dk, stream=stream, groups=groups)
+    if gated:
+        gdn.gdn_recurrent_gated(mixed, dev["ab"], dev["neg_a"], dev["dt_bias"], dev["ssm_state"], dev["ssm_columns"],
+                                *seg, out, **heads)
+    else:
+        gdn.gdn_gates(mixed, dev["ab"], dev["neg_a"], dev["dt_bias"], q, k, log_decay, beta, qk_heads=hq,
+                      v_heads=hv, k_dim=dk, stream=stream)
+        gdn.gdn_recurrent(q, k, mixed, log_decay, beta, dev["ssm_state"], dev["ssm_columns"], *seg, out, **heads)
     gdn.gdn_output(out, dev["projected"], dev["norm"], result, v_heads=hv, v_dim=dv, z_offset=c, eps=EPS,
                    stream=stream)
     host = {name: arr.copy_to_host(stream=stream) for name, arr in
@@ -343,6 +348,19 @@ def test_gpu_kernels_match_twins(shape, groups):
     case = _gpu_case(rng, d, MIX, order=[1, 3, 0, 4, 2])
     _check_against_twins(case, _run_gpu(case, d, groups), MIX)
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", gdn.REC_GROUP_CHOICES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["tiny-dense", "tiny-moe", "narrow-v", "27b", "35b"])
+def test_gpu_gated_recurrence_equals_gates_then_recurrence(shape, groups):
+    """The decode path's one launch gives the two launches' outputs, states and recorded columns bit for bit."""
+    rng = np.random.default_rng(12)
+    d = _dims(**shape)
+    case = _gpu_case(rng, d, MIX, order=[1, 3, 0, 4, 2])
+    plain, gated = _run_gpu(case, d, groups), _run_gpu(case, d, groups, gated=True)
+    for name in ("mixed", "out", "result", "ssm_state", "ssm_columns", "conv_state"):
+        np.testing.assert_array_equal(gated[name], plain[name], err_msg=name)
+    assert np.isnan(gated["q"]).all() and np.isnan(gated["log_decay"]).all()
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", gdn.REC_GROUP_CHOICES)
@@ -476,6 +494,15 @@ def test_output_needs_some_result():
     with pytest.raises(ValueError, match="gdn_output needs"):
         host_kernels.gdn_output(np.zeros((1, 1, 32), F32), np.zeros((1, 64), F32), np.zeros(32, F32), None, v_heads=1,
                                 v_dim=32, z_offset=32, eps=EPS, stream=0)
+
+
+def test_gated_recurrence_in_cuda_simulator():
+    """gdn_recurrent_gated run thread by thread: bit for bit gdn_gates then gdn_recurrent, and the twin
+    (`simulated_kernels.gdn_recurrent_gated`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("gdn_recurrent_gated").splitlines()
+                if line.startswith("ok gdn_recurrent_gated")]) == len(gdn.REC_GROUP_CHOICES)
 
 
 def test_output_kernel_in_cuda_simulator():

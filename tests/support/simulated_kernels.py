@@ -201,6 +201,57 @@ def gdn_chunked() -> None:
     print("ok gdn_chunked", *errors, flush=True)
 
 
+def gdn_recurrent_gated() -> None:
+    """The gated recurrence (gdn_gates' norms and gates done by the recurrent kernel) against the gates kernel then
+    the plain recurrent kernel, bit for bit, and the twin: a 1-row decode segment and an 11-row recording one (two
+    staged chunks, the second partial) on two of three lanes, two v heads sharing a qk head, key groups 4 and 8."""
+    from ninfer.kernels_numba import gdn
+    from tests.support import cuda_simulator
+
+    for table in (gdn._RECURRENT_KERNELS, gdn._GATED_RECURRENT_KERNELS):
+        for function, _ in table.values():
+            cuda_simulator.install(function.py_func.__globals__)
+    cuda_simulator.install(vars(gdn))
+    rng = np.random.default_rng(9)
+    hq, hv, dk, dv, lanes = 1, 2, 16, 16, 3
+    heads = dict(qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv, channels_qk=2 * hq * dk)
+    seg = (np.array([2, 0], np.int32), np.array([0, 1], np.int32), np.array([1, 11], np.int32),
+           np.array([0, 1], np.int32))
+    rows = 12
+    mixed = rng.standard_normal((rows, 2 * hq * dk + hv * dv)).astype(np.float32)
+    ab = rng.standard_normal((rows, 2 * hv)).astype(np.float32)
+    neg_a = -rng.uniform(0.5, 2.0, hv).astype(np.float32)
+    dt_bias = rng.standard_normal(hv).astype(np.float32)
+    state0 = (rng.standard_normal((lanes, hv, dk, dv)) * 0.1).astype(np.float32)
+    for groups in gdn.REC_GROUP_CHOICES:
+        results = []
+        for gated in (True, False):
+            state = state0.copy()
+            columns = np.full((lanes, rows, hv, dk, dv), np.nan, np.float32)
+            out = np.full((rows, hv, dv), np.nan, np.float32)
+            if gated:
+                gdn.gdn_recurrent_gated(mixed, ab, neg_a, dt_bias, state, columns, *seg, out, stream=0,
+                                        groups=groups, **heads)
+            else:
+                q, k = np.empty((rows, hq, dk), np.float32), np.empty((rows, hq, dk), np.float32)
+                log_decay, beta = np.empty((rows, hv), np.float32), np.empty((rows, hv), np.float32)
+                gdn.gdn_gates(mixed, ab, neg_a, dt_bias, q, k, log_decay, beta, qk_heads=hq, v_heads=hv, k_dim=dk,
+                              stream=0)
+                gdn.gdn_recurrent(q, k, mixed, log_decay, beta, state, columns, *seg, out, stream=0, groups=groups,
+                                  **heads)
+            results.append((out, state, columns))
+        for got, plain in zip(*results):
+            np.testing.assert_array_equal(got, plain)
+        want_state, want_columns = state0.copy(), np.full((lanes, rows, hv, dk, dv), np.nan, np.float32)
+        want_out = np.full((rows, hv, dv), np.nan, np.float32)
+        gdn.gdn_recurrent_gated_reference(mixed, ab, neg_a, dt_bias, want_state, want_columns, *seg, want_out,
+                                          **heads)
+        out, state, columns = results[0]
+        errors = [_rel(out, want_out), _rel(state, want_state), _rel(columns[0, :11], want_columns[0, :11])]
+        assert max(errors) < 1e-5 and np.array_equal(state[1], state0[1]), errors
+        print("ok gdn_recurrent_gated", groups, *errors, flush=True)
+
+
 def quant_mma() -> None:
     """The tensor-core quantized decode kernels of every format against their twins: x fragments, the plain GEMV
     with one and two fragment sets and accumulation (a partial row tile; one x row, whose lanes read narrow x), over
@@ -466,10 +517,10 @@ def moe_padded() -> None:
 
 
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
-          "gdn_chunked": gdn_chunked, "quant_mma": quant_mma, "elementwise": elementwise,
-          "attention_prepare": attention_prepare, "attention_decode": attention_decode,
-          "attention_decode_fast": attention_decode_fast, "moe_route": moe_route,
-          "gdn_output": gdn_output, "moe_padded": moe_padded}
+          "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
+          "elementwise": elementwise, "attention_prepare": attention_prepare, "attention_decode": attention_decode,
+          "attention_decode_fast": attention_decode_fast, "moe_route": moe_route, "gdn_output": gdn_output,
+          "moe_padded": moe_padded}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -217,6 +217,10 @@ def gdn_recurrent(*args, stream, **kwargs):
     _gdn.gdn_recurrent_reference(*args, **kwargs)
 
 
+def gdn_recurrent_gated(*args, stream, **kwargs):
+    _gdn.gdn_recurrent_gated_reference(*args, **kwargs)
+
+
 def gdn_chunked(*args, stream, **kwargs):
     _gdn_chunked.gdn_chunked_reference(*args, **kwargs)
 

@@ -525,13 +525,14 @@ class Workspace:
         self.projected = buf(rows, channels + d.gdn_v_width)
         self.ab = buf(rows, 2 * d.gdn_v_heads)
         self.mixed = buf(rows, channels)
-        self.gdn_q = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
-        self.gdn_k = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
-        self.log_decay = buf(rows, d.gdn_v_heads)
-        self.beta = buf(rows, d.gdn_v_heads)
         self.gdn_out = buf(rows, d.gdn_v_heads, d.gdn_v_dim)
         self.gdn_normed = buf(rows, d.gdn_v_width)
-        if rows > SKINNY_ROWS:  # the chunked gated delta rule of long prefill chunks: G, and T / P per chunk
+        if rows > SKINNY_ROWS:  # the chunked gated delta rule of long prefill chunks: its inputs (gdn_gates'
+            # outputs: the recurrent form computes them itself), G, and T / P per chunk
+            self.gdn_q = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
+            self.gdn_k = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
+            self.log_decay = buf(rows, d.gdn_v_heads)
+            self.beta = buf(rows, d.gdn_v_heads)
             self.gdn_cum = buf(rows, d.gdn_v_heads)
             self.gdn_mats = buf(rows, d.gdn_v_heads, GDN_CHUNK)
         # Split projections (27B ninfer-v2): q|k and gate|v of attention, q|k and v|z of Gated DeltaNet.
@@ -1273,17 +1274,18 @@ class CudaQwen:
                      channels=d.gdn_conv_channels, stream=stream)
         if side is not None:
             side.join()
-        q, k, log_decay, beta = ws.gdn_q[:rows], ws.gdn_k[:rows], ws.log_decay[:rows], ws.beta[:rows]
-        self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
-                      v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream)
         out = ws.gdn_out[:rows]
         heads = dict(qk_heads=d.gdn_qk_heads, v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, v_dim=d.gdn_v_dim,
                      channels_qk=2 * d.gdn_qk_width, stream=stream)
         if chunked and rows > SKINNY_ROWS:
+            q, k, log_decay, beta = ws.gdn_q[:rows], ws.gdn_k[:rows], ws.log_decay[:rows], ws.beta[:rows]
+            self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
+                             v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream)
             self.k.gdn_chunked(q, k, mixed, log_decay, beta, state.ssm, *seg[:3], out, ws.gdn_cum, ws.gdn_mats,
                                rows=rows, **heads)
-        else:
-            self.k.gdn_recurrent(q, k, mixed, log_decay, beta, state.ssm, state.ssm_columns, *seg, out, **heads)
+        else:  # the gates computed inside the recurrence (one launch fewer, the same bits)
+            self.k.gdn_recurrent_gated(mixed, ab, w.neg_a, w.dt_bias, state.ssm, state.ssm_columns, *seg, out,
+                                       **heads)
         normed = ws.gdn_normed[:rows]
         normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
         normed_frag = self.linear.fragment_input(rows, layer.gdn_output)
