@@ -24,9 +24,12 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_to_f32, blocks_for, f32_to_bf16, sigmoid_f32,
-                                         warp_max, warp_sum)
-from ninfer.kernels_numba.elementwise import sigmoid_gate_add_reference
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_target, bf16_to_f32, block_sum, blocks_for,
+                                         f32_to_bf16, fragment_target, sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.elementwise import (NORM_VECTORS, NORM_ITEMS, load_row, norm_threads, rms_norm_rows_reference,
+                                              scale_row, sigmoid_gate_add_reference)
+from ninfer.kernels_numba.linear import load4
+from ninfer.kernels_numba.quant_mma import check_fragment_output
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
 
@@ -193,6 +196,80 @@ def moe_combine_reference(expert_out, weights, residual, shared_out=None, gate_l
         return routed
     return sigmoid_gate_add_reference(routed, shared_out, gate_logit)
 
+
+# The decode combine fused with the RMSNorm that reads its result next (the next layer's input norm, or the final
+# norm): one launch fewer a MoE layer. A block a row, `elementwise.rms_norm_rows`' geometry: each thread first
+# combines its own columns (every slot's 16-byte vectors loaded together, up to COMBINE_NORM_SLOTS slots), stores
+# them to the residual, then reads them back as the norm does.
+COMBINE_NORM_SLOTS = 8
+COMBINE_NORM_LOADS = COMBINE_NORM_SLOTS * NORM_ITEMS  # a thread's expert output values, all in registers
+
+
+@kernel((float32[:, :, ::1], F32_2D, F32_2D, F32_2D, float32[:, :], float32[::1], F32_2D, uint16[:, ::1], int32,
+         uint16[::1], int32, float32, int32), fastmath=False)
+def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, out_bf16,
+                             write_bf16, fragments, write_fragments, eps, offset):
+    buf = cuda.shared.array(32, float32)
+    values = cuda.local.array(NORM_ITEMS, float32)
+    scales = cuda.local.array(NORM_ITEMS, float32)
+    routed = cuda.local.array(NORM_ITEMS, float32)
+    r = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    step = cuda.blockDim.x
+    width = residual.shape[1]
+    slots = weights.shape[1]
+    gate = sigmoid_f32(gate_logit[r, 0])
+    for j in range(NORM_VECTORS):
+        for e in range(4):
+            routed[4 * j + e] = float32(0.0)
+    loaded = cuda.local.array(COMBINE_NORM_LOADS, float32)
+    slot_weight = cuda.local.array(COMBINE_NORM_SLOTS, float32)
+    for s in range(COMBINE_NORM_SLOTS):  # unrolled, loads only: every slot's in flight together
+        if s < slots:
+            slot_weight[s] = weights[r, s]
+            for j in range(NORM_VECTORS):
+                v = t + j * step
+                if 4 * v < width:
+                    a = s * NORM_ITEMS + 4 * j
+                    loaded[a], loaded[a + 1], loaded[a + 2], loaded[a + 3] = load4(
+                        expert_out, (r * slots + s) * width + 4 * v)
+    for s in range(COMBINE_NORM_SLOTS):
+        if s < slots:
+            for j in range(NORM_VECTORS):
+                for e in range(4):
+                    routed[4 * j + e] += slot_weight[s] * loaded[s * NORM_ITEMS + 4 * j + e]
+    for j in range(NORM_VECTORS):
+        v = t + j * step
+        if 4 * v < width:
+            for e in range(4):
+                i = 4 * v + e
+                residual[r, i] = (residual[r, i] + routed[4 * j + e]) + gate * shared_out[r, i]
+    acc = load_row(residual, norm_weight, values, scales, r, offset)
+    total = block_sum(acc, buf)
+    scale_row(values, scales, out, out_bf16, write_bf16, fragments, write_fragments, r, total, width, eps)
+
+
+def moe_combine_rms_norm(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, *, eps, offset,
+                         stream, out_bf16=None, out_fragments=None):
+    """`moe_combine(expert_out, weights, residual, shared_out=, gate_logit=)` then `rms_norm_rows(residual,
+    norm_weight, out, ...)` (with its optional bf16 copy and x fragments) in one launch, the same bits. At most
+    COMBINE_NORM_SLOTS slots."""
+    rows, width = residual.shape
+    if weights.shape[1] > COMBINE_NORM_SLOTS:
+        raise ValueError(f"the fused combine takes at most {COMBINE_NORM_SLOTS} slots, got {weights.shape[1]}")
+    if out_fragments is not None:
+        check_fragment_output(rows, width, out_fragments)
+    if rows:
+        _combine_rms_norm_kernel[rows, norm_threads(width), stream](
+            expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, *bf16_target(out, out_bf16),
+            *fragment_target(out, out_fragments), np.float32(eps), np.int32(bool(offset)))
+
+
+def moe_combine_rms_norm_reference(expert_out, weights, residual, shared_out, gate_logit, norm_weight, *, eps,
+                                   offset):
+    """(the new residual, the normed rows)."""
+    combined = moe_combine_reference(expert_out, weights, residual, shared_out, gate_logit)
+    return combined, rms_norm_rows_reference(combined, norm_weight, eps=eps, offset=offset)
 
 # ---------------------------------------------------------------------------------------------------- prefill grouping
 

@@ -392,6 +392,49 @@ def test_route_kernel_in_cuda_simulator():
     assert len([line for line in run("moe_route").splitlines() if line.startswith("ok moe_route")]) == 3
 
 
+def test_combine_norm_kernel_in_cuda_simulator():
+    """The decode combine fused with the next RMSNorm, thread by thread: bit for bit moe_combine then rms_norm_rows
+    (`simulated_kernels.moe_combine_norm`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("moe_combine_norm").splitlines() if line.startswith("ok moe_combine_norm")]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,slots,hidden", [(1, 8, 2048), (8, 8, 2048), (3, 2, 64), (40, 8, 2048)])
+def test_gpu_combine_norm_equals_combine_then_norm(rows, slots, hidden):
+    """moe_combine_rms_norm writes moe_combine's residual and rms_norm_rows' rows, bf16 copy and x fragments (up to
+    8 rows) bit for bit, the gate logit a column of the router's logits as in the model."""
+    from ninfer.kernels_numba.quant_mma import x_fragment_words
+
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(14)
+    eo, w, res = rand(rng, rows, slots, hidden), rand(rng, rows, slots), rand(rng, rows, hidden)
+    shared, logits, norm = rand(rng, rows, hidden), rand(rng, rows, 9), rand(rng, hidden)
+    results = []
+    for fused in (True, False):
+        x = cuda.to_device(res, stream=stream)
+        out = cuda.to_device(np.full((rows, hidden), np.nan, np.float32), stream=stream)
+        bf16 = cuda.to_device(np.zeros((rows, hidden), np.uint16), stream=stream)
+        fragments = (cuda.to_device(np.zeros(x_fragment_words(hidden), np.uint32), stream=stream)
+                     if rows <= 8 and hidden % 64 == 0 else None)
+        gate = cuda.to_device(logits, stream=stream)[:, 8:9]
+        args = dict(eps=1e-6, offset=True, stream=stream, out_bf16=bf16, out_fragments=fragments)
+        d_eo, d_w, d_shared = (cuda.to_device(a, stream=stream) for a in (eo, w, shared))
+        if fused:
+            moe.moe_combine_rms_norm(d_eo, d_w, x, d_shared, gate, cuda.to_device(norm, stream=stream), out, **args)
+        else:
+            moe.moe_combine(d_eo, d_w, x, stream=stream, shared_out=d_shared, gate_logit=gate)
+            ew.rms_norm_rows(x, cuda.to_device(norm, stream=stream), out, **args)
+        results.append([a.copy_to_host(stream=stream) for a in (x, out, bf16) + ((fragments,) if fragments else ())])
+        stream.synchronize()
+    for got, plain in zip(*results):
+        np.testing.assert_array_equal(got, plain)
+    want_x, want_out = moe.moe_combine_rms_norm_reference(eo, w, res, shared, logits[:, 8:9], norm, eps=1e-6,
+                                                          offset=True)
+    assert rel_l2(results[0][0], want_x) < 1e-5 and rel_l2(results[0][1], want_out) < 1e-5
+
 def test_padded_layout_kernels_in_cuda_simulator():
     """moe_pad_positions and the padded scatter run thread by thread against their twins
     (`simulated_kernels.moe_padded`)."""

@@ -474,6 +474,47 @@ def gdn_output() -> None:
     print("ok gdn_output bf16 alone", flush=True)
 
 
+def moe_combine_norm() -> None:
+    """The decode combine fused with the next RMSNorm equals moe_combine then rms_norm_rows bit for bit (residual,
+    fp32 rows, bf16 copy, x fragments) with 8 and 2 slots and threads past the row's end; and the twin."""
+    from ninfer.kernels_numba import elementwise, moe
+    from ninfer.kernels_numba.numba_setup import cuda
+    from ninfer.kernels_numba.quant_mma import x_fragment_words
+    from tests.support import cuda_simulator
+
+    for module in (elementwise, moe):
+        cuda_simulator.install(vars(module))
+    rng = np.random.default_rng(10)
+    for rows, slots, width in [(3, 8, 192), (2, 2, 128)]:
+        expert_out = rng.standard_normal((rows, slots, width)).astype(np.float32)
+        weights = rng.dirichlet(np.ones(slots), rows).astype(np.float32)
+        residual = rng.standard_normal((rows, width)).astype(np.float32)
+        shared_out = rng.standard_normal((rows, width)).astype(np.float32)
+        logits = rng.standard_normal((rows, 3)).astype(np.float32)
+        gate_logit = cuda.to_device(logits)[:, 1:2]  # a column of the router's logits, as the model passes it
+        norm = rng.standard_normal(width).astype(np.float32)
+        results = []
+        for fused in (True, False):
+            x = residual.copy()
+            out = np.full((rows, width), np.nan, np.float32)
+            bf16 = np.zeros((rows, width), np.uint16)
+            fragments = np.zeros(x_fragment_words(width), np.uint32)
+            norm_args = dict(eps=1e-6, offset=True, stream=0, out_bf16=bf16, out_fragments=fragments)
+            if fused:
+                moe.moe_combine_rms_norm(expert_out, weights, x, shared_out, gate_logit, norm, out, **norm_args)
+            else:
+                moe.moe_combine(expert_out, weights, x, stream=0, shared_out=shared_out, gate_logit=gate_logit)
+                elementwise.rms_norm_rows(x, norm, out, **norm_args)
+            results.append((x, out, bf16, fragments))
+        for got, plain in zip(*results):
+            np.testing.assert_array_equal(got, plain)
+        want_x, want_out = moe.moe_combine_rms_norm_reference(expert_out, weights, residual, shared_out,
+                                                              logits[:, 1:2], norm, eps=1e-6, offset=True)
+        errors = [_rel(results[0][0], want_x), _rel(results[0][1], want_out)]
+        assert max(errors) < 1e-6, errors
+        print("ok moe_combine_norm", rows, slots, width, *errors, flush=True)
+
+
 def moe_route() -> None:
     """route_top_k (a warp a row: softmax, top-k by repeated warp maxima, ids ranked among the chosen lanes) equals
     its twin: ids exactly, weights within fp32 rounding; k < 8 and logit columns past the experts included."""
@@ -519,8 +560,8 @@ def moe_padded() -> None:
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
           "elementwise": elementwise, "attention_prepare": attention_prepare, "attention_decode": attention_decode,
-          "attention_decode_fast": attention_decode_fast, "moe_route": moe_route, "gdn_output": gdn_output,
-          "moe_padded": moe_padded}
+          "attention_decode_fast": attention_decode_fast, "moe_combine_norm": moe_combine_norm, "moe_route": moe_route,
+          "gdn_output": gdn_output, "moe_padded": moe_padded}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

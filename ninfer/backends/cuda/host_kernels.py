@@ -243,6 +243,16 @@ def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_
     residual[...] = _moe.moe_combine_reference(expert_out, weights, residual, shared_out, gate_logit)
 
 
+def moe_combine_rms_norm(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, *, eps, offset,
+                         stream, out_bf16=None, out_fragments=None):
+    if weights.shape[1] > _moe.COMBINE_NORM_SLOTS:
+        raise ValueError(f"the fused combine takes at most {_moe.COMBINE_NORM_SLOTS} slots")
+    residual[...], out[...] = _moe.moe_combine_rms_norm_reference(expert_out, weights, residual, shared_out,
+                                                                  gate_logit, norm_weight, eps=eps, offset=offset)
+    _bf16_copy(out, out_bf16)
+    _fragment_rows(out, out_fragments)
+
+
 def moe_group(expert_ids, counts, offsets, slot_of, *, experts, position_of, stream):
     counts[...], offsets[...], slot_of[...], position_of[...] = _moe.moe_group_reference(expert_ids, experts)
 

@@ -37,6 +37,7 @@ from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.attention import DEFAULT_SPLITS, check_splits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
+from ninfer.kernels_numba.moe import COMBINE_NORM_SLOTS
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.device import CudaDevice, Device
@@ -893,6 +894,8 @@ class CudaQwen:
         self.set_narrow(capacity.narrow_decode)
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
+        # a decode MoE combine `_moe` left for the next norm to launch (`_norm`), or None
+        self._pending_combine: tuple | None = None
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
 
     def set_programmatic(self, on: bool) -> None:
@@ -1010,9 +1013,10 @@ class CudaQwen:
             self._layer(layer, index, rows, segments, prefill, self.kv.get(index))
             block = self.feature_blocks.get(index)
             if block is not None:  # the post-MLP residual: this layer's column block of the context features
+                self._flush_combine()
                 self.k.copy_columns(x, self.dflash_workspace.features, first_column=block * d.hidden, stream=stream)
         final = ws.final[:rows]
-        self.k.rms_norm_rows(x, self.final_norm, final, eps=d.rms_eps, offset=True, stream=stream)
+        self._norm(x, self.final_norm, final)
         return final
 
     def mtp_forward(self, hidden: Any, rows: int, prefill: PrefillSpan | None = None,
@@ -1031,7 +1035,7 @@ class CudaQwen:
         self.linear(ws.mtp_in, mtp.input_projection, ws.x, rows=rows)
         self._layer(mtp.layer, -1, rows, rows, prefill, self.mtp_kv)
         out = ws.final[:rows]
-        self.k.rms_norm_rows(x, mtp.final_norm, out, eps=d.rms_eps, offset=True, stream=stream)
+        self._norm(x, mtp.final_norm, out)
         return out
 
     def propose(self, d: Any, rows: int | None = None) -> Any:
@@ -1157,8 +1161,7 @@ class CudaQwen:
         mixer = (layer.attention.in_proj,) if layer.attention is not None else (layer.gdn.in_proj, layer.gdn.ab_proj)
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *mixer)
         h_frag = self.linear.fragment_input(rows, *mixer)
-        self.k.rms_norm_rows(x, layer.input_norm, h, eps=d.rms_eps, offset=True, stream=stream, out_bf16=h_bf16,
-                             out_fragments=h_frag)
+        self._norm(x, layer.input_norm, h, out_bf16=h_bf16, out_fragments=h_frag)
         if layer.attention is not None:
             self._attention(layer.attention, rows, prefill, kv, h_bf16, h_frag)
         else:
@@ -1330,11 +1333,36 @@ class CudaQwen:
             side.join()
         shared_out = ws.shared_out[:rows]
         gate_logit = router_logits[:, e:e + 1]
-        if rows <= SKINNY_ROWS:  # the routed experts' weighted sum and the gated shared expert in one launch
+        if rows <= SKINNY_ROWS and d.moe_top_k <= COMBINE_NORM_SLOTS:
+            # the routed experts' weighted sum and the gated shared expert, in the launch of the norm that reads x
+            # next (`_norm`)
+            self._pending_combine = (ws.slot_out[:rows], weights, shared_out, gate_logit)
+        elif rows <= SKINNY_ROWS:  # the same in one launch of its own
             self.k.moe_combine(ws.slot_out[:rows], weights, x, stream=stream, shared_out=shared_out,
                                gate_logit=gate_logit)
         else:
             self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
+
+    def _norm(self, x: Any, weight: Any, out: Any, *, out_bf16: Any = None, out_fragments: Any = None) -> None:
+        """out = rms_norm(x, weight) (offset), as `rms_norm_rows` writes it; a decode MoE combine left pending by
+        `_moe` runs in the same launch first (x is its residual)."""
+        d, stream, pending = self.dims, self.device.stream, self._pending_combine
+        self._pending_combine = None
+        if pending is None:
+            self.k.rms_norm_rows(x, weight, out, eps=d.rms_eps, offset=True, stream=stream, out_bf16=out_bf16,
+                                 out_fragments=out_fragments)
+            return
+        expert_out, weights, shared_out, gate_logit = pending
+        self.k.moe_combine_rms_norm(expert_out, weights, x, shared_out, gate_logit, weight, out, eps=d.rms_eps,
+                                    offset=True, stream=stream, out_bf16=out_bf16, out_fragments=out_fragments)
+
+    def _flush_combine(self) -> None:
+        """Launch a pending decode MoE combine on its own (something other than a norm reads x next)."""
+        pending, self._pending_combine = self._pending_combine, None
+        if pending is not None:
+            expert_out, weights, shared_out, gate_logit = pending
+            self.k.moe_combine(expert_out, weights, self.workspace.x[:expert_out.shape[0]], stream=self.device.stream,
+                               shared_out=shared_out, gate_logit=gate_logit)
 
     def _shared_expert(self, w: MoeFfn, rows: int, linear: Linear, stream: Any, h_bf16: Any, h_frag: Any) -> None:
         """shared_out = down(silu(gate h) * up h), through `linear` on `stream` (the serving stream's, or the side
