@@ -446,6 +446,40 @@ def test_narrow_decode_routes_in_one_launch(device_kind, artifacts, recipe, monk
     assert not cuda_build(device_kind, path).model.linear.narrow  # off by default until measured
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_swiglu_epilogue_replaces_the_silu_mul_launches(device_kind, artifacts, kind, monkeypatch):
+    """ninfer-v2 gate|up matrices on the tensor-core path are stored for the fused SwiGLU epilogue (`swiglu_order`):
+    decode rows and short prefill chunks launch no silu-mul (the gate|up GEMV writes the down projection's x
+    fragments), longer chunks dequantize them back in order for cuBLAS. Graphs give the eager tokens, greedy MTP the
+    greedy ones, and the dense model's tokens are the CPU runner's up to bf16 near ties."""
+    from ninfer.backends.cuda import host_kernels
+    from ninfer.backends.cuda.model import SKINNY_ROWS
+
+    silu_rows, fused = [], []
+    for name, calls in (("silu_mul_rows", silu_rows), ("silu_mul_slots", silu_rows),
+                        ("silu_mul_to_bf16_rows", silu_rows), ("linear_quant_mma_swiglu", fused),
+                        ("linear_quant_mma_gathered_swiglu", fused)):
+        original = getattr(host_kernels, name)
+        monkeypatch.setattr(host_kernels, name, lambda *a, _calls=calls, _original=original, **k: (
+            _calls.append(a[0].shape[0] if "silu" in _original.__name__ else 1), _original(*a, **k)))
+    path = artifacts[(kind, "ninfer-v2")]
+    build = cuda_build(device_kind, path, decode_quant="mma", graphs=False)
+    ffns = [layer.ffn for layer in build.model.layers]
+    stored = [f.gate_up for f in ffns] if kind == "dense" else [m for f in ffns for m in (f.routed_gate_up,
+                                                                                           f.shared_gate_up)]
+    assert all(m.swiglu_rows for m in stored)
+    prompts = [prompt(15, 7), prompt(16, SKINNY_ROWS + 11), prompt(17, 30)]
+    eager = run_lanes(build.runner, prompts, 12, chunk=SKINNY_ROWS + 11)
+    assert run_lanes(cuda_build(device_kind, path, decode_quant="mma").runner, prompts, 12) == eager
+    speculative = cuda_build(device_kind, path, decode_quant="mma", draft_tokens=3)
+    assert run_lanes(speculative.runner, prompts, 12) == eager
+    if kind == "dense":
+        cpu = load_model(path)
+        for g, w, p in zip(eager, run_lanes(cpu_runner(path), prompts, 12), prompts):
+            assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
+    if device_kind == "host":
+        assert fused and silu_rows and min(silu_rows) > SKINNY_ROWS, silu_rows  # only the long chunk's
+
 def test_more_attention_splits_keep_the_greedy_tokens(device_kind, artifacts):
     """Capacity.attention_splits past 32 (the combine's lanes then merge several splits each): eager decode with the
     most splits gives the tokens the default gives, which match the CPU runner's."""

@@ -48,8 +48,8 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
-from ninfer.kernels_numba.common import (address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32, load_word_at,
-                                         load_words2_at, load_words4_at, store_words4_at)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32,
+                                         load_word_at, load_words2_at, load_words4_at, sigmoid_f32, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -90,6 +90,8 @@ class QuantMmaWeight:
     scales: object  # uint32 [tiles * blocks * SCALE_WORDS * 8]: binary16 scales of rows (g, g + 8)
     blocks: int
     nbytes: int
+    # SwiGLU gate|up blocks of this many rows stored tile-interleaved (`swiglu_order`), 0: rows in their own order
+    swiglu_rows: int = 0
     tensor_core = True  # `Linear` routes decode rows of this weight to `linear_quant_mma`
 
 
@@ -220,13 +222,36 @@ def _high_words(fragments: np.ndarray, bits: int) -> np.ndarray:
     return np.stack(words, axis=-1)
 
 
-def repack_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray) -> dict[str, np.ndarray]:
-    """Host planes of the tensor-core layout from an artifact payload: base and high uint32 words, scale pairs."""
+def swiglu_order(rows: int) -> np.ndarray:
+    """The original row of each stored row of a SwiGLU gate|up block of `rows` rows (gate rows, then the up rows of
+    the same units): each 16-row tile holds 8 units' gate rows then their up rows, so a lane's mma accumulators hold
+    gate and up of one unit and the GEMV's epilogue can write silu(gate) * up (`linear_quant_mma_swiglu`)."""
+    if rows % (2 * TILE_ROWS):
+        raise ValueError(f"a SwiGLU gate|up block needs rows % {2 * TILE_ROWS} == 0, got {rows}")
+    stored = np.arange(rows)
+    tile, inside = stored // TILE_ROWS, stored % TILE_ROWS
+    return np.where(inside < 8, 8 * tile + inside, rows // 2 + 8 * tile + inside - 8)
+
+
+def swiglu_rows_order(N: int, swiglu_rows: int) -> np.ndarray:
+    """`swiglu_order` of every gate|up block of an [N, K] matrix (a stack of experts' blocks, or one)."""
+    if N % swiglu_rows:
+        raise ValueError(f"{N} rows are not whole SwiGLU blocks of {swiglu_rows}")
+    return (np.arange(N // swiglu_rows)[:, None] * swiglu_rows + swiglu_order(swiglu_rows)[None, :]).reshape(-1)
+
+
+def repack_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray, *,
+                     swiglu_rows: int = 0) -> dict[str, np.ndarray]:
+    """Host planes of the tensor-core layout from an artifact payload: base and high uint32 words, scale pairs.
+    `swiglu_rows`: the rows stored in `swiglu_rows_order` (gate|up blocks of that many rows)."""
     bits = FORMAT_BITS[fmt]
     N, K = (int(v) for v in shape)
     if K % BLOCK:
         raise ValueError(f"tensor-core quantized layers need K % {BLOCK} == 0, got {K}")
     codes, scales16 = codec.quantized_codes(payload, fmt, (N, K))
+    if swiglu_rows:
+        order = swiglu_rows_order(N, swiglu_rows)
+        codes, scales16 = codes[order], scales16[order]
     blocks, tiles = K // BLOCK, -(-N // TILE_ROWS)
     unsigned = np.zeros((tiles * TILE_ROWS, K), np.uint8)  # padding rows: any code, at scale 0
     unsigned[:N] = (codes[:, :K].astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
@@ -249,16 +274,20 @@ def repack_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray) -> d
             "scales": np.ascontiguousarray(scales).reshape(-1).view(np.uint32)}
 
 
-def upload_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray, *, stream=0) -> QuantMmaWeight:
-    return upload_quant_mma_planes(fmt, shape, repack_quant_mma(fmt, shape, payload), stream=stream)
+def upload_quant_mma(fmt: str, shape: tuple[int, int], payload: np.ndarray, *, stream=0,
+                     swiglu_rows: int = 0) -> QuantMmaWeight:
+    return upload_quant_mma_planes(fmt, shape, repack_quant_mma(fmt, shape, payload, swiglu_rows=swiglu_rows),
+                                   stream=stream, swiglu_rows=swiglu_rows)
 
 
 def upload_quant_mma_planes(fmt: str, shape: tuple[int, int], planes: dict[str, np.ndarray], *,
-                            stream=0) -> QuantMmaWeight:
-    """Copy already repacked planes (`repack_quant_mma`) to the device (benchmarks repack one payload once)."""
+                            stream=0, swiglu_rows: int = 0) -> QuantMmaWeight:
+    """Copy already repacked planes (`repack_quant_mma`, with the same `swiglu_rows`) to the device (benchmarks
+    repack one payload once)."""
     arrays = {name: cuda.to_device(value, stream=stream) for name, value in planes.items()}
     return QuantMmaWeight(fmt, tuple(int(v) for v in shape), arrays["base"], arrays["high"], arrays["scales"],
-                          int(shape[1]) // BLOCK, int(sum(value.nbytes for value in planes.values())))
+                          int(shape[1]) // BLOCK, int(sum(value.nbytes for value in planes.values())),
+                          int(swiglu_rows))
 
 
 # ---- device code --------------------------------------------------------------------------------------------------
@@ -643,6 +672,21 @@ def make_store_sums(tiles: int, sets: int):
     return store_sums
 
 
+@device_function
+def silu_times(gate, up):
+    """silu(gate) * up, the arithmetic of `elementwise`'s silu-mul kernels."""
+    return (gate * sigmoid_f32(gate)) * up
+
+
+@device_function
+def store_swiglu_pair(act, word_base, g, m, unit, value):
+    """Warp 0's SwiGLU epilogue: lanes of even g write the bf16 pair (unit, unit + 1) of x row m, the second value
+    from lane + 4 (g + 1) by a shuffle every lane of the warp takes part in; `act` are x fragment words."""
+    partner = cuda.shfl_sync(FULL_MASK, value, (int32(cuda.threadIdx.x) + 4) & 31)
+    if (g & 1) == 0 and m >= 0:
+        act[word_base + (fragment_half(m, unit) >> 1)] = bf16_pair(value, partner)
+
+
 def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
     """Shared memory where a block's warps meet (`make_tile_sums`)."""
     return warps * 4 * tiles * sets * 32 * 4
@@ -658,9 +702,12 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets, depth)
     store_sums = make_store_sums(tiles, sets)
 
-    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32), fastmath=False)
-    def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate):
-        """xf: x fragments (`x_fragments`); base/high/scales: the planes of `repack_quant_mma`."""
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32, uint32[::1], int32),
+            fastmath=False)
+    def quant_mma_kernel(xf, base, high, scales, y, blocks, accumulate, act, act_words):
+        """xf: x fragments (`x_fragments`); base/high/scales: the planes of `repack_quant_mma`. act_words > 0 (one
+        tile a block, a weight stored in `swiglu_order`): instead of y, silu(gate) * up of every unit into the x
+        fragments `act` (act_words a set), y's shape giving the rows and 2 x the units."""
         allow_dependents()
         partials = cuda.shared.array(0, float32)
         N = int32(y.shape[1])
@@ -668,7 +715,17 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
         acc = cuda.local.array(ACC, float32)
         tile_sums(acc, partials, xf, int32(0), x_fragment_lane(int32(y.shape[0])), base, high, scales, tile0,
                   ((N + 15) >> 4) - 1, blocks)
-        store_sums(y, acc, tile0 * TILE_ROWS, N, accumulate)
+        if act_words == 0:
+            store_sums(y, acc, tile0 * TILE_ROWS, N, accumulate)
+        elif cuda.threadIdx.x < 32:
+            lane = int32(cuda.threadIdx.x)
+            g, t = lane >> 2, lane & 3
+            for a in range(0, ACC, 4):  # per fragment set: C rows g (gate) and g + 8 (up) of unit 8 tile0 + g
+                first = MAX_X_ROWS * (a // 4)  # x rows 2 t and 2 t + 1 of the set
+                for e in range(2):
+                    row = 2 * t + e
+                    store_swiglu_pair(act, (a // 4) * act_words, g, row if first + row < y.shape[0] else -1,
+                                      tile0 * 8 + g, silu_times(acc[a + e], acc[a + 2 + e]))
 
     return quant_mma_kernel
 
@@ -679,12 +736,13 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
     ACC = 4 * tiles
     tile_sums = make_tile_sums(bits, tiles, warps, unroll)
 
-    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32),
-            fastmath=False)
-    def quant_mma_gathered_kernel(xf, base, high, scales, ids, y, blocks, x_set_words):
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32,
+             uint32[::1], int32), fastmath=False)
+    def quant_mma_gathered_kernel(xf, base, high, scales, ids, y, blocks, x_set_words, act, act_words):
         """y[row, slot, n] = x(row, slot) . W[ids[row, slot] * rpe + n] (rpe = y.shape[2], a multiple of 16: an
         expert's rows are whole tiles of the stacked layout); x(row, slot) is column `row` of fragment set
-        slot * x_set_words (0: one set that every slot shares)."""
+        slot * x_set_words (0: one set that every slot shares). act_words > 0 (experts stored in `swiglu_order`):
+        instead of y, silu(gate) * up of every unit into row `row` of fragment set `slot` of `act`."""
         allow_dependents()
         wait_for_prior_grids()  # the router wrote ids: no weight address is known before it completes
         partials = cuda.shared.array(0, float32)
@@ -698,7 +756,14 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
         x_lane_index = (int32(cuda.threadIdx.x) & 3) | (row << 2)  # every column a copy of x row `row`'s
         tile_sums(acc, partials, xf, slot * x_set_words, x_lane_index, base, high, scales, expert_tile0 + tile0,
                   expert_tile0 + expert_tiles - 1, blocks)
-        if cuda.threadIdx.x < 32:
+        if act_words != 0:
+            if cuda.threadIdx.x < 32:
+                lane = int32(cuda.threadIdx.x)
+                odd = (row & 1) != 0  # C column 2 t + 1 holds x row `row` in lanes t = row // 2
+                value = silu_times(acc[1] if odd else acc[0], acc[3] if odd else acc[2])
+                store_swiglu_pair(act, slot * act_words, lane >> 2, row if (lane & 3) == (row >> 1) else -1,
+                                  tile0 * 8 + (lane >> 2), value)
+        elif cuda.threadIdx.x < 32:
             lane = int32(cuda.threadIdx.x)
             for a in range(ACC):
                 tile_row, m = c_position(a, lane)
@@ -771,8 +836,31 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     bits = FORMAT_BITS[qw.fmt]
     fn = _kernel if _kernel is not None else QUANT_MMA_KERNELS[bits, sets]
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
+    if qw.swiglu_rows:
+        raise ValueError("a weight stored in swiglu_order multiplies through linear_quant_mma_swiglu")
     launch(fn, grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets), xf, qw.base, qw.high, qw.scales, y,
-           int32(qw.blocks), int32(1 if accumulate else 0), programmatic=programmatic)
+           int32(qw.blocks), int32(1 if accumulate else 0), xf, int32(0), programmatic=programmatic)
+
+
+def linear_quant_mma_swiglu(xf, qw: QuantMmaWeight, y, act, *, stream, programmatic: bool = False) -> None:
+    """act = the x fragments (`x_fragments` layout, one set per 8 rows) of silu(gate) * up [M, N / 2], where
+    [gate | up] = x @ W^T for a SwiGLU gate|up weight stored in `swiglu_order` (qw.swiglu_rows == N): the input of
+    the down projection, without the gate|up output or a silu-mul launch. y [M, N] gives the shape (not written).
+    The bits equal linear_quant_mma of the unpermuted weight then silu_mul_rows' x fragments. Capture-safe."""
+    M, N = y.shape
+    K = qw.shape[1]
+    sets = x_sets(M)
+    act_words = x_fragment_words(N // 2)
+    if (qw.swiglu_rows != N or N != qw.shape[0] or sets > ROW_SETS or xf.shape[0] < sets * x_fragment_words(K)
+            or act.shape[0] < sets * act_words or (N // 2) % BLOCK):
+        raise ValueError(f"tensor-core SwiGLU: W{qw.shape} stored in blocks of {qw.swiglu_rows} rows, "
+                         f"y{tuple(y.shape)} (M <= {MAX_X_ROWS * ROW_SETS}, N / 2 % {BLOCK} == 0), "
+                         f"{xf.shape[0]} x words, {act.shape[0]} act words")
+    if M == 0:
+        return
+    launch(QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt], sets], -(-N // TILE_ROWS), 32 * WARPS, stream,
+           _partials_bytes(TILES, WARPS, sets), xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(0), act,
+           int32(act_words), programmatic=programmatic)
 
 
 def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:
@@ -842,12 +930,36 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     if M * S == 0:
         return
     rpe = int(rows_per_expert)
+    if qw.swiglu_rows:
+        raise ValueError("experts stored in swiglu_order multiply through linear_quant_mma_gathered_swiglu")
     bits = FORMAT_BITS[qw.fmt]
     fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits]
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
     launch(fn, (groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps), xf, qw.base, qw.high, qw.scales,
-           expert_ids, y, int32(qw.blocks), int32(x_set_words), programmatic=programmatic)
+           expert_ids, y, int32(qw.blocks), int32(x_set_words), xf, int32(0), programmatic=programmatic)
+
+
+def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act, *, rows_per_expert: int, stream,
+                                     programmatic: bool = False) -> None:
+    """MoE decode, the SwiGLU experts' gate|up: act = the slot x fragments (`x_slot_fragments` layout: set s holds
+    rows m of slot s) of silu(gate) * up [M, S, rpe / 2], [gate | up] = x[m] @ W_e^T (x [M, K] as `x_fragments`,
+    e = expert_ids[m, s]) for experts stored in `swiglu_order` (qw.swiglu_rows == rpe): the down projection's input
+    without the gate|up output or a silu-mul launch. y [M, S, rpe] gives the shape (not written). The bits equal
+    linear_quant_mma_gathered of the unpermuted experts then silu_mul_slots' fragments. Capture-safe."""
+    check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape, rows_per_expert=rows_per_expert,
+                          x_per_slot=False)
+    M, S = expert_ids.shape
+    rpe = int(rows_per_expert)
+    act_words = x_fragment_words(rpe // 2)
+    if qw.swiglu_rows != rpe or (rpe // 2) % BLOCK or act.shape[0] < S * act_words:
+        raise ValueError(f"tensor-core gathered SwiGLU: experts of {rpe} rows stored in blocks of {qw.swiglu_rows} "
+                         f"(rpe / 2 % {BLOCK} == 0), {act.shape[0]} act words for {S} sets of {act_words}")
+    if M * S == 0:
+        return
+    launch(QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt]], (rpe // TILE_ROWS, S, M), 32 * WARPS, stream,
+           _partials_bytes(TILES, WARPS), xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(0),
+           act, int32(act_words), programmatic=programmatic)
 
 
 DEQUANTIZE_THREADS = 256
@@ -860,11 +972,12 @@ def make_dequantize_mma_kernel(bits: int):
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
     MINUS_LOW = _minus_pair(0)
 
-    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32), fastmath=False)
-    def dequantize_mma_kernel(base, high, scales, out, blocks):
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32, int32), fastmath=False)
+    def dequantize_mma_kernel(base, high, scales, out, blocks, swiglu_rows):
         """out (bf16 pairs [N, K / 2]) = bf16(code * scale). A warp per (tile, block): each lane decodes its 16 pairs
         into the warp's staged 16 x 64 tile in shared memory, then the warp stores the tile's rows as 16-byte
-        vectors (8 lanes a 128-byte row) instead of 16 scattered words a lane."""
+        vectors (8 lanes a 128-byte row) instead of 16 scattered words a lane. swiglu_rows > 0: stored rows go back
+        to their original rows (`swiglu_order`)."""
         stage = cuda.shared.array(STAGE_WORDS, uint32)
         i = int32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
         N = int32(out.shape[0])
@@ -908,7 +1021,11 @@ def make_dequantize_mma_kernel(bits: int):
             row = e * 4 + (lane >> 3)
             if tile * 16 + row < N:
                 at_stage = staged + row * STAGE_ROW_WORDS + column
-                store_words4_at(address_of(out) + int64(tile * 16 + row) * row_bytes + int64(q * 32 + column) * 4,
+                target = tile * 16 + row
+                if swiglu_rows != 0:  # the inverse of swiglu_order within the row's gate|up block
+                    inside = target % swiglu_rows
+                    target += (8 * (inside >> 4) + (row & 7) + (swiglu_rows >> 1) * (row >> 3)) - inside
+                store_words4_at(address_of(out) + int64(target) * row_bytes + int64(q * 32 + column) * 4,
                                 stage[at_stage], stage[at_stage + 1], stage[at_stage + 2], stage[at_stage + 3])
 
     return dequantize_mma_kernel
@@ -919,13 +1036,13 @@ DEQUANTIZE_MMA_KERNELS = {bits: make_dequantize_mma_kernel(bits) for bits in (4,
 
 def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream) -> None:
     """out[N, K] (uint16 bf16 bits, C-contiguous) = bf16(code * scale): what `quant_linear.dequantize_bf16` gives for
-    the artifact layout (the prefill path's cuBLAS operand)."""
+    the artifact layout (the prefill path's cuBLAS operand), rows in their original order whatever the storage's."""
     N, K = qw.shape
     if tuple(out.shape) != (N, K):
         raise ValueError(f"dequantize into {tuple(out.shape)}, the weight is {qw.shape}")
     threads = -(-N // TILE_ROWS) * qw.blocks * 32
     DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]][math.ceil(threads / DEQUANTIZE_THREADS), DEQUANTIZE_THREADS, stream](
-        qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks))
+        qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks), int32(qw.swiglu_rows))
 
 
 # ---- NumPy twins ---------------------------------------------------------------------------------------------------

@@ -180,6 +180,25 @@ def test_slot_fragments_take_at_most_8_rows_of_whole_blocks():
             QM.x_slot_fragments(np.zeros(shape, np.float32), np.zeros(1024, np.uint32), stream=0)
 
 
+def test_swiglu_order_puts_each_units_gate_and_up_in_one_tile():
+    """Stored tile t holds the gate rows of units 8 t .. 8 t + 7 then their up rows, so C rows g and g + 8 of a lane
+    are gate and up of one unit; the repacked planes read back as the rows in that order."""
+    order = QM.swiglu_order(64)
+    assert sorted(order) == list(range(64))
+    for tile in range(4):
+        gates, ups = order[16 * tile: 16 * tile + 8], order[16 * tile + 8: 16 * tile + 16]
+        assert list(gates) == list(range(8 * tile, 8 * tile + 8)) and list(ups - 32) == list(gates)
+    stacked = QM.swiglu_rows_order(128, 64)
+    assert list(stacked[64:]) == list(order + 64)
+    rng = np.random.default_rng(8)
+    shape = (128, 128)
+    payload = _payload(rng, shape, Q4G64)
+    planes = QM.repack_quant_mma(Q4G64, shape, payload, swiglu_rows=64)
+    np.testing.assert_array_equal(_unpack(Q4G64, planes, shape), codec.decode(payload, Q4G64, shape)[stacked])
+    with pytest.raises(ValueError, match="rows % 32"):
+        QM.swiglu_order(48)
+
+
 def _run(x, qw, y0=None, accumulate=False, kernel=None, **geometry):
     from ninfer.kernels_numba.numba_setup import cuda
 
@@ -353,6 +372,87 @@ def test_kernels_match_their_twins_in_the_cuda_simulator():
         f"ok quant_mma {fmt}" for fmt in FORMATS] + ["ok quant_mma pair"]
 
 
+@pytest.mark.slow
+def test_swiglu_epilogues_in_the_cuda_simulator():
+    """The plain and gathered SwiGLU epilogues and the dequantization of interleaved rows, bit for bit the
+    unpermuted GEMVs then the silu-mul kernels (`simulated_kernels.quant_mma_swiglu`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("quant_mma_swiglu").splitlines()
+                if line.startswith("ok quant_mma_swiglu")]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [Q4G64, W8G32])
+@pytest.mark.parametrize("m", [1, 8, 20])
+@pytest.mark.parametrize("inter,k", [(512, 2048), (1024, 5120)])
+def test_swiglu_epilogue_gpu_equals_gemv_then_silu_mul(fmt, m, inter, k):
+    """The fused gate|up GEMV writes the x fragments of silu(gate) * up that the unpermuted weight's GEMV then
+    silu_mul_rows (and x_fragments past 8 rows) write, bit for bit; the interleaved weight dequantizes to the
+    original rows."""
+    from ninfer.kernels_numba import elementwise
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    rng = np.random.default_rng(m + inter)
+    shape = (2 * inter, k)
+    payload = _payload(rng, shape, fmt)
+    plain, stored = QM.upload_quant_mma(fmt, shape, payload), QM.upload_quant_mma(fmt, shape, payload,
+                                                                                  swiglu_rows=2 * inter)
+    stream = cuda.stream()
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xf = cuda.device_array(QM.x_sets(m) * QM.x_fragment_words(k), np.uint32, stream=stream)
+    QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
+    words = QM.x_sets(m) * QM.x_fragment_words(inter)
+    fused = cuda.to_device(np.zeros(words, np.uint32), stream=stream)
+    gate_up = cuda.device_array((m, 2 * inter), np.float32, stream=stream)
+    QM.linear_quant_mma_swiglu(xf, stored, gate_up, fused, stream=stream)
+    QM.linear_quant_mma(xf, plain, gate_up, stream=stream)
+    act = cuda.device_array((m, inter), np.float32, stream=stream)
+    want = cuda.to_device(np.zeros(words, np.uint32), stream=stream)
+    if m <= QM.MAX_X_ROWS:
+        elementwise.silu_mul_rows(gate_up, act, stream=stream, out_fragments=want)
+    else:
+        elementwise.silu_mul_rows(gate_up, act, stream=stream)
+        QM.x_fragments(act, want, stream=stream)
+    back = cuda.device_array(shape, np.uint16, stream=stream)
+    original = cuda.device_array(shape, np.uint16, stream=stream)
+    QM.dequantize_mma_bf16(stored, back, stream=stream)
+    QM.dequantize_mma_bf16(plain, original, stream=stream)
+    np.testing.assert_array_equal(fused.copy_to_host(stream=stream), want.copy_to_host(stream=stream))
+    np.testing.assert_array_equal(back.copy_to_host(stream=stream), original.copy_to_host(stream=stream))
+    stream.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gathered_swiglu_epilogue_gpu_equals_gathered_gemv_then_silu_mul(m):
+    """The 35B-A3B's experts (512 units, K 2048, 8 slots of 64 experts): the fused gathered gate|up writes each
+    slot's activation fragments as the unpermuted gathered GEMV then silu_mul_slots do, bit for bit."""
+    from ninfer.kernels_numba import elementwise
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    rng = np.random.default_rng(30 + m)
+    experts, slots, inter, k = 64, 8, 512, 2048
+    shape = (experts * 2 * inter, k)
+    payload = _payload(rng, shape, Q4G64)
+    plain = QM.upload_quant_mma(Q4G64, shape, payload)
+    stored = QM.upload_quant_mma(Q4G64, shape, payload, swiglu_rows=2 * inter)
+    ids = cuda.to_device(_expert_ids(rng, m, slots, experts))
+    stream = cuda.stream()
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xf = cuda.device_array(QM.x_fragment_words(k), np.uint32, stream=stream)
+    QM.x_fragments(cuda.to_device(x, stream=stream), xf, stream=stream)
+    words = slots * QM.x_fragment_words(inter)
+    fused, want = (cuda.to_device(np.zeros(words, np.uint32), stream=stream) for _ in range(2))
+    gate_up = cuda.device_array((m, slots, 2 * inter), np.float32, stream=stream)
+    QM.linear_quant_mma_gathered_swiglu(xf, stored, ids, gate_up, fused, rows_per_expert=2 * inter, stream=stream)
+    QM.linear_quant_mma_gathered(xf, plain, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False,
+                                 stream=stream)
+    elementwise.silu_mul_slots(gate_up, cuda.device_array((m, slots, inter), np.float32, stream=stream),
+                               stream=stream, out_fragments=want)
+    np.testing.assert_array_equal(fused.copy_to_host(stream=stream), want.copy_to_host(stream=stream))
+    stream.synchronize()
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernels_with_two_later_steps_in_flight_compile_for_hopper(bits):
     """`make_quant_mma_kernel(depth=2)` (timed against the default by bench/quant_gemv.py --depth) compiles to PTX
@@ -362,5 +462,6 @@ def test_kernels_with_two_later_steps_in_flight_compile_for_hopper(bits):
     from ninfer.kernels_numba.numba_setup import hopper_ptx
 
     kernel = QM.make_quant_mma_kernel(bits, depth=2)
-    ptx = hopper_ptx(kernel.py_func, (uint32[::1],) * 4 + (float32[:, ::1], int32, int32), {"fastmath": False})
+    ptx = hopper_ptx(kernel.py_func, (uint32[::1],) * 4 + (float32[:, ::1], int32, int32, uint32[::1], int32),
+                     {"fastmath": False})
     assert ".target sm_90" in ptx and "mma.sync.aligned.m16n8k16" in ptx

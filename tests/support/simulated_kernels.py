@@ -330,6 +330,74 @@ def quant_mma() -> None:
     print("ok quant_mma pair", flush=True)
 
 
+def quant_mma_swiglu() -> None:
+    """Gate|up weights stored in swiglu_order: the plain GEMV's SwiGLU epilogue (1 and 2 fragment sets) and the
+    gathered one (three experts, two slots) write the x fragments that the unpermuted weight's GEMV then the
+    silu-mul kernels write, bit for bit (Q4); dequantization gives the rows back in their original order (Q4 and
+    W8)."""
+    from ninfer.artifact import codec
+    from ninfer.artifact.formats import Q4G64, W8G32
+    from ninfer.kernels_numba import elementwise
+    from ninfer.kernels_numba import quant_mma as qm
+    from ninfer.kernels_numba.numba_setup import cuda
+    from tests.support import cuda_simulator
+
+    for module in (elementwise, qm):
+        cuda_simulator.install(vars(module))
+    rng = np.random.default_rng(11)
+    inter, k = 64, 128
+    for fmt in (Q4G64, W8G32):
+        shape = (2 * inter, k)
+        payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
+        plain, stored = qm.upload_quant_mma(fmt, shape, payload), qm.upload_quant_mma(fmt, shape, payload,
+                                                                                      swiglu_rows=2 * inter)
+        for rows in (3, 10) if fmt == Q4G64 else ():  # (the epilogue is the same code in every format)
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            xf = np.zeros(qm.x_sets(rows) * qm.x_fragment_words(k), np.uint32)
+            qm.x_fragments(x, xf, stream=0)
+            words = qm.x_sets(rows) * qm.x_fragment_words(inter)
+            fused = np.zeros(words, np.uint32)
+            qm.linear_quant_mma_swiglu(xf, stored, np.zeros((rows, 2 * inter), np.float32), fused, stream=0)
+            gate_up = np.zeros((rows, 2 * inter), np.float32)
+            qm.linear_quant_mma(xf, plain, gate_up, stream=0)
+            act = cuda.to_device(np.zeros((rows, inter), np.float32))  # (a host array and its bf16 view, both
+            want = np.zeros(words, np.uint32)  # kernel arguments, would each be copied back, the view last)
+            if rows <= qm.MAX_X_ROWS:
+                elementwise.silu_mul_rows(gate_up, act, stream=0, out_fragments=want)
+            else:
+                elementwise.silu_mul_rows(gate_up, act, stream=0)
+                qm.x_fragments(act, want, stream=0)
+            assert np.count_nonzero(want) > words // 8  # every row written (rows past M stay zero)
+            np.testing.assert_array_equal(fused, want, err_msg=f"{fmt} rows {rows}")
+        experts, slots, rows = 3, 2, 2
+        stacked = (experts * 2 * inter, k)
+        payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
+        plain = qm.upload_quant_mma(fmt, stacked, payload)
+        stored = qm.upload_quant_mma(fmt, stacked, payload, swiglu_rows=2 * inter)
+        ids = np.array([[2, 0], [1, 2]], np.int32)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        xf = np.zeros(qm.x_fragment_words(k), np.uint32)
+        qm.x_fragments(x, xf, stream=0)
+        if fmt == Q4G64:
+            fused = np.zeros(slots * qm.x_fragment_words(inter), np.uint32)
+            shape_only = np.zeros((rows, slots, 2 * inter), np.float32)
+            qm.linear_quant_mma_gathered_swiglu(xf, stored, ids, shape_only, fused, rows_per_expert=2 * inter,
+                                                stream=0)
+            gate_up = np.zeros((rows, slots, 2 * inter), np.float32)
+            qm.linear_quant_mma_gathered(xf, plain, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False,
+                                         stream=0)
+            want = np.zeros_like(fused)
+            elementwise.silu_mul_slots(gate_up, cuda.to_device(np.zeros((rows, slots, inter), np.float32)), stream=0,
+                                       out_fragments=want)
+            assert np.count_nonzero(want) > want.size // 8
+            np.testing.assert_array_equal(fused, want, err_msg=f"{fmt} gathered")
+        back, original = np.zeros(stacked, np.uint16), np.zeros(stacked, np.uint16)
+        qm.dequantize_mma_bf16(stored, back, stream=0)
+        qm.dequantize_mma_bf16(plain, original, stream=0)
+        np.testing.assert_array_equal(back, original, err_msg=f"{fmt} dequantized")
+        print("ok quant_mma_swiglu", fmt, flush=True)
+
+
 def attention_prepare_case(cfg, dtype, seed=4):
     """Inputs of one prepare launch (5 rows over 2 lanes, page boundaries crossed), for the simulator and by hand."""
     from tests.kernels.test_attention import _pools, _weights
@@ -559,9 +627,10 @@ def moe_padded() -> None:
 
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
-          "elementwise": elementwise, "attention_prepare": attention_prepare, "attention_decode": attention_decode,
-          "attention_decode_fast": attention_decode_fast, "moe_combine_norm": moe_combine_norm, "moe_route": moe_route,
-          "gdn_output": gdn_output, "moe_padded": moe_padded}
+          "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
+          "attention_decode": attention_decode, "attention_decode_fast": attention_decode_fast,
+          "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
+          "moe_padded": moe_padded}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -70,21 +70,26 @@ def upload_quant_planes(fmt, shape, planes, *, stream=0) -> QuantWeight:
 
 @attrs.define(eq=False)
 class QuantMmaWeight(QuantWeight):
-    """The tensor-core layout's stand-in: the same payload, routed by `Linear` to the tensor-core launchers."""
+    """The tensor-core layout's stand-in: the same payload (rows in their own order: `swiglu_rows` only says which
+    launchers take it), routed by `Linear` to the tensor-core launchers."""
 
+    swiglu_rows: int = 0
     tensor_core = True
 
 
-def upload_quant_mma(fmt, shape, payload, *, stream=0) -> QuantMmaWeight:
+def upload_quant_mma(fmt, shape, payload, *, stream=0, swiglu_rows=0) -> QuantMmaWeight:
     payload = np.asarray(payload, dtype=np.uint8).copy()
-    return QuantMmaWeight(fmt, tuple(shape), payload, int(payload.nbytes))
+    if swiglu_rows:
+        _quant_mma.swiglu_rows_order(shape[0], swiglu_rows)  # the device layout's check
+    return QuantMmaWeight(fmt, tuple(shape), payload, int(payload.nbytes), swiglu_rows=int(swiglu_rows))
 
 
-repack_quant_mma = repack_quant
+def repack_quant_mma(fmt, shape, payload, *, swiglu_rows=0) -> dict[str, np.ndarray]:
+    return repack_quant(fmt, shape, payload)
 
 
-def upload_quant_mma_planes(fmt, shape, planes, *, stream=0) -> QuantMmaWeight:
-    return upload_quant_mma(fmt, shape, planes["payload"])
+def upload_quant_mma_planes(fmt, shape, planes, *, stream=0, swiglu_rows=0) -> QuantMmaWeight:
+    return upload_quant_mma(fmt, shape, planes["payload"], swiglu_rows=swiglu_rows)
 
 
 x_fragment_words = _quant_mma.x_fragment_words
@@ -109,8 +114,19 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False)
     if rows > _quant_mma.MAX_X_ROWS * ROW_SETS or xf.shape[0] < _quant_mma.x_sets(rows) * x_fragment_words(K):
         raise ValueError(f"tensor-core linear: y{tuple(y.shape)} (at most {_quant_mma.MAX_X_ROWS * ROW_SETS} rows), "
                          f"{xf.shape[0]} x words")
+    if qw.swiglu_rows:
+        raise ValueError("a weight stored in swiglu_order multiplies through linear_quant_mma_swiglu")
     out = row_linear(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded())
     y[...] = (y + out) if accumulate else out
+
+
+def linear_quant_mma_swiglu(xf, qw, y, act, *, stream, programmatic=False):
+    rows, N = y.shape
+    if qw.swiglu_rows != N or N != qw.shape[0] or _quant_mma.x_sets(rows) > ROW_SETS:
+        raise ValueError(f"tensor-core SwiGLU: W{qw.shape} stored in blocks of {qw.swiglu_rows} rows, y{y.shape}")
+    values = _elementwise.silu_mul_rows_reference(row_linear(_quant_mma.x_from_fragments(xf, rows, qw.shape[1]), qw.decoded()))
+    words = _quant_mma.x_sets(rows) * x_fragment_words(N // 2)
+    act[:words] = _quant_mma.x_fragments_reference(values)
 
 
 def has_pair_kernel(first, second):
@@ -127,11 +143,25 @@ def linear_quant_mma_pair(xf, first, second, y, *, stream, programmatic=False):
 def linear_quant_mma_gathered(xf, qw, expert_ids, y, *, rows_per_expert, x_per_slot, stream, programmatic=False):
     _quant_mma.check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape,
                                      rows_per_expert=rows_per_expert, x_per_slot=x_per_slot)
+    if qw.swiglu_rows:
+        raise ValueError("experts stored in swiglu_order multiply through linear_quant_mma_gathered_swiglu")
     (rows, slots), K = expert_ids.shape, qw.shape[1]
     x = (_quant_mma.x_from_slot_fragments(xf, rows, slots, K) if x_per_slot
          else _quant_mma.x_from_fragments(xf, rows, K))
     y[...] = _linear.gathered_reference(x, qw.decoded(), expert_ids, rows_per_expert=rows_per_expert,
                                         x_per_slot=x_per_slot)
+
+
+def linear_quant_mma_gathered_swiglu(xf, qw, expert_ids, y, act, *, rows_per_expert, stream, programmatic=False):
+    _quant_mma.check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape,
+                                     rows_per_expert=rows_per_expert, x_per_slot=False)
+    if qw.swiglu_rows != rows_per_expert:
+        raise ValueError(f"tensor-core gathered SwiGLU: experts of {rows_per_expert} rows stored in blocks of "
+                         f"{qw.swiglu_rows}")
+    (rows, slots), K = expert_ids.shape, qw.shape[1]
+    gate_up = _linear.gathered_reference(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded(), expert_ids,
+                                         rows_per_expert=rows_per_expert, x_per_slot=False)
+    _fragment_rows(_elementwise.silu_mul_rows_reference(gate_up), act, slots)
 
 
 def dequantize_mma_bf16(qw, out, *, stream):

@@ -21,7 +21,8 @@ from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, lin
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
 from ninfer.kernels_numba.quant_mma import (ROW_SETS, dequantize_mma_bf16, has_pair_kernel, linear_quant_mma,
-                                            linear_quant_mma_gathered, linear_quant_mma_pair, repack_quant_mma,
+                                            linear_quant_mma_gathered, linear_quant_mma_gathered_swiglu,
+                                            linear_quant_mma_pair, linear_quant_mma_swiglu, repack_quant_mma,
                                             upload_quant_mma,
                                             upload_quant_mma_planes, x_fragment_words, x_fragments, x_slot_fragments)
 from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
@@ -90,6 +91,8 @@ __all__ = [
     "dequantize_mma_bf16",
     "linear_quant_mma",
     "linear_quant_mma_gathered",
+    "linear_quant_mma_gathered_swiglu",
+    "linear_quant_mma_swiglu",
     "linear_quant_mma_pair",
     "has_pair_kernel",
     "repack_quant_mma",

@@ -320,17 +320,24 @@ def _zero_padded_rows(device: Device, matrix: Bf16Matrix, multiple: int) -> Bf16
     return Bf16Matrix(padded)
 
 
+def _gate_up(w: DeviceWeights, name: str, down: Matrix, inter: int, *, gathered: bool = False) -> Matrix:
+    """A SwiGLU gate|up matrix, stored for the fused epilogue (`swiglu_rows`) when its down projection reads x
+    fragments too (the epilogue writes those, and no fp32 activation)."""
+    return w.matrix(name, gathered=gathered, swiglu_rows=2 * inter if _tensor_core(down) else 0)
+
+
 def _ffn_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str) -> DenseFfn | MoeFfn:
     if not dims.is_moe:
-        return DenseFfn(w.matrix(prefix + "mlp/gate_up"), w.matrix(prefix + "mlp/down"))
+        down = w.matrix(prefix + "mlp/down")
+        return DenseFfn(_gate_up(w, prefix + "mlp/gate_up", down, dims.intermediate), down)
     p = prefix + "moe/"
     router_shared_gate = w.matrix(p + "router_shared_gate")
     if is_quantized(router_shared_gate):
         raise ValueError(f"{p}router_shared_gate must be stored as BF16")
+    routed_down, shared_down = w.matrix(p + "routed_down", gathered=True), w.matrix(p + "shared_down")
     return MoeFfn(_zero_padded_rows(device, router_shared_gate, ROUTER_ROWS_MULTIPLE),
-                  w.matrix(p + "routed_gate_up", gathered=True),
-                  w.matrix(p + "routed_down", gathered=True), w.matrix(p + "shared_gate_up"),
-                  w.matrix(p + "shared_down"))
+                  _gate_up(w, p + "routed_gate_up", routed_down, dims.moe_intermediate, gathered=True), routed_down,
+                  _gate_up(w, p + "shared_gate_up", shared_down, dims.shared_intermediate), shared_down)
 
 
 def _layer_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str, kind: str,
@@ -604,6 +611,9 @@ class Workspace:
         # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
         self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
         self.side_x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
+        # the down projections' x fragments the fused SwiGLU epilogues write (dense FFN, or the shared expert), apart
+        # from the fragments of h their gate|up reads
+        self.act_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -696,6 +706,16 @@ class Linear:
         """Rows a cuBLAS call computes: `pad_rows` for calls of up to that many (one GEMM shape whatever the
         batch), else `rows`."""
         return self.pad_rows if rows <= self.pad_rows <= min(x.shape[0], y.shape[0]) else rows
+
+    @property
+    def stream(self) -> Any:
+        """The stream this Linear launches on."""
+        return self._stream
+
+    def fragments_of(self, x: Any) -> Any:
+        """x's tensor-core x fragments (at most mma_launch_rows rows) in this Linear's scratch."""
+        self._k.x_fragments(x, self._ws.x_fragments, stream=self._stream)
+        return self._ws.x_fragments
 
     @property
     def mma_launch_rows(self) -> int:
@@ -1173,7 +1193,9 @@ class CudaQwen:
         h_frag = self.linear.fragment_input(rows, *consumers)
         self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream,
                              out_bf16=h_bf16, out_fragments=h_frag)
-        if isinstance(ffn, DenseFfn):
+        if isinstance(ffn, DenseFfn) and _fused_swiglu(ffn.gate_up, rows):
+            self._swiglu_ffn(ffn.gate_up, ffn.down, rows, self.linear, h_frag, ws.gate_up, ws.x, accumulate=True)
+        elif isinstance(ffn, DenseFfn):
             gate_up, act = ws.gate_up[:rows], ws.act[:rows]
             self.linear(ws.h, ffn.gate_up, ws.gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
             act_bf16 = self.linear.bf16_input(rows, act.shape[1], ffn.down)
@@ -1317,7 +1339,9 @@ class CudaQwen:
             self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
             self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
-        if rows <= SKINNY_ROWS:
+        if _fused_swiglu(w.routed_gate_up, rows):
+            self._swiglu_experts(w, rows, h_frag)
+        elif rows <= SKINNY_ROWS:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
             self._gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False,
                            x_fragments=h_frag)
@@ -1368,12 +1392,46 @@ class CudaQwen:
         """shared_out = down(silu(gate h) * up h), through `linear` on `stream` (the serving stream's, or the side
         stream's: then h_bf16 is None and it converts h into its own scratch)."""
         ws = self.workspace
+        if _fused_swiglu(w.shared_gate_up, rows):
+            self._swiglu_ffn(w.shared_gate_up, w.shared_down, rows, linear, h_frag, ws.shared_gate_up, ws.shared_out,
+                             accumulate=False)
+            return
         shared_gate_up, shared_act = ws.shared_gate_up[:rows], ws.shared_act[:rows]
         linear(ws.h, w.shared_gate_up, ws.shared_gate_up, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         act_bf16 = linear.bf16_input(rows, shared_act.shape[1], w.shared_down)
         act_frag = linear.fragment_input(rows, w.shared_down)
         self._silu_mul(shared_gate_up, shared_act, act_bf16, act_frag, stream)
         linear(ws.shared_act, w.shared_down, ws.shared_out, rows=rows, x_bf16=act_bf16, x_fragments=act_frag)
+
+    def _swiglu_ffn(self, gate_up: Any, down: Any, rows: int, linear: Linear, h_frag: Any, shape_of: Any, out: Any, *,
+                    accumulate: bool) -> None:
+        """out[:rows] (+)= down(silu(gate h) * up h) for a gate|up stored for the fused epilogue: per launch of up to
+        `linear.mma_launch_rows` rows, the gate|up GEMV writes the activation's x fragments (ws.act_fragments) and
+        the down GEMV reads them. `h_frag`: h's fragments when its producer wrote them (at most 8 rows), else each
+        launch converts its rows of h; `shape_of`: the gate|up output buffer (its shape only)."""
+        ws, k, launch = self.workspace, self.k, linear.mma_launch_rows
+        for first in range(0, rows, launch):
+            last = min(rows, first + launch)
+            xf = h_frag if h_frag is not None and rows <= launch else linear.fragments_of(ws.h[first:last])
+            k.linear_quant_mma_swiglu(xf, gate_up, shape_of[first:last], ws.act_fragments, stream=linear.stream,
+                                      programmatic=linear.programmatic)
+            linear(ws.h[first:last], down, out[first:last], accumulate=accumulate, x_fragments=ws.act_fragments)
+
+    def _swiglu_experts(self, w: MoeFfn, rows: int, h_frag: Any) -> None:
+        """The routed experts' slot outputs for gate|up stored for the fused epilogue: per 8 rows, the gathered
+        gate|up GEMV writes every slot's activation fragments (ws.slot_x_fragments), the gathered down GEMV reads
+        them."""
+        ws, k, d, stream = self.workspace, self.k, self.dims, self.device.stream
+        ids = ws.expert_ids[:rows]
+        for first in range(0, rows, MMA_ROWS):
+            last = min(rows, first + MMA_ROWS)
+            xf = h_frag if h_frag is not None and rows <= MMA_ROWS else self.linear.fragments_of(ws.h[first:last])
+            k.linear_quant_mma_gathered_swiglu(xf, w.routed_gate_up, ids[first:last], ws.slot_gate_up[first:last],
+                                               ws.slot_x_fragments, rows_per_expert=2 * d.moe_intermediate,
+                                               stream=stream, programmatic=self.linear.programmatic)
+            k.linear_quant_mma_gathered(ws.slot_x_fragments, w.routed_down, ids[first:last], ws.slot_out[first:last],
+                                        rows_per_expert=d.hidden, x_per_slot=True, stream=stream,
+                                        programmatic=self.linear.programmatic)
 
     def _silu_mul(self, gate_up: Any, act: Any, act_bf16: Any, act_frag: Any, stream: Any) -> None:
         """act = silu(gate) * up for a down projection, in the forms it reads: when it reads the bf16 copy alone
@@ -1585,6 +1643,12 @@ def _runs(values: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 CHECKPOINT_SLOTS = 2
+
+
+def _fused_swiglu(gate_up: Any, rows: int) -> bool:
+    """Whether decode rows of this gate|up run the fused SwiGLU epilogue: it is stored for it (`_gate_up`), and the
+    row count is the decode path's (prefill chunks dequantize it, back in its original row order)."""
+    return bool(getattr(gate_up, "swiglu_rows", 0)) and rows <= SKINNY_ROWS
 
 
 def _tensor_core(matrix: Any) -> bool:

@@ -58,9 +58,11 @@ class DeviceWeights(Protocol):
 
     def has(self, name: str) -> bool: ...
 
-    def matrix(self, *names: str, gathered: bool = False) -> Matrix:
+    def matrix(self, *names: str, gathered: bool = False, swiglu_rows: int = 0) -> Matrix:
         """The row-wise concatenation of the named [N_i, K] tensors, in their stored format (`gathered`: the
-        stacked experts the gathered MoE kernels read, see `tensor_core_layout`)."""
+        stacked experts the gathered MoE kernels read, see `tensor_core_layout`). `swiglu_rows`: the rows are SwiGLU
+        gate|up blocks of that many rows, which a tensor-core matrix stores in `quant_mma.swiglu_order` for the fused
+        epilogue when `swiglu_layout` allows (the matrix's `swiglu_rows` then says so; 0 otherwise)."""
 
     def table(self, name: str) -> Any:
         """An embedding table [V, H]: bf16 bits when stored as BF16, else its exact fp32 decoding (a quantized
@@ -82,6 +84,16 @@ def tensor_core_layout(quant_layout: str, shape: tuple[int, int], gathered: bool
     return quant_layout == "mma" and shape[1] % BLOCK == 0 and (not gathered or shape[0] % TILE_ROWS == 0)
 
 
+def swiglu_layout(swiglu_rows: int, shape: tuple[int, int]) -> int:
+    """The gate|up block rows a tensor-core matrix of `shape` is stored interleaved by (`quant_mma.swiglu_order`),
+    or 0: whole blocks of whole tile pairs, and half a block (the units) in whole 64-column x-fragment blocks."""
+    from ninfer.kernels_numba.quant_mma import BLOCK, TILE_ROWS
+
+    fits = swiglu_rows > 0 and shape[0] % swiglu_rows == 0 and swiglu_rows % (2 * TILE_ROWS) == 0 and (
+        swiglu_rows // 2) % BLOCK == 0
+    return swiglu_rows if fits else 0
+
+
 class ArtifactDeviceWeights:
     def __init__(self, artifact: Artifact, device: Device) -> None:
         self._artifact, self._device = artifact, device
@@ -90,7 +102,7 @@ class ArtifactDeviceWeights:
     def has(self, name: str) -> bool:
         return name in self._artifact
 
-    def matrix(self, *names: str, gathered: bool = False) -> Matrix:
+    def matrix(self, *names: str, gathered: bool = False, swiglu_rows: int = 0) -> Matrix:
         views = [self._artifact.tensor(name) for name in names]
         if len({view.format for view in views}) != 1:
             return SplitMatrix(tuple(self.matrix(name, gathered=gathered) for name in names))
@@ -101,9 +113,11 @@ class ArtifactDeviceWeights:
             return Bf16Matrix(self._device.upload(payload.view(np.uint16).reshape(shape), "weights"))
         if fmt in QUANT_FORMATS:
             kernels = self._device.kernels
-            upload = (kernels.upload_quant_mma if tensor_core_layout(self.quant_layout, tuple(shape), gathered)
-                      else kernels.upload_quant_weight)
-            weight = upload(fmt, tuple(shape), payload)
+            if tensor_core_layout(self.quant_layout, tuple(shape), gathered):
+                weight = kernels.upload_quant_mma(fmt, tuple(shape), payload,
+                                                  swiglu_rows=swiglu_layout(swiglu_rows, tuple(shape)))
+            else:
+                weight = kernels.upload_quant_weight(fmt, tuple(shape), payload)
             self._device.ledger["weights"] += weight.nbytes
             return weight
         # Any other float format (FP32 matrices are rare): round to bf16 once.
@@ -153,7 +167,7 @@ class RandomDeviceWeights:
         self._seed += 1
         return self._seed
 
-    def matrix(self, *names: str, gathered: bool = False) -> Matrix:
+    def matrix(self, *names: str, gathered: bool = False, swiglu_rows: int = 0) -> Matrix:
         if len({self._format[name] for name in names}) != 1:
             return SplitMatrix(tuple(self.matrix(name, gathered=gathered) for name in names))
         shapes = [self._specs[name].shape for name in names]
@@ -161,8 +175,9 @@ class RandomDeviceWeights:
         shape = (sum(s[0] for s in shapes), shapes[0][1])
         if fmt in QUANT_FORMATS:
             kernels, mma = self._device.kernels, tensor_core_layout(self.quant_layout, shape, gathered)
-            upload = kernels.upload_quant_mma_planes if mma else kernels.upload_quant_planes
-            weight = upload(fmt, shape, self._random_planes(fmt, shape, mma))
+            planes = self._random_planes(fmt, shape, mma)  # random codes: the stored row order is immaterial
+            weight = (kernels.upload_quant_mma_planes(fmt, shape, planes, swiglu_rows=swiglu_layout(swiglu_rows, shape))
+                      if mma else kernels.upload_quant_planes(fmt, shape, planes))
             self._device.ledger["weights"] += weight.nbytes
             return weight
         data = self._device.empty(shape, np.uint16, "weights")
