@@ -343,24 +343,18 @@ def _check_invariance(case, d, mix, mixed_run, groups):
 @pytest.mark.parametrize("groups", gdn.REC_GROUP_CHOICES)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=["tiny-dense", "tiny-moe", "narrow-v", "27b", "35b"])
 def test_gpu_kernels_match_twins(shape, groups):
+    """Each kernel against its twin; and the decode path's gated recurrence (one launch) gives the gates and
+    recurrence launches' outputs, states and recorded columns bit for bit."""
     rng = np.random.default_rng(10)
     d = _dims(**shape)
     case = _gpu_case(rng, d, MIX, order=[1, 3, 0, 4, 2])
-    _check_against_twins(case, _run_gpu(case, d, groups), MIX)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("groups", gdn.REC_GROUP_CHOICES)
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["tiny-dense", "tiny-moe", "narrow-v", "27b", "35b"])
-def test_gpu_gated_recurrence_equals_gates_then_recurrence(shape, groups):
-    """The decode path's one launch gives the two launches' outputs, states and recorded columns bit for bit."""
-    rng = np.random.default_rng(12)
-    d = _dims(**shape)
-    case = _gpu_case(rng, d, MIX, order=[1, 3, 0, 4, 2])
-    plain, gated = _run_gpu(case, d, groups), _run_gpu(case, d, groups, gated=True)
+    plain = _run_gpu(case, d, groups)
+    _check_against_twins(case, plain, MIX)
+    gated = _run_gpu(case, d, groups, gated=True)
     for name in ("mixed", "out", "result", "ssm_state", "ssm_columns", "conv_state"):
         np.testing.assert_array_equal(gated[name], plain[name], err_msg=name)
     assert np.isnan(gated["q"]).all() and np.isnan(gated["log_decay"]).all()
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", gdn.REC_GROUP_CHOICES)

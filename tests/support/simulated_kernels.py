@@ -445,6 +445,21 @@ def attention_prepare() -> None:
             print("ok attention_prepare", cfg, dtype, flush=True)
 
 
+def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, heads, kv_heads, head_dim,
+                         splits) -> None:
+    """attention_decode over `splits` splits equals its exact twin (random q and gate rows)."""
+    rows, d = row_lane.shape[0], head_dim
+    q = rng.standard_normal((rows, heads, d)).astype(np.float32)
+    qkgv = rng.standard_normal((rows, 2 * (heads + kv_heads) * d)).astype(np.float32)
+    dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d)
+    want = attention.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools,
+                                                np.zeros((rows, heads * d), np.float32), **dims)
+    out = np.full((rows, heads * d), np.nan, np.float32)
+    partials = np.full(attention.decode_partials_shape(rows, heads, d, splits), np.nan, np.float32)
+    attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, **dims)
+    assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
+
+
 def attention_decode() -> None:
     """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row
     (the combine's lanes hold several splits each), rows of 1, 150 and 400 keys over pages of 16 tokens (the head_dim
@@ -458,17 +473,8 @@ def attention_decode() -> None:
     heads, kv_heads, d, splits = 4, 2, 32, 96
     pools = _random_pools(rng, 32, 16, kv_heads, d, "bf16")
     tables = np.stack([rng.permutation(32)[:26] for _ in range(2)]).astype(np.int32)
-    row_lane = np.array([0, 1, 0], np.int32)
-    row_pos = np.array([0, 149, 399], np.int32)
-    q = rng.standard_normal((3, heads, d)).astype(np.float32)
-    qkgv = rng.standard_normal((3, 2 * (heads + kv_heads) * d)).astype(np.float32)
-    dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d)
-    want = attention.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools,
-                                                np.zeros((3, heads * d), np.float32), **dims)
-    out = np.full((3, heads * d), np.nan, np.float32)
-    partials = np.full(attention.decode_partials_shape(3, heads, d, splits), np.nan, np.float32)
-    attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, **dims)
-    assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
+    _decode_matches_twin(attention, rng, pools, tables, np.array([0, 1, 0], np.int32),
+                         np.array([0, 149, 399], np.int32), heads=heads, kv_heads=kv_heads, head_dim=d, splits=splits)
     print("ok attention_decode", heads, kv_heads, d, splits, flush=True)
 
 
@@ -485,18 +491,9 @@ def attention_decode_fast() -> None:
     heads, kv_heads, d, splits = 2, 1, 256, 2
     for dtype in ("bf16", "int8"):
         pools = _random_pools(rng, 8, 16, kv_heads, d, dtype)
-        tables = rng.permutation(8)[None, :6].astype(np.int32)
-        row_lane = np.array([0, 0], np.int32)
-        row_pos = np.array([0, 69], np.int32)
-        q = rng.standard_normal((2, heads, d)).astype(np.float32)
-        qkgv = rng.standard_normal((2, 2 * (heads + kv_heads) * d)).astype(np.float32)
-        dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d)
-        want = attention.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools,
-                                                    np.zeros((2, heads * d), np.float32), **dims)
-        out = np.full((2, heads * d), np.nan, np.float32)
-        partials = np.full(attention.decode_partials_shape(2, heads, d, splits), np.nan, np.float32)
-        attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, **dims)
-        assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (dtype, _rel(out, want))
+        _decode_matches_twin(attention, rng, pools, rng.permutation(8)[None, :6].astype(np.int32),
+                             np.array([0, 0], np.int32), np.array([0, 69], np.int32), heads=heads,
+                             kv_heads=kv_heads, head_dim=d, splits=splits)
         print("ok attention_decode_fast", dtype, flush=True)
 
 
