@@ -55,6 +55,17 @@ def copy_async_commit(typingctx):
 
 
 @intrinsic
+def copy_async_wait_prior(typingctx):
+    """Wait until every copy the lane committed but its newest group has landed (`cp.async.wait_group 1`): the
+    newest stays in flight."""
+    def codegen(context, builder, sig, args):
+        _void_asm(builder, "cp.async.wait_group 1;", "", [], [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
 def copy_async_wait_all(typingctx):
     """Wait until every copy the lane committed has landed (`cp.async.wait_group 0`)."""
     def codegen(context, builder, sig, args):

@@ -30,7 +30,7 @@ from numba.cuda import libdevice  # noqa: F401 (templates)
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
-                                             copy_async_wait_all, shared_address)
+                                             copy_async_wait_prior, shared_address)
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, sigmoid_f32)  # noqa: F401 (templates)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda  # noqa: F401 (cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
@@ -101,27 +101,14 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
     pos_lo = first_position + i0 + r_lo
     pos_hi = first_position + i0 + r_hi
 
+    # K and V of a tile arrive one copy group each, a stage apart: K(t + 1) loads during tile t's softmax and P V,
+    # V(t + 1) during tile t + 1's scores. Groups in commit order: Q, K(0), V(0), then K(t + 1) and V(t + 1) in tile t
+    # (empty past the last tile), so "all but the newest group landed" is always the operand about to be read.
+{k_first}    copy_async_commit()
+{v_first}    copy_async_commit()
     for kt in range(tiles):
         j0 = kt * BC
-        cuda.syncthreads()  # the previous tile's K and V are read
-        for e in range(BC * {row_pieces} // FLASH_THREADS):  # the K tile
-            idx = tid + e * FLASH_THREADS
-            r = idx // {row_pieces}
-            p = idx - r * {row_pieces}
-            row = int64(min(j0 + r, length - 1))
-            size = uint32(16) if j0 + r < length else uint32(0)
-            copy_async_16(shared + uint32((K_OFF + r * QW + 4 * p) * 4),
-                          keys_at + ((b * key_rows + row) * {d} + 8 * p) * 2, size)
-        for e in range({d} * (BC // 8) // FLASH_THREADS):  # the V^T tile: 8 keys a piece
-            idx = tid + e * FLASH_THREADS
-            dim = idx // (BC // 8)
-            p = idx - dim * (BC // 8)
-            j = j0 + 8 * p
-            size = uint32(min(max(length - j, 0), 8) * 2)
-            copy_async_16(shared + uint32((V_OFF + dim * VW + 4 * p) * 4),
-                          values_at + ((b * {d} + dim) * stride_v + (j if j < length else 0)) * 2, size)
-        copy_async_commit()
-        copy_async_wait_all()
+        copy_async_wait_prior()  # K(kt) (and Q) landed; V(kt) may be in flight
         cuda.syncthreads()
 
         # S = Q K^T over the tile's 8 key n-tiles
@@ -137,6 +124,10 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
                 b1 = sh[k_frag + uint64(nt * 8 * QW + 8 * ks + 4)]
                 s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3] = mma_bf16_m16n8k16(
                     a0, a1, a2, a3, b0, b1, s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3])
+
+        cuda.syncthreads()  # every warp has read K(kt): its buffer takes K(kt + 1)
+        if kt + 1 < tiles:
+{k_next}        copy_async_commit()
 
         # mask, then the online softmax of rows lo and hi (a row's 4 lanes meet by shuffles)
         top_lo = float32(-math.inf)
@@ -188,6 +179,8 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
             o[4 * nt + 3] *= keep_hi
 
         # O += P V: P from the score registers (two key n-tiles make one k-step), V^T pairs from shared
+        copy_async_wait_prior()  # V(kt) landed; K(kt + 1) may be in flight
+        cuda.syncthreads()
         for kk in unrolled(4):
             a0 = bf16_pair(s[8 * kk], s[8 * kk + 1])
             a1 = bf16_pair(s[8 * kk + 2], s[8 * kk + 3])
@@ -198,6 +191,9 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
                 b1 = sh[v_frag + uint64(nt * 8 * VW + 8 * kk + 4)]
                 o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3] = mma_bf16_m16n8k16(
                     a0, a1, a2, a3, b0, b1, o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3])
+        cuda.syncthreads()  # every warp has read V(kt): its buffer takes V(kt + 1)
+        if kt + 1 < tiles:
+{v_next}        copy_async_commit()
 
     # O / l through shared memory (the tiles are read), then gated and written row by row, coalesced
     inverse_lo = float32(1.0) / l_lo
@@ -221,6 +217,35 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
 """
 
 
+# The copies of one K tile [BC, D] (keys {first}..) and one V^T tile [D, BC], as template lines (`_tile_loads`).
+_K_TILE = """
+for e in range(BC * {row_pieces} // FLASH_THREADS):
+    idx = tid + e * FLASH_THREADS
+    r = idx // {row_pieces}
+    p = idx - r * {row_pieces}
+    row = int64(min({first} + r, length - 1))
+    size = uint32(16) if {first} + r < length else uint32(0)
+    copy_async_16(shared + uint32((K_OFF + r * QW + 4 * p) * 4),
+                  keys_at + ((b * key_rows + row) * {d} + 8 * p) * 2, size)
+"""
+_V_TILE = """
+for e in range({d} * (BC // 8) // FLASH_THREADS):  # 8 keys a piece
+    idx = tid + e * FLASH_THREADS
+    dim = idx // (BC // 8)
+    p = idx - dim * (BC // 8)
+    j = {first} + 8 * p
+    size = uint32(min(max(length - j, 0), 8) * 2)
+    copy_async_16(shared + uint32((V_OFF + dim * VW + 4 * p) * 4),
+                  values_at + ((b * {d} + dim) * stride_v + (j if j < length else 0)) * 2, size)
+"""
+
+
+def _tile_loads(template: str, first: str, indent: int, sizes: dict[str, int]) -> str:
+    """`template`'s lines for the tile whose first key is the expression `first`, indented `indent` spaces."""
+    lines = template.format(first=first, **sizes).strip("\n").splitlines()
+    return "".join(" " * indent + line + "\n" for line in lines)
+
+
 def _layout(d: int) -> dict[str, int]:
     qw, vw = d // 2 + WORD_PAD, BC // 2 + WORD_PAD
     words = (BR + BC) * qw + d * vw
@@ -231,6 +256,8 @@ def _layout(d: int) -> dict[str, int]:
 
 def _make_kernel(d: int):
     sizes = dict(d=d, o_regs=d // 2, n_tiles=d // 8, row_pieces=d // 8)
+    sizes.update(k_first=_tile_loads(_K_TILE, "0", 4, sizes), v_first=_tile_loads(_V_TILE, "0", 4, sizes),
+                 k_next=_tile_loads(_K_TILE, "j0 + BC", 12, sizes), v_next=_tile_loads(_V_TILE, "j0 + BC", 12, sizes))
     layout = _layout(d)
     return instantiate(_SOURCE, f"flash_prefill_kernel_d{d}", _SIG, globals(), sizes, layout), layout["SHARED_BYTES"]
 

@@ -343,6 +343,10 @@ def copy_async_wait_all() -> None:
     """Copies land at issue in the simulator: nothing to wait for."""
 
 
+def copy_async_wait_prior() -> None:
+    """Copies land at issue in the simulator: nothing to wait for."""
+
+
 def allow_dynamic_shared(dispatcher, signature, nbytes) -> None:
     """The simulator gives a launch whatever dynamic shared memory it asks for."""
 
@@ -350,6 +354,7 @@ def allow_dynamic_shared(dispatcher, signature, nbytes) -> None:
 STAND_INS = {
     "address_of": address_of, "shared_address": shared_address, "copy_async_16": copy_async_16,
     "copy_async_commit": copy_async_commit, "copy_async_wait_all": copy_async_wait_all,
+    "copy_async_wait_prior": copy_async_wait_prior,
     "mma_bf16_m16n8k16": mma_bf16_m16n8k16, "mma_tf32_m16n8k8": mma_tf32_m16n8k8, "warp_sum": warp_sum,
     "allow_dynamic_shared": allow_dynamic_shared, "load_word_at": load_word_at, "load_words2_at": load_words2_at,
     "load_words4_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
