@@ -42,9 +42,12 @@ NARROW_STEPS = 4  # 256-column steps a warp holds in registers
 NARROW_MAX_K = NARROW_WARPS * NARROW_STEPS * 256  # 8192: every weight of a block's rows loaded at once
 NARROW_X_ROWS = 8  # x rows a block multiplies (blockIdx.y walks the tiles)
 NARROW_SPAN = 256  # columns a warp step covers (32 lanes x 8 bf16)
-# Output rows a block: one while that gives at most ~1.5 blocks an SM of the H200's 132, else two (halves the
-# x reads from L2, which every block repeats).
-NARROW_ONE_ROW_LIMIT = 192
+# Output rows a block: the fewest of NARROW_ROWS_PER_BLOCK that keep the grid within NARROW_BLOCKS blocks, half the
+# H200's 132 SMs: every weight load is in flight at once anyway, and the rest of the GPU stays with the work beside
+# it (session 13's fused router, ~130 blocks, slowed the shared expert on the side stream). 8 rows a block would
+# spill (255 registers: a lane holds 4 steps of every row's weights).
+NARROW_ROWS_PER_BLOCK = (1, 2, 4)
+NARROW_BLOCKS = 66
 NARROW_MAX_ROWS = 512  # the widest matrix Linear sends here (wider ones fill the GPU through the other kernels)
 # x rows the fused routing takes: one warp of the last block a row. Past it the rows would queue on its warps
 # (~1.5 us a row) while route_top_k spreads them over blocks.
@@ -136,7 +139,12 @@ def make_linear_narrow_kernel(R: int, route: bool):
     return linear_narrow_route_kernel
 
 
-_KERNELS = {(r, route): make_linear_narrow_kernel(r, route) for r in (1, 2) for route in (False, True)}
+_KERNELS = {(r, route): make_linear_narrow_kernel(r, route) for r in NARROW_ROWS_PER_BLOCK for route in (False, True)}
+
+
+def narrow_rows_per_block(rows: int) -> int:
+    """Output rows a block for a matrix of `rows` rows (see NARROW_BLOCKS)."""
+    return next((r for r in NARROW_ROWS_PER_BLOCK if -(-rows // r) <= NARROW_BLOCKS), NARROW_ROWS_PER_BLOCK[-1])
 
 
 def _launch(x, w, y, route: bool, *extra, stream, rows_per_block: int | None) -> None:
@@ -146,15 +154,15 @@ def _launch(x, w, y, route: bool, *extra, stream, rows_per_block: int | None) ->
     if K % 8 or K > NARROW_MAX_K or w64.shape != (N, K // 4) or y.shape[0] != M:
         raise ValueError(f"narrow GEMV needs x [M, K], w [N, K] bf16, y [M, N], K % 8 == 0, K <= {NARROW_MAX_K}; "
                          f"got x {x.shape}, w {w.shape} {w.dtype}, y {y.shape}")
-    r = rows_per_block or (1 if N <= NARROW_ONE_ROW_LIMIT else 2)
+    r = rows_per_block or narrow_rows_per_block(N)
     grid = (blocks_for(N, r), math.ceil(M / NARROW_X_ROWS))
     _KERNELS[(r, route)][grid, 32 * NARROW_WARPS, stream](x, w64, y, *extra)
 
 
 def linear_bf16_narrow(x, w, y, *, stream, accumulate: bool = False, rows_per_block: int | None = None) -> None:
     """y[M, N] (+)= x[M, K] @ w[N, K]^T (w uint16 bf16 bits or its uint64 view; x, y fp32). No allocation, no sync:
-    capture-safe. Meant for N <= NARROW_MAX_ROWS; correct for any N (K <= NARROW_MAX_K). `rows_per_block` (1 or 2; by
-    default from N) changes the grid, never the bits."""
+    capture-safe. Meant for N <= NARROW_MAX_ROWS; correct for any N (K <= NARROW_MAX_K). `rows_per_block` (one of
+    NARROW_ROWS_PER_BLOCK; by default from N) changes the grid, never the bits."""
     if x.shape[0] and y.shape[1]:
         _launch(x, w, y, False, int32(1 if accumulate else 0), stream=stream, rows_per_block=rows_per_block)
 

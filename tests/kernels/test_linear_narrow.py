@@ -34,6 +34,10 @@ def test_route_twin_is_the_gemv_then_route_top_k():
     assert (np.diff(ids, axis=1) > 0).all() and np.allclose(weights.sum(axis=1), 1.0)
 
 
+def test_blocks_stay_within_half_the_gpu():
+    assert [LN.narrow_rows_per_block(n) for n in (40, 64, 96, 264, 512)] == [1, 1, 2, 4, 4]
+
+
 def test_launch_rejects_shapes_it_cannot_tile():
     with pytest.raises(ValueError, match="K % 8 == 0"):
         LN.linear_bf16_narrow(np.zeros((1, 12), np.float32), np.zeros((3, 12), np.uint16),
@@ -88,7 +92,7 @@ def test_narrow_gpu(m, n, k):
     assert _rel(got_acc, LN.linear_bf16_narrow_reference(x, w, y0, accumulate=True)) < 1e-5
     # batch invariance: a row alone, on either grid, equals bitwise the same row launched beside the others
     for i in sorted({0, m // 2, m - 1}):
-        for per_block in (1, 2):
+        for per_block in LN.NARROW_ROWS_PER_BLOCK:
             assert np.array_equal(_gpu_narrow(x[i:i + 1], w, rows_per_block=per_block)[0], got[i])
 
 

@@ -86,9 +86,9 @@ def linear() -> None:
 def linear_narrow() -> None:
     """The narrow bf16 GEMV (K split over a block's warps) equals its twin in every shape it tiles differently: a
     partial last 256-column step, every warp's four steps (K = 8192), a step past the first warp's, x rows past one tile
-    of 8, one and two output rows a block; a row's bits do not depend on the rows launched beside it. The fused router
-    GEMV + routing writes the logits, ids and weights of the GEMV then `route_top_k`, and leaves its completion counter
-    at zero for the next launch."""
+    of 8, 1, 2 and 4 output rows a block (4 past the matrix's last row); a row's bits do not depend on the rows
+    launched beside it or on the grid. The fused router GEMV + routing writes the logits, ids and weights of the GEMV
+    then `route_top_k`, and leaves its completion counter at zero for the next launch."""
     from ninfer.artifact import codec
     from ninfer.kernels_numba import linear, linear_narrow, moe
     from tests.support import cuda_simulator
@@ -96,7 +96,7 @@ def linear_narrow() -> None:
     for module in (linear, linear_narrow, moe):
         cuda_simulator.install(vars(module))
     rng = np.random.default_rng(5)
-    for m, n, k, per_block in [(3, 5, 320, 1), (9, 3, 8192, 2), (2, 4, 2056, 2)]:
+    for m, n, k, per_block in [(3, 5, 320, 1), (9, 3, 8192, 2), (2, 11, 2056, 4)]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         w = codec.f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
         y0 = rng.standard_normal((m, n)).astype(np.float32)
@@ -105,9 +105,9 @@ def linear_narrow() -> None:
         _check(f"narrow {m}x{n}x{k} R={per_block}", y, linear_narrow.linear_bf16_narrow_reference(
             x, w, y0, accumulate=True))  # the launch beside others, then the last row alone, on the other grid
         alone = np.full((1, n), np.nan, np.float32)
-        linear_narrow.linear_bf16_narrow(x[m - 1:], w, alone, stream=0, rows_per_block=3 - per_block)
+        linear_narrow.linear_bf16_narrow(x[m - 1:], w, alone, stream=0, rows_per_block=4 if per_block == 1 else 1)
         beside = np.full((m, n), np.nan, np.float32)
-        linear_narrow.linear_bf16_narrow(x, w, beside, stream=0, rows_per_block=3 - per_block)
+        linear_narrow.linear_bf16_narrow(x, w, beside, stream=0, rows_per_block=4 if per_block == 1 else 1)
         np.testing.assert_array_equal(alone[0], beside[m - 1])
     rows, experts, columns, top = 3, 32, 40, 4
     x = rng.standard_normal((rows, 64)).astype(np.float32)
