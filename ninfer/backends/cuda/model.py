@@ -1026,6 +1026,7 @@ class CudaQwen:
         (eager calls only: the rows are written from the host). With DFlash, the rows' context features land in
         rows 0..rows-1 of `dflash_workspace.features`."""
         ws, stream, d = self.workspace, self.device.stream, self.dims
+        self._pending_combine = None  # x is written afresh (a pass that raised may have left one behind)
         x = ws.x[:rows]
         self._embed(self.inputs.token_ids[:rows], x)
         self._replace_rows(x, embeddings)
@@ -1045,6 +1046,7 @@ class CudaQwen:
         `inputs.next_ids`, at `inputs.positions` / `row_pos` (the MTP KV index of each row). Returns d [rows, H].
         `embeddings` replace next-token embeddings, as in `forward`."""
         ws, stream, d, mtp = self.workspace, self.device.stream, self.dims, self.mtp
+        self._pending_combine = None  # x is written afresh below
         embedded, x = ws.mtp_embedded[:rows], ws.x[:rows]
         self._embed(self.inputs.next_ids[:rows], ws.h[:rows])
         self._replace_rows(ws.h[:rows], embeddings)
