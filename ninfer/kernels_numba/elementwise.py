@@ -158,36 +158,37 @@ def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragm
                     store_word_at(fragment_words + int64(fragment_half(int32(r), c + 2) >> 1) * 4, high)
 
 
-@kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
-def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, eps, offset):
-    allow_dependents()  # a projection of the normed rows may start loading its weights (`programmatic`)
+@device_function
+def norm_row(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset):
+    """Row r of `rms_norm_rows` (one block a row): out[r] (and its bf16 copy and x fragments) = rms_norm(x[r]).
+    load_row reads the thread's own vectors of x, so a kernel may write them just before (the residual adds)."""
     buf = cuda.shared.array(32, float32)
     values = cuda.local.array(NORM_ITEMS, float32)
     weights = cuda.local.array(NORM_ITEMS, float32)
-    r = cuda.blockIdx.x
     acc = load_row(x, weight, values, weights, r, offset)
     total = block_sum(acc, buf)  # its barrier also orders the reads of x before writes to an aliased out
     scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragments, r, total, x.shape[1], eps)
 
 
+@kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
+def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, eps, offset):
+    allow_dependents()  # a projection of the normed rows may start loading its weights (`programmatic`)
+    norm_row(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, cuda.blockIdx.x, eps, offset)
+
+
 @kernel((F32_2D, F32_2D, F32_1D, F32_2D, uint16[:, ::1], float32, int32), fastmath=False)
 def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset):
-    buf = cuda.shared.array(32, float32)
-    values = cuda.local.array(NORM_ITEMS, float32)
-    weights = cuda.local.array(NORM_ITEMS, float32)
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     width = residual.shape[1]
-    for j in range(NORM_VECTORS):  # residual += delta over this thread's vectors; load_row reads them back
+    for j in range(NORM_VECTORS):  # residual += delta over this thread's vectors; norm_row reads them back
         v = t + j * step
         for e in range(4):
             i = 4 * v + e
             if i < width:
                 residual[r, i] = residual[r, i] + delta[r, i]
-    acc = load_row(residual, weight, values, weights, r, offset)
-    total = block_sum(acc, buf)
-    scale_row(values, weights, out, unused_bf16, int32(0), unused_bf16[0], int32(0), r, total, width, eps)
+    norm_row(residual, weight, out, unused_bf16, int32(0), unused_bf16[0], int32(0), r, eps, offset)
 
 
 def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):

@@ -24,10 +24,10 @@ from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_target, bf16_to_f32, block_sum, blocks_for,
-                                         f32_to_bf16, fragment_target, sigmoid_f32, warp_max, warp_sum)
-from ninfer.kernels_numba.elementwise import (NORM_VECTORS, NORM_ITEMS, load_row, norm_threads, rms_norm_rows_reference,
-                                              scale_row, sigmoid_gate_add_reference)
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_target, bf16_to_f32, blocks_for, f32_to_bf16,
+                                         fragment_target, sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.elementwise import (NORM_ITEMS, NORM_VECTORS, norm_row, norm_threads, rms_norm_rows_reference,
+                                              sigmoid_gate_add_reference)
 from ninfer.kernels_numba.linear import load4
 from ninfer.kernels_numba.quant_mma import check_fragment_output
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
@@ -209,9 +209,6 @@ COMBINE_NORM_LOADS = COMBINE_NORM_SLOTS * NORM_ITEMS  # a thread's expert output
          uint16[::1], int32, float32, int32), fastmath=False)
 def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, out_bf16,
                              write_bf16, fragments, write_fragments, eps, offset):
-    buf = cuda.shared.array(32, float32)
-    values = cuda.local.array(NORM_ITEMS, float32)
-    scales = cuda.local.array(NORM_ITEMS, float32)
     routed = cuda.local.array(NORM_ITEMS, float32)
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
@@ -244,9 +241,7 @@ def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_log
             for e in range(4):
                 i = 4 * v + e
                 residual[r, i] = (residual[r, i] + routed[4 * j + e]) + gate * shared_out[r, i]
-    acc = load_row(residual, norm_weight, values, scales, r, offset)
-    total = block_sum(acc, buf)
-    scale_row(values, scales, out, out_bf16, write_bf16, fragments, write_fragments, r, total, width, eps)
+    norm_row(residual, norm_weight, out, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset)
 
 
 def moe_combine_rms_norm(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, *, eps, offset,

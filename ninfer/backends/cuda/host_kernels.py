@@ -124,7 +124,8 @@ def linear_quant_mma_swiglu(xf, qw, y, act, *, stream, programmatic=False):
     rows, N = y.shape
     if qw.swiglu_rows != N or N != qw.shape[0] or _quant_mma.x_sets(rows) > ROW_SETS:
         raise ValueError(f"tensor-core SwiGLU: W{qw.shape} stored in blocks of {qw.swiglu_rows} rows, y{y.shape}")
-    values = _elementwise.silu_mul_rows_reference(row_linear(_quant_mma.x_from_fragments(xf, rows, qw.shape[1]), qw.decoded()))
+    gate_up = row_linear(_quant_mma.x_from_fragments(xf, rows, qw.shape[1]), qw.decoded())
+    values = _elementwise.silu_mul_rows_reference(gate_up)
     words = _quant_mma.x_sets(rows) * x_fragment_words(N // 2)
     act[:words] = _quant_mma.x_fragments_reference(values)
 
