@@ -547,6 +547,17 @@ def _fast_step(page_tables, lane_id, key0, stop, page_tokens):
 
 
 @device_function
+def _fast_values(values, words, scales, quant):
+    """A step's 4 keys x this lane's 8 dims as fp32 from the words `_fast_load` loaded (int8 times its scale)."""
+    for j in range(FAST_KEYS):
+        for e in range(8):
+            if quant:
+                values[j * 8 + e] = _int8_lane(words[4 * j + e // 4], e % 4) * scales[j]
+            else:
+                values[j * 8 + e] = _bf16_lane(words[4 * j + e // 2], e % 2)
+
+
+@device_function
 def _fast_load(words, scales, lane_at, scale_pool, page, off0, last, page_tokens, token_bytes, kvh, lane, quant):
     """Issue the loads of a step's 4 K (or V) rows of this lane: 16 bytes a key (bf16), or 8 bytes and its scale
     (int8)."""
@@ -616,12 +627,7 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
         _fast_load(vw, vsc, v_lane, v_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
     while key0 < stop:
         nxt = key0 + step_keys
-        for j in range(FAST_KEYS):
-            for e in range(8):
-                if quant:
-                    kx[j * 8 + e] = _int8_lane(kw[4 * j + e // 4], e % 4) * ksc[j]
-                else:
-                    kx[j * 8 + e] = _bf16_lane(kw[4 * j + e // 2], e % 2)
+        _fast_values(kx, kw, ksc, quant)
         if nxt < stop:
             page, off0, last = _fast_step(page_tables, lane_id, nxt, stop, page_tokens)
             _fast_load(kw, ksc, k_lane, k_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
@@ -656,12 +662,7 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
         p3 = cuda.shfl_sync(FULL_MASK, p, 24)
         l_l = l_l * alpha + (((p0 + p1) + p2) + p3)
         m_l = m_new
-        for j in range(FAST_KEYS):
-            for e in range(8):
-                if quant:
-                    kx[j * 8 + e] = _int8_lane(vw[4 * j + e // 4], e % 4) * vsc[j]
-                else:
-                    kx[j * 8 + e] = _bf16_lane(vw[4 * j + e // 2], e % 2)
+        _fast_values(kx, vw, vsc, quant)
         if nxt < stop:
             _fast_load(vw, vsc, v_lane, v_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
         for e in range(8):
