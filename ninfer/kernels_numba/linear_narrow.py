@@ -167,17 +167,23 @@ def linear_bf16_narrow(x, w, y, *, stream, accumulate: bool = False, rows_per_bl
         _launch(x, w, y, False, int32(1 if accumulate else 0), stream=stream, rows_per_block=rows_per_block)
 
 
+def check_fused_route(top_k: int, experts: int, logits_shape: tuple[int, int]) -> None:
+    """The ValueError of `linear_bf16_narrow_route` (and its host twin): `route_top_k`'s, and at most
+    FUSED_ROUTE_ROWS rows."""
+    rows, columns = logits_shape
+    check_route(top_k, experts, columns)
+    if rows > FUSED_ROUTE_ROWS:
+        raise ValueError(f"the fused routing takes at most {FUSED_ROUTE_ROWS} rows, got {rows}")
+
+
 def linear_bf16_narrow_route(x, w, logits, counter, top_k: int, expert_ids, weights, *, stream, experts: int,
                              rows_per_block: int | None = None) -> None:
     """logits = x @ w^T (the router's rows, then any more such as the shared expert's gate), then
     `route_top_k(logits, top_k, expert_ids, weights, experts=experts)` in the same launch. `counter`: int32 [1]
     device memory, zero before the first launch (each launch leaves it zero); launches sharing one must not run
     concurrently. At most FUSED_ROUTE_ROWS rows."""
-    rows, columns = logits.shape
-    check_route(top_k, experts, columns)
-    if rows > FUSED_ROUTE_ROWS:
-        raise ValueError(f"the fused routing takes at most {FUSED_ROUTE_ROWS} rows, got {rows}")
-    if rows:
+    check_fused_route(top_k, experts, logits.shape)
+    if logits.shape[0]:
         _launch(x, w, logits, True, int32(0), counter, int32(experts), int32(top_k), expert_ids, weights,
                 stream=stream, rows_per_block=rows_per_block)
 

@@ -244,14 +244,19 @@ def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_log
     norm_row(residual, norm_weight, out, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset)
 
 
+def check_combine_slots(slots: int) -> None:
+    """The ValueError of `moe_combine_rms_norm` (and its host twin) for more slots than it unrolls."""
+    if slots > COMBINE_NORM_SLOTS:
+        raise ValueError(f"the fused combine takes at most {COMBINE_NORM_SLOTS} slots, got {slots}")
+
+
 def moe_combine_rms_norm(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, *, eps, offset,
                          stream, out_bf16=None, out_fragments=None):
     """`moe_combine(expert_out, weights, residual, shared_out=, gate_logit=)` then `rms_norm_rows(residual,
     norm_weight, out, ...)` (with its optional bf16 copy and x fragments) in one launch, the same bits. At most
     COMBINE_NORM_SLOTS slots."""
     rows, width = residual.shape
-    if weights.shape[1] > COMBINE_NORM_SLOTS:
-        raise ValueError(f"the fused combine takes at most {COMBINE_NORM_SLOTS} slots, got {weights.shape[1]}")
+    check_combine_slots(weights.shape[1])
     if out_fragments is not None:
         check_fragment_output(rows, width, out_fragments)
     if rows:

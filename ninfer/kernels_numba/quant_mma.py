@@ -842,25 +842,39 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
            int32(qw.blocks), int32(1 if accumulate else 0), xf, int32(0), programmatic=programmatic)
 
 
+def check_swiglu_shapes(x_words: int, qw: QuantMmaWeight, y_shape: tuple[int, int], act_words: int) -> None:
+    """The ValueError of `linear_quant_mma_swiglu` (and its host twin) for shapes it cannot run."""
+    (M, N), K = y_shape, qw.shape[1]
+    sets = x_sets(M)
+    if (qw.swiglu_rows != N or N != qw.shape[0] or sets > ROW_SETS or x_words < sets * x_fragment_words(K)
+            or act_words < sets * x_fragment_words(N // 2) or (N // 2) % BLOCK):
+        raise ValueError(f"tensor-core SwiGLU: W{qw.shape} stored in blocks of {qw.swiglu_rows} rows, "
+                         f"y{tuple(y_shape)} (M <= {MAX_X_ROWS * ROW_SETS}, N / 2 % {BLOCK} == 0), "
+                         f"{x_words} x words, {act_words} act words")
+
+
+def check_gathered_swiglu(qw: QuantMmaWeight, slots: int, rows_per_expert: int, act_words: int) -> None:
+    """The ValueError of `linear_quant_mma_gathered_swiglu` (and its host twin) beyond `check_gathered_shapes`."""
+    rpe = int(rows_per_expert)
+    if qw.swiglu_rows != rpe or (rpe // 2) % BLOCK or act_words < slots * x_fragment_words(rpe // 2):
+        raise ValueError(f"tensor-core gathered SwiGLU: experts of {rpe} rows stored in blocks of {qw.swiglu_rows} "
+                         f"(rpe / 2 % {BLOCK} == 0), {act_words} act words for {slots} sets of "
+                         f"{x_fragment_words(rpe // 2)}")
+
+
 def linear_quant_mma_swiglu(xf, qw: QuantMmaWeight, y, act, *, stream, programmatic: bool = False) -> None:
     """act = the x fragments (`x_fragments` layout, one set per 8 rows) of silu(gate) * up [M, N / 2], where
     [gate | up] = x @ W^T for a SwiGLU gate|up weight stored in `swiglu_order` (qw.swiglu_rows == N): the input of
     the down projection, without the gate|up output or a silu-mul launch. y [M, N] gives the shape (not written).
     The bits equal linear_quant_mma of the unpermuted weight then silu_mul_rows' x fragments. Capture-safe."""
+    check_swiglu_shapes(xf.shape[0], qw, y.shape, act.shape[0])
     M, N = y.shape
-    K = qw.shape[1]
     sets = x_sets(M)
-    act_words = x_fragment_words(N // 2)
-    if (qw.swiglu_rows != N or N != qw.shape[0] or sets > ROW_SETS or xf.shape[0] < sets * x_fragment_words(K)
-            or act.shape[0] < sets * act_words or (N // 2) % BLOCK):
-        raise ValueError(f"tensor-core SwiGLU: W{qw.shape} stored in blocks of {qw.swiglu_rows} rows, "
-                         f"y{tuple(y.shape)} (M <= {MAX_X_ROWS * ROW_SETS}, N / 2 % {BLOCK} == 0), "
-                         f"{xf.shape[0]} x words, {act.shape[0]} act words")
     if M == 0:
         return
     launch(QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt], sets], -(-N // TILE_ROWS), 32 * WARPS, stream,
            _partials_bytes(TILES, WARPS, sets), xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(0), act,
-           int32(act_words), programmatic=programmatic)
+           int32(x_fragment_words(N // 2)), programmatic=programmatic)
 
 
 def has_pair_kernel(first: QuantMmaWeight, second: QuantMmaWeight) -> bool:
@@ -950,16 +964,13 @@ def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act,
     check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape, rows_per_expert=rows_per_expert,
                           x_per_slot=False)
     M, S = expert_ids.shape
+    check_gathered_swiglu(qw, S, rows_per_expert, act.shape[0])
     rpe = int(rows_per_expert)
-    act_words = x_fragment_words(rpe // 2)
-    if qw.swiglu_rows != rpe or (rpe // 2) % BLOCK or act.shape[0] < S * act_words:
-        raise ValueError(f"tensor-core gathered SwiGLU: experts of {rpe} rows stored in blocks of {qw.swiglu_rows} "
-                         f"(rpe / 2 % {BLOCK} == 0), {act.shape[0]} act words for {S} sets of {act_words}")
     if M * S == 0:
         return
     launch(QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt]], (rpe // TILE_ROWS, S, M), 32 * WARPS, stream,
            _partials_bytes(TILES, WARPS), xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(0),
-           act, int32(act_words), programmatic=programmatic)
+           act, int32(x_fragment_words(rpe // 2)), programmatic=programmatic)
 
 
 DEQUANTIZE_THREADS = 256

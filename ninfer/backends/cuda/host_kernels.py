@@ -121,9 +121,8 @@ def linear_quant_mma(xf, qw, y, *, stream, accumulate=False, programmatic=False)
 
 
 def linear_quant_mma_swiglu(xf, qw, y, act, *, stream, programmatic=False):
+    _quant_mma.check_swiglu_shapes(xf.shape[0], qw, y.shape, act.shape[0])
     rows, N = y.shape
-    if qw.swiglu_rows != N or N != qw.shape[0] or _quant_mma.x_sets(rows) > ROW_SETS:
-        raise ValueError(f"tensor-core SwiGLU: W{qw.shape} stored in blocks of {qw.swiglu_rows} rows, y{y.shape}")
     gate_up = row_linear(_quant_mma.x_from_fragments(xf, rows, qw.shape[1]), qw.decoded())
     values = _elementwise.silu_mul_rows_reference(gate_up)
     words = _quant_mma.x_sets(rows) * x_fragment_words(N // 2)
@@ -156,9 +155,7 @@ def linear_quant_mma_gathered(xf, qw, expert_ids, y, *, rows_per_expert, x_per_s
 def linear_quant_mma_gathered_swiglu(xf, qw, expert_ids, y, act, *, rows_per_expert, stream, programmatic=False):
     _quant_mma.check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape,
                                      rows_per_expert=rows_per_expert, x_per_slot=False)
-    if qw.swiglu_rows != rows_per_expert:
-        raise ValueError(f"tensor-core gathered SwiGLU: experts of {rows_per_expert} rows stored in blocks of "
-                         f"{qw.swiglu_rows}")
+    _quant_mma.check_gathered_swiglu(qw, expert_ids.shape[1], rows_per_expert, act.shape[0])
     (rows, slots), K = expert_ids.shape, qw.shape[1]
     gate_up = _linear.gathered_reference(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded(), expert_ids,
                                          rows_per_expert=rows_per_expert, x_per_slot=False)
@@ -276,8 +273,7 @@ def moe_combine(expert_out, weights, residual, *, stream, shared_out=None, gate_
 
 def moe_combine_rms_norm(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, *, eps, offset,
                          stream, out_bf16=None, out_fragments=None):
-    if weights.shape[1] > _moe.COMBINE_NORM_SLOTS:
-        raise ValueError(f"the fused combine takes at most {_moe.COMBINE_NORM_SLOTS} slots")
+    _moe.check_combine_slots(weights.shape[1])
     residual[...], out[...] = _moe.moe_combine_rms_norm_reference(expert_out, weights, residual, shared_out,
                                                                   gate_logit, norm_weight, eps=eps, offset=offset)
     _bf16_copy(out, out_bf16)
@@ -312,9 +308,7 @@ def linear_bf16_narrow(x, w, y, *, stream, accumulate=False):
 
 
 def linear_bf16_narrow_route(x, w, logits, counter, top_k, expert_ids, weights, *, stream, experts):
-    _moe.check_route(top_k, experts, logits.shape[1])
-    if logits.shape[0] > _linear_narrow.FUSED_ROUTE_ROWS:
-        raise ValueError(f"the fused routing takes at most {_linear_narrow.FUSED_ROUTE_ROWS} rows")
+    _linear_narrow.check_fused_route(top_k, experts, logits.shape)
     logits[...], expert_ids[...], weights[...] = _linear_narrow.linear_bf16_narrow_route_reference(
         x, w, top_k, experts=experts)
 
