@@ -37,7 +37,6 @@ from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: 
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
 from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402
-from ninfer.kernels_numba.attention import DEFAULT_SPLITS  # noqa: E402
 
 MODELS = {"27b": QWEN36_27B_DIMS, "35b": QWEN36_35B_A3B_DIMS}
 CONTEXT = 1024  # tokens already in each lane's KV during decode timing
@@ -163,8 +162,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
-                 narrow: tuple[bool, ...] = (False,), moe_gemms: tuple[str, ...] = ("auto",),
-                 attention_splits: tuple[int, ...] = (DEFAULT_SPLITS,)) -> dict:
+                 narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
+                 attention_splits: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -185,6 +184,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
+    narrow = tuple(not dims.is_moe if thin is None else thin for thin in narrow)  # None: the serving default
     for splits, linear, side, pdl, thin in ((splits, linear, side, pdl, thin) for splits in attention_splits
                                             for linear in decode_linears for side in branches
                                             for pdl in programmatic for thin in narrow):
@@ -214,7 +214,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
             decode.append({"linear": linear, "branches": side, "programmatic": pdl, "narrow": thin,
-                           "attention_splits": splits,
+                           "attention_splits": model.workspace.partials.shape[2],
                            "context": context, "batch": batch,
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
@@ -422,18 +422,18 @@ def main() -> None:
     parser.add_argument("--programmatic", default="off",
                         help="decode with the quantized GEMVs launched programmatically off and/or on (off,on); the "
                              "MTP rounds use the last")
-    parser.add_argument("--narrow", default="off",
-                        help="decode with the narrow bf16 GEMVs (router + routing, GDN a/b) off and/or on (off,on); "
-                             "the MTP rounds use the last")
+    parser.add_argument("--narrow", default="default",
+                        help="decode with the narrow bf16 GEMVs (router + routing, GDN a/b) off and/or on (off,on; "
+                             "default: the serving default, on for dense models); the MTP rounds use the last")
     parser.add_argument("--moe-gemm", default="auto",
                         help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
                              "a list times each)")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--context", type=int, default=CONTEXT, help="tokens each decode row attends to")
-    parser.add_argument("--attention-splits", default=str(DEFAULT_SPLITS),
-                        help="decode with these most key splits a row (a list times each; the MTP rounds use the "
-                             "last)")
+    parser.add_argument("--attention-splits", default="default",
+                        help="decode with these most key splits a row (a list times each; default: the model's; the "
+                             "MTP rounds use the last)")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
@@ -441,7 +441,7 @@ def main() -> None:
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     programmatic = on_off(parser, "--programmatic", args.programmatic)
-    narrow = on_off(parser, "--narrow", args.narrow)
+    narrow = (None,) if args.narrow == "default" else on_off(parser, "--narrow", args.narrow)
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
@@ -472,7 +472,8 @@ def main() -> None:
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
                                                           context=args.context,
                                                           attention_splits=tuple(
-                                                              int(x) for x in args.attention_splits.split(","))))
+                                                              None if x == "default" else int(x)
+                                                              for x in args.attention_splits.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -18,12 +18,17 @@ def bench():
 def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     from ninfer.backends.cuda.host import HostDevice
 
-    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
+    from ninfer.kernels_numba.attention import row_splits
+
+    dims = cuda_tiny_dims(moe=True)
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=dims,
                                 context=70, prefill_tokens=128, repeats=4, batches=(1, 8),
                                 prefill_attentions=("gemm",), profile=False, branches=(False, True),
-                                programmatic=(False, True), narrow=(False, True), attention_splits=(32, 96))
+                                programmatic=(False, True), narrow=(False, True), attention_splits=(None, 96))
+    # None: the model's own splits
     assert [(row["attention_splits"], row["branches"], row["programmatic"], row["narrow"], row["batch"])
-            for row in result["decode"]] == [(splits, side, pdl, thin, batch) for splits in (32, 96)
+            for row in result["decode"]] == [(splits, side, pdl, thin, batch)
+                                             for splits in (row_splits(dims.kv_heads), 96)
                                              for side in (False, True) for pdl in (False, True)
                                              for thin in (False, True) for batch in (1, 8)]
     assert all(row["context"] == 70 for row in result["decode"])

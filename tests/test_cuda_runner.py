@@ -57,7 +57,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               narrow_decode: bool = False):
+               narrow_decode: bool | None = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -232,11 +232,11 @@ def test_the_short_prefill_bound(device_kind, artifacts):
 @pytest.mark.parametrize("attention", ["gemm", "flash"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_tensor_core_prefill_attention_matches_the_cpu_model(device_kind, artifacts, kind, attention):
-    """prefill_attention="gemm" (bf16 queries and probabilities through cuBLAS, the MoE models' default) and
-    "flash" (one tensor-core kernel, bf16 queries and P, the dense models' default): within bf16 tolerance."""
+    """prefill_attention="gemm" (bf16 queries and probabilities through cuBLAS) and "flash" (one tensor-core kernel,
+    bf16 queries and P, every model's default): within bf16 tolerance."""
     path = artifacts[(kind, "bf16")]
     build = cuda_build(device_kind, path, tensor_core_attention=True)
-    assert build.model.prefill_attention == ("gemm" if kind == "moe" else "flash")
+    assert build.model.prefill_attention == "flash"
     assert build.model.branches == (kind == "moe")
     build.model.prefill_attention = attention
     cpu = load_model(path)
@@ -409,6 +409,14 @@ def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     want_mtp = run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16)
     speculative = cuda_build(device_kind, path, draft_tokens=3, programmatic_launch=True, **settings)
     assert run_lanes(speculative.runner, prompts, 16) == want_mtp
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_narrow_decode_is_the_dense_models_default(device_kind, artifacts, kind):
+    """Capacity.narrow_decode None: on where the H200 measured it faster (the dense models' a/b projection), off for
+    the MoE models (their fused router slowed the step)."""
+    build = cuda_build(device_kind, artifacts[(kind, "bf16")], narrow_decode=None)
+    assert build.model.linear.narrow is (kind == "dense")
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "ninfer-v2"])

@@ -297,14 +297,25 @@ def attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, row_l
 # Flash-decoding splits per row: a row's keys are cut into at most this many equal runs (multiples of SPLIT_ALIGN
 # keys), whatever its length, so a short context still spreads over many blocks and a long one needs no more
 # scratch. A row's split boundaries depend on its own length only: batch invariant. (Splits of a fixed 4 pages left
-# 16 blocks busy at 1K context: 175 us per 27B layer on the H200.)
+# 16 blocks busy at 1K context: 175 us per 27B layer on the H200.) The model takes `row_splits`.
 DEFAULT_SPLITS = 32
 # Splits a row's keys may take: SPLIT_SLOTS a lane when the combine merges them (`merge_partials`). More splits keep
 # more blocks streaming a long context (32 splits of a 32K-token row are 1K keys a block, one block a kv head and
-# split); the model keeps DEFAULT_SPLITS unless Capacity.attention_splits asks for more.
+# split).
 SPLIT_SLOTS = 8
 MAX_SPLITS = 32 * SPLIT_SLOTS
 SPLIT_ALIGN = 4  # = FAST_KEYS, the keys of one warp step
+# Blocks a decode row keeps streaming (kv heads x splits) when the model picks its splits (`row_splits`). On the H200
+# (results/cuda_model_splits_session16.json, bf16, B=1) the 35B-A3B (2 kv heads) decodes at 1K / 8K / 32K context
+# in 4.12 / 4.79 / 7.08 ms with 32 splits, 4.10 / 4.44 / 5.58 with 64, 4.18 / 4.55 / 5.71 with 128; the 27B (4 kv
+# heads) in 15.51 / 16.09 / 18.08 with 32, and slower with each doubling (64: 15.63 / 16.23 / 18.29). Both best at
+# 128 blocks.
+ROW_BLOCKS = 128
+
+
+def row_splits(kv_heads: int) -> int:
+    """The splits a model's decode rows take: ROW_BLOCKS blocks a row, never fewer than DEFAULT_SPLITS splits."""
+    return min(MAX_SPLITS, max(DEFAULT_SPLITS, ROW_BLOCKS // kv_heads))
 
 
 def decode_partials_shape(rows, heads, head_dim, splits=DEFAULT_SPLITS):

@@ -146,6 +146,11 @@ def test_decode_partials_shape():
             A.decode_partials_shape(8, 24, 256, splits)
 
 
+def test_models_take_128_blocks_a_row_and_at_least_32_splits():
+    # the 27B's 4 kv heads, the 35B-A3B's 2, a one-kv-head model, and eight kv heads
+    assert [A.row_splits(kv_heads) for kv_heads in (4, 2, 1, 8)] == [32, 64, 128, 32]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # GPU
 

@@ -34,7 +34,7 @@ from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
 from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
-from ninfer.kernels_numba.attention import DEFAULT_SPLITS, check_splits
+from ninfer.kernels_numba.attention import check_splits, row_splits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
 from ninfer.kernels_numba.moe import COMBINE_NORM_SLOTS
@@ -110,21 +110,23 @@ class Capacity:
     # off until bench/cuda_model.py --programmatic off,on has measured it on the GPU.
     programmatic_launch: bool = False
     # The most key splits a decode attention row takes (`attention_decode`: ceil(length / S) keys each, one block a
-    # kv head and split). 32 keeps 64 blocks streaming a 35B-A3B row (2 kv heads) at any context; more splits keep
-    # more at long contexts, at S x (head_dim + 2) fp32 of scratch a row and q head. A row's bits depend on its
-    # keys and S only, so one S holds for every batch size.
-    attention_splits: int = DEFAULT_SPLITS
+    # kv head and split), at S x (head_dim + 2) fp32 of scratch a row and q head. None: `row_splits` (128 blocks a
+    # row: 27B 32, 35B-A3B 64), as measured on the H200. A row's bits depend on its keys and S only, so one S holds
+    # for every batch size.
+    attention_splits: int | None = None
     # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
     # weight load issued first; the router's GEMV and the expert routing in one launch) instead of decode_linear's
     # path. Batch invariant like the quantized kernels. Why: on the H200 each of those cuBLAS GEMVs took ~6.7 us for
-    # ~0.3 us of bytes (35B-A3B decode: 70 a step, 471 us) and the routing launch after the router ~5 us more. Off
-    # until bench/cuda_model.py --narrow off,on has measured it: session 13's fused router (the same design) was
-    # faster alone but slowed the step, its ~130 blocks competing with the shared expert on the side stream.
-    narrow_decode: bool = False
+    # ~0.3 us of bytes (35B-A3B decode: 70 a step, 471 us) and the routing launch after the router ~5 us more. None:
+    # on for dense models only, as measured (results/cuda_model_v2_decode_session16.json, off -> on): 27B ninfer-v2
+    # B=1 8.25 -> 8.15 ms, B=8 12.21 -> 11.97; 35B-A3B B=1 3.55 -> 3.62, B=8 7.34 -> 7.52 (its 40 fused routers at
+    # ~9 us a launch against ~7 for cuBLAS's GEMV, and slower beside the shared expert on the side stream).
+    narrow_decode: bool | None = None
 
     def __attrs_post_init__(self) -> None:
-        check_splits(self.attention_splits)
+        if self.attention_splits is not None:
+            check_splits(self.attention_splits)
         if self.decode_linear not in ("cublas", "kernels"):
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
@@ -810,11 +812,11 @@ class CudaQwen:
         # Prefill attention: "kernel" (the tiled numba kernel, fp32 math), "gemm" (bf16 tensor cores via cuBLAS) or
         # "flash" (one bf16 tensor-core kernel, `attention_flash`); the last two need the model built with
         # Capacity.tensor_core_attention for their scratch. The 8K prefill on the H200 (results/
-        # cuda_model_session10.json): 27B bf16 gemm 0.960 s, flash 0.915; ninfer-v2 0.956, 0.896; 35B-A3B bf16
-        # 0.251, 0.259; ninfer-v2 0.287, 0.296. So flash for the dense models (24 query heads, 16 attention layers),
-        # gemm for the MoE ones.
+        # cuda_model_session10.json): 27B bf16 gemm 0.960 s, flash 0.915; 35B-A3B bf16 0.251, 0.259; since flash
+        # loads K and V a stage apart (results/cuda_model_prefill_session16.json): 27B bf16 gemm 0.941, flash 0.886;
+        # 35B-A3B 0.242, 0.232. So flash for every model.
         if capacity.tensor_core_attention:
-            self.prefill_attention = "gemm" if dims.is_moe else "flash"
+            self.prefill_attention = "flash"
         else:
             self.prefill_attention = "kernel"
         # MoE prefill expert GEMMs: "auto" (padded while within PADDED_EXPERT_ROWS_LIMIT, else chunked), "grouped",
@@ -860,7 +862,7 @@ class CudaQwen:
         self.workspace = Workspace(device, dims, rows, mtp=capacity.mtp,
                                    dequant_elements=self._dequant_elements() if rows > SKINNY_ROWS else 0,
                                    decode_attention_rows=max(capacity.decode_rows, capacity.short_prefill_rows),
-                                   attention_splits=capacity.attention_splits,
+                                   attention_splits=capacity.attention_splits or row_splits(dims.kv_heads),
                                    max_context=capacity.max_pages_per_lane * PAGE_TOKENS,
                                    tensor_core_attention=capacity.tensor_core_attention,
                                    fragment_words=self._fragment_words(),
@@ -911,7 +913,7 @@ class CudaQwen:
                              pad_rows=capacity.decode_rows if cublas else 0)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self.set_programmatic(capacity.programmatic_launch)
-        self.set_narrow(capacity.narrow_decode)
+        self.set_narrow(not dims.is_moe if capacity.narrow_decode is None else capacity.narrow_decode)
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         # a decode MoE combine `_moe` left for the next norm to launch (`_norm`), or None
@@ -932,9 +934,10 @@ class CudaQwen:
             if linear is not None:
                 linear.narrow = on
 
-    def set_attention_splits(self, splits: int) -> None:
-        """Capacity.attention_splits, switchable between steps for benchmarks: the partials are reallocated (graphs
-        captured before keep the old buffer)."""
+    def set_attention_splits(self, splits: int | None) -> None:
+        """Capacity.attention_splits (None: the model's `row_splits`), switchable between steps for benchmarks: the
+        partials are reallocated (graphs captured before keep the old buffer)."""
+        splits = splits or row_splits(self.dims.kv_heads)
         ws = self.workspace
         rows, heads, old, width = ws.partials.shape
         if splits != old:
