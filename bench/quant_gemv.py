@@ -10,8 +10,7 @@ quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at
 shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
 = 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, JSON to
 quant_gemv_tiles.json. (Session 14 timed the kernels with each step's codes loaded during the step before against
-the former ones, matrix copies cycled: results/quant_gemv_prefetch_session14.json.) `--depth`: the plain kernel with
-one later step's codes in flight against two, Q4/Q5/W8 shapes, copies cycled, JSON to quant_gemv_depth.json.
+the former ones, matrix copies cycled: results/quant_gemv_prefetch_session14.json.)
 """
 
 from __future__ import annotations
@@ -292,55 +291,6 @@ def small_sweep(device, bandwidth, rng) -> list[dict]:
     return rows
 
 
-DEPTH_SHAPES = {"27b gate_up": (Q4G64, (34816, 5120)), "27b down": (Q4G64, (5120, 17408)),
-                "27b query_key": (Q4G64, (7168, 5120)), "27b gdn value_z": (Q5G64, (12288, 5120)),
-                "35b gdn in_proj": (W8G32, (12288, 2048)), "35b lm head": (W8G32, (248320, 2048))}
-
-
-def depth_rows(device, bandwidth, rng) -> list[dict]:
-    """The plain kernel with one later step's codes in flight (the default) against two (`depth` 2), at M = 1 and
-    8, cycling through copies of the matrix so the L2 holds none (as the model's layers), outputs compared bit for
-    bit."""
-    from ninfer.kernels_numba import quant_mma as QM
-
-    kernels = {}
-    rows = []
-    for name, (fmt, shape) in DEPTH_SHAPES.items():
-        bits = QM.FORMAT_BITS[fmt]
-        for depth in (1, 2):
-            if (bits, depth) not in kernels:
-                kernels[bits, depth] = QM.make_quant_mma_kernel(bits, depth=depth)
-        payload = random_payload(fmt, shape, rng)
-        copies = [QM.upload_quant_mma(fmt, shape, payload, stream=device.stream)
-                  for _ in range(max(1, min(5, (256 << 20) // len(payload))))]
-        x = rng.standard_normal((8, shape[1])).astype(np.float32)
-        dxf = device.empty(QM.x_fragment_words(shape[1]), np.uint32, "bench")
-        QM.x_fragments(device.upload(x, "bench"), dxf, stream=device.stream)
-        y = device.empty((8, shape[0]), np.float32, "bench")
-        for m in (1, 8):
-            row = {"format": fmt, "matrix": name, "shape": list(shape), "rows": m, "copies": len(copies)}
-            outputs = []
-            for depth in (1, 2):
-                fn = kernels[bits, depth]
-                turn = iter(range(1 << 30))
-
-                def launch(fn=fn, turn=turn, m=m):
-                    QM.linear_quant_mma(dxf, copies[next(turn) % len(copies)], y[:m], stream=device.stream,
-                                        _kernel=fn)
-
-                seconds = timed(device, launch)
-                row[f"depth{depth}_us"] = seconds * 1e6
-                row[f"depth{depth}_ratio_to_copy"] = copies[0].nbytes / seconds / bandwidth
-                QM.linear_quant_mma(dxf, copies[0], y[:m], stream=device.stream, _kernel=fn)
-                outputs.append(device.read(y[:m]))
-            row["bitwise"] = bool(np.array_equal(outputs[0], outputs[1]))
-            rows.append(row)
-            print(f"{name:16s} M={m}: depth 1 {row['depth1_us']:7.1f} us ({row['depth1_ratio_to_copy']:.3f})  "
-                  f"depth 2 {row['depth2_us']:7.1f} us ({row['depth2_ratio_to_copy']:.3f})  bitwise {row['bitwise']}",
-                  flush=True)
-    return rows
-
-
 def main() -> None:
     if "--ncu" in sys.argv:
         eager_launches()
@@ -361,11 +311,6 @@ def main() -> None:
     if "--tiles" in sys.argv:  # does the Q4 GEMV's time step with the most blocks an SM holds?
         report["rows"] = tile_sweep(device, bandwidth, rng)
         out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_tiles.json"
-        out.write_text(json.dumps(report, indent=1))
-        return
-    if "--depth" in sys.argv:  # one later step's codes in flight against two
-        report["rows"] = depth_rows(device, bandwidth, rng)
-        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_depth.json"
         out.write_text(json.dumps(report, indent=1))
         return
     if "--small" in sys.argv:  # the geometry search on the small projections alone

@@ -409,7 +409,7 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1, depth: int = 1):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
@@ -552,16 +552,6 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             acc[a + 2] += s_hi * chain[4 * t + 2]
                             acc[a + 3] += s_hi * chain[4 * t + 3]
 
-    @device_function
-    def advance(current, ahead, arriving, count):
-        """Move one step on: the next step's loads become current (through `ahead` at depth 2)."""
-        for i in range(count):
-            if depth == 2:
-                current[i] = ahead[i]
-                ahead[i] = arriving[i]
-            else:
-                current[i] = arriving[i]
-
     @large_device_function
     def tile_sums(acc, partials, xf, x_base, x_lane_index, base, high, scales, first_tile, last_tile, blocks):
         lane = int32(cuda.threadIdx.x & 31)
@@ -590,29 +580,24 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         # never summed): the step's arithmetic then overlaps the next step's DRAM round trip (H200, M = 1: 27B down
         # 20.4 -> 18.7 us, 35B-A3B lm head 201 -> 190; same bits). Loaded with its own step, a scale load was
         # placed by ptxas after the step's first mma, a second round trip a step.
-        # `depth` 2: the codes and scales of the step after the next are in flight as well (the `ahead` arrays).
         next_words = cuda.local.array(WORDS, uint32)
         next_highs = cuda.local.array(HIGHS, uint32)
-        ahead_words = cuda.local.array(WORDS, uint32)
-        ahead_highs = cuda.local.array(HIGHS, uint32)
-        ahead_scales = cuda.local.array(SCALES, uint32)
-        if q0 < blocks:  # the first steps' weights stream in while the kernels before this one finish
+        if q0 < blocks:  # the first step's weights stream in while the kernels before this one finish
             load_scales(scale_pairs, tile_scale, q0, blocks)
             load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, True, WEIGHTS)
-            if depth == 2:
-                load_scales(ahead_scales, tile_scale, q0 + stride, blocks)
-                load_step(ahead_words, ahead_highs, xs, tile_base, tile_high, x_lane, set_bytes, q0 + stride,
-                          blocks, True, WEIGHTS)
         wait_for_prior_grids()  # x, the expert ids and y are theirs until they complete (a programmatic launch)
         while q0 < blocks:
-            load_scales(next_scales, tile_scale, q0 + depth * stride, blocks)
-            load_step(next_words, next_highs, xs, tile_base, tile_high, x_lane, set_bytes, q0 + depth * stride,
-                      blocks, True, WEIGHTS)
+            load_scales(next_scales, tile_scale, q0 + stride, blocks)
+            load_step(next_words, next_highs, xs, tile_base, tile_high, x_lane, set_bytes, q0 + stride, blocks,
+                      True, WEIGHTS)
             load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, True, X)
             step_sums(acc, words, highs, scale_pairs, xs, q0, blocks)
-            advance(words, ahead_words, next_words, WORDS)
-            advance(highs, ahead_highs, next_highs, HIGHS)
-            advance(scale_pairs, ahead_scales, next_scales, SCALES)
+            for i in range(WORDS):
+                words[i] = next_words[i]
+            for i in range(HIGHS):
+                highs[i] = next_highs[i]
+            for i in range(SCALES):
+                scale_pairs[i] = next_scales[i]
             q0 += stride
         for a in range(ACC):
             partials[(warp * ACC + a) * 32 + lane] = acc[a]
@@ -693,13 +678,13 @@ def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
 
 
 def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                          sets: int = 1, depth: int = 1):
+                          sets: int = 1):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
     blocks per warp step whose loads are all issued before the first mma of the step, for up to 8 `sets` x rows
-    (x row m: column m % 8 of set m // 8), with `depth` later steps' codes in flight (1 or 2)."""
+    (x row m: column m % 8 of set m // 8)."""
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets, depth)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets)
     store_sums = make_store_sums(tiles, sets)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32, uint32[::1], int32),
