@@ -90,10 +90,12 @@ def kv_token_bytes(kv_heads, d, dtype):
 
 
 def bench_decode(rows_out, stream):
+    """Each decode kernel (head_dim 256: the fast one and, with bf16 KV, the staged one) at 1K / 8K / 32K context,
+    B = 1 and 8, over several splits: the best split and the time at the model's own (`row_splits`)."""
     rng = np.random.default_rng(0)
     for model, (heads, kv_heads, d) in MODELS.items():
         for dtype in ("bf16", "int8"):
-            for ctx in (4096, 32768):
+            for ctx in (1024, 8192, 32768):
                 for batch in (1, 8):
                     sets_n = 3
                     lanes = batch * sets_n
@@ -107,25 +109,31 @@ def bench_decode(rows_out, stream):
                                  for s in range(sets_n)]
                     out = cuda.device_array((batch, heads * d), np.float32)
                     compulsory = batch * ctx * kv_token_bytes(kv_heads, d, dtype)
-                    best = None
-                    default_us = None
-                    for split in sorted({4, 8, 16, 64, A.DEFAULT_SPLITS}):
-                        partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, split), np.float32)
+                    model_splits = A.row_splits(kv_heads)
+                    for staged in ((False, True) if dtype == "bf16" else (False,)):
+                        best = None
+                        model_us = None
+                        for split in sorted({16, 32, 64, 128, 256, model_splits}):
+                            partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, split), np.float32)
 
-                        def launch(row_lane, partials=partials):
-                            A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials, heads=heads,
-                                               kv_heads=kv_heads, head_dim=d, stream=stream)
+                            def launch(row_lane, partials=partials):
+                                A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials,
+                                                   heads=heads, kv_heads=kv_heads, head_dim=d, stream=stream,
+                                                   staged=staged)
 
-                        us = timed(launch, row_lanes, stream)
-                        if split == A.DEFAULT_SPLITS:
-                            default_us = us
-                        if best is None or us < best[1]:
-                            best = (split, us)
-                    split, us = best
-                    bw = compulsory / (us * 1e-6)
-                    rows_out.append(dict(kernel="attention_decode", model=model, kv=dtype, ctx=ctx, rows=batch,
-                                         splits=split, us=us, gbps=bw / 1e9, of_copy=bw / COPY_BW,
-                                         us_default_split=default_us))
+                            us = timed(launch, row_lanes, stream)
+                            if split == model_splits:
+                                model_us = us
+                            if best is None or us < best[1]:
+                                best = (split, us)
+                        split, us = best
+                        bw = compulsory / (us * 1e-6)
+                        rows_out.append(dict(kernel="decode_staged" if staged else "decode_fast", model=model,
+                                             kv=dtype, ctx=ctx, rows=batch, splits=split, us=us, gbps=bw / 1e9,
+                                             of_copy=bw / COPY_BW, us_default_split=model_us))
+                        print(f"{rows_out[-1]['kernel']:14} {model} {dtype} ctx {ctx:6d} B={batch}: best split "
+                              f"{split:3d} {us:8.1f} us ({bw / COPY_BW:.2f} of copy), at {model_splits} splits "
+                              f"{model_us:8.1f} us", flush=True)
                     del pools
 
 
@@ -218,14 +226,14 @@ def main() -> None:
     if "flash" in which:
         bench_flash(results, stream)
     print(f"{'kernel':18} {'model':5} {'kv':5} {'ctx':>6} {'rows':>5} {'split':>5} {'us':>10} {'GB/s':>8} "
-          f"{'of4.3':>6} {'TFLOP/s':>8} {'us@default_split':>16}")
+          f"{'of4.3':>6} {'TFLOP/s':>8} {'us@model_split':>16}")
     for r in results:
         print(f"{r['kernel']:18} {r['model']:5} {r['kv']:5} {r.get('ctx', ''):>6} {r['rows']:>5} "
               f"{r.get('splits', ''):>5} {r['us']:10.1f} {r.get('gbps', float('nan')):8.0f} "
               f"{r.get('of_copy', float('nan')):6.2f} {r.get('tflops', float('nan')):8.2f} "
               f"{r.get('us_default_split') or float('nan'):16.1f}")
-    for name in ("prepare_kernel", "decode_split_kernel", "decode_fast_kernel", "decode_combine_kernel",
-                 "prefill_kernel"):
+    for name in ("decode_split_kernel", "decode_fast_kernel", "decode_staged_kernel",
+                 "decode_combine_kernel", "prefill_kernel"):
         dispatcher = getattr(A, name)
         try:
             print(name, "regs", sorted(set(dispatcher.get_regs_per_thread().values())),

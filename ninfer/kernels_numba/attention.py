@@ -23,7 +23,9 @@ from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_i
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, blocks_for,
                                          f32_to_bf16, load_words2_at, load_words4_at, sigmoid_f32, warp_max, warp_sum)
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_prior, shared_address
+from ninfer.kernels_numba.linear import load4
+from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
 
 F32 = np.float32
 MAX_E = 8  # head dims per lane in the decode kernel (D <= 256)
@@ -305,17 +307,19 @@ DEFAULT_SPLITS = 32
 SPLIT_SLOTS = 8
 MAX_SPLITS = 32 * SPLIT_SLOTS
 SPLIT_ALIGN = 4  # = FAST_KEYS, the keys of one warp step
-# Blocks a decode row keeps streaming (kv heads x splits) when the model picks its splits (`row_splits`). On the H200
-# (results/cuda_model_splits_session16.json, bf16, B=1) the 35B-A3B (2 kv heads) decodes at 1K / 8K / 32K context
-# in 4.12 / 4.79 / 7.08 ms with 32 splits, 4.10 / 4.44 / 5.58 with 64, 4.18 / 4.55 / 5.71 with 128; the 27B (4 kv
-# heads) in 15.51 / 16.09 / 18.08 with 32, and slower with each doubling (64: 15.63 / 16.23 / 18.29). Both best at
-# 128 blocks.
-ROW_BLOCKS = 128
+# Blocks a decode row keeps streaming (kv heads x splits) when the model picks its splits (`row_splits`), up to
+# ROW_MAX_SPLITS splits. On the H200, B=1 bf16 decode step with the staged kernel (results/
+# cuda_model_staged_session16.json): 27B 1K context 15.61 / 15.62 / 15.78 ms at 32 / 64 / 128 splits, 32K 18.01 /
+# 17.10 / 17.43; 35B-A3B 1K 4.07 / 4.07 / 4.11, 32K 5.46 / 4.77 / 4.66. So 64 for both: 128 gained the 35B-A3B 2%
+# at 32K and cost it 1% at 1K. (With the fast kernel, before: 27B best at 32, results/
+# cuda_model_splits_session16.json.)
+ROW_BLOCKS = 256
+ROW_MAX_SPLITS = 64
 
 
 def row_splits(kv_heads: int) -> int:
-    """The splits a model's decode rows take: ROW_BLOCKS blocks a row, never fewer than DEFAULT_SPLITS splits."""
-    return min(MAX_SPLITS, max(DEFAULT_SPLITS, ROW_BLOCKS // kv_heads))
+    """The splits a model's decode rows take: ROW_BLOCKS blocks a row, between DEFAULT_SPLITS and ROW_MAX_SPLITS."""
+    return min(ROW_MAX_SPLITS, max(DEFAULT_SPLITS, ROW_BLOCKS // kv_heads))
 
 
 def decode_partials_shape(rows, heads, head_dim, splits=DEFAULT_SPLITS):
@@ -582,6 +586,92 @@ def _fast_load(words, scales, lane_at, scale_pool, page, off0, last, page_tokens
             words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load_words4_at(lane_at + at)
 
 
+@device_function
+def _fast_scores(qv, kx, lane, key0, stop):
+    """The 4 scores of a step's keys (kx: 4 keys x this lane's 8 dims) reduced over the warp: a butterfly
+    reduce-scatter, lane L ends with key L // 8's score (-inf past the row's end)."""
+    vals = cuda.local.array(4, float32)
+    for j in range(FAST_KEYS):
+        dot = float32(0.0)
+        for e in range(8):
+            dot += qv[e] * kx[j * 8 + e]
+        vals[j] = dot
+    # reduce-scatter over offsets 16 and 8, then a plain butterfly
+    hi = (lane & 16) != 0
+    for i in range(2):
+        a = vals[i]
+        b = vals[i + 2]
+        vals[i] = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 16)
+    hi = (lane & 8) != 0
+    a = vals[0]
+    b = vals[1]
+    s = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 8)
+    s += cuda.shfl_xor_sync(FULL_MASK, s, 4)
+    s += cuda.shfl_xor_sync(FULL_MASK, s, 2)
+    s += cuda.shfl_xor_sync(FULL_MASK, s, 1)
+    if key0 + lane // 8 >= stop:
+        s = float32(NEG_INF)
+    return s
+
+
+@device_function
+def _fast_softmax(s, m_l, l_l):
+    """The step's 4 scores (lane L holds key L // 8's) into the warp's online softmax: (the 4 weights, the rescale of
+    the old accumulators, the new max, the new sum)."""
+    mx = max(s, cuda.shfl_xor_sync(FULL_MASK, s, 8))
+    mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 16))
+    m_new = max(m_l, mx)
+    alpha = math.exp(m_l - m_new)
+    p = math.exp(s - m_new)
+    p0 = cuda.shfl_sync(FULL_MASK, p, 0)
+    p1 = cuda.shfl_sync(FULL_MASK, p, 8)
+    p2 = cuda.shfl_sync(FULL_MASK, p, 16)
+    p3 = cuda.shfl_sync(FULL_MASK, p, 24)
+    return p0, p1, p2, p3, alpha, m_new, l_l * alpha + (((p0 + p1) + p2) + p3)
+
+
+@device_function
+def _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3):
+    """The step's 4 value rows (kx) weighted into this lane's 8 accumulators."""
+    for e in range(8):
+        acc[e] = acc[e] * alpha + p0 * kx[e] + p1 * kx[8 + e] + p2 * kx[16 + e] + p3 * kx[24 + e]
+
+
+@device_function
+def _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps):
+    """Merge the states of the key warps of each q head (warp w: head w % G) in warp order, skipping warps that saw no
+    key, into the (row, q head, split) partial: max, sum, then the 256 accumulators."""
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    warp = tid // 32
+    if lane == 0:
+        sm_m[warp] = m_l
+        sm_l[warp] = l_l
+    for e in range(8):
+        sm_acc[warp, lane * 8 + e] = acc[e]
+    cuda.syncthreads()
+    for idx in range(tid, group_heads * 256, cuda.blockDim.x):
+        gg = idx // 256
+        d = idx % 256
+        mx = float32(NEG_INF)
+        for i in range(key_warps):
+            mx = max(mx, sm_m[i * group_heads + gg])
+        total_l = float32(0.0)
+        total_a = float32(0.0)
+        for i in range(key_warps):
+            w = i * group_heads + gg
+            mw = sm_m[w]
+            if mw != float32(NEG_INF):
+                f = math.exp(mw - mx)
+                total_l += sm_l[w] * f
+                total_a += sm_acc[w, d] * f
+        hh = kvh * group_heads + gg
+        partials[r, hh, split, 2 + d] = total_a
+        if d == 0:
+            partials[r, hh, split, 0] = mx
+            partials[r, hh, split, 1] = total_l
+
+
 def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
                         heads, kv_heads, quant):
     """head_dim == 256 path of the split kernel. Block = G x KW warps (blockDim.x = 32*G*KW): warp w serves q head
@@ -609,7 +699,6 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     h = kvh * group_heads + g
     qv = cuda.local.array(8, float32)
     acc = cuda.local.array(8, float32)
-    vals = cuda.local.array(4, float32)
     kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
     kw = cuda.local.array(16, uint32)  # 4 keys x this lane's 16 (bf16) or 8 (int8) bytes
     vw = cuda.local.array(16, uint32)
@@ -642,72 +731,16 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
         if nxt < stop:
             page, off0, last = _fast_step(page_tables, lane_id, nxt, stop, page_tokens)
             _fast_load(kw, ksc, k_lane, k_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
-        for j in range(FAST_KEYS):
-            dot = float32(0.0)
-            for e in range(8):
-                dot += qv[e] * kx[j * 8 + e]
-            vals[j] = dot
-        # reduce-scatter over offsets 16 and 8, then a plain butterfly: lane L holds key L // 8's score
-        hi = (lane & 16) != 0
-        for i in range(2):
-            a = vals[i]
-            b = vals[i + 2]
-            vals[i] = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 16)
-        hi = (lane & 8) != 0
-        a = vals[0]
-        b = vals[1]
-        s = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 8)
-        s += cuda.shfl_xor_sync(FULL_MASK, s, 4)
-        s += cuda.shfl_xor_sync(FULL_MASK, s, 2)
-        s += cuda.shfl_xor_sync(FULL_MASK, s, 1)
-        if key0 + lane // 8 >= stop:
-            s = float32(NEG_INF)
-        mx = max(s, cuda.shfl_xor_sync(FULL_MASK, s, 8))
-        mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 16))
-        m_new = max(m_l, mx)
-        alpha = math.exp(m_l - m_new)
-        p = math.exp(s - m_new)
-        p0 = cuda.shfl_sync(FULL_MASK, p, 0)
-        p1 = cuda.shfl_sync(FULL_MASK, p, 8)
-        p2 = cuda.shfl_sync(FULL_MASK, p, 16)
-        p3 = cuda.shfl_sync(FULL_MASK, p, 24)
-        l_l = l_l * alpha + (((p0 + p1) + p2) + p3)
-        m_l = m_new
+        p0, p1, p2, p3, alpha, m_l, l_l = _fast_softmax(_fast_scores(qv, kx, lane, key0, stop), m_l, l_l)
         _fast_values(kx, vw, vsc, quant)
         if nxt < stop:
             _fast_load(vw, vsc, v_lane, v_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
-        for e in range(8):
-            acc[e] = acc[e] * alpha + p0 * kx[e] + p1 * kx[8 + e] + p2 * kx[16 + e] + p3 * kx[24 + e]
+        _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3)
         key0 = nxt
     sm_m = cuda.shared.array(FAST_MAX_WARPS, float32)
     sm_l = cuda.shared.array(FAST_MAX_WARPS, float32)
     sm_acc = cuda.shared.array((FAST_MAX_WARPS, 256), float32)
-    if lane == 0:
-        sm_m[warp] = m_l
-        sm_l[warp] = l_l
-    for e in range(8):
-        sm_acc[warp, lane * 8 + e] = acc[e]
-    cuda.syncthreads()
-    for idx in range(tid, group_heads * 256, cuda.blockDim.x):
-        gg = idx // 256
-        d = idx % 256
-        mx = float32(NEG_INF)
-        for i in range(key_warps):
-            mx = max(mx, sm_m[i * group_heads + gg])
-        total_l = float32(0.0)
-        total_a = float32(0.0)
-        for i in range(key_warps):
-            w = i * group_heads + gg
-            mw = sm_m[w]
-            if mw != float32(NEG_INF):
-                f = math.exp(mw - mx)
-                total_l += sm_l[w] * f
-                total_a += sm_acc[w, d] * f
-        hh = kvh * group_heads + gg
-        partials[r, hh, split, 2 + d] = total_a
-        if d == 0:
-            partials[r, hh, split, 0] = mx
-            partials[r, hh, split, 1] = total_l
+    _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps)
 
 
 u64_4d = uint64[:, :, :, ::1]
@@ -718,6 +751,131 @@ decode_fast_kernel = kernel(
     (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32),
     fastmath=True, max_registers=FAST_MAX_REGISTERS,
 )(_decode_fast_kernel)
+
+
+# The head_dim 256 kernel with bf16 pools, staged: a block copies STAGE_KEYS keys' K and V rows of its kv head at a
+# time into shared memory (`cp.async`, STAGES tiles: two in flight while the warps read the third), and each warp
+# runs the fast kernel's 4-key steps over the tile from there. Why: the fast kernel keeps its loads in registers, so
+# a block has one 4-key step per key warp in flight (4 KiB a 35B-A3B block, G = 8, one key warp) and registers
+# allow one block an SM: at 32K context a 35B-A3B layer took ~146 us for ~16 us of bytes, the 27B ~160 us for ~32.
+STAGE_KEYS = 32
+STAGES = 3  # copy_async_wait_prior (all but the newest group landed) is the wait of a 3-stage ring
+STAGE_WORDS = 2 * STAGE_KEYS * 128  # uint32 words of a tile: the K rows, then the V rows (512 bytes a row)
+STAGED_SHARED_BYTES = STAGES * STAGE_WORDS * 4  # 96 KiB of dynamic shared memory a block
+STAGED_BLOCK_WARPS = 8  # at most G x KW warps a block (KW a power of two): two blocks an SM at <= 128 registers
+STAGED_MAX_REGISTERS = 128
+
+
+def staged_key_warps(group_heads: int) -> int:
+    """Key warps a staged block takes for a kv head of `group_heads` q heads: the most of 1, 2, 4, 8 with
+    group_heads x KW <= STAGED_BLOCK_WARPS (4 x KW divides STAGE_KEYS: a tile holds whole warp steps)."""
+    return max(k for k in (1, 2, 4, 8) if group_heads * k <= STAGED_BLOCK_WARPS or k == 1)
+
+
+@device_function
+def _stage_tile(base, k_at, v_at, page_tables, lane_id, key_start, stop, page_tokens, token_bytes):
+    """Issue the copies of the tile of keys key_start .. key_start + STAGE_KEYS - 1 into the stage at shared address
+    `base` (K rows, then V rows, 32 16-byte pieces a row); keys from `stop` on read nothing and land as zeros."""
+    for c in range(cuda.threadIdx.x, STAGE_KEYS * 32, cuda.blockDim.x):
+        key = key_start + c // 32
+        kept = min(key, stop - 1)
+        slot = kept // page_tokens
+        page = page_tables[lane_id, slot]
+        at = (int64(page) * page_tokens + (kept - slot * page_tokens)) * token_bytes + (c % 32) * 16
+        size = uint32(16) if key < stop else uint32(0)
+        copy_async_16(base + uint32(c * 16), k_at + at, size)
+        copy_async_16(base + uint32((STAGE_KEYS * 32 + c) * 16), v_at + at, size)
+
+
+@device_function
+def _staged_values(values, sh, row0, lane):
+    """A step's 4 rows (from word `row0` of the stage, 128 words a row) x this lane's 8 dims as fp32."""
+    for j in range(FAST_KEYS):
+        w0, w1, w2, w3 = load4(sh, row0 + j * 128 + lane * 4)
+        values[j * 8] = bf16_to_f32(w0)
+        values[j * 8 + 1] = bf16_hi_to_f32(w0)
+        values[j * 8 + 2] = bf16_to_f32(w1)
+        values[j * 8 + 3] = bf16_hi_to_f32(w1)
+        values[j * 8 + 4] = bf16_to_f32(w2)
+        values[j * 8 + 5] = bf16_hi_to_f32(w2)
+        values[j * 8 + 6] = bf16_to_f32(w3)
+        values[j * 8 + 7] = bf16_hi_to_f32(w3)
+
+
+def _decode_staged_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, partials, heads, kv_heads):
+    """head_dim == 256, bf16 pools: the fast kernel's warps (warp w: q head w % G, keys start + (w // G)*4 +
+    i*4*KW) reading K and V from tiles staged in shared memory (`_stage_tile`, a ring of STAGES). Same arithmetic
+    and order as the fast kernel for the same KW, so the same partials (keys past the row's end: zeros instead of
+    the last key, masked alike)."""
+    sh = cuda.shared.array(0, uint32)
+    split = cuda.blockIdx.x
+    kvh = cuda.blockIdx.y
+    r = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    warp = tid // 32
+    group_heads = heads // kv_heads
+    key_warps = cuda.blockDim.x // (32 * group_heads)
+    g = warp % group_heads
+    kw_i = warp // group_heads
+    page_tokens = int32(k_words.shape[1])
+    length = row_pos[r] + 1
+    chunk = split_keys(length, partials.shape[2])
+    start = split * chunk
+    if start >= length:
+        return
+    stop = min(start + chunk, length)
+    tiles = (stop - start + STAGE_KEYS - 1) // STAGE_KEYS
+    scale = float32(1.0) / math.sqrt(float32(256.0))
+    h = kvh * group_heads + g
+    qv = cuda.local.array(8, float32)
+    acc = cuda.local.array(8, float32)
+    kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
+    for e in range(8):
+        acc[e] = float32(0.0)
+        qv[e] = q[r, h, lane * 8 + e] * scale
+    m_l = float32(NEG_INF)
+    l_l = float32(0.0)
+    lane_id = row_lane[r]
+    token_bytes = int64(k_words.shape[2] * k_words.shape[3] * 8)
+    head_bytes = int64(kvh * k_words.shape[3] * 8)
+    k_at = address_of(k_words) + head_bytes
+    v_at = address_of(v_words) + head_bytes
+    shared = shared_address(address_of(sh))
+    # Copy groups in commit order: tiles 0 .. STAGES - 2, then tile t + STAGES - 1 in iteration t (empty past the
+    # last tile), so at iteration t "all but the newest group landed" is tile t.
+    for t in range(STAGES - 1):
+        if t < tiles:
+            _stage_tile(shared + uint32(t * STAGE_WORDS * 4), k_at, v_at, page_tables, lane_id,
+                        start + t * STAGE_KEYS, stop, page_tokens, token_bytes)
+        copy_async_commit()
+    step_keys = key_warps * FAST_KEYS
+    for t in range(tiles):
+        copy_async_wait_prior()
+        cuda.syncthreads()  # tile t landed for every thread; every warp left tile t - 1, whose stage refills now
+        ahead = t + STAGES - 1
+        if ahead < tiles:
+            _stage_tile(shared + uint32((ahead % STAGES) * STAGE_WORDS * 4), k_at, v_at, page_tables, lane_id,
+                        start + ahead * STAGE_KEYS, stop, page_tokens, token_bytes)
+        copy_async_commit()
+        k_row = (t % STAGES) * STAGE_WORDS
+        key_base = start + t * STAGE_KEYS
+        for j0 in range(kw_i * FAST_KEYS, STAGE_KEYS, step_keys):
+            key0 = key_base + j0
+            if key0 < stop:
+                _staged_values(kx, sh, k_row + j0 * 128, lane)
+                p0, p1, p2, p3, alpha, m_l, l_l = _fast_softmax(_fast_scores(qv, kx, lane, key0, stop), m_l, l_l)
+                _staged_values(kx, sh, k_row + (STAGE_KEYS + j0) * 128, lane)
+                _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3)
+    sm_m = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
+    sm_l = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
+    sm_acc = cuda.shared.array((STAGED_BLOCK_WARPS, 256), float32)
+    _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps)
+
+
+STAGED_SIGNATURE = (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, f32_4d, int32, int32)
+decode_staged_kernel = kernel(STAGED_SIGNATURE, fastmath=True, max_registers=STAGED_MAX_REGISTERS)(
+    _decode_staged_kernel)
 
 
 @kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32), fastmath=True)
@@ -735,12 +893,13 @@ def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_di
 
 
 def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
-                     heads, kv_heads, head_dim, stream):
+                     heads, kv_heads, head_dim, stream, staged=True):
     """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
     lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, then
     combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks past a row's last split exit
     at once. A row's bits depend on its own data and on S only, so keep one S for every batch size / graph (batch
-    invariance)."""
+    invariance). head_dim 256 with bf16 pools: `staged` picks the kernel that stages K/V tiles in shared memory over
+    the fast kernel (register-pipelined; int8 pools always take it)."""
     _check_dims(heads, kv_heads, head_dim)
     rows = q.shape[0]
     if rows == 0:
@@ -748,7 +907,14 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
     splits = partials.shape[2]
     check_splits(splits)
-    if head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
+    if staged and head_dim == 256 and not quant and k_pool.shape[1] % FAST_KEYS == 0:
+        group = heads // kv_heads
+        allow_dynamic_shared(decode_staged_kernel, STAGED_SIGNATURE, STAGED_SHARED_BYTES)
+        decode_staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream,
+                             STAGED_SHARED_BYTES](
+            q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), partials,
+            *_i32(heads, kv_heads))
+    elif head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
         group = heads // kv_heads
         decode_fast_kernel[(splits, kv_heads, rows), 32 * group * max(1, FAST_BLOCK_WARPS // group), stream](
             q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,

@@ -445,8 +445,8 @@ def attention_prepare() -> None:
 
 
 def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, heads, kv_heads, head_dim,
-                         splits) -> None:
-    """attention_decode over `splits` splits equals its exact twin (random q and gate rows)."""
+                         splits, staged=True) -> np.ndarray:
+    """attention_decode over `splits` splits equals its exact twin (random q and gate rows); returns its output."""
     rows, d = row_lane.shape[0], head_dim
     q = rng.standard_normal((rows, heads, d)).astype(np.float32)
     qkgv = rng.standard_normal((rows, 2 * (heads + kv_heads) * d)).astype(np.float32)
@@ -455,8 +455,10 @@ def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, he
                                                 np.zeros((rows, heads * d), np.float32), **dims)
     out = np.full((rows, heads * d), np.nan, np.float32)
     partials = np.full(attention.decode_partials_shape(rows, heads, d, splits), np.nan, np.float32)
-    attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, **dims)
+    attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, staged=staged,
+                               **dims)
     assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
+    return out
 
 
 def attention_decode() -> None:
@@ -478,9 +480,12 @@ def attention_decode() -> None:
 
 
 def attention_decode_fast() -> None:
-    """The head_dim 256 decode kernel (software-pipelined 4-key steps, the 12-warp blocks of 2 q heads a kv head)
-    and the combine against the exact twin, bf16 and int8 KV: rows of 1 and 70 keys over pages of 16 tokens in 2
-    splits, so a warp runs several steps and the last step of a split repeats the row's last key."""
+    """The head_dim 256 decode kernels and the combine against the exact twin: the fast one (software-pipelined
+    4-key steps, 12-warp blocks of 2 q heads a kv head) with bf16 and int8 KV, the staged one (bf16 K/V tiles through
+    shared memory) with bf16, rows of 1 and 70 keys over pages of 16 tokens in 2 splits (a warp runs several steps,
+    the last step of a split runs past the row's end). Then the staged kernel bit for bit the fast one where both
+    take one key warp a q head (8 q heads a kv head): a row of 200 keys in one split, 7 tiles, so the 3-stage ring
+    turns twice, and a row of 3."""
     from ninfer.kernels_numba import attention
     from tests.kernels.test_attention import _random_pools
     from tests.support import cuda_simulator
@@ -488,12 +493,22 @@ def attention_decode_fast() -> None:
     cuda_simulator.install(vars(attention))
     rng = np.random.default_rng(8)
     heads, kv_heads, d, splits = 2, 1, 256, 2
-    for dtype in ("bf16", "int8"):
+    for dtype, staged in (("bf16", False), ("int8", False), ("bf16", True)):
         pools = _random_pools(rng, 8, 16, kv_heads, d, dtype)
         _decode_matches_twin(attention, rng, pools, rng.permutation(8)[None, :6].astype(np.int32),
                              np.array([0, 0], np.int32), np.array([0, 69], np.int32), heads=heads,
-                             kv_heads=kv_heads, head_dim=d, splits=splits)
-        print("ok attention_decode_fast", dtype, flush=True)
+                             kv_heads=kv_heads, head_dim=d, splits=splits, staged=staged)
+        print("ok attention_decode_" + ("staged" if staged else "fast"), dtype, flush=True)
+    pools = _random_pools(rng, 16, 16, 1, d, "bf16")
+    tables = rng.permutation(16)[None, :13].astype(np.int32)
+    outputs = []
+    for staged in (False, True):
+        case = np.random.default_rng(9)  # the same q and gate rows for both kernels
+        outputs.append(_decode_matches_twin(attention, case, pools, tables,
+                                            np.array([0, 0], np.int32), np.array([199, 2], np.int32), heads=8,
+                                            kv_heads=1, head_dim=d, splits=1, staged=staged))
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+    print("ok attention_decode_staged bitwise the fast kernel", flush=True)
 
 
 def elementwise() -> None:

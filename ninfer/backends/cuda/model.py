@@ -110,9 +110,9 @@ class Capacity:
     # off until bench/cuda_model.py --programmatic off,on has measured it on the GPU.
     programmatic_launch: bool = False
     # The most key splits a decode attention row takes (`attention_decode`: ceil(length / S) keys each, one block a
-    # kv head and split), at S x (head_dim + 2) fp32 of scratch a row and q head. None: `row_splits` (128 blocks a
-    # row: 27B 32, 35B-A3B 64), as measured on the H200. A row's bits depend on its keys and S only, so one S holds
-    # for every batch size.
+    # kv head and split), at S x (head_dim + 2) fp32 of scratch a row and q head. None: `row_splits` (64 for the
+    # 27B and the 35B-A3B), as measured on the H200. A row's bits depend on its keys and S only, so one S holds for
+    # every batch size.
     attention_splits: int | None = None
     # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
