@@ -90,7 +90,7 @@ def kv_token_bytes(kv_heads, d, dtype):
 
 
 def bench_decode(rows_out, stream):
-    """Each decode kernel (head_dim 256: the fast one and, with bf16 KV, the staged one) at 1K / 8K / 32K context,
+    """Each head_dim 256 decode kernel (the fast one, the staged one) at 1K / 8K / 32K context,
     B = 1 and 8, over several splits: the best split and the time at the model's own (`row_splits`)."""
     rng = np.random.default_rng(0)
     for model, (heads, kv_heads, d) in MODELS.items():
@@ -110,7 +110,7 @@ def bench_decode(rows_out, stream):
                     out = cuda.device_array((batch, heads * d), np.float32)
                     compulsory = batch * ctx * kv_token_bytes(kv_heads, d, dtype)
                     model_splits = A.row_splits(kv_heads)
-                    for staged in ((False, True) if dtype == "bf16" else (False,)):
+                    for staged in (False, True):
                         best = None
                         model_us = None
                         for split in sorted({16, 32, 64, 128, 256, model_splits}):

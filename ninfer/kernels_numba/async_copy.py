@@ -45,6 +45,18 @@ def copy_async_16(typingctx, shared, address, source_bytes):
 
 
 @intrinsic
+def copy_async_8(typingctx, shared, address, source_bytes):
+    """Copy 8 bytes from a global address (8-byte aligned) to a shared address, the last 8 - source_bytes of them
+    zeros (`cp.async.ca`: the 8-byte size exists only through L1)."""
+    def codegen(context, builder, sig, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        _void_asm(builder, "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r", list(args), [i32, i64, i32])
+        return context.get_dummy_value()
+
+    return types.void(uint32, int64, uint32), codegen
+
+
+@intrinsic
 def copy_async_commit(typingctx):
     """Close the lane's open group of copies (`cp.async.commit_group`)."""
     def codegen(context, builder, sig, args):

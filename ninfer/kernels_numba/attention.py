@@ -23,8 +23,9 @@ from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_i
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, blocks_for,
                                          f32_to_bf16, load_words2_at, load_words4_at, sigmoid_f32, warp_max, warp_sum)
-from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_prior, shared_address
-from ninfer.kernels_numba.linear import load4
+from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_prior,
+                                             shared_address)
+from ninfer.kernels_numba.linear import load2, load4
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
 
 F32 = np.float32
@@ -753,15 +754,19 @@ decode_fast_kernel = kernel(
 )(_decode_fast_kernel)
 
 
-# The head_dim 256 kernel with bf16 pools, staged: a block copies STAGE_KEYS keys' K and V rows of its kv head at a
-# time into shared memory (`cp.async`, STAGES tiles: two in flight while the warps read the third), and each warp
-# runs the fast kernel's 4-key steps over the tile from there. Why: the fast kernel keeps its loads in registers, so
-# a block has one 4-key step per key warp in flight (4 KiB a 35B-A3B block, G = 8, one key warp) and registers
-# allow one block an SM: at 32K context a 35B-A3B layer took ~146 us for ~16 us of bytes, the 27B ~160 us for ~32.
+# The head_dim 256 kernel, staged: a block copies STAGE_KEYS keys' K and V rows of its kv head (and their int8
+# scales) at a time into shared memory (`cp.async`, STAGES tiles: two in flight while the warps read the third),
+# and each warp runs the fast kernel's 4-key steps over the tile from there. Why: the fast kernel keeps its loads in
+# registers, so a block has one 4-key step per key warp in flight (4 KiB a 35B-A3B block, G = 8, one key warp) and
+# registers allow one block an SM. On the H200 (results/kernel_attention_staged_session16.json, bf16 KV, B=1 / 8):
+# 35B-A3B at 32K context 169 -> 79 us / 1208 -> 434, 27B 178 -> 113 / 1304 -> 766; 1K B=1 the same (~20 us).
 STAGE_KEYS = 32
 STAGES = 3  # copy_async_wait_prior (all but the newest group landed) is the wait of a 3-stage ring
-STAGE_WORDS = 2 * STAGE_KEYS * 128  # uint32 words of a tile: the K rows, then the V rows (512 bytes a row)
-STAGED_SHARED_BYTES = STAGES * STAGE_WORDS * 4  # 96 KiB of dynamic shared memory a block
+# A tile's uint32 words: the K rows, then the V rows (128 words a bf16 row, 64 an int8 one), then from
+# STAGE_SCALES the K rows' int8 scales and the V rows' (4 fp16 a row: 2 words).
+STAGE_SCALES = 2 * STAGE_KEYS * 128
+STAGE_WORDS = STAGE_SCALES + 2 * STAGE_KEYS * 2
+STAGED_SHARED_BYTES = STAGES * STAGE_WORDS * 4  # 97.5 KiB of dynamic shared memory a block
 STAGED_BLOCK_WARPS = 8  # at most G x KW warps a block (KW a power of two): two blocks an SM at <= 128 registers
 STAGED_MAX_REGISTERS = 128
 
@@ -773,109 +778,139 @@ def staged_key_warps(group_heads: int) -> int:
 
 
 @device_function
-def _stage_tile(base, k_at, v_at, page_tables, lane_id, key_start, stop, page_tokens, token_bytes):
+def _stage_tile(base, k_at, v_at, k_scale_at, v_scale_at, page_tables, lane_id, key_start, stop, page_tokens,
+                token_bytes, scale_token_bytes, row_pieces, quant):
     """Issue the copies of the tile of keys key_start .. key_start + STAGE_KEYS - 1 into the stage at shared address
-    `base` (K rows, then V rows, 32 16-byte pieces a row); keys from `stop` on read nothing and land as zeros."""
-    for c in range(cuda.threadIdx.x, STAGE_KEYS * 32, cuda.blockDim.x):
-        key = key_start + c // 32
+    `base`: K rows, then V rows (`row_pieces` 16-byte pieces a row), then (int8) the rows' 8 bytes of scales; keys
+    from `stop` on read nothing and land as zeros."""
+    for c in range(cuda.threadIdx.x, STAGE_KEYS * row_pieces, cuda.blockDim.x):
+        key = key_start + c // row_pieces
         kept = min(key, stop - 1)
         slot = kept // page_tokens
         page = page_tables[lane_id, slot]
-        at = (int64(page) * page_tokens + (kept - slot * page_tokens)) * token_bytes + (c % 32) * 16
+        at = (int64(page) * page_tokens + (kept - slot * page_tokens)) * token_bytes + (c % row_pieces) * 16
         size = uint32(16) if key < stop else uint32(0)
         copy_async_16(base + uint32(c * 16), k_at + at, size)
-        copy_async_16(base + uint32((STAGE_KEYS * 32 + c) * 16), v_at + at, size)
+        copy_async_16(base + uint32((STAGE_KEYS * row_pieces + c) * 16), v_at + at, size)
+    if quant:
+        for c in range(cuda.threadIdx.x, STAGE_KEYS, cuda.blockDim.x):
+            key = key_start + c
+            kept = min(key, stop - 1)
+            slot = kept // page_tokens
+            page = page_tables[lane_id, slot]
+            at = (int64(page) * page_tokens + (kept - slot * page_tokens)) * scale_token_bytes
+            size = uint32(8) if key < stop else uint32(0)
+            copy_async_8(base + uint32(STAGE_SCALES * 4 + c * 8), k_scale_at + at, size)
+            copy_async_8(base + uint32((STAGE_SCALES + 2 * STAGE_KEYS) * 4 + c * 8), v_scale_at + at, size)
 
 
 @device_function
-def _staged_values(values, sh, row0, lane):
-    """A step's 4 rows (from word `row0` of the stage, 128 words a row) x this lane's 8 dims as fp32."""
+def _staged_load(words, scales, sh, row0, scale0, lane, quant):
+    """A step's 4 rows of this lane from the stage (row0: the first row's word, scale0: its scales' word), as
+    `_fast_load` leaves them in registers: 16 bytes a row (bf16), or 8 bytes and the lane's fp32 scale (int8)."""
     for j in range(FAST_KEYS):
-        w0, w1, w2, w3 = load4(sh, row0 + j * 128 + lane * 4)
-        values[j * 8] = bf16_to_f32(w0)
-        values[j * 8 + 1] = bf16_hi_to_f32(w0)
-        values[j * 8 + 2] = bf16_to_f32(w1)
-        values[j * 8 + 3] = bf16_hi_to_f32(w1)
-        values[j * 8 + 4] = bf16_to_f32(w2)
-        values[j * 8 + 5] = bf16_hi_to_f32(w2)
-        values[j * 8 + 6] = bf16_to_f32(w3)
-        values[j * 8 + 7] = bf16_hi_to_f32(w3)
+        if quant:
+            words[4 * j], words[4 * j + 1] = load2(sh, row0 + j * 64 + lane * 2)
+            pair = sh[scale0 + j * 2 + lane // 16]
+            scales[j] = f16_bits_to_f32((pair >> uint32(16)) if (lane // 8) % 2 else (pair & uint32(0xFFFF)))
+        else:
+            words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load4(sh, row0 + j * 128 + lane * 4)
 
 
-def _decode_staged_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, partials, heads, kv_heads):
-    """head_dim == 256, bf16 pools: the fast kernel's warps (warp w: q head w % G, keys start + (w // G)*4 +
-    i*4*KW) reading K and V from tiles staged in shared memory (`_stage_tile`, a ring of STAGES). Same arithmetic
-    and order as the fast kernel for the same KW, so the same partials (keys past the row's end: zeros instead of
-    the last key, masked alike)."""
-    sh = cuda.shared.array(0, uint32)
-    split = cuda.blockIdx.x
-    kvh = cuda.blockIdx.y
-    r = cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    lane = tid % 32
-    warp = tid // 32
-    group_heads = heads // kv_heads
-    key_warps = cuda.blockDim.x // (32 * group_heads)
-    g = warp % group_heads
-    kw_i = warp // group_heads
-    page_tokens = int32(k_words.shape[1])
-    length = row_pos[r] + 1
-    chunk = split_keys(length, partials.shape[2])
-    start = split * chunk
-    if start >= length:
-        return
-    stop = min(start + chunk, length)
-    tiles = (stop - start + STAGE_KEYS - 1) // STAGE_KEYS
-    scale = float32(1.0) / math.sqrt(float32(256.0))
-    h = kvh * group_heads + g
-    qv = cuda.local.array(8, float32)
-    acc = cuda.local.array(8, float32)
-    kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
-    for e in range(8):
-        acc[e] = float32(0.0)
-        qv[e] = q[r, h, lane * 8 + e] * scale
-    m_l = float32(NEG_INF)
-    l_l = float32(0.0)
-    lane_id = row_lane[r]
-    token_bytes = int64(k_words.shape[2] * k_words.shape[3] * 8)
-    head_bytes = int64(kvh * k_words.shape[3] * 8)
-    k_at = address_of(k_words) + head_bytes
-    v_at = address_of(v_words) + head_bytes
-    shared = shared_address(address_of(sh))
-    # Copy groups in commit order: tiles 0 .. STAGES - 2, then tile t + STAGES - 1 in iteration t (empty past the
-    # last tile), so at iteration t "all but the newest group landed" is tile t.
-    for t in range(STAGES - 1):
-        if t < tiles:
-            _stage_tile(shared + uint32(t * STAGE_WORDS * 4), k_at, v_at, page_tables, lane_id,
-                        start + t * STAGE_KEYS, stop, page_tokens, token_bytes)
-        copy_async_commit()
-    step_keys = key_warps * FAST_KEYS
-    for t in range(tiles):
-        copy_async_wait_prior()
-        cuda.syncthreads()  # tile t landed for every thread; every warp left tile t - 1, whose stage refills now
-        ahead = t + STAGES - 1
-        if ahead < tiles:
-            _stage_tile(shared + uint32((ahead % STAGES) * STAGE_WORDS * 4), k_at, v_at, page_tables, lane_id,
-                        start + ahead * STAGE_KEYS, stop, page_tokens, token_bytes)
-        copy_async_commit()
-        k_row = (t % STAGES) * STAGE_WORDS
-        key_base = start + t * STAGE_KEYS
-        for j0 in range(kw_i * FAST_KEYS, STAGE_KEYS, step_keys):
-            key0 = key_base + j0
-            if key0 < stop:
-                _staged_values(kx, sh, k_row + j0 * 128, lane)
-                p0, p1, p2, p3, alpha, m_l, l_l = _fast_softmax(_fast_scores(qv, kx, lane, key0, stop), m_l, l_l)
-                _staged_values(kx, sh, k_row + (STAGE_KEYS + j0) * 128, lane)
-                _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3)
-    sm_m = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
-    sm_l = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
-    sm_acc = cuda.shared.array((STAGED_BLOCK_WARPS, 256), float32)
-    _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps)
+STAGED_SIGNATURE = (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32)
 
 
-STAGED_SIGNATURE = (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, f32_4d, int32, int32)
-decode_staged_kernel = kernel(STAGED_SIGNATURE, fastmath=True, max_registers=STAGED_MAX_REGISTERS)(
-    _decode_staged_kernel)
+def _make_decode_staged_kernel(quant: bool):
+    """The staged kernel for int8 pools (`quant`) or bf16 ones: `quant` is a constant of the closure, so each pool
+    dtype compiles to its own code (a runtime switch took the bf16 kernel from 104 registers to the 128 cap), with
+    its row size a constant (the tile's divisions become shifts)."""
+    row_words = 64 if quant else 128  # uint32 words of a head row
+    row_pieces = row_words // 4  # its 16-byte copies
+    def _decode_staged_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
+                              heads, kv_heads):
+        """head_dim == 256: the fast kernel's warps (warp w: q head w % G, keys start + (w // G)*4 + i*4*KW)
+        reading K and V from tiles staged in shared memory (`_stage_tile`, a ring of STAGES). Same arithmetic and
+        order as the fast kernel for the same KW, so the same partials (keys past the row's end: zeros instead of
+        the last key, masked alike)."""
+        sh = cuda.shared.array(0, uint32)
+        split = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        r = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        group_heads = heads // kv_heads
+        key_warps = cuda.blockDim.x // (32 * group_heads)
+        g = warp % group_heads
+        kw_i = warp // group_heads
+        page_tokens = int32(k_words.shape[1])
+        length = row_pos[r] + 1
+        chunk = split_keys(length, partials.shape[2])
+        start = split * chunk
+        if start >= length:
+            return
+        stop = min(start + chunk, length)
+        tiles = (stop - start + STAGE_KEYS - 1) // STAGE_KEYS
+        scale = float32(1.0) / math.sqrt(float32(256.0))
+        h = kvh * group_heads + g
+        qv = cuda.local.array(8, float32)
+        acc = cuda.local.array(8, float32)
+        kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
+        kw = cuda.local.array(16, uint32)  # a step's 4 rows of this lane, as words
+        ksc = cuda.local.array(4, float32)
+        for e in range(8):
+            acc[e] = float32(0.0)
+            qv[e] = q[r, h, lane * 8 + e] * scale
+        m_l = float32(NEG_INF)
+        l_l = float32(0.0)
+        lane_id = row_lane[r]
+        token_bytes = int64(k_words.shape[2] * row_words * 4)
+        head_bytes = int64(kvh * row_words * 4)
+        k_at = address_of(k_words) + head_bytes
+        v_at = address_of(v_words) + head_bytes
+        scale_token_bytes = int64(k_scale.shape[2] * k_scale.shape[3] * 2)  # int8: 4 fp16 a kv head
+        k_scale_at = address_of(k_scale) + kvh * int64(k_scale.shape[3] * 2)
+        v_scale_at = address_of(v_scale) + kvh * int64(v_scale.shape[3] * 2)
+        shared = shared_address(address_of(sh))
+        # Copy groups in commit order: tiles 0 .. STAGES - 2, then tile t + STAGES - 1 in iteration t (empty past the
+        # last tile), so at iteration t "all but the newest group landed" is tile t.
+        for t in range(STAGES - 1):
+            if t < tiles:
+                _stage_tile(shared + uint32(t * STAGE_WORDS * 4), k_at, v_at, k_scale_at, v_scale_at, page_tables,
+                            lane_id, start + t * STAGE_KEYS, stop, page_tokens, token_bytes, scale_token_bytes,
+                            row_pieces, quant)
+            copy_async_commit()
+        step_keys = key_warps * FAST_KEYS
+        for t in range(tiles):
+            copy_async_wait_prior()
+            cuda.syncthreads()  # tile t landed for every thread; every warp left tile t - 1, whose stage refills now
+            ahead = t + STAGES - 1
+            if ahead < tiles:
+                _stage_tile(shared + uint32((ahead % STAGES) * STAGE_WORDS * 4), k_at, v_at, k_scale_at, v_scale_at,
+                            page_tables, lane_id, start + ahead * STAGE_KEYS, stop, page_tokens, token_bytes,
+                            scale_token_bytes, row_pieces, quant)
+            copy_async_commit()
+            stage = (t % STAGES) * STAGE_WORDS
+            key_base = start + t * STAGE_KEYS
+            for j0 in range(kw_i * FAST_KEYS, STAGE_KEYS, step_keys):
+                key0 = key_base + j0
+                if key0 < stop:
+                    _staged_load(kw, ksc, sh, stage + j0 * row_words, stage + STAGE_SCALES + j0 * 2, lane, quant)
+                    _fast_values(kx, kw, ksc, quant)
+                    p0, p1, p2, p3, alpha, m_l, l_l = _fast_softmax(_fast_scores(qv, kx, lane, key0, stop), m_l, l_l)
+                    _staged_load(kw, ksc, sh, stage + (STAGE_KEYS + j0) * row_words,
+                                 stage + STAGE_SCALES + (STAGE_KEYS + j0) * 2, lane, quant)
+                    _fast_values(kx, kw, ksc, quant)
+                    _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3)
+        sm_m = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
+        sm_l = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
+        sm_acc = cuda.shared.array((STAGED_BLOCK_WARPS, 256), float32)
+        _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps)
+
+    return kernel(STAGED_SIGNATURE, fastmath=True, max_registers=STAGED_MAX_REGISTERS)(_decode_staged_kernel)
+
+
+DECODE_STAGED_KERNELS = {quant: _make_decode_staged_kernel(quant) for quant in (False, True)}
 
 
 @kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32), fastmath=True)
@@ -893,13 +928,14 @@ def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_di
 
 
 def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
-                     heads, kv_heads, head_dim, stream, staged=True):
+                     heads, kv_heads, head_dim, stream, staged=None):
     """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
     lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, then
     combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks past a row's last split exit
     at once. A row's bits depend on its own data and on S only, so keep one S for every batch size / graph (batch
-    invariance). head_dim 256 with bf16 pools: `staged` picks the kernel that stages K/V tiles in shared memory over
-    the fast kernel (register-pipelined; int8 pools always take it)."""
+    invariance). head_dim 256: the kernel that stages K/V tiles in shared memory (`staged` True) or the fast kernel
+    (register-pipelined; False); None: staged for bf16 pools, as measured on the H200, fast for int8 ones until the
+    staged int8 path has run there."""
     _check_dims(heads, kv_heads, head_dim)
     rows = q.shape[0]
     if rows == 0:
@@ -907,12 +943,14 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
     splits = partials.shape[2]
     check_splits(splits)
-    if staged and head_dim == 256 and not quant and k_pool.shape[1] % FAST_KEYS == 0:
+    if staged is None:
+        staged = not quant
+    if staged and head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
         group = heads // kv_heads
-        allow_dynamic_shared(decode_staged_kernel, STAGED_SIGNATURE, STAGED_SHARED_BYTES)
-        decode_staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream,
-                             STAGED_SHARED_BYTES](
-            q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), partials,
+        staged_kernel = DECODE_STAGED_KERNELS[bool(quant)]
+        allow_dynamic_shared(staged_kernel, STAGED_SIGNATURE, STAGED_SHARED_BYTES)
+        staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream, STAGED_SHARED_BYTES](
+            q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
             *_i32(heads, kv_heads))
     elif head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
         group = heads // kv_heads

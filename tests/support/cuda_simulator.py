@@ -276,16 +276,24 @@ def _shared_bytes(address, size: int) -> np.ndarray:
     return data[offset:offset + size]
 
 
-def copy_async_16(shared, source, source_bytes) -> None:
+def _copy_async(shared, source, source_bytes, width: int) -> None:
     size = int(source_bytes)
-    if not 0 <= size <= 16:
-        raise ValueError(f"cp.async source size {size} is not 0..16")
+    if not 0 <= size <= width:
+        raise ValueError(f"cp.async source size {size} is not 0..{width}")
     for name, address in (("shared", shared), ("global", source)):
-        if int(address) % 16:
-            raise ValueError(f"cp.async {name} address {int(address):#x} is not 16-byte aligned")
-    destination = _shared_bytes(shared, 16)
+        if int(address) % width:
+            raise ValueError(f"cp.async {name} address {int(address):#x} is not {width}-byte aligned")
+    destination = _shared_bytes(shared, width)
     destination[:size] = _bytes_at(source, size) if size else destination[:0]
     destination[size:] = 0
+
+
+def copy_async_16(shared, source, source_bytes) -> None:
+    _copy_async(shared, source, source_bytes, 16)
+
+
+def copy_async_8(shared, source, source_bytes) -> None:
+    _copy_async(shared, source, source_bytes, 8)
 
 
 def _words(address: int, count: int) -> np.ndarray:
@@ -353,6 +361,7 @@ def allow_dynamic_shared(dispatcher, signature, nbytes) -> None:
 
 STAND_INS = {
     "address_of": address_of, "shared_address": shared_address, "copy_async_16": copy_async_16,
+    "copy_async_8": copy_async_8,
     "copy_async_commit": copy_async_commit, "copy_async_wait_all": copy_async_wait_all,
     "copy_async_wait_prior": copy_async_wait_prior,
     "mma_bf16_m16n8k16": mma_bf16_m16n8k16, "mma_tf32_m16n8k8": mma_tf32_m16n8k8, "warp_sum": warp_sum,
