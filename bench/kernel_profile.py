@@ -3,15 +3,20 @@ image has; only the benchmark uses it, never the server).
 
 `profile_replays(replay, synchronize, replays)` runs `replay()` `replays` times under the profiler and returns, per
 kernel name (numba's mangled names shortened to the Python function name), the GPU microseconds and launches per
-replay, sorted by time. The sum over kernels is the GPU busy time; the gap to the replay's wall time is idle time
-between kernels (launch latency inside the graph).
+replay, sorted by time. The sum over kernels is the GPU busy time over all streams; `stream_timeline` says, per
+stream, how much of a replay's span its kernels filled and how long it sat idle between them (launch latency, or a
+wait on the other stream): with two streams the busy sum can pass the step time while the serving stream's chain,
+kernels plus idle, is what sets it.
 """
 
 from __future__ import annotations
 
 import cProfile
 import io
+import json
+import os
 import pstats
+import tempfile
 import time
 from collections import defaultdict
 from typing import Callable
@@ -65,8 +70,48 @@ def captured_repeats(device, launch: Callable[[], None], repeats: int, replays: 
     return graph, seconds / repeats
 
 
+REPLAY_GAP_US = 50.0  # every stream idle this long: the next replay has begun (inside one, gaps are a few us)
+GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")  # Kineto trace categories of device work
+
+
+def stream_timeline(trace_events: list[dict]) -> dict:
+    """From a Kineto (Chrome) trace's events: the replays (runs of device work with no REPLAY_GAP_US of idle on
+    every stream), their median span (first start to last end over all streams), and per stream (`args.stream`) the
+    launches, busy us and idle us between its own kernels, per replay, and the median idle gap."""
+    work = sorted((e for e in trace_events if e.get("cat") in GPU_WORK and "dur" in e), key=lambda e: e["ts"])
+    replays: list[list[dict]] = []
+    end = -float("inf")
+    for event in work:
+        if not replays or event["ts"] - end >= REPLAY_GAP_US:
+            replays.append([])
+        replays[-1].append(event)
+        end = max(end, event["ts"] + event["dur"])
+    streams: dict = defaultdict(lambda: {"launches": 0, "busy_us": 0.0, "idle_us": 0.0, "gaps": []})
+    spans = []
+    for events in replays:
+        spans.append(max(e["ts"] + e["dur"] for e in events) - events[0]["ts"])
+        last_end: dict = {}
+        for event in events:
+            stream = event.get("args", {}).get("stream")
+            entry = streams[stream]
+            entry["launches"] += 1
+            entry["busy_us"] += event["dur"]
+            if stream in last_end:
+                gap = max(0.0, event["ts"] - last_end[stream])
+                entry["idle_us"] += gap
+                entry["gaps"].append(gap)
+            last_end[stream] = event["ts"] + event["dur"]
+    count = max(1, len(replays))
+    return {"replays": len(replays), "span_us": float(np.median(spans)) if spans else 0.0,
+            "streams": sorted(({"stream": stream, "launches_per_replay": e["launches"] / count,
+                                "busy_us_per_replay": e["busy_us"] / count, "idle_us_per_replay": e["idle_us"] / count,
+                                "median_gap_us": float(np.median(e["gaps"])) if e["gaps"] else 0.0}
+                               for stream, e in streams.items()), key=lambda e: -e["launches_per_replay"])}
+
+
 def profile_replays(replay: Callable[[], None], synchronize: Callable[[], None], replays: int = 5) -> dict:
-    """{"kernels": [{"name", "us_per_replay", "launches_per_replay"}...], "busy_us_per_replay", "launches"}."""
+    """{"kernels": [{"name", "us_per_replay", "launches_per_replay"}...], "busy_us_per_replay", "launches",
+    "timeline": `stream_timeline` of the replays}."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -88,13 +133,25 @@ def profile_replays(replay: Callable[[], None], synchronize: Callable[[], None],
         counts[name] += 1
     kernels = sorted(({"name": n, "us_per_replay": totals[n] / replays, "launches_per_replay": counts[n] / replays}
                       for n in totals), key=lambda k: -k["us_per_replay"])
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as trace:
+            timeline = stream_timeline(json.load(trace).get("traceEvents", []))
     return {"kernels": kernels, "busy_us_per_replay": sum(k["us_per_replay"] for k in kernels),
-            "launches_per_replay": sum(k["launches_per_replay"] for k in kernels)}
+            "launches_per_replay": sum(k["launches_per_replay"] for k in kernels), "timeline": timeline}
 
 
 def print_profile(title: str, report: dict, top: int = 14) -> None:
     print(f"  profile {title}: {report['launches_per_replay']:.0f} launches, GPU busy "
           f"{report['busy_us_per_replay'] / 1e3:.2f} ms per replay", flush=True)
+    timeline = report.get("timeline")
+    if timeline:
+        print(f"    {timeline['replays']} replays, span {timeline['span_us'] / 1e3:.2f} ms", flush=True)
+        for s in timeline["streams"]:
+            print(f"    stream {s['stream']}: {s['launches_per_replay']:.0f} launches, busy "
+                  f"{s['busy_us_per_replay'] / 1e3:.2f} ms, idle between them {s['idle_us_per_replay'] / 1e3:.2f} ms "
+                  f"(median gap {s['median_gap_us']:.1f} us)", flush=True)
     for k in report["kernels"][:top]:
         print(f"    {k['us_per_replay']:9.1f} us  x{k['launches_per_replay']:5.0f}  {k['name']}", flush=True)
 
