@@ -163,7 +163,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
                  narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
-                 attention_splits: tuple[int | None, ...] = (None,)) -> dict:
+                 attention_splits: tuple[int | None, ...] = (None,),
+                 split_floors: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults."""
     dims = dims or MODELS[dims_name]
@@ -185,10 +186,13 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
     narrow = tuple(not dims.is_moe if thin is None else thin for thin in narrow)  # None: the serving default
-    for splits, linear, side, pdl, thin in ((splits, linear, side, pdl, thin) for splits in attention_splits
-                                            for linear in decode_linears for side in branches
-                                            for pdl in programmatic for thin in narrow):
+    split_floors = tuple(capacity.attention_min_split_keys if floor is None else floor for floor in split_floors)
+    for splits, floor, linear, side, pdl, thin in ((splits, floor, linear, side, pdl, thin)
+                                                   for splits in attention_splits for floor in split_floors
+                                                   for linear in decode_linears for side in branches
+                                                   for pdl in programmatic for thin in narrow):
         model.set_attention_splits(splits)
+        model.set_attention_min_split_keys(floor)
         model.set_branches(side)
         model.set_programmatic(pdl)
         model.set_narrow(thin)
@@ -214,14 +218,15 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
             decode.append({"linear": linear, "branches": side, "programmatic": pdl, "narrow": thin,
-                           "attention_splits": model.workspace.partials.shape[2],
+                           "attention_splits": model.workspace.partials.shape[2], "min_split_keys": floor,
                            "context": context, "batch": batch,
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
                            "graph_device_bytes": graph_bytes})
             label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "") + (
-                " -narrow" if not thin else "") + (f" splits {splits}" if len(attention_splits) > 1 else "")
+                " -narrow" if not thin else "") + (f" splits {splits}" if len(attention_splits) > 1 else "") + (
+                f" floor {floor}" if len(split_floors) > 1 else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
@@ -235,6 +240,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
     model.linear.pad_rows = capacity.decode_rows
     model.set_attention_splits(attention_splits[-1])
+    model.set_attention_min_split_keys(split_floors[-1])
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
     model.set_programmatic(programmatic[-1])
     model.set_narrow(narrow[-1])
@@ -434,6 +440,9 @@ def main() -> None:
     parser.add_argument("--attention-splits", default="default",
                         help="decode with these most key splits a row (a list times each; default: the model's; the "
                              "MTP rounds use the last)")
+    parser.add_argument("--split-floor", default="default",
+                        help="decode with these fewest keys a split takes (a list times each; default: the model's; "
+                             "the MTP rounds use the last)")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
@@ -473,7 +482,10 @@ def main() -> None:
                                                           context=args.context,
                                                           attention_splits=tuple(
                                                               None if x == "default" else int(x)
-                                                              for x in args.attention_splits.split(","))))
+                                                              for x in args.attention_splits.split(",")),
+                                                          split_floors=tuple(
+                                                              None if x == "default" else int(x)
+                                                              for x in args.split_floor.split(","))))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

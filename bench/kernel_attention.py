@@ -23,6 +23,7 @@ COPY_BW = 4.3e12
 PAGE = 64
 MODELS = {"27B": (24, 4, 256), "35B": (16, 2, 256)}
 RUNS = 20
+FLOORS = (64, 128, 256)  # fewest keys a decode split takes (`min_split_keys`), timed at the model's splits
 
 
 @cuda.jit
@@ -126,14 +127,27 @@ def bench_decode(rows_out, stream):
                                 model_us = us
                             if best is None or us < best[1]:
                                 best = (split, us)
+                        # at the model's splits, at least FLOORS keys a split (`min_split_keys`)
+                        partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, model_splits),
+                                                     np.float32)
+                        floors = {}
+                        for floor in FLOORS:
+                            def launch(row_lane, floor=floor):
+                                A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials,
+                                                   heads=heads, kv_heads=kv_heads, head_dim=d, stream=stream,
+                                                   staged=staged, min_split_keys=floor)
+
+                            floors[floor] = timed(launch, row_lanes, stream)
                         split, us = best
                         bw = compulsory / (us * 1e-6)
                         rows_out.append(dict(kernel="decode_staged" if staged else "decode_fast", model=model,
                                              kv=dtype, ctx=ctx, rows=batch, splits=split, us=us, gbps=bw / 1e9,
-                                             of_copy=bw / COPY_BW, us_default_split=model_us))
+                                             of_copy=bw / COPY_BW, us_default_split=model_us,
+                                             us_model_splits_floor=floors))
                         print(f"{rows_out[-1]['kernel']:14} {model} {dtype} ctx {ctx:6d} B={batch}: best split "
                               f"{split:3d} {us:8.1f} us ({bw / COPY_BW:.2f} of copy), at {model_splits} splits "
-                              f"{model_us:8.1f} us", flush=True)
+                              f"{model_us:8.1f} us; with a floor of "
+                              + ", ".join(f"{f}: {t:.1f}" for f, t in floors.items()), flush=True)
                     del pools
 
 
@@ -166,7 +180,8 @@ def bench_flash(rows_out, stream, count=8192):
         group = heads // kv_heads
 
         def bf16(*shape):
-            return cuda.to_device((rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+            bits = rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16
+            return cuda.to_device(bits.astype(np.uint16))
 
         packed, keys, values_t = bf16(kv_heads, group * count, d), bf16(kv_heads, count, d), bf16(kv_heads, d, count)
         qkgv = cuda.to_device(rng.standard_normal((count, 2 * (heads + kv_heads) * d), dtype=np.float32))

@@ -17,20 +17,19 @@ def bench():
 
 def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     from ninfer.backends.cuda.host import HostDevice
-
     from ninfer.kernels_numba.attention import row_splits
 
     dims = cuda_tiny_dims(moe=True)
     result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=dims,
                                 context=70, prefill_tokens=128, repeats=4, batches=(1, 8),
                                 prefill_attentions=("gemm",), profile=False, branches=(False, True),
-                                programmatic=(False, True), narrow=(False, True), attention_splits=(None, 96))
-    # None: the model's own splits
-    assert [(row["attention_splits"], row["branches"], row["programmatic"], row["narrow"], row["batch"])
-            for row in result["decode"]] == [(splits, side, pdl, thin, batch)
-                                             for splits in (row_splits(dims.kv_heads), 96)
-                                             for side in (False, True) for pdl in (False, True)
-                                             for thin in (False, True) for batch in (1, 8)]
+                                programmatic=(False, True), narrow=(False, True), attention_splits=(None, 96),
+                                split_floors=(None, 64))
+    # None: the model's own splits, the capacity's floor (none)
+    assert [(row["attention_splits"], row["min_split_keys"], row["branches"], row["programmatic"], row["narrow"],
+             row["batch"]) for row in result["decode"]] == [
+        (splits, floor, side, pdl, thin, batch) for splits in (row_splits(dims.kv_heads), 96) for floor in (0, 64)
+        for side in (False, True) for pdl in (False, True) for thin in (False, True) for batch in (1, 8)]
     assert all(row["context"] == 70 for row in result["decode"])
     assert result["branches_after_decode"] is True and result["programmatic_after_decode"] is True
     assert result["narrow_after_decode"] is True

@@ -335,9 +335,10 @@ def check_splits(splits: int) -> None:
 
 
 @device_function
-def split_keys(length, splits):
-    """Keys per split for a row of `length` keys: ceil(length / splits) rounded up to SPLIT_ALIGN."""
-    per = (length + splits - 1) // splits
+def split_keys(length, splits, min_keys):
+    """Keys per split for a row of `length` keys: ceil(length / splits), at least `min_keys`, rounded up to
+    SPLIT_ALIGN. Both bounds are the same for every row of every batch: a row's splits depend on its length only."""
+    per = max((length + splits - 1) // splits, min_keys)
     return (per + SPLIT_ALIGN - 1) // SPLIT_ALIGN * SPLIT_ALIGN
 
 
@@ -476,7 +477,7 @@ def merge_partials(partials, r, h, d, splits):
 
 
 def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, partials,
-                         heads, kv_heads, head_dim, quant):
+                         heads, kv_heads, head_dim, quant, min_keys):
     """grid (splits, Hkv, R), block DECODE_WARPS warps; a warp per key, lanes split head_dim, G q heads at once."""
     split = cuda.blockIdx.x
     kvh = cuda.blockIdx.y
@@ -486,7 +487,7 @@ def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_sc
     warp = tid // 32
     page_tokens = k_pool.shape[1]
     length = row_pos[r] + 1
-    chunk = split_keys(length, partials.shape[2])
+    chunk = split_keys(length, partials.shape[2], min_keys)
     start = split * chunk
     if start >= length:
         return
@@ -523,7 +524,7 @@ def _decode_split_kernel(q, page_tables, row_lane, row_pos, k_pool, v_pool, k_sc
                          dbase, DECODE_WARPS)
 
 
-_DECODE_TAIL = (int32, int32, int32, int32)
+_DECODE_TAIL = (int32, int32, int32, int32, int32)
 decode_split_kernel = kernel(
     (f32_3d, i32_2d, i32_1d, i32_1d, u16_4d, u16_4d, u16_4d, u16_4d, f32_4d) + _DECODE_TAIL,
     (f32_3d, i32_2d, i32_1d, i32_1d, i8_4d, i8_4d, u16_4d, u16_4d, f32_4d) + _DECODE_TAIL,
@@ -674,7 +675,7 @@ def _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, sp
 
 
 def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
-                        heads, kv_heads, quant):
+                        heads, kv_heads, quant, min_keys):
     """head_dim == 256 path of the split kernel. Block = G x KW warps (blockDim.x = 32*G*KW): warp w serves q head
     w % G of this kv head over keys start + (w // G)*4 + i*4*KW (4 per step, the G warps of a key step read the
     same K/V lines, shared through L1). Pools as uint64 words (bf16: 64 per head row, int8: 32); lane owns head dims
@@ -691,7 +692,7 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     kw_i = warp // group_heads
     page_tokens = int32(k_words.shape[1])
     length = row_pos[r] + 1
-    chunk = split_keys(length, partials.shape[2])
+    chunk = split_keys(length, partials.shape[2], min_keys)
     start = split * chunk
     if start >= length:
         return
@@ -749,7 +750,7 @@ u64_4d = uint64[:, :, :, ::1]
 # 170 the 12-warp launch would fail (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES) where a capped compile spills instead.
 FAST_MAX_REGISTERS = 168
 decode_fast_kernel = kernel(
-    (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32),
+    (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32, int32),
     fastmath=True, max_registers=FAST_MAX_REGISTERS,
 )(_decode_fast_kernel)
 
@@ -817,7 +818,7 @@ def _staged_load(words, scales, sh, row0, scale0, lane, quant):
             words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load4(sh, row0 + j * 128 + lane * 4)
 
 
-STAGED_SIGNATURE = (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32)
+STAGED_SIGNATURE = (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32)
 
 
 def _make_decode_staged_kernel(quant: bool):
@@ -827,7 +828,7 @@ def _make_decode_staged_kernel(quant: bool):
     row_words = 64 if quant else 128  # uint32 words of a head row
     row_pieces = row_words // 4  # its 16-byte copies
     def _decode_staged_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
-                              heads, kv_heads):
+                              heads, kv_heads, min_keys):
         """head_dim == 256: the fast kernel's warps (warp w: q head w % G, keys start + (w // G)*4 + i*4*KW)
         reading K and V from tiles staged in shared memory (`_stage_tile`, a ring of STAGES). Same arithmetic and
         order as the fast kernel for the same KW, so the same partials (keys past the row's end: zeros instead of
@@ -845,7 +846,7 @@ def _make_decode_staged_kernel(quant: bool):
         kw_i = warp // group_heads
         page_tokens = int32(k_words.shape[1])
         length = row_pos[r] + 1
-        chunk = split_keys(length, partials.shape[2])
+        chunk = split_keys(length, partials.shape[2], min_keys)
         start = split * chunk
         if start >= length:
             return
@@ -913,29 +914,29 @@ def _make_decode_staged_kernel(quant: bool):
 DECODE_STAGED_KERNELS = {quant: _make_decode_staged_kernel(quant) for quant in (False, True)}
 
 
-@kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32), fastmath=True)
-def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_dim):
+@kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32, int32), fastmath=True)
+def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_dim, min_keys):
     """grid (R, Hq), block head_dim: merge the row's own (non-empty) splits in order, normalise, multiply by
     sigmoid(gate)."""
     r = cuda.blockIdx.x
     h = cuda.blockIdx.y
     d = cuda.threadIdx.x
     length = row_pos[r] + 1
-    chunk = split_keys(length, partials.shape[2])
+    chunk = split_keys(length, partials.shape[2], min_keys)
     total_a, total_l = merge_partials(partials, r, h, d, (length + chunk - 1) // chunk)
     gate = qkgv[r, (heads + kv_heads) * head_dim + h * head_dim + d]
     out[r, h * head_dim + d] = (total_a / total_l) * sigmoid_f32(gate)
 
 
 def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
-                     heads, kv_heads, head_dim, stream, staged=None):
+                     heads, kv_heads, head_dim, stream, staged=None, min_split_keys=0):
     """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
-    lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, then
-    combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks past a row's last split exit
-    at once. A row's bits depend on its own data and on S only, so keep one S for every batch size / graph (batch
-    invariance). head_dim 256: the kernel that stages K/V tiles in shared memory (`staged` True) or the fast kernel
-    (register-pipelined; False); None: staged for bf16 pools, as measured on the H200, fast for int8 ones until the
-    staged int8 path has run there."""
+    lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, at least
+    `min_split_keys` each, then combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks
+    past a row's last split exit at once. A row's bits depend on its own data, S and min_split_keys only, so keep
+    both for every batch size / graph (batch invariance). head_dim 256: the kernel that stages K/V tiles in shared
+    memory (`staged` True) or the fast kernel (register-pipelined; False); None: staged for bf16 pools, as measured
+    on the H200, fast for int8 ones until the staged int8 path has run there."""
     _check_dims(heads, kv_heads, head_dim)
     rows = q.shape[0]
     if rows == 0:
@@ -951,18 +952,18 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
         allow_dynamic_shared(staged_kernel, STAGED_SIGNATURE, STAGED_SHARED_BYTES)
         staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream, STAGED_SHARED_BYTES](
             q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
-            *_i32(heads, kv_heads))
+            *_i32(heads, kv_heads, min_split_keys))
     elif head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
         group = heads // kv_heads
         decode_fast_kernel[(splits, kv_heads, rows), 32 * group * max(1, FAST_BLOCK_WARPS // group), stream](
             q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
-            *_i32(heads, kv_heads, quant))
+            *_i32(heads, kv_heads, quant, min_split_keys))
     else:
         decode_split_kernel[(splits, kv_heads, rows), DECODE_WARPS * 32, stream](
             q, page_tables, row_lane, row_pos, k_pool, v_pool, ks, vs, partials,
-            *_i32(heads, kv_heads, head_dim, quant))
+            *_i32(heads, kv_heads, head_dim, quant, min_split_keys))
     decode_combine_kernel[(rows, heads), head_dim, stream](partials, qkgv, row_pos, out,
-                                                           *_i32(heads, kv_heads, head_dim))
+                                                           *_i32(heads, kv_heads, head_dim, min_split_keys))
 
 
 def _gather_kv(page_tables, lane, length, k_pool, v_pool, k_scale, v_scale):
@@ -985,8 +986,10 @@ def _gate(qkgv, rows, heads, kv_heads, head_dim):
 
 
 def attention_decode_reference(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out,
-                               partials=None, *, heads, kv_heads, head_dim, stream=None):
-    """NumPy twin: each row attends causally over its lane's keys 0..row_pos; writes and returns out."""
+                               partials=None, *, heads, kv_heads, head_dim, stream=None, staged=None,
+                               min_split_keys=0):
+    """NumPy twin: each row attends causally over its lane's keys 0..row_pos; writes and returns out. (Exact math:
+    the kernel choice and the splits change nothing here.)"""
     for r in range(q.shape[0]):
         length = int(row_pos[r]) + 1
         k, v = _gather_kv(page_tables, int(row_lane[r]), length, k_pool, v_pool, k_scale, v_scale)

@@ -214,7 +214,7 @@ def _attention_split_kernel(q, k_block, v_block, positions, row_lane, page_table
         lo = max(0, position - window + 1)
     n_context = max(0, context - lo)
     total = n_context + block_width
-    chunk = split_keys(total, partials.shape[2])
+    chunk = split_keys(total, partials.shape[2], 0)
     start = split * chunk
     if start >= total:  # an empty split: the combine skips it
         if tid < group_heads:

@@ -146,6 +146,13 @@ def test_decode_partials_shape():
             A.decode_partials_shape(8, 24, 256, splits)
 
 
+def test_a_split_takes_at_least_its_floor_of_keys():
+    # (the device function's Python body) 1000 keys in 64 splits: 16 keys each; a floor of 100 keys: 100 (10
+    # splits); floors and shares round up to 4 keys
+    assert [A.split_keys.py_func(1000, 64, floor) for floor in (0, 16, 100, 101)] == [16, 16, 100, 104]
+    assert A.split_keys.py_func(1, 64, 0) == 4 and A.split_keys.py_func(1, 64, 256) == 256
+
+
 def test_models_take_256_blocks_a_row_within_32_to_64_splits():
     # the 27B's 4 kv heads, the 35B-A3B's 2, a one-kv-head model, eight and sixteen kv heads
     assert [A.row_splits(kv_heads) for kv_heads in (4, 2, 1, 8, 16)] == [64, 64, 64, 32, 32]
@@ -173,6 +180,39 @@ def _decode_gpu(cuda, q, qkgv, tables, lanes, pos, pools, heads, kv_heads, d, sp
                        head_dim=d, stream=stream, staged=staged)
     stream.synchronize()
     return out.copy_to_host()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", REAL)
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_gpu_decode_with_a_split_floor_matches_twin_and_is_batch_invariant(cfg, dtype):
+    """attention_decode with at least 64 or 256 keys a split (64 splits at most): the twin's result, and a row alone
+    the same bits as in the batch."""
+    from ninfer.kernels_numba.numba_setup import cuda
+    rng = np.random.default_rng(5)
+    heads, kv_heads, d, _, _ = cfg
+    pools = _random_pools(rng, 40, 64, kv_heads, d, dtype)
+    tables = np.stack([rng.permutation(40)[:32] for _ in range(2)]).astype(np.int32)
+    row_lane = np.array([0, 1, 0, 1], np.int32)
+    row_pos = np.array([0, 95, 1999, 700], np.int32)
+    q = rng.standard_normal((4, heads, d)).astype(F32)
+    qkgv = rng.standard_normal((4, 2 * (heads + kv_heads) * d)).astype(F32)
+    want = A.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools, np.zeros((4, heads * d), F32),
+                                        heads=heads, kv_heads=kv_heads, head_dim=d)
+    for floor in (64, 256):
+        def run(rows):
+            stream = cuda.stream()
+            dq, dg, dt, dl, dp = _dev(cuda, q[rows], qkgv[rows], tables, row_lane[rows], row_pos[rows])
+            out = cuda.to_device(np.full((len(rows), heads * d), np.nan, F32))
+            partials = cuda.to_device(np.full(A.decode_partials_shape(len(rows), heads, d, 64), np.nan, F32))
+            A.attention_decode(dq, dg, dt, dl, dp, *_dev(cuda, *pools), out, partials, heads=heads,
+                               kv_heads=kv_heads, head_dim=d, stream=stream, min_split_keys=floor)
+            stream.synchronize()
+            return out.copy_to_host()
+
+        got = run([0, 1, 2, 3])
+        assert _rel(got, want) < 1e-5, (floor, _rel(got, want))
+        np.testing.assert_array_equal(run([2])[0], got[2])
 
 
 @pytest.mark.gpu
@@ -232,11 +272,12 @@ def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype):
 
 def test_decode_kernels_with_more_than_32_splits_in_cuda_simulator():
     """The split decode kernel and the combine run thread by thread against the exact twin with 96 splits a row
+    (the combine's lanes hold several splits each), then 8 splits with a floor of 60 keys a split
     (`simulated_kernels.attention_decode`)."""
     from tests.support.simulated_kernels import run
 
-    assert len([line for line in run("attention_decode").splitlines()
-                if line.startswith("ok attention_decode")]) == 1
+    assert [line for line in run("attention_decode").splitlines() if line.startswith("ok attention_decode")] == [
+        "ok attention_decode 4 2 32 96 floor 0", "ok attention_decode 4 2 32 8 floor 60"]
 
 
 def test_head_dim_256_decode_kernels_in_cuda_simulator():

@@ -445,7 +445,7 @@ def attention_prepare() -> None:
 
 
 def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, heads, kv_heads, head_dim,
-                         splits, staged=None) -> np.ndarray:
+                         splits, staged=None, min_split_keys=0) -> np.ndarray:
     """attention_decode over `splits` splits equals its exact twin (random q and gate rows); returns its output."""
     rows, d = row_lane.shape[0], head_dim
     q = rng.standard_normal((rows, heads, d)).astype(np.float32)
@@ -456,15 +456,15 @@ def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, he
     out = np.full((rows, heads * d), np.nan, np.float32)
     partials = np.full(attention.decode_partials_shape(rows, heads, d, splits), np.nan, np.float32)
     attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, staged=staged,
-                               **dims)
+                               min_split_keys=min_split_keys, **dims)
     assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
     return out
 
 
 def attention_decode() -> None:
     """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row
-    (the combine's lanes hold several splits each), rows of 1, 150 and 400 keys over pages of 16 tokens (the head_dim
-    256 kernel: `attention_decode_fast`)."""
+    (the combine's lanes hold several splits each), then 8 splits of at least 60 keys, rows of 1, 150 and 400 keys
+    over pages of 16 tokens (the head_dim 256 kernels: `attention_decode_fast`)."""
     from ninfer.kernels_numba import attention
     from tests.kernels.test_attention import _random_pools
     from tests.support import cuda_simulator
@@ -474,9 +474,12 @@ def attention_decode() -> None:
     heads, kv_heads, d, splits = 4, 2, 32, 96
     pools = _random_pools(rng, 32, 16, kv_heads, d, "bf16")
     tables = np.stack([rng.permutation(32)[:26] for _ in range(2)]).astype(np.int32)
-    _decode_matches_twin(attention, rng, pools, tables, np.array([0, 1, 0], np.int32),
-                         np.array([0, 149, 399], np.int32), heads=heads, kv_heads=kv_heads, head_dim=d, splits=splits)
-    print("ok attention_decode", heads, kv_heads, d, splits, flush=True)
+    # then 8 splits at least 60 keys each: 1, 3 and 7 splits of 60 keys where the shares would be 4, 20 and 52
+    for splits, floor in ((splits, 0), (8, 60)):
+        _decode_matches_twin(attention, rng, pools, tables, np.array([0, 1, 0], np.int32),
+                             np.array([0, 149, 399], np.int32), heads=heads, kv_heads=kv_heads, head_dim=d,
+                             splits=splits, min_split_keys=floor)
+        print("ok attention_decode", heads, kv_heads, d, splits, "floor", floor, flush=True)
 
 
 def attention_decode_fast() -> None:

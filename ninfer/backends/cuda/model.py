@@ -114,6 +114,12 @@ class Capacity:
     # 27B and the 35B-A3B), as measured on the H200. A row's bits depend on its keys and S only, so one S holds for
     # every batch size.
     attention_splits: int | None = None
+    # The fewest keys a decode attention split takes (`split_keys`): fewer splits for a short row. At B=8 every
+    # decode kernel was fastest at 16 splits (35B-A3B 1K context: 28 us against 55 at 64; results/
+    # kernel_attention_staged_session16.json), B=1 at 32-64: a floor per split (the same for every row and batch,
+    # so batch invariant) gives short rows fewer splits. 0 (none) until bench/cuda_model.py --split-floor has
+    # measured it.
+    attention_min_split_keys: int = 0
     # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
     # weight load issued first; the router's GEMV and the expert routing in one launch) instead of decode_linear's
@@ -127,6 +133,8 @@ class Capacity:
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
             check_splits(self.attention_splits)
+        if self.attention_min_split_keys < 0:
+            raise ValueError(f"attention_min_split_keys must be >= 0, got {self.attention_min_split_keys}")
         if self.decode_linear not in ("cublas", "kernels"):
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
@@ -914,6 +922,7 @@ class CudaQwen:
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self.set_programmatic(capacity.programmatic_launch)
         self.set_narrow(not dims.is_moe if capacity.narrow_decode is None else capacity.narrow_decode)
+        self.attention_min_split_keys = capacity.attention_min_split_keys
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         # a decode MoE combine `_moe` left for the next norm to launch (`_norm`), or None
@@ -933,6 +942,13 @@ class CudaQwen:
         for linear in (self.linear, self.dflash_linear):
             if linear is not None:
                 linear.narrow = on
+
+    def set_attention_min_split_keys(self, keys: int) -> None:
+        """Capacity.attention_min_split_keys, switchable between steps for benchmarks (graphs captured before keep
+        what they recorded)."""
+        if keys < 0:
+            raise ValueError(f"attention_min_split_keys must be >= 0, got {keys}")
+        self.attention_min_split_keys = keys
 
     def set_attention_splits(self, splits: int | None) -> None:
         """Capacity.attention_splits (None: the model's `row_splits`), switchable between steps for benchmarks: the
@@ -1223,8 +1239,8 @@ class CudaQwen:
         if prefill is None:
             self.k.attention_decode(q, qkgv, inputs.page_tables, inputs.row_lane[:rows], inputs.row_pos[:rows], kv.k,
                                   kv.v, kv.k_scale, kv.v_scale, out, ws.partials, heads=d.attn_heads,
-                                  kv_heads=d.kv_heads, head_dim=d.head_dim,
-                                  stream=stream)
+                                  kv_heads=d.kv_heads, head_dim=d.head_dim, stream=stream,
+                                  min_split_keys=self.attention_min_split_keys)
         elif self.prefill_attention == "gemm":
             self._prefill_attention_gemm(kv, prefill, rows)
         elif self.prefill_attention == "flash":
