@@ -674,31 +674,42 @@ def _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, sp
             partials[r, hh, split, 1] = total_l
 
 
+@device_function
+def _fast_block(row_pos, partials, heads, kv_heads, min_keys):
+    """A head_dim 256 decode thread's place: (row, kv head, split, lane, q heads a kv head, its warp's q head, key
+    warps, its warp's key warp, the split's first key, its end); the split is empty when first >= end."""
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    group_heads = heads // kv_heads
+    r = cuda.blockIdx.z
+    kvh = cuda.blockIdx.y
+    length = row_pos[r] + 1
+    chunk = split_keys(length, partials.shape[2], min_keys)
+    start = cuda.blockIdx.x * chunk
+    return (r, kvh, cuda.blockIdx.x, tid % 32, group_heads, kvh * group_heads + warp % group_heads,
+            cuda.blockDim.x // (32 * group_heads), warp // group_heads, start, min(start + chunk, length))
+
+
+@device_function
+def _fast_query(q, qv, acc, r, h, lane):
+    """This lane's 8 dims of q head h, scaled by 1 / sqrt(256), and zeroed accumulators."""
+    scale = float32(1.0) / math.sqrt(float32(256.0))
+    for e in range(8):
+        acc[e] = float32(0.0)
+        qv[e] = q[r, h, lane * 8 + e] * scale
+
+
 def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
                         heads, kv_heads, quant, min_keys):
     """head_dim == 256 path of the split kernel. Block = G x KW warps (blockDim.x = 32*G*KW): warp w serves q head
     w % G of this kv head over keys start + (w // G)*4 + i*4*KW (4 per step, the G warps of a key step read the
     same K/V lines, shared through L1). Pools as uint64 words (bf16: 64 per head row, int8: 32); lane owns head dims
     lane*8..lane*8+7. The 4 dot products of a step are reduced with a butterfly reduce-scatter (lane L: key L//8)."""
-    split = cuda.blockIdx.x
-    kvh = cuda.blockIdx.y
-    r = cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    lane = tid % 32
-    warp = tid // 32
-    group_heads = heads // kv_heads
-    key_warps = cuda.blockDim.x // (32 * group_heads)
-    g = warp % group_heads
-    kw_i = warp // group_heads
-    page_tokens = int32(k_words.shape[1])
-    length = row_pos[r] + 1
-    chunk = split_keys(length, partials.shape[2], min_keys)
-    start = split * chunk
-    if start >= length:
+    r, kvh, split, lane, group_heads, h, key_warps, kw_i, start, stop = _fast_block(row_pos, partials, heads,
+                                                                                   kv_heads, min_keys)
+    if start >= stop:
         return
-    stop = min(start + chunk, length)
-    scale = float32(1.0) / math.sqrt(float32(256.0))
-    h = kvh * group_heads + g
+    page_tokens = int32(k_words.shape[1])
     qv = cuda.local.array(8, float32)
     acc = cuda.local.array(8, float32)
     kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
@@ -706,9 +717,7 @@ def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_s
     vw = cuda.local.array(16, uint32)
     ksc = cuda.local.array(4, float32)
     vsc = cuda.local.array(4, float32)
-    for e in range(8):
-        acc[e] = float32(0.0)
-        qv[e] = q[r, h, lane * 8 + e] * scale
+    _fast_query(q, qv, acc, r, h, lane)
     m_l = float32(NEG_INF)
     l_l = float32(0.0)
     lane_id = row_lane[r]
@@ -834,34 +843,18 @@ def _make_decode_staged_kernel(quant: bool):
         order as the fast kernel for the same KW, so the same partials (keys past the row's end: zeros instead of
         the last key, masked alike)."""
         sh = cuda.shared.array(0, uint32)
-        split = cuda.blockIdx.x
-        kvh = cuda.blockIdx.y
-        r = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = tid // 32
-        group_heads = heads // kv_heads
-        key_warps = cuda.blockDim.x // (32 * group_heads)
-        g = warp % group_heads
-        kw_i = warp // group_heads
-        page_tokens = int32(k_words.shape[1])
-        length = row_pos[r] + 1
-        chunk = split_keys(length, partials.shape[2], min_keys)
-        start = split * chunk
-        if start >= length:
+        r, kvh, split, lane, group_heads, h, key_warps, kw_i, start, stop = _fast_block(row_pos, partials, heads,
+                                                                                       kv_heads, min_keys)
+        if start >= stop:
             return
-        stop = min(start + chunk, length)
+        page_tokens = int32(k_words.shape[1])
         tiles = (stop - start + STAGE_KEYS - 1) // STAGE_KEYS
-        scale = float32(1.0) / math.sqrt(float32(256.0))
-        h = kvh * group_heads + g
         qv = cuda.local.array(8, float32)
         acc = cuda.local.array(8, float32)
         kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
         kw = cuda.local.array(16, uint32)  # a step's 4 rows of this lane, as words
         ksc = cuda.local.array(4, float32)
-        for e in range(8):
-            acc[e] = float32(0.0)
-            qv[e] = q[r, h, lane * 8 + e] * scale
+        _fast_query(q, qv, acc, r, h, lane)
         m_l = float32(NEG_INF)
         l_l = float32(0.0)
         lane_id = row_lane[r]

@@ -170,16 +170,29 @@ def _dev(cuda, *arrays):
     return [None if a is None else cuda.to_device(np.ascontiguousarray(a)) for a in arrays]
 
 
-def _decode_gpu(cuda, q, qkgv, tables, lanes, pos, pools, heads, kv_heads, d, splits, staged=None):
+def _decode_gpu(cuda, q, qkgv, tables, lanes, pos, pools, heads, kv_heads, d, splits, staged=None,
+                min_split_keys=0):
     stream = cuda.stream()
     dq, dg, dt, dl, dp = _dev(cuda, q, qkgv, tables, lanes, pos)
     dk, dv, dks, dvs = _dev(cuda, *pools)
     out = cuda.to_device(np.full((q.shape[0], heads * d), np.nan, F32))
     partials = cuda.to_device(np.full(A.decode_partials_shape(q.shape[0], heads, d, splits), np.nan, F32))
     A.attention_decode(dq, dg, dt, dl, dp, dk, dv, dks, dvs, out, partials, heads=heads, kv_heads=kv_heads,
-                       head_dim=d, stream=stream, staged=staged)
+                       head_dim=d, stream=stream, staged=staged, min_split_keys=min_split_keys)
     stream.synchronize()
     return out.copy_to_host()
+
+
+def _long_rows(seed, cfg, dtype, last_pos):
+    """Two lanes of 32 pages of 64 tokens and 4 rows on them, of 1, 96, 2000 and last_pos + 1 keys: (q, qkgv,
+    tables, row_lane, row_pos, pools)."""
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, d, _, _ = cfg
+    pools = _random_pools(rng, 40, 64, kv_heads, d, dtype)
+    tables = np.stack([rng.permutation(40)[:32] for _ in range(2)]).astype(np.int32)
+    q = rng.standard_normal((4, heads, d)).astype(F32)
+    qkgv = rng.standard_normal((4, 2 * (heads + kv_heads) * d)).astype(F32)
+    return q, qkgv, tables, np.array([0, 1, 0, 1], np.int32), np.array([0, 95, 1999, last_pos], np.int32), pools
 
 
 @pytest.mark.gpu
@@ -189,30 +202,17 @@ def test_gpu_decode_with_a_split_floor_matches_twin_and_is_batch_invariant(cfg, 
     """attention_decode with at least 64 or 256 keys a split (64 splits at most): the twin's result, and a row alone
     the same bits as in the batch."""
     from ninfer.kernels_numba.numba_setup import cuda
-    rng = np.random.default_rng(5)
     heads, kv_heads, d, _, _ = cfg
-    pools = _random_pools(rng, 40, 64, kv_heads, d, dtype)
-    tables = np.stack([rng.permutation(40)[:32] for _ in range(2)]).astype(np.int32)
-    row_lane = np.array([0, 1, 0, 1], np.int32)
-    row_pos = np.array([0, 95, 1999, 700], np.int32)
-    q = rng.standard_normal((4, heads, d)).astype(F32)
-    qkgv = rng.standard_normal((4, 2 * (heads + kv_heads) * d)).astype(F32)
+    q, qkgv, tables, row_lane, row_pos, pools = _long_rows(5, cfg, dtype, 700)
     want = A.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools, np.zeros((4, heads * d), F32),
                                         heads=heads, kv_heads=kv_heads, head_dim=d)
     for floor in (64, 256):
-        def run(rows):
-            stream = cuda.stream()
-            dq, dg, dt, dl, dp = _dev(cuda, q[rows], qkgv[rows], tables, row_lane[rows], row_pos[rows])
-            out = cuda.to_device(np.full((len(rows), heads * d), np.nan, F32))
-            partials = cuda.to_device(np.full(A.decode_partials_shape(len(rows), heads, d, 64), np.nan, F32))
-            A.attention_decode(dq, dg, dt, dl, dp, *_dev(cuda, *pools), out, partials, heads=heads,
-                               kv_heads=kv_heads, head_dim=d, stream=stream, min_split_keys=floor)
-            stream.synchronize()
-            return out.copy_to_host()
-
-        got = run([0, 1, 2, 3])
+        got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, 64,
+                          min_split_keys=floor)
         assert _rel(got, want) < 1e-5, (floor, _rel(got, want))
-        np.testing.assert_array_equal(run([2])[0], got[2])
+        alone = _decode_gpu(cuda, q[2:3], qkgv[2:3], tables, row_lane[2:3], row_pos[2:3], pools, heads, kv_heads, d,
+                            64, min_split_keys=floor)
+        np.testing.assert_array_equal(alone[0], got[2])
 
 
 @pytest.mark.gpu
@@ -223,14 +223,8 @@ def test_gpu_staged_decode_matches_the_fast_kernel(cfg, dtype):
     rows of 1 to 2000 keys (63 tiles in one split): bit for bit where both take one key warp a q head (the 35B-A3B's
     8 q heads a kv head), within fp32 reordering where the fast kernel takes two (the 27B's 6)."""
     from ninfer.kernels_numba.numba_setup import cuda
-    rng = np.random.default_rng(11)
     heads, kv_heads, d, _, _ = cfg
-    pools = _random_pools(rng, 40, 64, kv_heads, d, dtype)
-    tables = np.stack([rng.permutation(40)[:32] for _ in range(2)]).astype(np.int32)
-    row_lane = np.array([0, 1, 0, 1], np.int32)
-    row_pos = np.array([0, 95, 1999, 1000], np.int32)
-    q = rng.standard_normal((4, heads, d)).astype(F32)
-    qkgv = rng.standard_normal((4, 2 * (heads + kv_heads) * d)).astype(F32)
+    q, qkgv, tables, row_lane, row_pos, pools = _long_rows(11, cfg, dtype, 1000)
     for splits in (1, A.row_splits(kv_heads), A.MAX_SPLITS):
         fast, staged = (_decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, splits,
                                     staged=staged) for staged in (False, True))
