@@ -411,6 +411,16 @@ def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     assert run_lanes(speculative.runner, prompts, 16) == want_mtp
 
 
+def test_attention_split_settings_are_checked_where_they_are_given():
+    from ninfer.backends.cuda.model import Capacity
+
+    sizes = dict(lanes=1, max_context=256, kv_dtype="bf16", prefill_rows=128, draft_tokens=0)
+    with pytest.raises(ValueError, match="fewest keys a split takes must be >= 0, got -1"):
+        Capacity(**sizes, attention_min_split_keys=-1)
+    with pytest.raises(ValueError, match="splits per row, got 0"):
+        Capacity(**sizes, attention_splits=0)
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_narrow_decode_is_the_dense_models_default(device_kind, artifacts, kind):
     """Capacity.narrow_decode None: on where the H200 measured it faster (the dense models' a/b projection), off for

@@ -334,6 +334,11 @@ def check_splits(splits: int) -> None:
         raise ValueError(f"attention partials hold 1..{MAX_SPLITS} splits per row, got {splits}")
 
 
+def check_min_split_keys(keys: int) -> None:
+    if keys < 0:
+        raise ValueError(f"the fewest keys a split takes must be >= 0, got {keys}")
+
+
 @device_function
 def split_keys(length, splits, min_keys):
     """Keys per split for a row of `length` keys: ceil(length / splits), at least `min_keys`, rounded up to
@@ -931,6 +936,7 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     memory (`staged` True) or the fast kernel (register-pipelined; False); None: staged for bf16 pools, as measured
     on the H200, fast for int8 ones until the staged int8 path has run there."""
     _check_dims(heads, kv_heads, head_dim)
+    check_min_split_keys(min_split_keys)
     rows = q.shape[0]
     if rows == 0:
         return

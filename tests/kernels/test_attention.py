@@ -151,6 +151,8 @@ def test_a_split_takes_at_least_its_floor_of_keys():
     # splits); floors and shares round up to 4 keys
     assert [A.split_keys.py_func(1000, 64, floor) for floor in (0, 16, 100, 101)] == [16, 16, 100, 104]
     assert A.split_keys.py_func(1, 64, 0) == 4 and A.split_keys.py_func(1, 64, 256) == 256
+    with pytest.raises(ValueError, match="fewest keys a split takes must be >= 0, got -1"):
+        A.check_min_split_keys(-1)
 
 
 def test_models_take_256_blocks_a_row_within_32_to_64_splits():

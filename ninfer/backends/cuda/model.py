@@ -34,7 +34,7 @@ from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
 from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
-from ninfer.kernels_numba.attention import check_splits, row_splits
+from ninfer.kernels_numba.attention import check_min_split_keys, check_splits, row_splits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
 from ninfer.kernels_numba.moe import COMBINE_NORM_SLOTS
@@ -133,8 +133,7 @@ class Capacity:
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
             check_splits(self.attention_splits)
-        if self.attention_min_split_keys < 0:
-            raise ValueError(f"attention_min_split_keys must be >= 0, got {self.attention_min_split_keys}")
+        check_min_split_keys(self.attention_min_split_keys)
         if self.decode_linear not in ("cublas", "kernels"):
             raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
@@ -946,8 +945,7 @@ class CudaQwen:
     def set_attention_min_split_keys(self, keys: int) -> None:
         """Capacity.attention_min_split_keys, switchable between steps for benchmarks (graphs captured before keep
         what they recorded)."""
-        if keys < 0:
-            raise ValueError(f"attention_min_split_keys must be >= 0, got {keys}")
+        check_min_split_keys(keys)
         self.attention_min_split_keys = keys
 
     def set_attention_splits(self, splits: int | None) -> None:
