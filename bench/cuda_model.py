@@ -407,6 +407,11 @@ def on_off(parser: argparse.ArgumentParser, option: str, value: str) -> tuple[bo
     return tuple(choice == "on" for choice in choices)
 
 
+def counts_or_default(value: str) -> tuple[int | None, ...]:
+    """A list option of integers, where "default" (None) stands for the model's own setting."""
+    return tuple(None if x == "default" else int(x) for x in value.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="27b,35b")
@@ -480,12 +485,8 @@ def main() -> None:
                                                           programmatic=programmatic, narrow=narrow,
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
                                                           context=args.context,
-                                                          attention_splits=tuple(
-                                                              None if x == "default" else int(x)
-                                                              for x in args.attention_splits.split(",")),
-                                                          split_floors=tuple(
-                                                              None if x == "default" else int(x)
-                                                              for x in args.split_floor.split(","))))
+                                                          attention_splits=counts_or_default(args.attention_splits),
+                                                          split_floors=counts_or_default(args.split_floor)))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

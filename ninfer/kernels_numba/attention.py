@@ -793,6 +793,15 @@ def staged_key_warps(group_heads: int) -> int:
 
 
 @device_function
+def _pool_row(page_tables, lane_id, key, stop, page_tokens):
+    """The pool row (page x page_tokens + offset, int64) of the lane's key, or of its last key (stop - 1) for a key
+    past the end (whose copy then reads nothing: a valid address all the same)."""
+    kept = min(key, stop - 1)
+    slot = kept // page_tokens
+    return int64(page_tables[lane_id, slot]) * page_tokens + (kept - slot * page_tokens)
+
+
+@device_function
 def _stage_tile(base, k_at, v_at, k_scale_at, v_scale_at, page_tables, lane_id, key_start, stop, page_tokens,
                 token_bytes, scale_token_bytes, row_pieces, quant):
     """Issue the copies of the tile of keys key_start .. key_start + STAGE_KEYS - 1 into the stage at shared address
@@ -800,20 +809,14 @@ def _stage_tile(base, k_at, v_at, k_scale_at, v_scale_at, page_tables, lane_id, 
     from `stop` on read nothing and land as zeros."""
     for c in range(cuda.threadIdx.x, STAGE_KEYS * row_pieces, cuda.blockDim.x):
         key = key_start + c // row_pieces
-        kept = min(key, stop - 1)
-        slot = kept // page_tokens
-        page = page_tables[lane_id, slot]
-        at = (int64(page) * page_tokens + (kept - slot * page_tokens)) * token_bytes + (c % row_pieces) * 16
+        at = _pool_row(page_tables, lane_id, key, stop, page_tokens) * token_bytes + (c % row_pieces) * 16
         size = uint32(16) if key < stop else uint32(0)
         copy_async_16(base + uint32(c * 16), k_at + at, size)
         copy_async_16(base + uint32((STAGE_KEYS * row_pieces + c) * 16), v_at + at, size)
     if quant:
         for c in range(cuda.threadIdx.x, STAGE_KEYS, cuda.blockDim.x):
             key = key_start + c
-            kept = min(key, stop - 1)
-            slot = kept // page_tokens
-            page = page_tables[lane_id, slot]
-            at = (int64(page) * page_tokens + (kept - slot * page_tokens)) * scale_token_bytes
+            at = _pool_row(page_tables, lane_id, key, stop, page_tokens) * scale_token_bytes
             size = uint32(8) if key < stop else uint32(0)
             copy_async_8(base + uint32(STAGE_SCALES * 4 + c * 8), k_scale_at + at, size)
             copy_async_8(base + uint32((STAGE_SCALES + 2 * STAGE_KEYS) * 4 + c * 8), v_scale_at + at, size)
