@@ -112,32 +112,22 @@ def bench_decode(rows_out, stream):
                     compulsory = batch * ctx * kv_token_bytes(kv_heads, d, dtype)
                     model_splits = A.row_splits(kv_heads)
                     for staged in (False, True):
-                        best = None
-                        model_us = None
-                        for split in sorted({16, 32, 64, 128, 256, model_splits}):
+                        def time_at(split, floor, staged=staged, pools=pools):
+                            """Median us of the kernel with `split` splits of at least `floor` keys."""
                             partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, split), np.float32)
 
-                            def launch(row_lane, partials=partials):
-                                A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials,
-                                                   heads=heads, kv_heads=kv_heads, head_dim=d, stream=stream,
-                                                   staged=staged)
-
-                            us = timed(launch, row_lanes, stream)
-                            if split == model_splits:
-                                model_us = us
-                            if best is None or us < best[1]:
-                                best = (split, us)
-                        # at the model's splits, at least FLOORS keys a split (`min_split_keys`)
-                        partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, model_splits),
-                                                     np.float32)
-                        floors = {}
-                        for floor in FLOORS:
-                            def launch(row_lane, floor=floor):
+                            def launch(row_lane):
                                 A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials,
                                                    heads=heads, kv_heads=kv_heads, head_dim=d, stream=stream,
                                                    staged=staged, min_split_keys=floor)
 
-                            floors[floor] = timed(launch, row_lanes, stream)
+                            return timed(launch, row_lanes, stream)
+
+                        by_split = {split: time_at(split, 0) for split in sorted({16, 32, 64, 128, 256, model_splits})}
+                        best = min(by_split.items(), key=lambda item: item[1])
+                        model_us = by_split[model_splits]
+                        # at the model's splits, at least FLOORS keys a split (`min_split_keys`)
+                        floors = {floor: time_at(model_splits, floor) for floor in FLOORS}
                         split, us = best
                         bw = compulsory / (us * 1e-6)
                         rows_out.append(dict(kernel="decode_staged" if staged else "decode_fast", model=model,
@@ -148,7 +138,7 @@ def bench_decode(rows_out, stream):
                               f"{split:3d} {us:8.1f} us ({bw / COPY_BW:.2f} of copy), at {model_splits} splits "
                               f"{model_us:8.1f} us; with a floor of "
                               + ", ".join(f"{f}: {t:.1f}" for f, t in floors.items()), flush=True)
-                    del pools
+                    del pools, time_at
 
 
 def bench_prefill(rows_out, stream, count=8192):
