@@ -91,8 +91,8 @@ def kv_token_bytes(kv_heads, d, dtype):
 
 
 def bench_decode(rows_out, stream):
-    """Each head_dim 256 decode kernel (the fast one, the staged one) at 1K / 8K / 32K context,
-    B = 1 and 8, over several splits: the best split and the time at the model's own (`row_splits`)."""
+    """The head_dim 256 decode kernel at 1K / 8K / 32K context, B = 1 and 8, over several splits: the best split,
+    the time at the model's own (`row_splits`) and there with each split floor."""
     rng = np.random.default_rng(0)
     for model, (heads, kv_heads, d) in MODELS.items():
         for dtype in ("bf16", "int8"):
@@ -111,33 +111,29 @@ def bench_decode(rows_out, stream):
                     out = cuda.device_array((batch, heads * d), np.float32)
                     compulsory = batch * ctx * kv_token_bytes(kv_heads, d, dtype)
                     model_splits = A.row_splits(kv_heads)
-                    for staged in (False, True):
-                        def time_at(split, floor, staged=staged, pools=pools):
-                            """Median us of the kernel with `split` splits of at least `floor` keys."""
-                            partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, split), np.float32)
 
-                            def launch(row_lane):
-                                A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials,
-                                                   heads=heads, kv_heads=kv_heads, head_dim=d, stream=stream,
-                                                   staged=staged, min_split_keys=floor)
+                    def time_at(split, floor, pools=pools):
+                        """Median us of the kernel with `split` splits of at least `floor` keys."""
+                        partials = cuda.device_array(A.decode_partials_shape(batch, heads, d, split), np.float32)
 
-                            return timed(launch, row_lanes, stream)
+                        def launch(row_lane):
+                            A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials, heads=heads,
+                                               kv_heads=kv_heads, head_dim=d, stream=stream, min_split_keys=floor)
 
-                        by_split = {split: time_at(split, 0) for split in sorted({16, 32, 64, 128, 256, model_splits})}
-                        best = min(by_split.items(), key=lambda item: item[1])
-                        model_us = by_split[model_splits]
-                        # at the model's splits, at least FLOORS keys a split (`min_split_keys`)
-                        floors = {floor: time_at(model_splits, floor) for floor in FLOORS}
-                        split, us = best
-                        bw = compulsory / (us * 1e-6)
-                        rows_out.append(dict(kernel="decode_staged" if staged else "decode_fast", model=model,
-                                             kv=dtype, ctx=ctx, rows=batch, splits=split, us=us, gbps=bw / 1e9,
-                                             of_copy=bw / COPY_BW, us_default_split=model_us,
-                                             us_model_splits_floor=floors))
-                        print(f"{rows_out[-1]['kernel']:14} {model} {dtype} ctx {ctx:6d} B={batch}: best split "
-                              f"{split:3d} {us:8.1f} us ({bw / COPY_BW:.2f} of copy), at {model_splits} splits "
-                              f"{model_us:8.1f} us; with a floor of "
-                              + ", ".join(f"{f}: {t:.1f}" for f, t in floors.items()), flush=True)
+                        return timed(launch, row_lanes, stream)
+
+                    by_split = {split: time_at(split, 0) for split in sorted({16, 32, 64, 128, 256, model_splits})}
+                    split, us = min(by_split.items(), key=lambda item: item[1])
+                    model_us = by_split[model_splits]
+                    # at the model's splits, at least FLOORS keys a split (`min_split_keys`)
+                    floors = {floor: time_at(model_splits, floor) for floor in FLOORS}
+                    bw = compulsory / (us * 1e-6)
+                    rows_out.append(dict(kernel="decode_staged", model=model, kv=dtype, ctx=ctx, rows=batch,
+                                         splits=split, us=us, gbps=bw / 1e9, of_copy=bw / COPY_BW,
+                                         us_default_split=model_us, us_model_splits_floor=floors))
+                    print(f"decode_staged {model} {dtype} ctx {ctx:6d} B={batch}: best split {split:3d} {us:8.1f} us "
+                          f"({bw / COPY_BW:.2f} of copy), at {model_splits} splits {model_us:8.1f} us; with a floor "
+                          "of " + ", ".join(f"{f}: {t:.1f}" for f, t in floors.items()), flush=True)
                     del pools, time_at
 
 
@@ -237,9 +233,11 @@ def main() -> None:
               f"{r.get('splits', ''):>5} {r['us']:10.1f} {r.get('gbps', float('nan')):8.0f} "
               f"{r.get('of_copy', float('nan')):6.2f} {r.get('tflops', float('nan')):8.2f} "
               f"{r.get('us_default_split') or float('nan'):16.1f}")
-    for name in ("decode_split_kernel", "decode_fast_kernel", "decode_staged_kernel",
-                 "decode_combine_kernel", "prefill_kernel"):
-        dispatcher = getattr(A, name)
+    dispatchers = {name: getattr(A, name)
+                   for name in ("decode_split_kernel", "decode_combine_kernel", "prefill_kernel")}
+    dispatchers.update({f"decode_staged_kernel[{'int8' if quant else 'bf16'}]": dispatcher
+                        for quant, dispatcher in A.DECODE_STAGED_KERNELS.items()})
+    for name, dispatcher in dispatchers.items():
         try:
             print(name, "regs", sorted(set(dispatcher.get_regs_per_thread().values())),
                   "local bytes", sorted(set(dispatcher.get_local_mem_per_thread().values())),

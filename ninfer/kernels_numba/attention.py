@@ -22,7 +22,7 @@ from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, blocks_for,
-                                         f32_to_bf16, load_words2_at, load_words4_at, sigmoid_f32, warp_max, warp_sum)
+                                         f32_to_bf16, sigmoid_f32, warp_max, warp_sum)
 from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_prior,
                                              shared_address)
 from ninfer.kernels_numba.linear import load2, load4
@@ -307,12 +307,12 @@ DEFAULT_SPLITS = 32
 # split).
 SPLIT_SLOTS = 8
 MAX_SPLITS = 32 * SPLIT_SLOTS
-SPLIT_ALIGN = 4  # = FAST_KEYS, the keys of one warp step
+SPLIT_ALIGN = 4  # = STEP_KEYS, the keys of one warp step
 # Blocks a decode row keeps streaming (kv heads x splits) when the model picks its splits (`row_splits`), up to
 # ROW_MAX_SPLITS splits. On the H200, B=1 bf16 decode step with the staged kernel (results/
 # cuda_model_staged_session16.json): 27B 1K context 15.61 / 15.62 / 15.78 ms at 32 / 64 / 128 splits, 32K 18.01 /
 # 17.10 / 17.43; 35B-A3B 1K 4.07 / 4.07 / 4.11, 32K 5.46 / 4.77 / 4.66. So 64 for both: 128 gained the 35B-A3B 2%
-# at 32K and cost it 1% at 1K. (With the fast kernel, before: 27B best at 32, results/
+# at 32K and cost it 1% at 1K. (With the register-pipelined kernel before it: 27B best at 32, results/
 # cuda_model_splits_session16.json.)
 ROW_BLOCKS = 256
 ROW_MAX_SPLITS = 64
@@ -537,11 +537,7 @@ decode_split_kernel = kernel(
 )(_decode_split_kernel)
 
 
-FAST_KEYS = 4  # keys per warp iteration
-FAST_MAX_WARPS = 16
-# G x KW warps per block, KW = max(1, 12 // G). 12 warps (384 threads) is the most the kernel's register count
-# allows: 16 (G = 8, the 35B-A3B) failed to launch on the H200 with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES.
-FAST_BLOCK_WARPS = 12
+STEP_KEYS = 4  # keys a warp step of the head_dim 256 kernel
 
 
 @device_function
@@ -559,19 +555,9 @@ def _bf16_lane(word, i):
 
 
 @device_function
-def _fast_step(page_tables, lane_id, key0, stop, page_tokens):
-    """(page, first offset in it, index of the row's last key past key0) of the decode step at key0: the step's 4
-    keys share a page (4 divides page_tokens); keys past the row's end repeat its last key."""
-    key32 = int32(key0)
-    slot = key32 // page_tokens
-    page = page_tables[lane_id, slot]
-    return page, key32 - slot * page_tokens, int32(stop - 1) - key32
-
-
-@device_function
-def _fast_values(values, words, scales, quant):
-    """A step's 4 keys x this lane's 8 dims as fp32 from the words `_fast_load` loaded (int8 times its scale)."""
-    for j in range(FAST_KEYS):
+def _step_values(values, words, scales, quant):
+    """A step's 4 keys x this lane's 8 dims as fp32 from the words `_staged_load` read (int8 times its scale)."""
+    for j in range(STEP_KEYS):
         for e in range(8):
             if quant:
                 values[j * 8 + e] = _int8_lane(words[4 * j + e // 4], e % 4) * scales[j]
@@ -580,25 +566,11 @@ def _fast_values(values, words, scales, quant):
 
 
 @device_function
-def _fast_load(words, scales, lane_at, scale_pool, page, off0, last, page_tokens, token_bytes, kvh, lane, quant):
-    """Issue the loads of a step's 4 K (or V) rows of this lane: 16 bytes a key (bf16), or 8 bytes and its scale
-    (int8)."""
-    for j in range(FAST_KEYS):
-        off = off0 + min(int32(j), last)
-        at = (int64(page) * page_tokens + off) * token_bytes
-        if quant:
-            words[4 * j], words[4 * j + 1] = load_words2_at(lane_at + at)
-            scales[j] = f16_bits_to_f32(scale_pool[page, off, kvh, lane // 8])
-        else:
-            words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load_words4_at(lane_at + at)
-
-
-@device_function
-def _fast_scores(qv, kx, lane, key0, stop):
+def _step_scores(qv, kx, lane, key0, stop):
     """The 4 scores of a step's keys (kx: 4 keys x this lane's 8 dims) reduced over the warp: a butterfly
     reduce-scatter, lane L ends with key L // 8's score (-inf past the row's end)."""
     vals = cuda.local.array(4, float32)
-    for j in range(FAST_KEYS):
+    for j in range(STEP_KEYS):
         dot = float32(0.0)
         for e in range(8):
             dot += qv[e] * kx[j * 8 + e]
@@ -622,7 +594,7 @@ def _fast_scores(qv, kx, lane, key0, stop):
 
 
 @device_function
-def _fast_softmax(s, m_l, l_l):
+def _step_softmax(s, m_l, l_l):
     """The step's 4 scores (lane L holds key L // 8's) into the warp's online softmax: (the 4 weights, the rescale of
     the old accumulators, the new max, the new sum)."""
     mx = max(s, cuda.shfl_xor_sync(FULL_MASK, s, 8))
@@ -638,14 +610,14 @@ def _fast_softmax(s, m_l, l_l):
 
 
 @device_function
-def _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3):
+def _step_accumulate(acc, kx, alpha, p0, p1, p2, p3):
     """The step's 4 value rows (kx) weighted into this lane's 8 accumulators."""
     for e in range(8):
         acc[e] = acc[e] * alpha + p0 * kx[e] + p1 * kx[8 + e] + p2 * kx[16 + e] + p3 * kx[24 + e]
 
 
 @device_function
-def _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps):
+def _store_step_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps):
     """Merge the states of the key warps of each q head (warp w: head w % G) in warp order, skipping warps that saw no
     key, into the (row, q head, split) partial: max, sum, then the 256 accumulators."""
     tid = cuda.threadIdx.x
@@ -680,7 +652,7 @@ def _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, sp
 
 
 @device_function
-def _fast_block(row_pos, partials, heads, kv_heads, min_keys):
+def _d256_block(row_pos, partials, heads, kv_heads, min_keys):
     """A head_dim 256 decode thread's place: (row, kv head, split, lane, q heads a kv head, its warp's q head, key
     warps, its warp's key warp, the split's first key, its end); the split is empty when first >= end."""
     tid = cuda.threadIdx.x
@@ -696,7 +668,7 @@ def _fast_block(row_pos, partials, heads, kv_heads, min_keys):
 
 
 @device_function
-def _fast_query(q, qv, acc, r, h, lane):
+def _d256_query(q, qv, acc, r, h, lane):
     """This lane's 8 dims of q head h, scaled by 1 / sqrt(256), and zeroed accumulators."""
     scale = float32(1.0) / math.sqrt(float32(256.0))
     for e in range(8):
@@ -704,77 +676,17 @@ def _fast_query(q, qv, acc, r, h, lane):
         qv[e] = q[r, h, lane * 8 + e] * scale
 
 
-def _decode_fast_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
-                        heads, kv_heads, quant, min_keys):
-    """head_dim == 256 path of the split kernel. Block = G x KW warps (blockDim.x = 32*G*KW): warp w serves q head
-    w % G of this kv head over keys start + (w // G)*4 + i*4*KW (4 per step, the G warps of a key step read the
-    same K/V lines, shared through L1). Pools as uint64 words (bf16: 64 per head row, int8: 32); lane owns head dims
-    lane*8..lane*8+7. The 4 dot products of a step are reduced with a butterfly reduce-scatter (lane L: key L//8)."""
-    r, kvh, split, lane, group_heads, h, key_warps, kw_i, start, stop = _fast_block(row_pos, partials, heads,
-                                                                                   kv_heads, min_keys)
-    if start >= stop:
-        return
-    page_tokens = int32(k_words.shape[1])
-    qv = cuda.local.array(8, float32)
-    acc = cuda.local.array(8, float32)
-    kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
-    kw = cuda.local.array(16, uint32)  # 4 keys x this lane's 16 (bf16) or 8 (int8) bytes
-    vw = cuda.local.array(16, uint32)
-    ksc = cuda.local.array(4, float32)
-    vsc = cuda.local.array(4, float32)
-    _fast_query(q, qv, acc, r, h, lane)
-    m_l = float32(NEG_INF)
-    l_l = float32(0.0)
-    lane_id = row_lane[r]
-    # Raw addresses (`address_of`): a token's K row of this kv head and lane is `token_bytes` times its pool row past
-    # the first; the page lookup and the division run once per step (a step's keys share a page), in 32 bits.
-    token_bytes = int64(k_words.shape[2] * k_words.shape[3] * 8)
-    lane_bytes = int64(kvh * k_words.shape[3] * 8 + lane * (8 if quant else 16))
-    k_lane = address_of(k_words) + lane_bytes
-    v_lane = address_of(v_words) + lane_bytes
-    # Software-pipelined: a step's K words are converted, then the next step's K loads are issued into the freed
-    # registers before this step's scores; the same for V before the P V update. Every warp then has a step's loads
-    # in flight while it computes, instead of one DRAM round trip per step.
-    step_keys = key_warps * FAST_KEYS
-    key0 = start + kw_i * FAST_KEYS
-    if key0 < stop:
-        page, off0, last = _fast_step(page_tables, lane_id, key0, stop, page_tokens)
-        _fast_load(kw, ksc, k_lane, k_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
-        _fast_load(vw, vsc, v_lane, v_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
-    while key0 < stop:
-        nxt = key0 + step_keys
-        _fast_values(kx, kw, ksc, quant)
-        if nxt < stop:
-            page, off0, last = _fast_step(page_tables, lane_id, nxt, stop, page_tokens)
-            _fast_load(kw, ksc, k_lane, k_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
-        p0, p1, p2, p3, alpha, m_l, l_l = _fast_softmax(_fast_scores(qv, kx, lane, key0, stop), m_l, l_l)
-        _fast_values(kx, vw, vsc, quant)
-        if nxt < stop:
-            _fast_load(vw, vsc, v_lane, v_scale, page, off0, last, page_tokens, token_bytes, kvh, lane, quant)
-        _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3)
-        key0 = nxt
-    sm_m = cuda.shared.array(FAST_MAX_WARPS, float32)
-    sm_l = cuda.shared.array(FAST_MAX_WARPS, float32)
-    sm_acc = cuda.shared.array((FAST_MAX_WARPS, 256), float32)
-    _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps)
-
-
 u64_4d = uint64[:, :, :, ::1]
-# At most 168 registers: 12 warps of 168 (5376 a warp, the allocation unit's multiple) fill the 65536 of an SM; at
-# 170 the 12-warp launch would fail (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES) where a capped compile spills instead.
-FAST_MAX_REGISTERS = 168
-decode_fast_kernel = kernel(
-    (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32, int32),
-    fastmath=True, max_registers=FAST_MAX_REGISTERS,
-)(_decode_fast_kernel)
 
 
 # The head_dim 256 kernel, staged: a block copies STAGE_KEYS keys' K and V rows of its kv head (and their int8
 # scales) at a time into shared memory (`cp.async`, STAGES tiles: two in flight while the warps read the third),
-# and each warp runs the fast kernel's 4-key steps over the tile from there. Why: the fast kernel keeps its loads in
-# registers, so a block has one 4-key step per key warp in flight (4 KiB a 35B-A3B block, G = 8, one key warp) and
-# registers allow one block an SM. On the H200 (results/kernel_attention_staged_session16.json, bf16 KV, B=1 / 8):
-# 35B-A3B at 32K context 169 -> 79 us / 1208 -> 434, 27B 178 -> 113 / 1304 -> 766; 1K B=1 the same (~20 us).
+# and each warp runs 4-key steps over the tile from there. Why: the register-pipelined kernel it replaced kept its
+# loads in registers, so a block had one 4-key step per key warp in flight (4 KiB a 35B-A3B block, G = 8, one key
+# warp) and registers allowed one block an SM. On the H200, B=1 / 8, register-pipelined -> staged (results/
+# kernel_attention_staged_session16.json, kernel_attention_fast_vs_staged_session17.txt): bf16 KV at 32K context
+# 35B-A3B 169 -> 79 us / 1208 -> 434, 27B 178 -> 113 / 1304 -> 766; int8 KV at 32K 35B-A3B 462 -> 162 / 3538 ->
+# 1101, 27B 514 -> 249 / 3976 -> 1839; at 1K B=1 about the same (~20 us bf16, ~26 int8).
 STAGE_KEYS = 32
 STAGES = 3  # copy_async_wait_prior (all but the newest group landed) is the wait of a 3-stage ring
 # A tile's uint32 words: the K rows, then the V rows (128 words a bf16 row, 64 an int8 one), then from
@@ -825,8 +737,8 @@ def _stage_tile(base, k_at, v_at, k_scale_at, v_scale_at, page_tables, lane_id, 
 @device_function
 def _staged_load(words, scales, sh, row0, scale0, lane, quant):
     """A step's 4 rows of this lane from the stage (row0: the first row's word, scale0: its scales' word), as
-    `_fast_load` leaves them in registers: 16 bytes a row (bf16), or 8 bytes and the lane's fp32 scale (int8)."""
-    for j in range(FAST_KEYS):
+    `_step_values` takes them: 16 bytes a row (bf16), or 8 bytes and the lane's fp32 scale (int8)."""
+    for j in range(STEP_KEYS):
         if quant:
             words[4 * j], words[4 * j + 1] = load2(sh, row0 + j * 64 + lane * 2)
             pair = sh[scale0 + j * 2 + lane // 16]
@@ -846,12 +758,12 @@ def _make_decode_staged_kernel(quant: bool):
     row_pieces = row_words // 4  # its 16-byte copies
     def _decode_staged_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
                               heads, kv_heads, min_keys):
-        """head_dim == 256: the fast kernel's warps (warp w: q head w % G, keys start + (w // G)*4 + i*4*KW)
-        reading K and V from tiles staged in shared memory (`_stage_tile`, a ring of STAGES). Same arithmetic and
-        order as the fast kernel for the same KW, so the same partials (keys past the row's end: zeros instead of
-        the last key, masked alike)."""
+        """head_dim == 256. Block = G x KW warps: warp w serves q head w % G over keys start + (w // G)*4 +
+        i*4*KW (4 a step, the G warps of a step read the same rows), reading K and V from tiles staged in shared
+        memory (`_stage_tile`, a ring of STAGES); lane L owns head dims 8L..8L+7, and a step's 4 dot products are
+        reduced by a butterfly reduce-scatter (lane L: key L // 8). Keys past the row's end land as zeros, masked."""
         sh = cuda.shared.array(0, uint32)
-        r, kvh, split, lane, group_heads, h, key_warps, kw_i, start, stop = _fast_block(row_pos, partials, heads,
+        r, kvh, split, lane, group_heads, h, key_warps, kw_i, start, stop = _d256_block(row_pos, partials, heads,
                                                                                        kv_heads, min_keys)
         if start >= stop:
             return
@@ -862,7 +774,7 @@ def _make_decode_staged_kernel(quant: bool):
         kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
         kw = cuda.local.array(16, uint32)  # a step's 4 rows of this lane, as words
         ksc = cuda.local.array(4, float32)
-        _fast_query(q, qv, acc, r, h, lane)
+        _d256_query(q, qv, acc, r, h, lane)
         m_l = float32(NEG_INF)
         l_l = float32(0.0)
         lane_id = row_lane[r]
@@ -882,7 +794,7 @@ def _make_decode_staged_kernel(quant: bool):
                             lane_id, start + t * STAGE_KEYS, stop, page_tokens, token_bytes, scale_token_bytes,
                             row_pieces, quant)
             copy_async_commit()
-        step_keys = key_warps * FAST_KEYS
+        step_keys = key_warps * STEP_KEYS
         for t in range(tiles):
             copy_async_wait_prior()
             cuda.syncthreads()  # tile t landed for every thread; every warp left tile t - 1, whose stage refills now
@@ -894,20 +806,20 @@ def _make_decode_staged_kernel(quant: bool):
             copy_async_commit()
             stage = (t % STAGES) * STAGE_WORDS
             key_base = start + t * STAGE_KEYS
-            for j0 in range(kw_i * FAST_KEYS, STAGE_KEYS, step_keys):
+            for j0 in range(kw_i * STEP_KEYS, STAGE_KEYS, step_keys):
                 key0 = key_base + j0
                 if key0 < stop:
                     _staged_load(kw, ksc, sh, stage + j0 * row_words, stage + STAGE_SCALES + j0 * 2, lane, quant)
-                    _fast_values(kx, kw, ksc, quant)
-                    p0, p1, p2, p3, alpha, m_l, l_l = _fast_softmax(_fast_scores(qv, kx, lane, key0, stop), m_l, l_l)
+                    _step_values(kx, kw, ksc, quant)
+                    p0, p1, p2, p3, alpha, m_l, l_l = _step_softmax(_step_scores(qv, kx, lane, key0, stop), m_l, l_l)
                     _staged_load(kw, ksc, sh, stage + (STAGE_KEYS + j0) * row_words,
                                  stage + STAGE_SCALES + (STAGE_KEYS + j0) * 2, lane, quant)
-                    _fast_values(kx, kw, ksc, quant)
-                    _fast_accumulate(acc, kx, alpha, p0, p1, p2, p3)
+                    _step_values(kx, kw, ksc, quant)
+                    _step_accumulate(acc, kx, alpha, p0, p1, p2, p3)
         sm_m = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
         sm_l = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
         sm_acc = cuda.shared.array((STAGED_BLOCK_WARPS, 256), float32)
-        _store_fast_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps)
+        _store_step_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, split, group_heads, key_warps)
 
     return kernel(STAGED_SIGNATURE, fastmath=True, max_registers=STAGED_MAX_REGISTERS)(_decode_staged_kernel)
 
@@ -930,14 +842,13 @@ def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_di
 
 
 def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
-                     heads, kv_heads, head_dim, stream, staged=None, min_split_keys=0):
+                     heads, kv_heads, head_dim, stream, min_split_keys=0):
     """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
     lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, at least
     `min_split_keys` each, then combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks
     past a row's last split exit at once. A row's bits depend on its own data, S and min_split_keys only, so keep
-    both for every batch size / graph (batch invariance). head_dim 256: the kernel that stages K/V tiles in shared
-    memory (`staged` True) or the fast kernel (register-pipelined; False); None: staged for bf16 pools, as measured
-    on the H200, fast for int8 ones until the staged int8 path has run there."""
+    both for every batch size / graph (batch invariance). head_dim 256 (pages of a multiple of STEP_KEYS tokens):
+    the kernel that stages K/V tiles in shared memory; other head dims: the split kernel."""
     _check_dims(heads, kv_heads, head_dim)
     check_min_split_keys(min_split_keys)
     rows = q.shape[0]
@@ -946,20 +857,13 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
     splits = partials.shape[2]
     check_splits(splits)
-    if staged is None:
-        staged = not quant
-    if staged and head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
+    if head_dim == 256 and k_pool.shape[1] % STEP_KEYS == 0:
         group = heads // kv_heads
         staged_kernel = DECODE_STAGED_KERNELS[bool(quant)]
         allow_dynamic_shared(staged_kernel, STAGED_SIGNATURE, STAGED_SHARED_BYTES)
         staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream, STAGED_SHARED_BYTES](
             q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
             *_i32(heads, kv_heads, min_split_keys))
-    elif head_dim == 256 and k_pool.shape[1] % FAST_KEYS == 0:
-        group = heads // kv_heads
-        decode_fast_kernel[(splits, kv_heads, rows), 32 * group * max(1, FAST_BLOCK_WARPS // group), stream](
-            q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
-            *_i32(heads, kv_heads, quant, min_split_keys))
     else:
         decode_split_kernel[(splits, kv_heads, rows), DECODE_WARPS * 32, stream](
             q, page_tables, row_lane, row_pos, k_pool, v_pool, ks, vs, partials,
@@ -988,7 +892,7 @@ def _gate(qkgv, rows, heads, kv_heads, head_dim):
 
 
 def attention_decode_reference(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out,
-                               partials=None, *, heads, kv_heads, head_dim, stream=None, staged=None,
+                               partials=None, *, heads, kv_heads, head_dim, stream=None,
                                min_split_keys=0):
     """NumPy twin: each row attends causally over its lane's keys 0..row_pos; writes and returns out. (Exact math:
     the kernel choice and the splits change nothing here.)"""

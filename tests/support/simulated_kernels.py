@@ -445,7 +445,7 @@ def attention_prepare() -> None:
 
 
 def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, heads, kv_heads, head_dim,
-                         splits, staged=None, min_split_keys=0) -> np.ndarray:
+                         splits, min_split_keys=0) -> np.ndarray:
     """attention_decode over `splits` splits equals its exact twin (random q and gate rows); returns its output."""
     rows, d = row_lane.shape[0], head_dim
     q = rng.standard_normal((rows, heads, d)).astype(np.float32)
@@ -455,7 +455,7 @@ def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, he
                                                 np.zeros((rows, heads * d), np.float32), **dims)
     out = np.full((rows, heads * d), np.nan, np.float32)
     partials = np.full(attention.decode_partials_shape(rows, heads, d, splits), np.nan, np.float32)
-    attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0, staged=staged,
+    attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0,
                                min_split_keys=min_split_keys, **dims)
     assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
     return out
@@ -464,7 +464,7 @@ def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, he
 def attention_decode() -> None:
     """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row
     (the combine's lanes hold several splits each), then 8 splits of at least 60 keys, rows of 1, 150 and 400 keys
-    over pages of 16 tokens (the head_dim 256 kernels: `attention_decode_fast`)."""
+    over pages of 16 tokens (the head_dim 256 kernel: `attention_decode_staged`)."""
     from ninfer.kernels_numba import attention
     from tests.kernels.test_attention import _random_pools
     from tests.support import cuda_simulator
@@ -482,25 +482,23 @@ def attention_decode() -> None:
         print("ok attention_decode", heads, kv_heads, d, splits, "floor", floor, flush=True)
 
 
-def attention_decode_fast() -> None:
-    """The head_dim 256 decode kernels and the combine against the exact twin, 2 q heads a kv head, pages of 16
-    tokens: the fast one (software-pipelined registers) with int8 KV, rows of 1 and 70 keys in 2 splits (a warp runs
-    several steps, the last step of a split runs past the row's end); the staged one (K/V tiles through shared
-    memory) with bf16 and int8 KV, rows of 1 and 101 keys in one split (4 tiles: the 3-stage ring turns and the last
-    tile is partial). The GPU tests compare the two kernels bit for bit."""
+def attention_decode_staged() -> None:
+    """The head_dim 256 decode kernel (K/V tiles through shared memory) and the combine against the exact twin, 2 q
+    heads a kv head, pages of 16 tokens: bf16 and int8 KV, rows of 1 and 101 keys in one split (4 tiles: the 3-stage
+    ring turns and the last tile is partial); int8 KV, rows of 1 and 70 keys in 2 splits (the second split starts
+    mid-page, its last step runs past the row's end)."""
     from ninfer.kernels_numba import attention
     from tests.kernels.test_attention import _random_pools
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(attention))
     rng = np.random.default_rng(8)
-    for kernel, dtype, row_pos, splits in (("fast", "int8", [0, 69], 2), ("staged", "bf16", [0, 100], 1),
-                                           ("staged", "int8", [0, 100], 1)):
+    for dtype, row_pos, splits in (("bf16", [0, 100], 1), ("int8", [0, 100], 1), ("int8", [0, 69], 2)):
         pools = _random_pools(rng, 8, 16, 1, 256, dtype)
         _decode_matches_twin(attention, rng, pools, rng.permutation(8)[None, :7].astype(np.int32),
                              np.array([0, 0], np.int32), np.array(row_pos, np.int32), heads=2, kv_heads=1,
-                             head_dim=256, splits=splits, staged=kernel == "staged")
-        print("ok attention_decode_" + kernel, dtype, flush=True)
+                             head_dim=256, splits=splits)
+        print("ok attention_decode_staged", dtype, splits, flush=True)
 
 
 def elementwise() -> None:
@@ -631,7 +629,7 @@ def moe_padded() -> None:
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
-          "attention_decode": attention_decode, "attention_decode_fast": attention_decode_fast,
+          "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded}
 
