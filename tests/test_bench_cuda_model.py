@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+import attrs
 import pytest
 
 from tests.support.cuda_models import cuda_tiny_dims
@@ -17,18 +18,21 @@ def bench():
 
 def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     from ninfer.backends.cuda.host import HostDevice
+    from ninfer.backends.cuda.model import Capacity
     from ninfer.kernels_numba.attention import row_splits
+
+    default_floor = attrs.fields(Capacity).attention_min_split_keys.default
 
     dims = cuda_tiny_dims(moe=True)
     result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=dims,
                                 context=70, prefill_tokens=128, repeats=4, batches=(1, 8),
                                 prefill_attentions=("gemm",), profile=False, branches=(False, True),
                                 programmatic=(False, True), narrow=(False, True), attention_splits=(None, 96),
-                                split_floors=(None, 64))
-    # None: the model's own splits, the capacity's floor (none)
+                                split_floors=(None, 128))
+    # None: the model's own splits, the capacity's floor
     assert [(row["attention_splits"], row["min_split_keys"], row["branches"], row["programmatic"], row["narrow"],
              row["batch"]) for row in result["decode"]] == [
-        (splits, floor, side, pdl, thin, batch) for splits in (row_splits(dims.kv_heads), 96) for floor in (0, 64)
+        (splits, floor, side, pdl, thin, batch) for splits in (row_splits(dims.kv_heads), 96) for floor in (default_floor, 128)
         for side in (False, True) for pdl in (False, True) for thin in (False, True) for batch in (1, 8)]
     assert all(row["context"] == 70 for row in result["decode"])
     assert result["branches_after_decode"] is True and result["programmatic_after_decode"] is True

@@ -117,9 +117,10 @@ class Capacity:
     # The fewest keys a decode attention split takes (`split_keys`): fewer splits for a short row. At B=8 every
     # decode kernel was fastest at 16 splits (35B-A3B 1K context: 28 us against 55 at 64; results/
     # kernel_attention_staged_session16.json), B=1 at 32-64: a floor per split (the same for every row and batch,
-    # so batch invariant) gives short rows fewer splits. 0 (none) until bench/cuda_model.py --split-floor has
-    # measured it.
-    attention_min_split_keys: int = 0
+    # so batch invariant) gives short rows fewer splits. 64, as measured on the H200 (results/
+    # cuda_model_floor_session17.json, bf16, floor 0 / 64 / 128, ms a step): 1K context B=8 35B-A3B 9.33 / 9.21 /
+    # 9.25, 27B 19.00 / 18.63 / 18.73; B=1 within noise (4.07 / 4.08 / 4.16, 15.64 / 15.71 / 15.89); 32K the same.
+    attention_min_split_keys: int = 64
     # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
     # weight load issued first; the router's GEMV and the expert routing in one launch) instead of decode_linear's
