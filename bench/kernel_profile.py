@@ -70,43 +70,50 @@ def captured_repeats(device, launch: Callable[[], None], repeats: int, replays: 
     return graph, seconds / repeats
 
 
-REPLAY_GAP_US = 50.0  # every stream idle this long: the next replay has begun (inside one, gaps are a few us)
 GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")  # Kineto trace categories of device work
+TOP_WAITS = 8  # the serving stream's idle time reported before this many kernel names
+TOP_STREAMS = 3  # streams printed one by one (a graph's branches may spread over dozens)
+SEQUENCE_EVENTS = 72  # the first replay's first device events listed in order (the first layers' chains)
 
 
-def stream_timeline(trace_events: list[dict]) -> dict:
-    """From a Kineto (Chrome) trace's events: the replays (runs of device work with no REPLAY_GAP_US of idle on
-    every stream), their median span (first start to last end over all streams), and per stream (`args.stream`) the
-    launches, busy us and idle us between its own kernels, per replay, and the median idle gap."""
+def stream_timeline(trace_events: list[dict], replays: int) -> dict:
+    """From a Kineto (Chrome) trace of `replays` graph replays run back to back: the span a replay (first start to
+    last end over all streams, over `replays`) and, per stream (`args.stream`), the launches, busy us and idle us
+    between its own kernels a replay, and the median idle gap. A graph's parallel branches land on streams of the
+    driver's choosing, so the one with the most launches is the serving stream's chain; for it, `waits`: its idle
+    time a replay summed by the kernel that ran after the gap (what the chain waited to start: a join with another
+    stream, or launch latency), the TOP_WAITS longest; `sequence`: the first replay's first SEQUENCE_EVENTS events in
+    start order (stream, name, start and duration in us from the replay's start), to read which branch ran where."""
     work = sorted((e for e in trace_events if e.get("cat") in GPU_WORK and "dur" in e), key=lambda e: e["ts"])
-    replays: list[list[dict]] = []
-    end = -float("inf")
+    if not work:
+        return {"replays": replays, "span_us": 0.0, "streams": [], "waits": [], "sequence": []}
+    streams: dict = defaultdict(lambda: {"launches": 0, "busy_us": 0.0, "idle_us": 0.0, "gaps": [],
+                                         "waits": defaultdict(float)})
+    last_end: dict = {}
     for event in work:
-        if not replays or event["ts"] - end >= REPLAY_GAP_US:
-            replays.append([])
-        replays[-1].append(event)
-        end = max(end, event["ts"] + event["dur"])
-    streams: dict = defaultdict(lambda: {"launches": 0, "busy_us": 0.0, "idle_us": 0.0, "gaps": []})
-    spans = []
-    for events in replays:
-        spans.append(max(e["ts"] + e["dur"] for e in events) - events[0]["ts"])
-        last_end: dict = {}
-        for event in events:
-            stream = event.get("args", {}).get("stream")
-            entry = streams[stream]
-            entry["launches"] += 1
-            entry["busy_us"] += event["dur"]
-            if stream in last_end:
-                gap = max(0.0, event["ts"] - last_end[stream])
-                entry["idle_us"] += gap
-                entry["gaps"].append(gap)
-            last_end[stream] = event["ts"] + event["dur"]
-    count = max(1, len(replays))
-    return {"replays": len(replays), "span_us": float(np.median(spans)) if spans else 0.0,
-            "streams": sorted(({"stream": stream, "launches_per_replay": e["launches"] / count,
-                                "busy_us_per_replay": e["busy_us"] / count, "idle_us_per_replay": e["idle_us"] / count,
-                                "median_gap_us": float(np.median(e["gaps"])) if e["gaps"] else 0.0}
-                               for stream, e in streams.items()), key=lambda e: -e["launches_per_replay"])}
+        stream = event.get("args", {}).get("stream")
+        entry = streams[stream]
+        entry["launches"] += 1
+        entry["busy_us"] += event["dur"]
+        if stream in last_end:
+            gap = max(0.0, event["ts"] - last_end[stream])
+            entry["idle_us"] += gap
+            entry["gaps"].append(gap)
+            entry["waits"][short_name(event["name"])] += gap
+        last_end[stream] = event["ts"] + event["dur"]
+    count = max(1, replays)
+    span = max(e["ts"] + e["dur"] for e in work) - work[0]["ts"]
+    rows = sorted(({"stream": stream, "launches_per_replay": e["launches"] / count,
+                    "busy_us_per_replay": e["busy_us"] / count, "idle_us_per_replay": e["idle_us"] / count,
+                    "median_gap_us": float(np.median(e["gaps"])) if e["gaps"] else 0.0}
+                   for stream, e in streams.items()), key=lambda e: -e["launches_per_replay"])
+    serving = streams[rows[0]["stream"]]["waits"]
+    waits = sorted(({"before": name, "idle_us_per_replay": us / count} for name, us in serving.items()),
+                   key=lambda w: -w["idle_us_per_replay"])[:TOP_WAITS]
+    start = work[0]["ts"]
+    sequence = [{"stream": e.get("args", {}).get("stream"), "name": short_name(e["name"]), "start_us": e["ts"] - start,
+                 "dur_us": e["dur"]} for e in work if e["ts"] - start < span / count][:SEQUENCE_EVENTS]
+    return {"replays": replays, "span_us": span / count, "streams": rows, "waits": waits, "sequence": sequence}
 
 
 def profile_replays(replay: Callable[[], None], synchronize: Callable[[], None], replays: int = 5) -> dict:
@@ -137,7 +144,7 @@ def profile_replays(replay: Callable[[], None], synchronize: Callable[[], None],
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as trace:
-            timeline = stream_timeline(json.load(trace).get("traceEvents", []))
+            timeline = stream_timeline(json.load(trace).get("traceEvents", []), replays)
     return {"kernels": kernels, "busy_us_per_replay": sum(k["us_per_replay"] for k in kernels),
             "launches_per_replay": sum(k["launches_per_replay"] for k in kernels), "timeline": timeline}
 
@@ -147,11 +154,20 @@ def print_profile(title: str, report: dict, top: int = 14) -> None:
           f"{report['busy_us_per_replay'] / 1e3:.2f} ms per replay", flush=True)
     timeline = report.get("timeline")
     if timeline:
-        print(f"    {timeline['replays']} replays, span {timeline['span_us'] / 1e3:.2f} ms", flush=True)
-        for s in timeline["streams"]:
+        print(f"    a replay (of {timeline['replays']}) spans {timeline['span_us'] / 1e3:.2f} ms", flush=True)
+        streams = timeline["streams"]
+        for s in streams[:TOP_STREAMS]:
             print(f"    stream {s['stream']}: {s['launches_per_replay']:.0f} launches, busy "
                   f"{s['busy_us_per_replay'] / 1e3:.2f} ms, idle between them {s['idle_us_per_replay'] / 1e3:.2f} ms "
                   f"(median gap {s['median_gap_us']:.1f} us)", flush=True)
+        if len(streams) > TOP_STREAMS:
+            rest = streams[TOP_STREAMS:]
+            print(f"    {len(rest)} other streams: {sum(s['launches_per_replay'] for s in rest):.0f} launches, busy "
+                  f"{sum(s['busy_us_per_replay'] for s in rest) / 1e3:.2f} ms", flush=True)
+        for w in timeline["waits"]:
+            print(f"    serving stream idle {w['idle_us_per_replay']:7.1f} us before {w['before']}", flush=True)
+        for e in timeline["sequence"]:
+            print(f"    {e['start_us']:8.1f} us +{e['dur_us']:6.1f}  stream {e['stream']}  {e['name']}", flush=True)
     for k in report["kernels"][:top]:
         print(f"    {k['us_per_replay']:9.1f} us  x{k['launches_per_replay']:5.0f}  {k['name']}", flush=True)
 
