@@ -22,7 +22,7 @@ from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, blocks_for,
-                                         f32_to_bf16, sigmoid_f32, warp_max, warp_sum)
+                                         code_float, f32_to_bf16, sigmoid_f32, warp_max, warp_sum)
 from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_prior,
                                              shared_address)
 from ninfer.kernels_numba.linear import load2, load4
@@ -540,10 +540,11 @@ decode_split_kernel = kernel(
 STEP_KEYS = 4  # keys a warp step of the head_dim 256 kernel
 
 
-@device_function
-def _int8_lane(word, i):
-    """Signed byte i (0..3) of a uint32 word as float32."""
-    return float32(int32(word << uint32(24 - 8 * i)) >> int32(24))
+# int8 codes as float32 through `code_float`: each byte plus 128 (the xor of its sign bit) is an unsigned code, then
+# 2^23 + 128 comes off. Why: the head_dim 256 kernel's G warps of a kv head each convert the same K and V rows (the
+# 35B-A3B's 8), and the integer-to-float conversion runs at a quarter of the FP32 rate.
+INT8_SIGN_BITS = 0x80808080
+INT8_CODE_OFFSET = float(2 ** 23 + 128)
 
 
 @device_function
@@ -560,7 +561,8 @@ def _step_values(values, words, scales, quant):
     for j in range(STEP_KEYS):
         for e in range(8):
             if quant:
-                values[j * 8 + e] = _int8_lane(words[4 * j + e // 4], e % 4) * scales[j]
+                biased = words[4 * j + e // 4] ^ uint32(INT8_SIGN_BITS)
+                values[j * 8 + e] = code_float(biased, e % 4, float32(INT8_CODE_OFFSET)) * scales[j]
             else:
                 values[j * 8 + e] = _bf16_lane(words[4 * j + e // 2], e % 2)
 

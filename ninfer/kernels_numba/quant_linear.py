@@ -31,7 +31,7 @@ from numba.cuda import libdevice
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geometry
 from ninfer.backends.cpu.ops import linear as cpu_linear
-from ninfer.kernels_numba.common import bf16_pair, warp_sum
+from ninfer.kernels_numba.common import bf16_pair, code_float, warp_sum
 from ninfer.kernels_numba.linear import (
     ROW_TILE, WARPS, _register_options, chunk_columns, gathered_reference, load2, load4, stage_x, store4,
 )
@@ -126,12 +126,6 @@ def upload_quant_planes(fmt: str, shape: tuple[int, int], planes: dict[str, np.n
 def half_bits_to_f32(h):
     """A non-negative binary16 (bits) as float32, exactly (subnormals too: no flush-to-zero here)."""
     return libdevice.int_as_float(int32((uint32(h) & uint32(0x7FFF)) << uint32(13))) * float32(SCALE_2_112)
-
-
-@device_function
-def code_float(u, i, offset):
-    """Byte i of u (an unsigned code) as float32 minus `offset` (2^23 + code offset): the signed code, exactly."""
-    return libdevice.int_as_float(int32(libdevice.byte_perm(int32(u), int32(0x4B000000), int32(0x7650 | i)))) - offset
 
 
 @device_function
