@@ -20,17 +20,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int32, uint16, uint32, uint64
+from numba import float32, int32, int64, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_target, bf16_to_f32, blocks_for, f32_to_bf16,
-                                         fragment_target, sigmoid_f32, warp_max, warp_sum)
-from ninfer.kernels_numba.elementwise import (NORM_ITEMS, NORM_VECTORS, norm_row, norm_threads, rms_norm_rows_reference,
-                                              sigmoid_gate_add_reference)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, bf16_target, bf16_to_f32, block_sum,
+                                         blocks_for, f32_to_bf16, fragment_target, sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.elementwise import (NORM_ITEMS, NORM_VECTORS, norm_threads, rms_norm_rows_reference,
+                                              sigmoid_gate_add_reference, store_normed_vector)
 from ninfer.kernels_numba.linear import load4
 from ninfer.kernels_numba.quant_mma import check_fragment_output
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
 
 MAX_EXPERTS = 256  # route_top_k: one warp per row, 8 experts per lane
@@ -198,50 +198,85 @@ def moe_combine_reference(expert_out, weights, residual, shared_out=None, gate_l
 
 
 # The decode combine fused with the RMSNorm that reads its result next (the next layer's input norm, or the final
-# norm): one launch fewer a MoE layer. A block a row, `elementwise.rms_norm_rows`' geometry: each thread first
-# combines its own columns (every slot's 16-byte vectors loaded together, up to COMBINE_NORM_SLOTS slots), stores
-# them to the residual, then reads them back as the norm does.
+# norm): one launch fewer a MoE layer. A block a row, a thread a 16-byte vector of it (`combine_norm_threads`; past
+# COMBINE_NORM_MAX_THREADS a thread takes vectors t + j * threads): each thread combines its vectors (every slot's
+# loaded together, up to COMBINE_NORM_SLOTS slots) into the residual and into a copy of the row in shared memory.
+# The norm's sum of squares then runs in `elementwise.rms_norm_rows`' geometry from the copy (norm_threads(width)
+# threads, thread t adding its NORM_ITEMS columns in order; the block's warps in order, the warps past those adding
+# zeros), so the bits are the unfused kernels'. Why a thread a vector: in the norm's geometry (4 warps for a
+# 2048-wide row) each thread combined 16 columns of 8 slots in sequence, 6.4 us a launch on the H200 against 2.4
+# for the plain norm (results/cuda_model_v2_profile_session17.json; 40 launches on the 35B-A3B's critical path).
 COMBINE_NORM_SLOTS = 8
-COMBINE_NORM_LOADS = COMBINE_NORM_SLOTS * NORM_ITEMS  # a thread's expert output values, all in registers
+COMBINE_NORM_LOADS = 4 * COMBINE_NORM_SLOTS  # a thread's vector of every slot, all in registers
+COMBINE_NORM_MAX_THREADS = 1024
 
 
-@kernel((float32[:, :, ::1], F32_2D, F32_2D, F32_2D, float32[:, :], float32[::1], F32_2D, uint16[:, ::1], int32,
-         uint16[::1], int32, float32, int32), fastmath=False)
+def combine_norm_threads(width: int) -> int:
+    """Threads of a `moe_combine_rms_norm` block: one a 16-byte vector of the row, in whole warps, at most
+    COMBINE_NORM_MAX_THREADS (never fewer than the norm's own, `norm_threads`)."""
+    return int(min(COMBINE_NORM_MAX_THREADS, 32 * -(-(norm_threads(width) * NORM_VECTORS) // 32)))
+
+
+_COMBINE_NORM_SIGNATURE = (float32[:, :, ::1], F32_2D, F32_2D, F32_2D, float32[:, :], float32[::1], F32_2D,
+                           uint16[:, ::1], int32, uint16[::1], int32, float32, int32, int32)
+
+
+@kernel(_COMBINE_NORM_SIGNATURE, fastmath=False)
 def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, out_bf16,
-                             write_bf16, fragments, write_fragments, eps, offset):
-    routed = cuda.local.array(NORM_ITEMS, float32)
+                             write_bf16, fragments, write_fragments, eps, offset, norm_width_threads):
+    row_copy = cuda.shared.array(0, float32)  # the combined row (dynamic: 4 x width bytes)
+    buf = cuda.shared.array(32, float32)
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     width = residual.shape[1]
     slots = weights.shape[1]
     gate = sigmoid_f32(gate_logit[r, 0])
-    for j in range(NORM_VECTORS):
-        for e in range(4):
-            routed[4 * j + e] = float32(0.0)
-    loaded = cuda.local.array(COMBINE_NORM_LOADS, float32)
     slot_weight = cuda.local.array(COMBINE_NORM_SLOTS, float32)
-    for s in range(COMBINE_NORM_SLOTS):  # unrolled, loads only: every slot's in flight together
-        if s < slots:
-            slot_weight[s] = weights[r, s]
-            for j in range(NORM_VECTORS):
-                v = t + j * step
-                if 4 * v < width:
-                    a = s * NORM_ITEMS + 4 * j
-                    loaded[a], loaded[a + 1], loaded[a + 2], loaded[a + 3] = load4(
-                        expert_out, (r * slots + s) * width + 4 * v)
     for s in range(COMBINE_NORM_SLOTS):
         if s < slots:
-            for j in range(NORM_VECTORS):
-                for e in range(4):
-                    routed[4 * j + e] += slot_weight[s] * loaded[s * NORM_ITEMS + 4 * j + e]
+            slot_weight[s] = weights[r, s]
+    values = cuda.local.array(NORM_ITEMS, float32)  # this thread's combined columns, vector j at 4 j
+    loaded = cuda.local.array(COMBINE_NORM_LOADS, float32)
     for j in range(NORM_VECTORS):
         v = t + j * step
         if 4 * v < width:
+            for s in range(COMBINE_NORM_SLOTS):  # unrolled, loads only: every slot's in flight together
+                if s < slots:
+                    loaded[4 * s], loaded[4 * s + 1], loaded[4 * s + 2], loaded[4 * s + 3] = load4(
+                        expert_out, (r * slots + s) * width + 4 * v)
             for e in range(4):
+                routed = float32(0.0)
+                for s in range(COMBINE_NORM_SLOTS):
+                    if s < slots:
+                        routed += slot_weight[s] * loaded[4 * s + e]
                 i = 4 * v + e
-                residual[r, i] = (residual[r, i] + routed[4 * j + e]) + gate * shared_out[r, i]
-    norm_row(residual, norm_weight, out, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset)
+                combined = (residual[r, i] + routed) + gate * shared_out[r, i]
+                residual[r, i] = combined
+                row_copy[i] = combined
+                values[4 * j + e] = combined
+    cuda.syncthreads()
+    acc = float32(0.0)  # elementwise.load_row's sum, thread t < norm_width_threads over its vectors in order
+    if t < norm_width_threads:
+        for j in range(NORM_VECTORS):
+            v = t + j * norm_width_threads
+            if 4 * v < width:
+                for e in range(4):
+                    acc += row_copy[4 * v + e] * row_copy[4 * v + e]
+    total = block_sum(acc, buf)
+    inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
+    out_row = address_of(out) + int64(r) * int64(width) * 4
+    bf16_row = address_of(out_bf16) + int64(r) * int64(width) * 2
+    fragment_words = address_of(fragments)
+    for j in range(NORM_VECTORS):
+        v = t + j * step
+        if 4 * v < width:
+            w0, w1, w2, w3 = load4(norm_weight, 4 * v)
+            if offset != 0:
+                w0, w1, w2, w3 = w0 + float32(1.0), w1 + float32(1.0), w2 + float32(1.0), w3 + float32(1.0)
+            store_normed_vector(out_row, bf16_row, fragment_words, write_bf16, write_fragments, r, v,
+                                (values[4 * j] * inv) * w0, (values[4 * j + 1] * inv) * w1,
+                                (values[4 * j + 2] * inv) * w2, (values[4 * j + 3] * inv) * w3)
 
 
 def check_combine_slots(slots: int) -> None:
@@ -260,9 +295,12 @@ def moe_combine_rms_norm(expert_out, weights, residual, shared_out, gate_logit, 
     if out_fragments is not None:
         check_fragment_output(rows, width, out_fragments)
     if rows:
-        _combine_rms_norm_kernel[rows, norm_threads(width), stream](
+        shared_bytes = 4 * width
+        allow_dynamic_shared(_combine_rms_norm_kernel, _COMBINE_NORM_SIGNATURE, shared_bytes)
+        _combine_rms_norm_kernel[rows, combine_norm_threads(width), stream, shared_bytes](
             expert_out, weights, residual, shared_out, gate_logit, norm_weight, out, *bf16_target(out, out_bf16),
-            *fragment_target(out, out_fragments), np.float32(eps), np.int32(bool(offset)))
+            *fragment_target(out, out_fragments), np.float32(eps), np.int32(bool(offset)),
+            np.int32(norm_threads(width)))
 
 
 def moe_combine_rms_norm_reference(expert_out, weights, residual, shared_out, gate_logit, norm_weight, *, eps,

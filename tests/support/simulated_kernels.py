@@ -545,7 +545,8 @@ def gdn_output() -> None:
 
 def moe_combine_norm() -> None:
     """The decode combine fused with the next RMSNorm equals moe_combine then rms_norm_rows bit for bit (residual,
-    fp32 rows, bf16 copy, x fragments) with 8 and 2 slots and threads past the row's end; and the twin."""
+    fp32 rows, bf16 copy, x fragments) with 8 and 2 slots and threads past the row's end, and a row whose norm
+    threads take 4 vectors each across two warps (1024 wide: 256 combine threads, 64 norm threads); and the twin."""
     from ninfer.kernels_numba import elementwise, moe
     from ninfer.kernels_numba.numba_setup import cuda
     from ninfer.kernels_numba.quant_mma import x_fragment_words
@@ -554,7 +555,7 @@ def moe_combine_norm() -> None:
     for module in (elementwise, moe):
         cuda_simulator.install(vars(module))
     rng = np.random.default_rng(10)
-    for rows, slots, width in [(3, 8, 192), (2, 2, 128)]:
+    for rows, slots, width in [(3, 8, 192), (2, 2, 128), (1, 2, 1024)]:
         expert_out = rng.standard_normal((rows, slots, width)).astype(np.float32)
         weights = rng.dirichlet(np.ones(slots), rows).astype(np.float32)
         residual = rng.standard_normal((rows, width)).astype(np.float32)
