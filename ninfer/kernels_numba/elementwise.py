@@ -140,27 +140,22 @@ def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragm
     for j in range(NORM_VECTORS):
         v = t + j * step
         if 4 * v < width:
-            store_normed_vector(out_row, bf16_row, fragment_words, write_bf16, write_fragments, r, v,
-                                (values[4 * j] * inv) * weights[4 * j], (values[4 * j + 1] * inv) * weights[4 * j + 1],
-                                (values[4 * j + 2] * inv) * weights[4 * j + 2],
-                                (values[4 * j + 3] * inv) * weights[4 * j + 3])
-
-
-@device_function
-def store_normed_vector(out_row, bf16_row, fragment_words, write_bf16, write_fragments, r, v, y0, y1, y2, y3):
-    """Columns 4v .. 4v + 3 of a normed row r: fp32 at the address out_row, and (flags) the bf16 copy at bf16_row and
-    the bf16 x fragments of row r at fragment_words (columns 4v, 4v + 1 and 4v + 2, 4v + 3 are two words)."""
-    store_words4_at(out_row + int64(v) * 16, uint32(libdevice.float_as_int(y0)), uint32(libdevice.float_as_int(y1)),
-                    uint32(libdevice.float_as_int(y2)), uint32(libdevice.float_as_int(y3)))
-    if write_bf16 != 0 or write_fragments != 0:
-        low = bf16_pair(y0, y1)
-        high = bf16_pair(y2, y3)
-        if write_bf16 != 0:
-            store_words2_at(bf16_row + int64(v) * 8, low, high)
-        if write_fragments != 0:
-            c = int32(4 * v)
-            store_word_at(fragment_words + int64(fragment_half(int32(r), c) >> 1) * 4, low)
-            store_word_at(fragment_words + int64(fragment_half(int32(r), c + 2) >> 1) * 4, high)
+            y0 = (values[4 * j] * inv) * weights[4 * j]
+            y1 = (values[4 * j + 1] * inv) * weights[4 * j + 1]
+            y2 = (values[4 * j + 2] * inv) * weights[4 * j + 2]
+            y3 = (values[4 * j + 3] * inv) * weights[4 * j + 3]
+            store_words4_at(out_row + int64(v) * 16, uint32(libdevice.float_as_int(y0)),
+                            uint32(libdevice.float_as_int(y1)), uint32(libdevice.float_as_int(y2)),
+                            uint32(libdevice.float_as_int(y3)))
+            if write_bf16 != 0 or write_fragments != 0:
+                low = bf16_pair(y0, y1)
+                high = bf16_pair(y2, y3)
+                if write_bf16 != 0:
+                    store_words2_at(bf16_row + int64(v) * 8, low, high)
+                if write_fragments != 0:
+                    c = int32(4 * v)
+                    store_word_at(fragment_words + int64(fragment_half(int32(r), c) >> 1) * 4, low)
+                    store_word_at(fragment_words + int64(fragment_half(int32(r), c + 2) >> 1) * 4, high)
 
 
 @device_function

@@ -20,14 +20,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int32, int64, uint16, uint32, uint64
+from numba import float32, int32, uint16, uint32, uint64
 
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, bf16_target, bf16_to_f32, block_sum,
-                                         blocks_for, f32_to_bf16, fragment_target, sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.common import (FULL_MASK, bf16_pair, bf16_target, bf16_to_f32, block_sum, blocks_for,
+                                         f32_to_bf16, fragment_target, sigmoid_f32, warp_max, warp_sum)
 from ninfer.kernels_numba.elementwise import (NORM_ITEMS, NORM_VECTORS, norm_threads, rms_norm_rows_reference,
-                                              sigmoid_gate_add_reference, store_normed_vector)
+                                              scale_row, sigmoid_gate_add_reference)
 from ninfer.kernels_numba.linear import load4
 from ninfer.kernels_numba.quant_mma import check_fragment_output
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
@@ -237,6 +237,7 @@ def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_log
         if s < slots:
             slot_weight[s] = weights[r, s]
     values = cuda.local.array(NORM_ITEMS, float32)  # this thread's combined columns, vector j at 4 j
+    norm_weights = cuda.local.array(NORM_ITEMS, float32)  # their (offset +) norm weights, loaded with the slots
     loaded = cuda.local.array(COMBINE_NORM_LOADS, float32)
     for j in range(NORM_VECTORS):
         v = t + j * step
@@ -245,6 +246,10 @@ def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_log
                 if s < slots:
                     loaded[4 * s], loaded[4 * s + 1], loaded[4 * s + 2], loaded[4 * s + 3] = load4(
                         expert_out, (r * slots + s) * width + 4 * v)
+            w0, w1, w2, w3 = load4(norm_weight, 4 * v)
+            norm_weights[4 * j], norm_weights[4 * j + 1], norm_weights[4 * j + 2], norm_weights[4 * j + 3] = (
+                (w0 + float32(1.0), w1 + float32(1.0), w2 + float32(1.0), w3 + float32(1.0)) if offset != 0
+                else (w0, w1, w2, w3))
             for e in range(4):
                 routed = float32(0.0)
                 for s in range(COMBINE_NORM_SLOTS):
@@ -263,20 +268,9 @@ def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_log
             if 4 * v < width:
                 for e in range(4):
                     acc += row_copy[4 * v + e] * row_copy[4 * v + e]
-    total = block_sum(acc, buf)
-    inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
-    out_row = address_of(out) + int64(r) * int64(width) * 4
-    bf16_row = address_of(out_bf16) + int64(r) * int64(width) * 2
-    fragment_words = address_of(fragments)
-    for j in range(NORM_VECTORS):
-        v = t + j * step
-        if 4 * v < width:
-            w0, w1, w2, w3 = load4(norm_weight, 4 * v)
-            if offset != 0:
-                w0, w1, w2, w3 = w0 + float32(1.0), w1 + float32(1.0), w2 + float32(1.0), w3 + float32(1.0)
-            store_normed_vector(out_row, bf16_row, fragment_words, write_bf16, write_fragments, r, v,
-                                (values[4 * j] * inv) * w0, (values[4 * j + 1] * inv) * w1,
-                                (values[4 * j + 2] * inv) * w2, (values[4 * j + 3] * inv) * w3)
+    # the outputs as rms_norm_rows writes them, each thread its own vectors (values and weights in its layout)
+    scale_row(values, norm_weights, out, out_bf16, write_bf16, fragments, write_fragments, r, block_sum(acc, buf),
+              width, eps)
 
 
 def check_combine_slots(slots: int) -> None:
