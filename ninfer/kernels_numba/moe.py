@@ -212,9 +212,10 @@ COMBINE_NORM_MAX_THREADS = 1024
 
 
 def combine_norm_threads(width: int) -> int:
-    """Threads of a `moe_combine_rms_norm` block: one a 16-byte vector of the row, in whole warps, at most
-    COMBINE_NORM_MAX_THREADS (never fewer than the norm's own, `norm_threads`)."""
-    return int(min(COMBINE_NORM_MAX_THREADS, 32 * -(-(norm_threads(width) * NORM_VECTORS) // 32)))
+    """Threads of a `moe_combine_rms_norm` block: one a 16-byte vector of the row in whole warps, at most
+    COMBINE_NORM_MAX_THREADS (then a thread takes up to NORM_VECTORS vectors), never fewer than the norm's own
+    (`norm_threads`, which also checks the width)."""
+    return int(max(norm_threads(width), min(COMBINE_NORM_MAX_THREADS, 32 * -(-(width // 4) // 32))))
 
 
 _COMBINE_NORM_SIGNATURE = (float32[:, :, ::1], F32_2D, F32_2D, F32_2D, float32[:, :], float32[::1], F32_2D,

@@ -400,6 +400,20 @@ def test_combine_norm_kernel_in_cuda_simulator():
     assert len([line for line in run("moe_combine_norm").splitlines() if line.startswith("ok moe_combine_norm")]) == 3
 
 
+@pytest.mark.parametrize("width,threads", [(64, 32), (192, 64), (1024, 256), (2048, 512), (4096, 1024), (5120, 1024),
+                                           (16384, 1024)])
+def test_the_combine_norm_takes_a_thread_a_vector_and_covers_the_row(width, threads):
+    """combine_norm_threads: a 16-byte vector a thread in whole warps, at most 1024 threads of at most NORM_VECTORS
+    vectors each, never fewer than the norm's own threads (whose sum of squares runs inside the block)."""
+    assert moe.combine_norm_threads(width) == threads
+    assert threads >= ew.norm_threads(width) and threads * ew.NORM_VECTORS * 4 >= width
+
+
+def test_the_combine_norm_refuses_a_row_the_norm_cannot_hold():
+    with pytest.raises(ValueError, match="multiple of 4 and at most"):
+        moe.combine_norm_threads(ew.NORM_MAX_WIDTH + 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slots,hidden", [(1, 8, 2048), (8, 8, 2048), (3, 2, 64), (40, 8, 2048)])
 def test_gpu_combine_norm_equals_combine_then_norm(rows, slots, hidden):
