@@ -21,12 +21,14 @@ from numba.cuda import libdevice
 from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_to_f32, block_sum, blocks_for,
-                                         code_float, f32_to_bf16, sigmoid_f32, warp_max, warp_sum)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_target, bf16_to_f32,
+                                         block_sum, blocks_for, code_float, f32_to_bf16, fragment_target, sigmoid_f32,
+                                         store_word_at, warp_max, warp_sum)
 from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_prior,
                                              shared_address)
 from ninfer.kernels_numba.linear import load2, load4
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
+from ninfer.kernels_numba.quant_mma import check_fragment_output, fragment_half
 
 F32 = np.float32
 MAX_E = 8  # head dims per lane in the decode kernel (D <= 256)
@@ -829,10 +831,13 @@ def _make_decode_staged_kernel(quant: bool):
 DECODE_STAGED_KERNELS = {quant: _make_decode_staged_kernel(quant) for quant in (False, True)}
 
 
-@kernel((f32_4d, f32_2d, i32_1d, f32_2d, int32, int32, int32, int32), fastmath=True)
-def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_dim, min_keys):
+@kernel((f32_4d, f32_2d, i32_1d, f32_2d, uint16[:, ::1], int32, uint16[::1], int32, int32, int32, int32, int32),
+        fastmath=True)
+def decode_combine_kernel(partials, qkgv, row_pos, out, out_bf16, write_bf16, fragments, write_fragments, heads,
+                          kv_heads, head_dim, min_keys):
     """grid (R, Hq), block head_dim: merge the row's own (non-empty) splits in order, normalise, multiply by
-    sigmoid(gate)."""
+    sigmoid(gate); with the flags, also the bf16 copy and the x fragments of the row (even lanes store a column
+    pair's word, with the odd lane's value by a shuffle: head_dim is a multiple of 32, so a pair shares a warp)."""
     r = cuda.blockIdx.x
     h = cuda.blockIdx.y
     d = cuda.threadIdx.x
@@ -840,17 +845,28 @@ def decode_combine_kernel(partials, qkgv, row_pos, out, heads, kv_heads, head_di
     chunk = split_keys(length, partials.shape[2], min_keys)
     total_a, total_l = merge_partials(partials, r, h, d, (length + chunk - 1) // chunk)
     gate = qkgv[r, (heads + kv_heads) * head_dim + h * head_dim + d]
-    out[r, h * head_dim + d] = (total_a / total_l) * sigmoid_f32(gate)
+    y = (total_a / total_l) * sigmoid_f32(gate)
+    c = h * head_dim + d
+    out[r, c] = y
+    if write_bf16 != 0 or write_fragments != 0:  # the same for the whole block: every lane shuffles
+        word = bf16_pair(y, cuda.shfl_xor_sync(FULL_MASK, y, 1))  # even lanes: the next column
+        if d % 2 == 0:
+            if write_bf16 != 0:
+                store_word_at(address_of(out_bf16) + (int64(r) * int64(out_bf16.shape[1]) + int64(c)) * 2, word)
+            if write_fragments != 0:
+                store_word_at(address_of(fragments) + int64(fragment_half(int32(r), int32(c)) >> 1) * 4, word)
 
 
 def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
-                     heads, kv_heads, head_dim, stream, min_split_keys=0):
+                     heads, kv_heads, head_dim, stream, min_split_keys=0, out_bf16=None, out_fragments=None):
     """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
     lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, at least
     `min_split_keys` each, then combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks
     past a row's last split exit at once. A row's bits depend on its own data, S and min_split_keys only, so keep
     both for every batch size / graph (batch invariance). head_dim 256 (pages of a multiple of STEP_KEYS tokens):
-    the kernel that stages K/V tiles in shared memory; other head dims: the split kernel."""
+    the kernel that stages K/V tiles in shared memory; other head dims: the split kernel. With `out_bf16` (uint16
+    [R, Hq*D]) the combine also writes out's bf16 bits, with `out_fragments` (R <= 8) its tensor-core x fragments
+    (`quant_mma.x_fragments` of out): the output projection's input without a conversion launch."""
     _check_dims(heads, kv_heads, head_dim)
     check_min_split_keys(min_split_keys)
     rows = q.shape[0]
@@ -870,7 +886,10 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
         decode_split_kernel[(splits, kv_heads, rows), DECODE_WARPS * 32, stream](
             q, page_tables, row_lane, row_pos, k_pool, v_pool, ks, vs, partials,
             *_i32(heads, kv_heads, head_dim, quant, min_split_keys))
-    decode_combine_kernel[(rows, heads), head_dim, stream](partials, qkgv, row_pos, out,
+    if out_fragments is not None:
+        check_fragment_output(rows, heads * head_dim, out_fragments)
+    decode_combine_kernel[(rows, heads), head_dim, stream](partials, qkgv, row_pos, out, *bf16_target(out, out_bf16),
+                                                           *fragment_target(out, out_fragments),
                                                            *_i32(heads, kv_heads, head_dim, min_split_keys))
 
 

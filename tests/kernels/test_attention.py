@@ -219,6 +219,36 @@ def test_gpu_decode_with_a_split_floor_matches_twin_and_is_batch_invariant(cfg, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", REAL)
+def test_gpu_decode_writes_the_bf16_copy_and_x_fragments_of_its_output(cfg):
+    """With out_bf16 and out_fragments the combine writes the output projection's inputs: bitwise the host twin's
+    conversions of the fp32 output it wrote, which is the same with or without them."""
+    from ninfer.backends.cuda import host_kernels
+    from ninfer.kernels_numba.numba_setup import cuda
+    from ninfer.kernels_numba.quant_mma import x_fragment_words
+
+    heads, kv_heads, d, _, _ = cfg
+    q, qkgv, tables, row_lane, row_pos, pools = _long_rows(3, cfg, "bf16", 700)
+    plain = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, 64)
+    stream = cuda.stream()
+    args = _dev(cuda, q, qkgv, tables, row_lane, row_pos) + _dev(cuda, *pools)
+    out = cuda.to_device(np.full((4, heads * d), np.nan, F32))
+    partials = cuda.to_device(np.zeros(A.decode_partials_shape(4, heads, d, 64), F32))
+    bf16 = cuda.to_device(np.zeros((4, heads * d), np.uint16))
+    fragments = cuda.to_device(np.zeros(x_fragment_words(heads * d), np.uint32))
+    A.attention_decode(*args, out, partials, heads=heads, kv_heads=kv_heads, head_dim=d, stream=stream,
+                       out_bf16=bf16, out_fragments=fragments)
+    stream.synchronize()
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got, plain)
+    want_bf16, want_fragments = np.zeros((4, heads * d), np.uint16), np.zeros(x_fragment_words(heads * d), np.uint32)
+    host_kernels._bf16_copy(got, want_bf16)
+    host_kernels._fragment_rows(got, want_fragments)
+    np.testing.assert_array_equal(bf16.copy_to_host(), want_bf16)
+    np.testing.assert_array_equal(fragments.copy_to_host(), want_fragments)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", REAL)
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 def test_gpu_staged_decode_matches_twin_at_every_split_count(cfg, dtype):
     """The head_dim 256 kernel (K/V tiles through shared memory) at the real shapes against the exact twin, rows of
@@ -269,7 +299,8 @@ def test_decode_kernels_with_more_than_32_splits_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     assert [line for line in run("attention_decode").splitlines() if line.startswith("ok attention_decode")] == [
-        "ok attention_decode 4 2 32 96 floor 0", "ok attention_decode 4 2 32 8 floor 60"]
+        "ok attention_decode 4 2 32 96 floor 0", "ok attention_decode 4 2 32 8 floor 60",
+        "ok attention_decode bf16 copy and x fragments"]
 
 
 def test_head_dim_256_decode_kernel_in_cuda_simulator():

@@ -445,18 +445,23 @@ def attention_prepare() -> None:
 
 
 def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, heads, kv_heads, head_dim,
-                         splits, min_split_keys=0) -> np.ndarray:
+                         splits, min_split_keys=0, out_bf16=None, out_fragments=None) -> np.ndarray:
     """attention_decode over `splits` splits equals its exact twin (random q and gate rows); returns its output."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
     rows, d = row_lane.shape[0], head_dim
     q = rng.standard_normal((rows, heads, d)).astype(np.float32)
     qkgv = rng.standard_normal((rows, 2 * (heads + kv_heads) * d)).astype(np.float32)
     dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d)
     want = attention.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools,
                                                 np.zeros((rows, heads * d), np.float32), **dims)
-    out = np.full((rows, heads * d), np.nan, np.float32)
+    # out on the simulator's device: the combine's stand-ins for an absent bf16 copy or fragments are views of out,
+    # and a host array would be copied back once for each, the views' stale copies last
+    out = cuda.to_device(np.full((rows, heads * d), np.nan, np.float32))
     partials = np.full(attention.decode_partials_shape(rows, heads, d, splits), np.nan, np.float32)
     attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0,
-                               min_split_keys=min_split_keys, **dims)
+                               min_split_keys=min_split_keys, out_bf16=out_bf16, out_fragments=out_fragments, **dims)
+    out = out.copy_to_host()
     assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
     return out
 
@@ -464,8 +469,12 @@ def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, he
 def attention_decode() -> None:
     """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row
     (the combine's lanes hold several splits each), then 8 splits of at least 60 keys, rows of 1, 150 and 400 keys
-    over pages of 16 tokens (the head_dim 256 kernel: `attention_decode_staged`)."""
+    over pages of 16 tokens (the head_dim 256 kernel: `attention_decode_staged`); then the combine's bf16 copy and
+    x fragments of the output, bitwise the host twin's conversions of it."""
+    from ninfer.artifact.codec import f32_to_bf16_bits
+    from ninfer.backends.cuda import host_kernels
     from ninfer.kernels_numba import attention
+    from ninfer.kernels_numba.quant_mma import x_fragment_words
     from tests.kernels.test_attention import _random_pools
     from tests.support import cuda_simulator
 
@@ -480,6 +489,18 @@ def attention_decode() -> None:
                              np.array([0, 149, 399], np.int32), heads=heads, kv_heads=kv_heads, head_dim=d,
                              splits=splits, min_split_keys=floor)
         print("ok attention_decode", heads, kv_heads, d, splits, "floor", floor, flush=True)
+    bf16 = np.zeros((3, heads * d), np.uint16)
+    fragments = np.zeros(x_fragment_words(heads * d), np.uint32)
+    out = _decode_matches_twin(attention, rng, pools, tables, np.array([0, 1, 0], np.int32),
+                               np.array([0, 149, 399], np.int32), heads=heads, kv_heads=kv_heads, head_dim=d,
+                               splits=8, out_bf16=bf16, out_fragments=fragments)
+    want_bf16, want_fragments = np.zeros_like(bf16), np.zeros_like(fragments)
+    host_kernels._bf16_copy(out, want_bf16)
+    host_kernels._fragment_rows(out, want_fragments)
+    np.testing.assert_array_equal(bf16, want_bf16)
+    np.testing.assert_array_equal(bf16, f32_to_bf16_bits(out))
+    np.testing.assert_array_equal(fragments, want_fragments)
+    print("ok attention_decode bf16 copy and x fragments", flush=True)
 
 
 def attention_decode_staged() -> None:

@@ -225,8 +225,10 @@ def attention_prepare(qkgv, q_norm, k_norm, inv_freq, positions, *args, stream, 
                                            **kwargs)
 
 
-def attention_decode(*args, stream, **kwargs):
-    _attention.attention_decode_reference(*args, **kwargs)
+def attention_decode(*args, stream, out_bf16=None, out_fragments=None, **kwargs):
+    out = _attention.attention_decode_reference(*args, **kwargs)
+    _bf16_copy(out, out_bf16)
+    _fragment_rows(out, out_fragments)
 
 
 def attention_prefill(*args, stream, **kwargs):

@@ -1235,11 +1235,15 @@ class CudaQwen:
                                kv.k_scale, kv.v_scale, q, heads=d.attn_heads, kv_heads=d.kv_heads,
                                head_dim=d.head_dim, rotary_dim=d.rotary_dim, sections=tuple(d.mrope_section),
                                eps=d.rms_eps, stream=stream)
+        out_bf16 = out_frag = None  # the output projection's input as its producer writes it (decode)
         if prefill is None:
+            out_bf16 = self.linear.bf16_input(rows, out.shape[1], w.output)
+            out_frag = self.linear.fragment_input(rows, w.output)
             self.k.attention_decode(q, qkgv, inputs.page_tables, inputs.row_lane[:rows], inputs.row_pos[:rows], kv.k,
                                   kv.v, kv.k_scale, kv.v_scale, out, ws.partials, heads=d.attn_heads,
                                   kv_heads=d.kv_heads, head_dim=d.head_dim, stream=stream,
-                                  min_split_keys=self.attention_min_split_keys)
+                                  min_split_keys=self.attention_min_split_keys, out_bf16=out_bf16,
+                                  out_fragments=out_frag)
         elif self.prefill_attention == "gemm":
             self._prefill_attention_gemm(kv, prefill, rows)
         elif self.prefill_attention == "flash":
@@ -1248,7 +1252,7 @@ class CudaQwen:
             self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
                                    kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
                                    head_dim=d.head_dim, stream=stream)
-        self.linear(ws.attended, w.output, ws.x, rows=rows, accumulate=True)
+        self.linear(ws.attended, w.output, ws.x, rows=rows, accumulate=True, x_bf16=out_bf16, x_fragments=out_frag)
 
     def _prefill_attention_gemm(self, kv: KvPool, prefill: PrefillSpan, rows: int) -> None:
         """Prefill attention on the tensor cores (`attention_gemm`): K/V of the lane gathered once into contiguous
