@@ -655,31 +655,6 @@ def _store_step_partials(m_l, l_l, acc, sm_m, sm_l, sm_acc, partials, r, kvh, sp
             partials[r, hh, split, 1] = total_l
 
 
-@device_function
-def _d256_block(row_pos, partials, heads, kv_heads, min_keys):
-    """A head_dim 256 decode thread's place: (row, kv head, split, lane, q heads a kv head, its warp's q head, key
-    warps, its warp's key warp, the split's first key, its end); the split is empty when first >= end."""
-    tid = cuda.threadIdx.x
-    warp = tid // 32
-    group_heads = heads // kv_heads
-    r = cuda.blockIdx.z
-    kvh = cuda.blockIdx.y
-    length = row_pos[r] + 1
-    chunk = split_keys(length, partials.shape[2], min_keys)
-    start = cuda.blockIdx.x * chunk
-    return (r, kvh, cuda.blockIdx.x, tid % 32, group_heads, kvh * group_heads + warp % group_heads,
-            cuda.blockDim.x // (32 * group_heads), warp // group_heads, start, min(start + chunk, length))
-
-
-@device_function
-def _d256_query(q, qv, acc, r, h, lane):
-    """This lane's 8 dims of q head h, scaled by 1 / sqrt(256), and zeroed accumulators."""
-    scale = float32(1.0) / math.sqrt(float32(256.0))
-    for e in range(8):
-        acc[e] = float32(0.0)
-        qv[e] = q[r, h, lane * 8 + e] * scale
-
-
 u64_4d = uint64[:, :, :, ::1]
 
 
@@ -767,8 +742,19 @@ def _make_decode_staged_kernel(quant: bool):
         memory (`_stage_tile`, a ring of STAGES); lane L owns head dims 8L..8L+7, and a step's 4 dot products are
         reduced by a butterfly reduce-scatter (lane L: key L // 8). Keys past the row's end land as zeros, masked."""
         sh = cuda.shared.array(0, uint32)
-        r, kvh, split, lane, group_heads, h, key_warps, kw_i, start, stop = _d256_block(row_pos, partials, heads,
-                                                                                       kv_heads, min_keys)
+        split = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        r = cuda.blockIdx.z
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        group_heads = heads // kv_heads
+        h = kvh * group_heads + warp % group_heads
+        key_warps = cuda.blockDim.x // (32 * group_heads)
+        kw_i = warp // group_heads
+        length = row_pos[r] + 1
+        chunk = split_keys(length, partials.shape[2], min_keys)
+        start = split * chunk
+        stop = min(start + chunk, length)
         if start >= stop:
             return
         page_tokens = int32(k_words.shape[1])
@@ -778,7 +764,10 @@ def _make_decode_staged_kernel(quant: bool):
         kx = cuda.local.array(32, float32)  # 4 keys x 8 dims (K, then V)
         kw = cuda.local.array(16, uint32)  # a step's 4 rows of this lane, as words
         ksc = cuda.local.array(4, float32)
-        _d256_query(q, qv, acc, r, h, lane)
+        scale = float32(1.0) / math.sqrt(float32(256.0))
+        for e in range(8):  # this lane's 8 dims of q head h, scaled, and zeroed accumulators
+            acc[e] = float32(0.0)
+            qv[e] = q[r, h, lane * 8 + e] * scale
         m_l = float32(NEG_INF)
         l_l = float32(0.0)
         lane_id = row_lane[r]
