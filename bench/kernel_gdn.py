@@ -1,11 +1,12 @@
 """GPU timings of the Gated DeltaNet kernels at the real model shapes (Qwen3.6-27B and 35B-A3B).
 
-Scenarios per model: decode (8 segments x 1 row), verify (8 segments x 4 rows, recording columns), prefill (1 segment
-x 8192 rows; the model runs the chunked gated delta rule there, `gdn_chunked`, and the recurrent kernel is shown as
-the alternative). Each launcher is timed with CUDA events (3 warm-ups, median of RUNS), queued behind a sleeping kernel so
-the ~26 us Python launch cost is not in the measurement; small scenarios rotate 3 input sets (states included) so
-they do not sit in the 60 MB L2. `recurrent_g8` is the recurrent kernel with 8 key groups (alternatives are not counted
-in the layer total, which uses what the model runs). Prints a table and writes JSON to $OUT/kernel_gdn.json when OUT is set.
+Scenarios per model: decode (8 segments x 1 row), verify (8 segments x 4 rows, recording columns), prefill (1 segment x
+8192 rows; the model runs the chunked gated delta rule there, `gdn_chunked`, and the recurrent kernel is shown as the
+alternative, as is `chunked_64`: the chunked rule with its scan at 64 value columns a block whatever the grid). Each
+launcher is timed with CUDA events (3 warm-ups, median of RUNS), queued behind a sleeping kernel so the ~26 us Python
+launch cost is not in the measurement; small scenarios rotate 3 input sets (states included) so they do not sit in the
+60 MB L2. `recurrent_g8` is the recurrent kernel with 8 key groups (alternatives are not counted in the layer total,
+which uses what the model runs). Prints a table and writes JSON to $OUT/kernel_gdn.json when OUT is set.
 
 Run on the GPU box: `python bench/kernel_gdn.py [--models 27b,35b] [--scenarios decode,verify,prefill]`.
 """
@@ -134,11 +135,16 @@ def _launchers(m, stream, scenario):
     }
     if scenario != "prefill":
         return launchers, {"recurrent_g8", "conv_r2", "conv_r4"}
-    launchers["chunked"] = lambda d: gdn_chunked.gdn_chunked(
-        d["q"], d["k"], d["mixed"], d["log_decay"], d["beta"], d["ssm_state"], d["seg_lane"], d["seg_row"],
-        d["seg_count"], d["out"], d["cum"], d["mats"], rows=d["rows"], qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv,
-        channels_qk=2 * hq * dk, stream=stream)
-    return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4"}
+
+    def chunked(multiprocessors):
+        return lambda d: gdn_chunked.gdn_chunked(
+            d["q"], d["k"], d["mixed"], d["log_decay"], d["beta"], d["ssm_state"], d["seg_lane"], d["seg_row"],
+            d["seg_count"], d["out"], d["cum"], d["mats"], rows=d["rows"], qk_heads=hq, v_heads=hv, k_dim=dk,
+            v_dim=dv, channels_qk=2 * hq * dk, multiprocessors=multiprocessors, stream=stream)
+
+    launchers["chunked"] = chunked(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    launchers["chunked_64"] = chunked(0)  # no SMs to fill: `scan_slice` keeps 64 columns
+    return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4", "chunked_64"}
 
 
 def _bytes_and_flops(name, m, sc, d):
@@ -149,7 +155,7 @@ def _bytes_and_flops(name, m, sc, d):
         return 4 * (2 * rows * c + K * c + 2 * lanes * (K - 1) * c + rec * rows * (K - 1) * c), 2 * K * rows * c
     if name == "gates":
         return 4 * (2 * rows * 2 * hq * dk + 2 * rows * 2 * hv), 0
-    if name.startswith("recurrent") or name == "chunked":  # the recurrence's FLOPs for both forms
+    if name.startswith(("recurrent", "chunked")):  # the recurrence's FLOPs for both forms
         state = hv * dk * dv
         return (4 * (2 * lanes * state + rows * (2 * hq * dk + 2 * hv + 2 * hv * dv) + rec * rows * state),
                 8 * rows * state)

@@ -17,10 +17,14 @@ Two launches (8K rows at the 27B head shapes on the H200: 0.64 + 1.32 ms a layer
    Q K^T on the tensor cores, T by 16-row blocks (each warp inverts its diagonal block in registers, then three block
    rows of products), and T and P packed into one [C, C] matrix per chunk and head: `mats[row a, h, b]` = P[a, b]
    for b <= a, T[b, a] for b > a.
-2. `gdn_chunk_scan_kernel` (segments x v heads x value-column slices of SLICE, 8 warps): walks the chunks in order
-   with the slice of S in registers (mma accumulators) and, TF32-rounded, in shared memory as the B operand. The
-   next chunk's K, Q, T / P and V rows are copied into (dynamic, > 48 KiB) shared memory with `cp.async` while the
-   current chunk computes: K and T / P double-buffered, Q and V as soon as their buffer is read.
+2. `gdn_chunk_scan_kernel` (segments x v heads x value-column slices of SLICE, 8 warps: 4 16-row tiles of the chunk
+   x the slice's two column halves): walks the chunks in order with the slice of S in registers (mma accumulators)
+   and, TF32-rounded, in shared memory as the B operand. The next chunk's K, Q, T / P and V rows are copied into
+   (dynamic, > 48 KiB) shared memory with `cp.async` while the current chunk computes: K and T / P double-buffered,
+   Q and V as soon as their buffer is read. A block takes an SM to itself and its chunks run one after another, so
+   the slice is compiled at 64 and 32 columns and `scan_slice` takes 32 where the 64-column grid would fill at most
+   half the SMs (the 35B-A3B's 32 v heads x 2 slices on the H200's 132), else 64 (the 27B's 48 x 2: one wave).
+   Every value column's S, U and O come from that column alone through the same products, so both give the same bits.
 
 Operands are rounded to TF32 (round to nearest, ties away: `tf32_round`) before each product; the twin
 `gdn_chunked_reference` rounds the same values, so kernel and twin differ only in fp32 summation order. Against the
@@ -49,10 +53,12 @@ F32 = np.float32
 
 CHUNK = 64  # rows per chunk: 4 warps x one 16-row mma tile
 THREADS = 128  # prepare: one 16-row tile per warp
-SCAN_THREADS = 256  # scan: 8 warps, (16-row tile, 32 columns) each
-SLICE = 64  # value columns per scan block (a 27B-sized layer is 48 x 2 blocks: one wave)
+SCAN_THREADS = 256  # scan: 8 warps, (16-row tile, half the slice's columns) each
+SLICES = (32, 64)  # value columns per scan block, a compiled variant each (`scan_slice` picks one)
 K_DIMS = (16, 32, 64, 128)  # key dims with a compiled variant (the real models: 128)
-SHARED_PAD = 8  # [*, SLICE] shared tiles have rows of SLICE + 8 words: the B-fragment reads hit 32 banks
+# [*, SLICE] shared tiles have rows of SP = SLICE + 8 words (72 or 40): the B-fragment reads (word t SP + g) hit 32
+# banks (t SP mod 32 = 0, 8, 16, 24) and the rows stay 16-byte aligned for cp.async
+SHARED_PAD = 8
 TF32_HALF = 0x1000
 TF32_MASK = 0xFFFFE000
 
@@ -272,10 +278,10 @@ _COPY_ROWS = """
 """
 
 _COPY_M = """
-            for e in range(MV_PIECES):
+            for e in range(M_PIECES):
                 idx = tid + e * SCAN_THREADS
-                r = idx // ROW_PIECES
-                p = idx - r * ROW_PIECES
+                r = idx // M_ROW_PIECES
+                p = idx - r * M_ROW_PIECES
                 row = int64(nb + min(r, nn - 1))
                 size = uint32(16) if r < nn else uint32(0)
                 copy_async_16(shared + uint32((M_OFF + buf * M_SIZE + r * MP + 4 * p) * 4),
@@ -294,10 +300,10 @@ _COMMIT = """
 _COPY_V = """
             nb = start + nxt * CHUNK
             nn = min(CHUNK, count - nxt * CHUNK)
-            for e in range(MV_PIECES):
+            for e in range(V_PIECES):
                 idx = tid + e * SCAN_THREADS
-                r = idx // ROW_PIECES
-                p = idx - r * ROW_PIECES
+                r = idx // V_ROW_PIECES
+                p = idx - r * V_ROW_PIECES
                 row = int64(nb + min(r, nn - 1))
                 size = uint32(16) if r < nn and 4 * p < v_left else uint32(0)
                 copy_async_16(shared + uint32((Y_OFF + r * SP + 4 * p) * 4),
@@ -306,8 +312,8 @@ _COPY_V = """
 """
 
 _SCAN_SOURCE = """
-def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg_lane, seg_row, seg_count, out,
-                                   qk_heads, v_heads, v_dim, channels_qk):
+def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_state, seg_lane, seg_row, seg_count,
+                                          out, qk_heads, v_heads, v_dim, channels_qk):
     # One dynamic shared array (past the 48 KiB static limit), laid out as: K chunk rows [CHUNK, {kp}] twice (this
     # chunk's and the next one's), Q rows [CHUNK, {kp}], the packed T / P [CHUNK, MP] twice, V then Y [CHUNK, SP],
     # the state slice [Dk, SP] (TF32), U [CHUNK, SP], and exp(G), exp(G_last - G), beta [CHUNK] each. K, Q and T / P
@@ -316,8 +322,8 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
     # the load instructions once the k-step loops are written out.
     sh = cuda.shared.array(0, float32)
     sacc = cuda.local.array({sacc}, float32)  # this warp's state tiles (mma C layout), fp32
-    acc = cuda.local.array(16, float32)
-    acc_o = cuda.local.array(16, float32)
+    acc = cuda.local.array({tile}, float32)
+    acc_o = cuda.local.array({tile}, float32)
     p_last = float32(0.0)
     p_cum = float32(0.0)
     p_beta = float32(0.0)
@@ -344,7 +350,7 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
     g = lane >> 2
     t = lane & 3
     mw = warp & 3  # the warp's 16-row tile of the chunk
-    n0 = (warp >> 2) * 32  # and its 32 columns of the slice (4 mma n-tiles)
+    n0 = (warp >> 2) * {warp_cols}  # and its half of the slice's columns ({ntiles} mma n-tiles)
     r0 = mw * 16 + g
     row_frag = uint64(r0 * {kp} + t)  # A fragment (r0, t) of a [CHUNK, {kp}] row block
     col_frag = uint64(t * SP + n0 + g)  # B fragment (t, n0 + g) of a [*, SP] block
@@ -364,10 +370,10 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
     for jj in unrolled({sj}):
         mt = mw + 4 * jj
         if mt < {mtiles}:
-            for nt in range(4):
+            for nt in range({ntiles}):
                 for e in range(4):
-                    sacc[16 * jj + 4 * nt + e] = sh[uint64(S_OFF + (mt * 16 + 8 * (e >> 1)) * SP + nt * 8
-                                                           + (e & 1)) + c_frag - uint64(mw * 16 * SP)]
+                    sacc[{tile} * jj + 4 * nt + e] = sh[uint64(S_OFF + (mt * 16 + 8 * (e >> 1)) * SP + nt * 8
+                                                               + (e & 1)) + c_frag - uint64(mw * 16 * SP)]
     cuda.syncthreads()
     for e in range({k_dim} * SLICE // SCAN_THREADS):
         at = uint64(S_OFF + (tid + e * SCAN_THREADS) // SLICE * SP + (tid + e * SCAN_THREADS) % SLICE)
@@ -395,7 +401,7 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
             buf = 1 - cur
 {copy_km}
         # X = K S and Q S; Y = diag(beta) (V - diag(E) X), in place of V
-        for e in range(16):
+        for e in range({tile}):
             acc[e] = float32(0.0)
             acc_o[e] = float32(0.0)
         ka = k_off + row_frag
@@ -408,14 +414,14 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
             q1 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 8 * {kp})])
             q2 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 4)])
             q3 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 8 * {kp} + 4)])
-            for nt in range(4):
+            for nt in range({ntiles}):
                 b0 = sh[col_frag + uint64(S_OFF + ks * 8 * SP + nt * 8)]
                 b1 = sh[col_frag + uint64(S_OFF + (ks * 8 + 4) * SP + nt * 8)]
                 acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
                     a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
                 acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3] = mma_tf32_m16n8k8(
                     q0, q1, q2, q3, b0, b1, acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3])
-        for nt in range(4):
+        for nt in range({ntiles}):
             for e in range(4):
                 r = uint64(r0 + 8 * (e >> 1))
                 at = c_frag + uint64(Y_OFF + 8 * (e >> 1) * SP + nt * 8 + (e & 1))
@@ -424,7 +430,7 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
         if chunk + 1 < chunks:
 {copy_q}
         # U = T Y (T unit lower triangular, T[r, s] = mats[s, r]: the column tiles at or left of the diagonal)
-        for e in range(16):
+        for e in range({tile}):
             acc[e] = float32(0.0)
         ta = m_off + t_frag
         for ks in range({chunk_ksteps}):
@@ -441,19 +447,19 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
                 a1 = tf32_round(a1)
                 a2 = tf32_round(a2)
                 a3 = tf32_round(a3)
-                for nt in range(4):
+                for nt in range({ntiles}):
                     b0 = sh[col_frag + uint64(Y_OFF + ks * 8 * SP + nt * 8)]
                     b1 = sh[col_frag + uint64(Y_OFF + (ks * 8 + 4) * SP + nt * 8)]
                     acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
                         a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
-        for nt in range(4):
+        for nt in range({ntiles}):
             for e in range(4):
                 sh[c_frag + uint64(U_OFF + 8 * (e >> 1) * SP + nt * 8 + (e & 1))] = tf32_round(acc[4 * nt + e])
         cuda.syncthreads()
         if chunk + 1 < chunks:
 {copy_v}
         # O = diag(E) Q S + P U (P[r, s] = mats[r, s], s <= r)
-        for nt in range(4):
+        for nt in range({ntiles}):
             for e in range(4):
                 acc_o[4 * nt + e] *= sh[uint64(E_OFF + r0 + 8 * (e >> 1))]
         pa = m_off + p_frag
@@ -464,13 +470,13 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
                 a1 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP)]) if s0 <= r0 + 8 else float32(0.0)
                 a2 = tf32_round(sh[pa + uint64(ks * 8 + 4)]) if s0 + 4 <= r0 else float32(0.0)
                 a3 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP + 4)]) if s0 + 4 <= r0 + 8 else float32(0.0)
-                for nt in range(4):
+                for nt in range({ntiles}):
                     b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
                     b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
                     acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3] = mma_tf32_m16n8k8(
                         a0, a1, a2, a3, b0, b1, acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2],
                         acc_o[4 * nt + 3])
-        for nt in range(4):
+        for nt in range({ntiles}):
             for e in range(4):
                 r = r0 + 8 * (e >> 1)
                 c = n0 + nt * 8 + 2 * t + (e & 1)
@@ -484,8 +490,8 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
             if mt < {mtiles}:
                 kt = k_off + uint64(t * {kp} + mt * 16 + g)  # K[t, m]: the transposed A fragment
                 wt = uint64(W_OFF + t)
-                for e in range(16):
-                    sacc[16 * jj + e] *= decay
+                for e in range({tile}):
+                    sacc[{tile} * jj + e] *= decay
                 for ks in range({chunk_ksteps}):
                     w0 = sh[wt + uint64(ks * 8)]
                     w4 = sh[wt + uint64(ks * 8 + 4)]
@@ -493,48 +499,57 @@ def gdn_chunk_scan_kernel_dk{k_dim}(q, k, mixed, beta, cum, mats, ssm_state, seg
                     a1 = tf32_round(tf32_round(sh[kt + uint64(ks * 8 * {kp} + 8)]) * w0)
                     a2 = tf32_round(tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp})]) * w4)
                     a3 = tf32_round(tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp} + 8)]) * w4)
-                    for nt in range(4):
+                    for nt in range({ntiles}):
                         b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
                         b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
-                        x = 16 * jj + 4 * nt
+                        x = {tile} * jj + 4 * nt
                         sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3] = mma_tf32_m16n8k8(
                             a0, a1, a2, a3, b0, b1, sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3])
         cuda.syncthreads()  # every read of this chunk's shared rows and S is done
         for jj in unrolled({sj}):
             mt = mw + 4 * jj
             if mt < {mtiles}:
-                for nt in range(4):
+                for nt in range({ntiles}):
                     for e in range(4):
                         sh[c_frag + uint64(S_OFF + (mt * 16 + 8 * (e >> 1)) * SP + nt * 8 + (e & 1))
-                           - uint64(mw * 16 * SP)] = tf32_round(sacc[16 * jj + 4 * nt + e])
+                           - uint64(mw * 16 * SP)] = tf32_round(sacc[{tile} * jj + 4 * nt + e])
 
     for jj in unrolled({sj}):
         mt = mw + 4 * jj
         if mt < {mtiles}:
-            for nt in range(4):
+            for nt in range({ntiles}):
                 for e in range(4):
                     c = n0 + nt * 8 + 2 * t + (e & 1)
                     if c < v_left:
                         ssm_state[slot, uh, uint64(mt * 16 + g + 8 * (e >> 1)), uint64(col0 + c)] = sacc[
-                            16 * jj + 4 * nt + e]
+                            {tile} * jj + 4 * nt + e]
 """
 
 
-SP = SLICE + SHARED_PAD
 AP = CHUNK + 1  # A / T rows in shared memory: the forward substitution's column reads hit distinct banks
 RS = 3 * 16 + 1  # rows of a block row's R = A_(i, <i) T_(<i, <i) (up to 48 columns)
 SCRATCH = CHUNK * AP  # R's offset in the prepare kernel's shared memory
 MP = CHUNK + 4  # packed T / P rows in the scan's shared memory: row and column fragment reads hit 32 banks
-ROW_PIECES = CHUNK // 4  # 16-byte pieces of a T / P row, and of a V row of the slice
-MV_PIECES = CHUNK * ROW_PIECES // SCAN_THREADS  # T / P (and V) pieces per scan thread and chunk
-assert SLICE == CHUNK, "the scan copies T / P rows and V rows with one index (CHUNK words each)"
+M_ROW_PIECES = CHUNK // 4  # 16-byte pieces of a packed T / P row
+M_PIECES = CHUNK * M_ROW_PIECES // SCAN_THREADS  # T / P pieces per scan thread and chunk
 
 
-def _scan_layout(k_dim: int) -> dict[str, int]:
-    """Word offsets of the scan's dynamic shared array (see its source), and its size in bytes."""
+def scan_slice(blocks_at_64: int, multiprocessors: int) -> int:
+    """The scan's value columns per block (SLICES) for a launch of `blocks_at_64` blocks at 64 columns on a GPU of
+    `multiprocessors` SMs. A scan block walks its chunks one after another and takes an SM to itself (~210 KB of
+    shared memory at 64 columns, ~178 KB at 32), so a grid smaller than the GPU leaves SMs idle for the whole scan:
+    the 35B-A3B's 8K prefill (32 v heads x 2 slices = 64 blocks) ran on half the H200's 132 SMs, 1.2 ms a layer (128
+    chunks at ~9.4 us). 32 columns double the blocks with the same chunk loop and half the products each; past half
+    the SMs (the 27B's 48 x 2 = 96 blocks) the doubled grid would take a second wave."""
+    return 32 if 2 * blocks_at_64 <= multiprocessors else 64
+
+
+def _scan_layout(k_dim: int, sp: int) -> dict[str, int]:
+    """Word offsets of the scan's dynamic shared array (see its source) for [*, SLICE] rows of `sp` words, and its
+    size in bytes."""
     kp = k_dim + 4
-    sizes = dict(K_OFF=2 * CHUNK * kp, Q_OFF=CHUNK * kp, M_OFF=2 * CHUNK * MP, Y_OFF=CHUNK * SP, S_OFF=k_dim * SP,
-                 U_OFF=CHUNK * SP, E_OFF=CHUNK, W_OFF=CHUNK, B_OFF=CHUNK)
+    sizes = dict(K_OFF=2 * CHUNK * kp, Q_OFF=CHUNK * kp, M_OFF=2 * CHUNK * MP, Y_OFF=CHUNK * sp, S_OFF=k_dim * sp,
+                 U_OFF=CHUNK * sp, E_OFF=CHUNK, W_OFF=CHUNK, B_OFF=CHUNK)
     layout, words = {}, 0
     for name, size in sizes.items():
         layout[name] = words
@@ -544,28 +559,38 @@ def _scan_layout(k_dim: int) -> dict[str, int]:
 
 
 def _make_kernels(k_dim: int):
+    """The prepare kernel for `k_dim`, and {slice: (scan kernel, its dynamic shared bytes)} for each of SLICES."""
     kp = k_dim + 4  # K rows in shared memory: the A- and B-fragment reads hit distinct banks (16-byte aligned rows)
     mtiles = k_dim // 16
     sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, SCRATCH + 16 * RS), k_loads=CHUNK * k_dim // THREADS,
                  k_row_pieces=k_dim // 4, k_pieces=CHUNK * k_dim // 4 // SCAN_THREADS, ksteps=k_dim // 8,
-                 chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4, sacc=16 * ((mtiles + 3) // 4))
+                 chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4)
     sizes.update(copy_km=_COPY_ROWS.format(dst="buf * K_SIZE", source="k_at", **sizes) + _COPY_M,
-                 copy_q=_COPY_ROWS.format(dst="Q_OFF", source="q_at", **sizes) + _COMMIT,
-                 copy_v=_COPY_V.format(**sizes))
+                 copy_q=_COPY_ROWS.format(dst="Q_OFF", source="q_at", **sizes) + _COMMIT, copy_v=_COPY_V)
     prepare = instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(), sizes)
-    layout = _scan_layout(k_dim)
-    scan = instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}", _SCAN_SIG, globals(), sizes, layout)
-    return prepare, scan, layout["SCAN_SHARED_BYTES"]
+    scans = {}
+    for columns in SLICES:
+        ntiles = columns // 16  # a warp's mma n-tiles: half the slice's columns, 8 each
+        variant = dict(sizes, slice=columns, warp_cols=columns // 2, ntiles=ntiles, tile=4 * ntiles,
+                       sacc=4 * ntiles * sizes["sj"])
+        sp = columns + SHARED_PAD
+        constants = dict(_scan_layout(k_dim, sp), SLICE=columns, SP=sp, V_ROW_PIECES=columns // 4,
+                         V_PIECES=CHUNK * columns // 4 // SCAN_THREADS)
+        scan = instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}_s{columns}", _SCAN_SIG, globals(),
+                           variant, constants)
+        scans[columns] = scan, constants["SCAN_SHARED_BYTES"]
+    return prepare, scans
 
 
 _KERNELS = {dk: _make_kernels(dk) for dk in K_DIMS}
 
 
 def gdn_chunked(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_count, out, cum, mats, *, rows,
-                qk_heads, v_heads, k_dim, v_dim, channels_qk, stream):
+                qk_heads, v_heads, k_dim, v_dim, channels_qk, multiprocessors, stream):
     """`gdn.gdn_recurrent` for segments that do not record per-row states, in chunks of CHUNK rows (module
     docstring). `rows` bounds every segment's count; `cum` [>= rows, Hv] and `mats` [>= rows, Hv, CHUNK] are
-    workspace (G and the packed T / P of each chunk). k_dim must be 16, 32, 64 or 128."""
+    workspace (G and the packed T / P of each chunk). k_dim must be 16, 32, 64 or 128. `multiprocessors`: the
+    GPU's SM count, which picks the scan's slice (`scan_slice`; the results are the same bits either way)."""
     if k_dim not in _KERNELS:
         raise ValueError(f"gdn_chunked has no variant for k_dim={k_dim}")
     if v_dim % 4 or channels_qk % 4 or mixed.shape[1] % 4:
@@ -574,11 +599,13 @@ def gdn_chunked(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_
     segments = seg_lane.shape[0]
     if segments == 0 or rows == 0:
         return
-    prepare, scan, shared_bytes = _KERNELS[k_dim]
+    prepare, scans = _KERNELS[k_dim]
+    columns = scan_slice(segments * v_heads * ((v_dim + 63) // 64), multiprocessors)
+    scan, shared_bytes = scans[columns]
     allow_dynamic_shared(scan, _SCAN_SIG, shared_bytes)
     prepare[(segments, (rows + CHUNK - 1) // CHUNK, v_heads), THREADS, stream](
         q, k, log_decay, beta, seg_row, seg_count, cum, mats, np.int32(qk_heads), np.int32(v_heads))
-    scan[(segments, v_heads, (v_dim + SLICE - 1) // SLICE), SCAN_THREADS, stream, shared_bytes](
+    scan[(segments, v_heads, (v_dim + columns - 1) // columns), SCAN_THREADS, stream, shared_bytes](
         q, k, mixed, beta, cum, mats, ssm_state, seg_lane, seg_row, seg_count, out, np.int32(qk_heads),
         np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk))
 

@@ -95,10 +95,22 @@ def test_twin_formulas_are_the_recurrence_without_rounding(monkeypatch):
     assert _rel(state, want_state) < 2e-6
 
 
+def test_the_scan_slice_halves_where_the_wide_grid_fills_at_most_half_the_sms():
+    """H200 (132 SMs) at 8K rows: the 35B-A3B's 32 v heads x 2 slices (64 blocks) take 32 columns, the 27B's 48 x 2
+    (96 blocks: a second wave at 32) keep 64; the bound itself, and a GPU unknown (0 SMs) keeps 64."""
+    assert gdn_chunked.scan_slice(32 * 2, 132) == 32
+    assert gdn_chunked.scan_slice(48 * 2, 132) == 64
+    assert gdn_chunked.scan_slice(66, 132) == 32
+    assert gdn_chunked.scan_slice(67, 132) == 64
+    assert gdn_chunked.scan_slice(1, 0) == 64
+    assert set(gdn_chunked.SLICES) == {32, 64}
+
+
 @pytest.mark.slow
 def test_kernels_match_the_twin_in_the_cuda_simulator():
     """Both kernels' own source run thread by thread with the TF32 mma, warp barriers and cp.async emulated: tiles,
-    the blockwise inversion, the packed T / P, the scan across chunks, segments and heads (about 30 s)."""
+    the blockwise inversion, the packed T / P, the scan across chunks, segments and heads, at both slice widths
+    (about 30 s)."""
     from tests.support.simulated_kernels import run
 
     assert "ok gdn_chunked" in run("gdn_chunked")
@@ -112,9 +124,12 @@ GPU_SHAPES = [dict(qk_heads=2, v_heads=4, k_dim=32, v_dim=16), dict(qk_heads=1, 
               dict(qk_heads=16, v_heads=48, k_dim=128, v_dim=128), dict(qk_heads=16, v_heads=32, k_dim=128, v_dim=128)]
 
 
-def _run_gpu(case, recurrent=False):
+def _run_gpu(case, recurrent=False, multiprocessors=None):
+    """`multiprocessors`: what the chunked launcher is told the GPU has (default: the GPU's own count)."""
     from ninfer.kernels_numba.numba_setup import cuda
 
+    if multiprocessors is None:
+        multiprocessors = cuda.get_current_device().MULTIPROCESSOR_COUNT
     stream = cuda.stream()
     heads, rows = case["heads"], case["rows"]
     dev = {name: cuda.to_device(np.ascontiguousarray(case[name]), stream=stream)
@@ -130,7 +145,8 @@ def _run_gpu(case, recurrent=False):
                           *seg, record, out, stream=stream, **heads)
     else:
         gdn_chunked.gdn_chunked(dev["q"], dev["k"], dev["mixed"], dev["log_decay"], dev["beta"], dev["ssm_state"],
-                                *seg, out, cum, mats, rows=rows, stream=stream, **heads)
+                                *seg, out, cum, mats, rows=rows, multiprocessors=multiprocessors, stream=stream,
+                                **heads)
     got = [a.copy_to_host(stream=stream) for a in (out, dev["ssm_state"], cum, mats)]
     stream.synchronize()
     return got
@@ -163,3 +179,23 @@ def test_kernels_match_the_recurrent_kernel_at_model_shapes(shape):
     want_out, want_state, _, _ = _run_gpu(case, recurrent=True)
     assert _rel(out, want_out) < 2e-3
     assert _rel(state, want_state) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [GPU_SHAPES[4], dict(qk_heads=2, v_heads=4, k_dim=64, v_dim=80),
+                                   dict(qk_heads=2, v_heads=4, k_dim=32, v_dim=40)], ids=["35b", "64x80", "32x40"])
+def test_both_scan_slices_give_the_same_bits(shape):
+    """The scan at 32 value columns a block (a GPU with SMs to spare) and at 64 (none): each column's products are the
+    same, so outputs and carried states are equal bit for bit, also where v_dim leaves a partial slice; and both
+    within fp32 summation-order error of the twin."""
+    case = _case(np.random.default_rng(13), mix=[(1, 150), (0, 64), (3, 5)], **shape)
+    blocks_at_64 = 3 * shape["v_heads"] * ((shape["v_dim"] + 63) // 64)
+    assert gdn_chunked.scan_slice(blocks_at_64, 0) == 64 and gdn_chunked.scan_slice(blocks_at_64, 1 << 20) == 32
+    narrow_out, narrow_state, _, _ = _run_gpu(case, multiprocessors=1 << 20)
+    wide_out, wide_state, _, _ = _run_gpu(case, multiprocessors=0)
+    assert not np.isnan(narrow_out).any()
+    assert np.array_equal(narrow_out, wide_out)
+    assert np.array_equal(narrow_state, wide_state)
+    want_out, want_state, _, _ = _chunked_twin(case)
+    assert _rel(narrow_out, want_out) < 1e-4
+    assert _rel(narrow_state, want_state) < 1e-4

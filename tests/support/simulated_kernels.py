@@ -174,32 +174,42 @@ def gather_kv() -> None:
 
 def gdn_chunked() -> None:
     """Prepare and scan kernels against the twin: two segments (a full and a partial chunk, then a short one) on two
-    of three lanes, two v heads sharing a qk head; the third lane's state untouched."""
+    of three lanes, two v heads sharing a qk head; the third lane's state untouched. The scan at 64 and at 32 value
+    columns a block, the same bits."""
     from ninfer.kernels_numba import gdn_chunked as chunked
     from tests.kernels.test_gdn_chunked import CHUNK, _case, _chunked_twin
     from tests.support import cuda_simulator
 
-    for prepare, scan, _ in chunked._KERNELS.values():
+    for prepare, scans in chunked._KERNELS.values():
         cuda_simulator.install(prepare.py_func.__globals__)
-        cuda_simulator.install(scan.py_func.__globals__)
+        for scan, _ in scans.values():
+            cuda_simulator.install(scan.py_func.__globals__)
     cuda_simulator.install(vars(chunked))
     heads = dict(qk_heads=1, v_heads=2, k_dim=16, v_dim=8)
     case = _case(np.random.default_rng(3), mix=[(1, 70), (0, 5)], lanes=3, **heads)
-    rows, state = case["rows"], case["ssm_state"].copy()
-    out = np.full((rows, 2, 8), np.nan, np.float32)
-    cum = np.full((rows, 2), np.nan, np.float32)
-    mats = np.full((rows, 2, CHUNK), np.nan, np.float32)
-    chunked.gdn_chunked(case["q"], case["k"], case["mixed"], case["log_decay"], case["beta"], state,
-                        case["seg_lane"], case["seg_row"], case["seg_count"], out, cum, mats, rows=rows,
-                        channels_qk=2 * 16, stream=0, **heads)
+    rows = case["rows"]
     want_out, want_state, want_cum, want_mats = _chunked_twin(case)
     written = ~np.isnan(want_mats)
-    assert np.array_equal(~np.isnan(mats), written), "packed T / P written where the twin writes nothing"
-    errors = [_rel(cum, want_cum), _rel(mats[written], want_mats[written]), _rel(out, want_out),
-              _rel(state, want_state)]
-    assert max(errors) < 1e-4, errors
-    assert np.array_equal(state[2], case["ssm_state"][2]), "a lane without a segment changed"
-    print("ok gdn_chunked", *errors, flush=True)
+    results = {}
+    for multiprocessors in (0, 8):  # 2 segments x 2 heads = 4 blocks at 64 columns: none of 0 SMs, half of 8
+        state = case["ssm_state"].copy()
+        out = np.full((rows, 2, 8), np.nan, np.float32)
+        cum = np.full((rows, 2), np.nan, np.float32)
+        mats = np.full((rows, 2, CHUNK), np.nan, np.float32)
+        chunked.gdn_chunked(case["q"], case["k"], case["mixed"], case["log_decay"], case["beta"], state,
+                            case["seg_lane"], case["seg_row"], case["seg_count"], out, cum, mats, rows=rows,
+                            channels_qk=2 * 16, multiprocessors=multiprocessors, stream=0, **heads)
+        assert np.array_equal(~np.isnan(mats), written), "packed T / P written where the twin writes nothing"
+        errors = [_rel(cum, want_cum), _rel(mats[written], want_mats[written]), _rel(out, want_out),
+                  _rel(state, want_state)]
+        assert max(errors) < 1e-4, errors
+        assert np.array_equal(state[2], case["ssm_state"][2]), "a lane without a segment changed"
+        columns = chunked.scan_slice(4, multiprocessors)
+        results[columns] = out, state
+        print("ok gdn_chunked slice", columns, *errors, flush=True)
+    assert sorted(results) == [32, 64]
+    assert np.array_equal(results[32][0], results[64][0]) and np.array_equal(results[32][1], results[64][1])
+    print("ok gdn_chunked", flush=True)
 
 
 def gdn_recurrent_gated() -> None:

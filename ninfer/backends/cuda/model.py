@@ -856,6 +856,7 @@ class CudaQwen:
         self.inv_freq = device.upload(rope_inv_freq(dims.rotary_dim, dims.rope_theta), "weights")
         device.synchronize()
         self.free_after_weights = device.info.free_bytes  # what --kv-capacity auto sizes from
+        self.multiprocessors = device.info.multiprocessors  # the chunked GDN scan sizes its slices to the SMs
 
         self.pages = 0
         self.kv: dict[int, KvPool] = {}
@@ -1331,7 +1332,7 @@ class CudaQwen:
             self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
                              v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream)
             self.k.gdn_chunked(q, k, mixed, log_decay, beta, state.ssm, *seg[:3], out, ws.gdn_cum, ws.gdn_mats,
-                               rows=rows, **heads)
+                               rows=rows, multiprocessors=self.multiprocessors, **heads)
         else:  # the gates computed inside the recurrence (one launch fewer, the same bits)
             self.k.gdn_recurrent_gated(mixed, ab, w.neg_a, w.dt_bias, state.ssm, state.ssm_columns, *seg, out,
                                        **heads)
