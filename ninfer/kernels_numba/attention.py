@@ -22,8 +22,8 @@ from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_int8
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_target, bf16_to_f32,
-                                         block_sum, blocks_for, code_float, f32_to_bf16, fragment_target, sigmoid_f32,
-                                         store_word_at, warp_max, warp_sum)
+                                         block_sum, blocks_for, code_float, f32_to_bf16, fragment_target,
+                                         half_pair_to_f32, sigmoid_f32, store_word_at, warp_max, warp_sum)
 from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_prior,
                                              shared_address)
 from ninfer.kernels_numba.linear import load2, load4
@@ -544,7 +544,9 @@ STEP_KEYS = 4  # keys a warp step of the head_dim 256 kernel
 
 # int8 codes as float32 through `code_float`: each byte plus 128 (the xor of its sign bit) is an unsigned code, then
 # 2^23 + 128 comes off. Why: the head_dim 256 kernel's G warps of a kv head each convert the same K and V rows (the
-# 35B-A3B's 8), and the integer-to-float conversion runs at a quarter of the FP32 rate.
+# 35B-A3B's 8), and the integer-to-float conversion runs at a quarter of the FP32 rate. For the same reason a row's
+# fp16 group scale (one a lane: its 8 dims lie in one group) multiplies the lane's dot product and the step's weights,
+# not each code, and converts by `cvt` (`half_pair_to_f32`).
 INT8_SIGN_BITS = 0x80808080
 INT8_CODE_OFFSET = float(2 ** 23 + 128)
 
@@ -558,27 +560,29 @@ def _bf16_lane(word, i):
 
 
 @device_function
-def _step_values(values, words, scales, quant):
-    """A step's 4 keys x this lane's 8 dims as fp32 from the words `_staged_load` read (int8 times its scale)."""
+def _step_values(values, words, quant):
+    """A step's 4 keys x this lane's 8 dims as fp32 from the words `_staged_load` read: bf16 values, or int8 codes
+    (their scales apply once a dot product in `_step_scores`, and to the step's 4 weights for V)."""
     for j in range(STEP_KEYS):
         for e in range(8):
             if quant:
                 biased = words[4 * j + e // 4] ^ uint32(INT8_SIGN_BITS)
-                values[j * 8 + e] = code_float(biased, e % 4, float32(INT8_CODE_OFFSET)) * scales[j]
+                values[j * 8 + e] = code_float(biased, e % 4, float32(INT8_CODE_OFFSET))
             else:
                 values[j * 8 + e] = _bf16_lane(words[4 * j + e // 2], e % 2)
 
 
 @device_function
-def _step_scores(qv, kx, lane, key0, stop):
-    """The 4 scores of a step's keys (kx: 4 keys x this lane's 8 dims) reduced over the warp: a butterfly
-    reduce-scatter, lane L ends with key L // 8's score (-inf past the row's end)."""
+def _step_scores(qv, kx, scales, quant, lane, key0, stop):
+    """The 4 scores of a step's keys (kx: 4 keys x this lane's 8 dims; int8: codes, times the lane's K scales once a
+    dot product) reduced over the warp: a butterfly reduce-scatter, lane L ends with key L // 8's score (-inf past
+    the row's end)."""
     vals = cuda.local.array(4, float32)
     for j in range(STEP_KEYS):
         dot = float32(0.0)
         for e in range(8):
             dot += qv[e] * kx[j * 8 + e]
-        vals[j] = dot
+        vals[j] = dot * scales[j] if quant else dot
     # reduce-scatter over offsets 16 and 8, then a plain butterfly
     hi = (lane & 16) != 0
     for i in range(2):
@@ -720,8 +724,8 @@ def _staged_load(words, scales, sh, row0, scale0, lane, quant):
     for j in range(STEP_KEYS):
         if quant:
             words[4 * j], words[4 * j + 1] = load2(sh, row0 + j * 64 + lane * 2)
-            pair = sh[scale0 + j * 2 + lane // 16]
-            scales[j] = f16_bits_to_f32((pair >> uint32(16)) if (lane // 8) % 2 else (pair & uint32(0xFFFF)))
+            low, high = half_pair_to_f32(sh[scale0 + j * 2 + lane // 16])
+            scales[j] = high if (lane // 8) % 2 else low
         else:
             words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load4(sh, row0 + j * 128 + lane * 4)
 
@@ -803,11 +807,14 @@ def _make_decode_staged_kernel(quant: bool):
                 key0 = key_base + j0
                 if key0 < stop:
                     _staged_load(kw, ksc, sh, stage + j0 * row_words, stage + STAGE_SCALES + j0 * 2, lane, quant)
-                    _step_values(kx, kw, ksc, quant)
-                    p0, p1, p2, p3, alpha, m_l, l_l = _step_softmax(_step_scores(qv, kx, lane, key0, stop), m_l, l_l)
+                    _step_values(kx, kw, quant)
+                    p0, p1, p2, p3, alpha, m_l, l_l = _step_softmax(
+                        _step_scores(qv, kx, ksc, quant, lane, key0, stop), m_l, l_l)
                     _staged_load(kw, ksc, sh, stage + (STAGE_KEYS + j0) * row_words,
                                  stage + STAGE_SCALES + (STAGE_KEYS + j0) * 2, lane, quant)
-                    _step_values(kx, kw, ksc, quant)
+                    _step_values(kx, kw, quant)
+                    if quant:  # the V rows' scales go into the weights: 4 products a step instead of 32
+                        p0, p1, p2, p3 = p0 * ksc[0], p1 * ksc[1], p2 * ksc[2], p3 * ksc[3]
                     _step_accumulate(acc, kx, alpha, p0, p1, p2, p3)
         sm_m = cuda.shared.array(STAGED_BLOCK_WARPS, float32)
         sm_l = cuda.shared.array(STAGED_BLOCK_WARPS, float32)

@@ -111,6 +111,53 @@ def address_of(typingctx, array):
     return int64(array), codegen
 
 
+@intrinsic
+def half_pair_to_f32(typingctx, word):
+    """The two binary16 halves of a word as float32 (low, high): `cvt.f32.f16`, exact (subnormals too)."""
+    signature = types.UniTuple(types.float32, 2)(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        result = builder.asm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32]),
+                             "{.reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi;}",
+                             "=f,=f,r", list(args), side_effect=False)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(2)])
+
+    return signature, codegen
+
+
+@intrinsic
+def pack_bf16x2(typingctx, low, high):
+    """`bf16_pair` in one instruction (`cvt.rn.bf16x2.f32`: round to nearest even, the same bits for every non-NaN
+    value; a NaN becomes the canonical one), for hot loops whose values are never NaN (softmax weights)."""
+    def codegen(context, builder, sig, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        # the instruction packs its first source into the HIGH half
+        return builder.asm(ir.FunctionType(i32, [f32, f32]), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+                           list(args), side_effect=False)
+
+    return uint32(float32, float32), codegen
+
+
+@intrinsic
+def load_matrix_x4(typingctx, shared):
+    """`ldmatrix.sync.aligned.m8n8.x4.shared.b16`: four 8 x 8 matrices of 16-bit elements from shared memory, one
+    instruction for what takes four 32-bit loads (the mma fragment loads of a tile). Lanes 8m..8m+7 give the 32-bit
+    shared addresses of matrix m's rows (16 bytes each, 16-byte aligned); lane 4g + t gets, in word m, elements 2t
+    and 2t + 1 of row g of matrix m: the A fragment of m16n8k16 (matrices: rows 0-7 / 8-15 x columns 0-7 / 8-15) or
+    the B fragments of two n-tiles (rows = n, 16-byte row pieces = k)."""
+    signature = types.UniTuple(uint32, 4)(uint32)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        result = builder.asm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]),
+                             "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                             list(args), side_effect=True)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)])
+
+    return signature, codegen
+
+
 def _make_global_load(count: int):
     @intrinsic
     def load_words(typingctx, address):

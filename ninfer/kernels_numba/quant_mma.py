@@ -49,7 +49,7 @@ from numba.cuda.extending import intrinsic
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32,
-                                         load_word_at, load_words2_at, load_words4_at, sigmoid_f32, store_words4_at)
+                                         half_pair_to_f32, load_word_at, load_words2_at, load_words4_at, sigmoid_f32, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -291,21 +291,6 @@ def upload_quant_mma_planes(fmt: str, shape: tuple[int, int], planes: dict[str, 
 
 
 # ---- device code --------------------------------------------------------------------------------------------------
-
-@intrinsic
-def half_pair_to_f32(typingctx, word):
-    """The two binary16 halves of a word as float32 (low, high): `cvt.f32.f16`, exact (subnormals too)."""
-    signature = types.UniTuple(types.float32, 2)(types.uint32)
-
-    def codegen(context, builder, sig, args):
-        f32, i32 = ir.FloatType(), ir.IntType(32)
-        result = builder.asm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32]),
-                             "{.reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi;}",
-                             "=f,=f,r", list(args), side_effect=False)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(2)])
-
-    return signature, codegen
-
 
 FRAGMENT_WORDS = 8 * 32  # x fragment words per 64-column block: 32 lanes x (4 k-steps x 2 registers)
 FRAGMENT_HALVES_PER_COLUMN = 2 * FRAGMENT_WORDS // BLOCK  # a set's bf16 halves per x column (rows 0..7)

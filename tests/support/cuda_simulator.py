@@ -6,10 +6,10 @@ staging, masks, tails and barriers run as written. It has no inline PTX and no w
 - raw byte addresses (`address_of`, `shared_address`) as integers that loads, stores and copies resolve to the
   arrays they point into, so address arithmetic runs as written; `cp.async` copies at once and checks what the
   hardware requires (16-byte aligned on both sides, in bounds);
-- warp shuffles, warp barriers, warp sums and the tensor-core mma (bf16 m16n8k16, TF32 m16n8k8) as exchanges among
-  the 32 threads of a warp, with the PTX fragment layouts;
+- warp shuffles, warp barriers, warp sums, `ldmatrix` and the tensor-core mma (bf16 m16n8k16, TF32 m16n8k8) as
+  exchanges among the 32 threads of a warp, with the PTX fragment layouts;
 - global loads and stores by address and vector loads by index (checked for alignment and bounds), packed bf16
-  fma, half-pair conversion, libdevice's bit casts and byte permute, and its cosf, sinf and rintf (NumPy's).
+  fma, bf16 and half pair conversions, libdevice's bit casts and byte permute, and its cosf, sinf and rintf (NumPy's).
 An emulated mma sums exactly and rounds once to fp32, so kernels match their twins within fp32 tolerance, not
 bitwise. `install(namespace)` swaps the stand-ins into a kernel's globals (`kernel.py_func.__globals__`: templated
 kernels have their own) or a module's.
@@ -139,6 +139,11 @@ def fma_bf16x2(a, b, c):
     integers the kernels build)."""
     (a0, a1), (b0, b1), (c0, c1) = (_bf16_pair_values(v) for v in (a, b, c))
     return f32_to_bf16_bits(np.array([a0 * b0 + c0, a1 * b1 + c1], np.float32)).view(np.uint32)[0]
+
+
+def pack_bf16x2(low, high):
+    """`cvt.rn.bf16x2.f32`: low into bits 0..15, high into 16..31, each rounded to nearest even."""
+    return f32_to_bf16_bits(np.array([low, high], np.float32)).view(np.uint32)[0]
 
 
 def half_pair_to_f32(word):
@@ -343,6 +348,18 @@ def store4(array, index, a, b, c, d) -> None:
     flat[i], flat[i + 1], flat[i + 2], flat[i + 3] = a, b, c, d
 
 
+def load_matrix_x4(shared):
+    """`ldmatrix .x4`: lanes 8m..8m+7 give matrix m's row addresses; lane 4g + t gets word t of row g of each."""
+    rows, lane = warp_collective(int(shared), tuple)
+    words = []
+    for m in range(4):
+        address = rows[8 * m + (lane >> 2)]
+        if address % 16:
+            raise ValueError(f"ldmatrix row address {address:#x} is not 16-byte aligned")
+        words.append(_shared_bytes(address, 16).view(np.uint32)[lane & 3])
+    return tuple(words)
+
+
 def copy_async_commit() -> None:
     """Copies land at issue in the simulator: nothing is in flight."""
 
@@ -370,7 +387,7 @@ STAND_INS = {
     "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2,
     "and_or": and_or,
     "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,
-    "half_pair_to_f32": half_pair_to_f32,
+    "half_pair_to_f32": half_pair_to_f32, "pack_bf16x2": pack_bf16x2, "load_matrix_x4": load_matrix_x4,
 }
 
 
