@@ -15,8 +15,17 @@ bit of exp.
 
 Layout: 4 warps, warp w owns query rows 16w..16w+15 of the block (mma m16n8k16: lane 4 gq + t holds rows gq and
 gq + 8). Shared memory (dynamic) holds the Q tile [BR, D] and the K tile [BC, D] as bf16 pair words with rows of
-D/2 + WORD_PAD words, and the V^T tile [D, BC] with rows of BC/2 + WORD_PAD words: every fragment read hits 32
-banks. Tiles arrive by `cp.async` (rows past the keys or queries arrive as zeros and are masked).
+D/2 + WORD_PAD words, and the V^T tile [D, BC] with rows of BC/2 + WORD_PAD words: the 8 rows an `ldmatrix` phase
+reads fall in distinct banks. Tiles arrive by `cp.async` (rows past the keys or queries arrive as zeros and are
+masked).
+
+Instructions, not the tensor cores, bound a loop like this one (2 blocks of 4 warps an SM): at ~10 instructions an
+mma (32-bit fragment loads with 64-bit shared indices, the mask on every tile, software bf16 rounding, a rolled
+copy loop dividing its index) the kernel ran at ~128 TFLOP/s on the H200's 8K prefill. So fragments come by
+`ldmatrix` (Q's A fragment and two n-tiles of K or V^T an instruction), P is packed by `cvt.rn.bf16x2`, only tiles
+that reach past the block's first query or the keys' end are masked, the O rescale is skipped when no row's max
+moved, and each thread's tile copies are one piece of every n-th row from addresses set once: ~5 instructions an
+mma.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_prior, shared_address)
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, sigmoid_f32)  # noqa: F401 (templates)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, load_matrix_x4, pack_bf16x2,  # noqa: F401
+                                         sigmoid_f32)  # (templates)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda  # noqa: F401 (cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
 from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16  # noqa: F401 (templates)
@@ -74,6 +84,15 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
     packed_rows = int64(packed.shape[1])
     key_rows = int64(keys.shape[1])
     stride_v = int64(values_t.shape[2])
+    # A thread's tile copies (`_K_TILE`, `_V_TILE`): the same 16-byte piece of every {k_rows_per_pass}th K row and
+    # of every {v_dims_per_pass}th V^T row, so its addresses are set once and each copy adds a constant.
+    k_r0 = tid // {row_pieces}
+    k_dst = shared + uint32((K_OFF + k_r0 * QW + 4 * (tid % {row_pieces})) * 4)
+    k_src = keys_at + (b * key_rows * {d} + 8 * (tid % {row_pieces})) * 2
+    v_p = tid % (BC // 8)
+    v_dst = shared + uint32((V_OFF + (tid // (BC // 8)) * VW + 4 * v_p) * 4)
+    v_src = values_at + (b * {d} + tid // (BC // 8)) * stride_v * 2
+    v_pass_bytes = stride_v * (2 * {v_dims_per_pass})
     last_query = min(i0 + BR, rows) - 1
     key_end = min(first_position + last_query + 1, length)
     tiles = (key_end + BC - 1) // BC
@@ -94,10 +113,14 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
     m_hi = float32(-math.inf)
     l_lo = float32(0.0)
     l_hi = float32(0.0)
-    q_lo = uint64(Q_OFF + r_lo * QW + t)
-    q_hi = uint64(Q_OFF + r_hi * QW + t)
-    k_frag = uint64(K_OFF + gq * QW + t)
-    v_frag = uint64(V_OFF + gq * VW + t)
+    # ldmatrix row addresses (bytes): lane l gives row l % 8 of matrix l // 8. For Q (the A fragments) matrices are
+    # rows 0-7 / 8-15 x columns 0-7 / 8-15 of the warp's k-step; for K and V^T (B fragments of n-tiles 2p, 2p + 1)
+    # rows are the n-tile's keys (dims) and the two 16-byte halves of the k-step.
+    m_row = (lane & 7) + ((lane >> 4) << 3)
+    m_half = ((lane >> 3) & 1) << 2
+    q_lds = shared + uint32(4 * (Q_OFF + (warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * QW + ((lane >> 4) << 2)))
+    k_lds = shared + uint32(4 * (K_OFF + m_row * QW + m_half))
+    v_lds = shared + uint32(4 * (V_OFF + m_row * VW + m_half))
     pos_lo = first_position + i0 + r_lo
     pos_hi = first_position + i0 + r_hi
 
@@ -115,34 +138,31 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
         for e in unrolled(32):
             s[e] = float32(0.0)
         for ks in range({d} // 16):
-            a0 = sh[q_lo + uint64(8 * ks)]
-            a1 = sh[q_hi + uint64(8 * ks)]
-            a2 = sh[q_lo + uint64(8 * ks + 4)]
-            a3 = sh[q_hi + uint64(8 * ks + 4)]
-            for nt in unrolled(8):
-                b0 = sh[k_frag + uint64(nt * 8 * QW + 8 * ks)]
-                b1 = sh[k_frag + uint64(nt * 8 * QW + 8 * ks + 4)]
-                s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3] = mma_bf16_m16n8k16(
-                    a0, a1, a2, a3, b0, b1, s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3])
+            a0, a1, a2, a3 = load_matrix_x4(q_lds + uint32(32 * ks))
+            for pn in unrolled(4):
+                b0, b1, c0, c1 = load_matrix_x4(k_lds + uint32(pn * 64 * QW + 32 * ks))
+                s[8 * pn], s[8 * pn + 1], s[8 * pn + 2], s[8 * pn + 3] = mma_bf16_m16n8k16(
+                    a0, a1, a2, a3, b0, b1, s[8 * pn], s[8 * pn + 1], s[8 * pn + 2], s[8 * pn + 3])
+                s[8 * pn + 4], s[8 * pn + 5], s[8 * pn + 6], s[8 * pn + 7] = mma_bf16_m16n8k16(
+                    a0, a1, a2, a3, c0, c1, s[8 * pn + 4], s[8 * pn + 5], s[8 * pn + 6], s[8 * pn + 7])
 
         cuda.syncthreads()  # every warp has read K(kt): its buffer takes K(kt + 1)
         if kt + 1 < tiles:
 {k_next}        copy_async_commit()
 
-        # mask, then the online softmax of rows lo and hi (a row's 4 lanes meet by shuffles)
+        # mask (only a tile that reaches past the block's first query or the keys' end), then the online softmax
+        # of rows lo and hi (a row's 4 lanes meet by shuffles)
+        if j0 + BC - 1 > first_position + i0 or j0 + BC > length:
+            for nt in unrolled(8):
+                for e in unrolled(4):
+                    j = j0 + nt * 8 + 2 * t + (e & 1)
+                    if j > (pos_lo if e < 2 else pos_hi) or j >= length:
+                        s[4 * nt + e] = float32(-math.inf)
         top_lo = float32(-math.inf)
         top_hi = float32(-math.inf)
         for nt in unrolled(8):
-            for e in unrolled(4):
-                j = j0 + nt * 8 + 2 * t + (e & 1)
-                if e < 2:
-                    if j > pos_lo or j >= length:
-                        s[4 * nt + e] = float32(-math.inf)
-                    top_lo = max(top_lo, s[4 * nt + e])
-                else:
-                    if j > pos_hi or j >= length:
-                        s[4 * nt + e] = float32(-math.inf)
-                    top_hi = max(top_hi, s[4 * nt + e])
+            top_lo = max(top_lo, max(s[4 * nt], s[4 * nt + 1]))
+            top_hi = max(top_hi, max(s[4 * nt + 2], s[4 * nt + 3]))
         top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 1))
         top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 2))
         top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 1))
@@ -172,25 +192,27 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
         l_hi = l_hi * keep_hi + sum_hi
         m_lo = new_lo
         m_hi = new_hi
-        for nt in unrolled({n_tiles}):
-            o[4 * nt] *= keep_lo
-            o[4 * nt + 1] *= keep_lo
-            o[4 * nt + 2] *= keep_hi
-            o[4 * nt + 3] *= keep_hi
+        if keep_lo != float32(1.0) or keep_hi != float32(1.0):  # the max moved (a warp skips it when no row's did)
+            for nt in unrolled({n_tiles}):
+                o[4 * nt] *= keep_lo
+                o[4 * nt + 1] *= keep_lo
+                o[4 * nt + 2] *= keep_hi
+                o[4 * nt + 3] *= keep_hi
 
         # O += P V: P from the score registers (two key n-tiles make one k-step), V^T pairs from shared
         copy_async_wait_prior()  # V(kt) landed; K(kt + 1) may be in flight
         cuda.syncthreads()
         for kk in unrolled(4):
-            a0 = bf16_pair(s[8 * kk], s[8 * kk + 1])
-            a1 = bf16_pair(s[8 * kk + 2], s[8 * kk + 3])
-            a2 = bf16_pair(s[8 * kk + 4], s[8 * kk + 5])
-            a3 = bf16_pair(s[8 * kk + 6], s[8 * kk + 7])
-            for nt in unrolled({n_tiles}):
-                b0 = sh[v_frag + uint64(nt * 8 * VW + 8 * kk)]
-                b1 = sh[v_frag + uint64(nt * 8 * VW + 8 * kk + 4)]
-                o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3] = mma_bf16_m16n8k16(
-                    a0, a1, a2, a3, b0, b1, o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3])
+            a0 = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
+            a1 = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
+            a2 = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
+            a3 = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
+            for pn in unrolled({n_pairs}):
+                b0, b1, c0, c1 = load_matrix_x4(v_lds + uint32(pn * 64 * VW + 32 * kk))
+                o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3] = mma_bf16_m16n8k16(
+                    a0, a1, a2, a3, b0, b1, o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3])
+                o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7] = mma_bf16_m16n8k16(
+                    a0, a1, a2, a3, c0, c1, o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7])
         cuda.syncthreads()  # every warp has read V(kt): its buffer takes V(kt + 1)
         if kt + 1 < tiles:
 {v_next}        copy_async_commit()
@@ -219,24 +241,18 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
 
 # The copies of one K tile [BC, D] (keys {first}..) and one V^T tile [D, BC], as template lines (`_tile_loads`).
 _K_TILE = """
-for e in range(BC * {row_pieces} // FLASH_THREADS):
-    idx = tid + e * FLASH_THREADS
-    r = idx // {row_pieces}
-    p = idx - r * {row_pieces}
-    row = int64(min({first} + r, length - 1))
-    size = uint32(16) if {first} + r < length else uint32(0)
-    copy_async_16(shared + uint32((K_OFF + r * QW + 4 * p) * 4),
-                  keys_at + ((b * key_rows + row) * {d} + 8 * p) * 2, size)
+k_row = {first} + k_r0
+for e in unrolled({k_passes}):
+    copy_async_16(k_dst + uint32(e * {k_rows_per_pass} * QW * 4),
+                  k_src + int64(min(k_row + {k_rows_per_pass} * e, length - 1)) * ({d} * 2),
+                  uint32(16) if k_row + {k_rows_per_pass} * e < length else uint32(0))
 """
 _V_TILE = """
-for e in range({d} * (BC // 8) // FLASH_THREADS):  # 8 keys a piece
-    idx = tid + e * FLASH_THREADS
-    dim = idx // (BC // 8)
-    p = idx - dim * (BC // 8)
-    j = {first} + 8 * p
-    size = uint32(min(max(length - j, 0), 8) * 2)
-    copy_async_16(shared + uint32((V_OFF + dim * VW + 4 * p) * 4),
-                  values_at + ((b * {d} + dim) * stride_v + (j if j < length else 0)) * 2, size)
+v_j = {first} + 8 * v_p
+v_size = uint32(min(max(length - v_j, 0), 8) * 2)
+v_at = v_src + int64(v_j if v_j < length else 0) * 2
+for e in unrolled({v_passes}):
+    copy_async_16(v_dst + uint32(e * {v_dims_per_pass} * VW * 4), v_at + e * v_pass_bytes, v_size)
 """
 
 
@@ -255,7 +271,10 @@ def _layout(d: int) -> dict[str, int]:
 
 
 def _make_kernel(d: int):
-    sizes = dict(d=d, o_regs=d // 2, n_tiles=d // 8, row_pieces=d // 8)
+    row_pieces = d // 8  # 16-byte pieces of a K row
+    sizes = dict(d=d, o_regs=d // 2, n_tiles=d // 8, n_pairs=d // 16, row_pieces=row_pieces,
+                 k_rows_per_pass=FLASH_THREADS // row_pieces, k_passes=BC * row_pieces // FLASH_THREADS,
+                 v_dims_per_pass=FLASH_THREADS // (BC // 8), v_passes=d * (BC // 8) // FLASH_THREADS)
     sizes.update(k_first=_tile_loads(_K_TILE, "0", 4, sizes), v_first=_tile_loads(_V_TILE, "0", 4, sizes),
                  k_next=_tile_loads(_K_TILE, "j0 + BC", 12, sizes), v_next=_tile_loads(_V_TILE, "j0 + BC", 12, sizes))
     layout = _layout(d)
