@@ -58,7 +58,8 @@ class Blas:
 
         self._cublas = cublas
         self._handle = cublas.create()
-        cublas.set_stream(self._handle, device.stream_handle if stream_handle is None else stream_handle)
+        self._stream_handle = device.stream_handle if stream_handle is None else stream_handle
+        cublas.set_stream(self._handle, self._stream_handle)
         # A fixed workspace keeps cuBLAS from allocating during graph capture.
         self._workspace = device.empty(WORKSPACE_BYTES, np.uint8, "workspace")
         cublas.set_workspace(self._handle, device_pointer(self._workspace), WORKSPACE_BYTES)
@@ -109,7 +110,7 @@ class Blas:
             return
         addresses = np.concatenate([device_pointer(w) + live * (n * k * 2), device_pointer(x) + starts[live] * (k * 2),
                                     device_pointer(y) + starts[live] * (n * 2)]).astype(np.uint64)
-        self._device.write(self._addresses[:3 * g], addresses)
+        self._device.write(self._addresses[:3 * g], addresses, stream_handle=self._stream_handle)
         table = device_pointer(self._addresses)
         cublas = self._cublas
         # Per-group host arrays, read by cuBLAS during the call. Each group is one problem, the column-major
@@ -156,7 +157,8 @@ class Blas:
         addresses = np.concatenate([
             device_pointer(w) + np.asarray(chunk_groups, np.uint64) * np.uint64(n * k * 2),
             device_pointer(x) + index * np.uint64(chunk * k * 2), device_pointer(y) + index * np.uint64(chunk * n * 2)])
-        self._device.write(self._addresses[:3 * chunks], addresses.astype(np.uint64))
+        self._device.write(self._addresses[:3 * chunks], addresses.astype(np.uint64),
+                           stream_handle=self._stream_handle)
         table = device_pointer(self._addresses)
         cublas = self._cublas
         cublas.gemm_batched_ex(

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
+from ninfer.backends.cuda.staging import StagingSlots
 from ninfer.backends.cuda.views import remembering_views
 from ninfer.kernels_numba.numba_setup import cuda
 
@@ -39,7 +40,7 @@ class Device(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def write(self, destination: Any, host: np.ndarray) -> None: ...
+    def write(self, destination: Any, host: np.ndarray, *, stream_handle: int | None = None) -> None: ...
 
     def read(self, source: Any) -> np.ndarray: ...
 
@@ -89,6 +90,7 @@ class CudaDevice:
         self.stream = cuda.external_stream(self.stream_handle)
         self.ledger: collections.Counter[str] = collections.Counter()
         self._side: SideStream | None = None
+        self._staging = StagingSlots(driver, self.stream_handle, _event, check)
 
     @property
     def info(self) -> DeviceInfo:
@@ -124,12 +126,23 @@ class CudaDevice:
 
         return kernels
 
-    def write(self, destination: Any, host: np.ndarray) -> None:
-        """Copy host values into a device array, in stream order."""
-        destination.copy_to_device(np.ascontiguousarray(host, dtype=destination.dtype), stream=self.stream)
+    def write(self, destination: Any, host: np.ndarray, *, stream_handle: int | None = None) -> None:
+        """Copy host values into a device array in the order of the serving stream (or of `stream_handle`'s);
+        `host` may change once this returns. Small values go through a pinned slot and do not wait for the stream
+        (`staging`)."""
+        values = np.ascontiguousarray(host, dtype=destination.dtype).reshape(destination.shape)
+        if self._staging.fits(destination):
+            self._staging.write(device_pointer(destination), values,
+                                self.stream_handle if stream_handle is None else stream_handle)
+        elif stream_handle is None or stream_handle == self.stream_handle:
+            destination.copy_to_device(values, stream=self.stream)
+        else:
+            raise ValueError(f"a write of {values.nbytes} bytes on another stream than the serving one")
 
     def read(self, source: Any) -> np.ndarray:
         """A device array's values on the host, after everything queued before on the stream."""
+        if self._staging.fits(source):
+            return self._staging.read(source, device_pointer(source))
         host = source.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return host

@@ -60,7 +60,7 @@ class HostDevice:
     def synchronize(self) -> None:
         pass
 
-    def write(self, destination: np.ndarray, host: np.ndarray) -> None:
+    def write(self, destination: np.ndarray, host: np.ndarray, *, stream_handle: int | None = None) -> None:
         destination[...] = np.asarray(host).reshape(destination.shape)
 
     def read(self, source: np.ndarray) -> np.ndarray:

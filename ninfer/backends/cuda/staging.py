@@ -1,0 +1,70 @@
+"""Small host <-> device copies through pinned staging slots, so a write does not wait for the stream.
+
+A copy from pageable host memory waits for the stream to drain before it starts (the driver stages it through
+pinned memory of its own). The MoE prefill writes small tables between launches (the experts' first rows, the
+grouped GEMMs' operand addresses, twice a layer): each such write held the host until the GPU had finished
+everything queued, and the GPU then idled while the host queued the next launches (~38 ms of the 35B-A3B's 223 ms 8K
+prefill on the H200, results/cuda_model_prefill_session18.json). Here a write copies the values into the next of
+SLOTS pinned slots and queues `cuMemcpyHtoDAsync` from there; an event recorded after the copy says when the slot
+is free again (a write waits for it only when the stream has not yet reached the copy SLOTS writes ago). Reads go
+through a slot as well (one driver copy and one stream synchronisation, no pageable staging).
+
+Values larger than a slot, and arrays that are not contiguous, take numba's own (pageable) copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ninfer.kernels_numba.numba_setup import cuda
+
+SLOTS = 32
+SLOT_BYTES = 256 * 1024  # holds the largest GEMM address table (blas: 3 x 8 bytes x MAX_CHUNKS)
+
+
+class StagingSlots:
+    """The pinned slots of one stream (`CudaDevice` owns one for its serving stream)."""
+
+    def __init__(self, driver: Any, stream_handle: int, event: Any, check: Any) -> None:
+        """`stream_handle`: the stream reads synchronise (a write names its own)."""
+        self._driver, self._stream, self._check = driver, stream_handle, check
+        self._host = cuda.pinned_array(SLOTS * SLOT_BYTES, dtype=np.uint8)
+        self._address = int(self._host.ctypes.data)
+        self._events = [event(driver) for _ in range(SLOTS)]
+        self._recorded = [False] * SLOTS
+        self._next = 0
+
+    @staticmethod
+    def fits(array: Any) -> bool:
+        return 0 < array.nbytes <= SLOT_BYTES and array.is_c_contiguous()
+
+    def _slot(self) -> int:
+        """The next slot, once the stream has passed the copy that used it last."""
+        slot, self._next = self._next, (self._next + 1) % SLOTS
+        if self._recorded[slot]:
+            self._check(self._driver.cuEventSynchronize(self._events[slot]), "cuEventSynchronize")
+        return slot
+
+    def write(self, destination_address: int, host: np.ndarray, stream_handle: int) -> None:
+        """Queue a copy of `host` (contiguous, the destination's dtype and size) to the device address on the
+        stream."""
+        slot = self._slot()
+        start = slot * SLOT_BYTES
+        self._host[start:start + host.nbytes] = host.reshape(-1).view(np.uint8)
+        self._check(self._driver.cuMemcpyHtoDAsync(destination_address, self._address + start, host.nbytes,
+                                                   stream_handle), "cuMemcpyHtoDAsync")
+        self._check(self._driver.cuEventRecord(self._events[slot], stream_handle), "cuEventRecord")
+        self._recorded[slot] = True
+
+    def read(self, source: Any, source_address: int) -> np.ndarray:
+        """The device array's values, after everything queued before on the stream."""
+        slot = self._slot()
+        start = slot * SLOT_BYTES
+        self._check(self._driver.cuMemcpyDtoHAsync(self._address + start, source_address, source.nbytes,
+                                                   self._stream), "cuMemcpyDtoHAsync")
+        self._check(self._driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        self._recorded[slot] = False  # the stream has passed this copy
+        values = self._host[start:start + source.nbytes].view(source.dtype).reshape(source.shape)
+        return values.copy()
