@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from ninfer.backends.cuda.staging import StagingSlots
+from ninfer.backends.cuda.staging import ReadValues, StagingSlots
 from ninfer.backends.cuda.views import remembering_views
 from ninfer.kernels_numba.numba_setup import cuda
 
@@ -43,6 +43,8 @@ class Device(Protocol):
     def write(self, destination: Any, host: np.ndarray, *, stream_handle: int | None = None) -> None: ...
 
     def read(self, source: Any) -> np.ndarray: ...
+
+    def start_read(self, source: Any) -> Any: ...
 
     def clear(self, array: Any) -> None: ...
 
@@ -146,6 +148,13 @@ class CudaDevice:
         host = source.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return host
+
+    def start_read(self, source: Any) -> Any:
+        """`read` in two steps: the copy queues now, `.values()` of the result waits for it, so work queued in
+        between runs on the GPU while the values travel (a read too large for a staging slot happens here)."""
+        if self._staging.fits(source):
+            return self._staging.start_read(source, device_pointer(source))
+        return ReadValues(self.read(source))
 
     def clear(self, array: Any) -> None:
         memset(array, self.stream_handle)

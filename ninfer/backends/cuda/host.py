@@ -15,6 +15,7 @@ import numpy as np
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cuda.blas import check_batched, check_chunked, check_column_block
 from ninfer.backends.cuda.device import DeviceInfo
+from ninfer.backends.cuda.staging import ReadValues
 
 HOST_BYTES = 64 << 30  # the memory a HostDevice reports by default (KV auto-sizing needs a number)
 
@@ -65,6 +66,9 @@ class HostDevice:
 
     def read(self, source: np.ndarray) -> np.ndarray:
         return np.array(source, copy=True)
+
+    def start_read(self, source: np.ndarray) -> ReadValues:
+        return ReadValues(self.read(source))
 
     def clear(self, array: np.ndarray) -> None:
         array[...] = 0

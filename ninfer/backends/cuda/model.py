@@ -22,7 +22,7 @@ batched); longer prefill chunks round activations to bf16 for cuBLAS.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -1364,9 +1364,14 @@ class CudaQwen:
             self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
             self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
-        if _fused_swiglu(w.routed_gate_up, rows):
+        grouped = not _fused_swiglu(w.routed_gate_up, rows) and rows > SKINNY_ROWS
+        if grouped:  # the shared expert (when no side stream takes it) runs while the group sizes travel
+            shared = None if side is not None else (
+                lambda: self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag))
+            self._moe_grouped(w, rows, beside_the_read=shared)
+        elif _fused_swiglu(w.routed_gate_up, rows):
             self._swiglu_experts(w, rows, h_frag)
-        elif rows <= SKINNY_ROWS:
+        else:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
             self._gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False,
                            x_fragments=h_frag)
@@ -1374,12 +1379,10 @@ class CudaQwen:
             self.k.silu_mul_slots(gate_up, act, stream=stream, out_fragments=act_frag)
             self._gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True,
                            x_fragments=act_frag)
-        else:
-            self._moe_grouped(w, rows)
-        if side is None:
-            self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag)
-        else:
+        if side is not None:
             side.join()
+        elif not grouped:
+            self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag)
         shared_out = ws.shared_out[:rows]
         gate_logit = router_logits[:, e:e + 1]
         if rows <= SKINNY_ROWS and d.moe_top_k <= COMBINE_NORM_SLOTS:
@@ -1493,18 +1496,23 @@ class CudaQwen:
             k.linear_bf16_gathered(x, w.data, ids, y, rows_per_expert=rows_per_expert, x_per_slot=x_per_slot,
                                    stream=stream)
 
-    def _moe_grouped(self, w: MoeFfn, rows: int) -> None:
+    def _moe_grouped(self, w: MoeFfn, rows: int, *, beside_the_read: Callable[[], None] | None) -> None:
         """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS call per projection,
         bf16 outputs (not captured: the group sizes are read back to the host). The call is the grouped GEMM on the
         contiguous groups, a strided-batched GEMM over the experts padded to the largest count, or a pointer-array
-        batched GEMM over chunks of MOE_CHUNK_ROWS rows (`moe_prefill_gemm`, `_expert_layout`)."""
+        batched GEMM over chunks of MOE_CHUNK_ROWS rows (`moe_prefill_gemm`, `_expert_layout`). `beside_the_read`
+        queues work that needs no group size (the shared expert) after the sizes' copy and before the host waits
+        for them: the GPU runs it meanwhile instead of idling through the host's wait and its next launches."""
         ws, stream = self.workspace, self.device.stream
         s, e = self.dims.moe_top_k, self.dims.moe_experts
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
         slot_of = ws.moe_slot_of[: rows * s]
         position_of = ws.moe_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
-        offsets = self.device.read(ws.moe_offsets)
+        pending = self.device.start_read(ws.moe_offsets)
+        if beside_the_read is not None:
+            beside_the_read()
+        offsets = pending.values()
         counts = np.diff(offsets)
         layout, starts, count = self._expert_layout(counts, rows * s)
         gate_up_w = self.linear.bf16_weight(w.routed_gate_up)

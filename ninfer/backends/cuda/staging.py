@@ -34,6 +34,7 @@ class StagingSlots:
         self._address = int(self._host.ctypes.data)
         self._events = [event(driver) for _ in range(SLOTS)]
         self._recorded = [False] * SLOTS
+        self._reading: set[int] = set()  # slots whose read's values the caller has not taken yet
         self._next = 0
 
     @staticmethod
@@ -41,8 +42,13 @@ class StagingSlots:
         return 0 < array.nbytes <= SLOT_BYTES and array.is_c_contiguous()
 
     def _slot(self) -> int:
-        """The next slot, once the stream has passed the copy that used it last."""
-        slot, self._next = self._next, (self._next + 1) % SLOTS
+        """The next slot no read holds, once the stream has passed the copy that used it last."""
+        for _ in range(SLOTS):
+            slot, self._next = self._next, (self._next + 1) % SLOTS
+            if slot not in self._reading:
+                break
+        else:
+            raise RuntimeError(f"all {SLOTS} staging slots hold reads whose values were never taken")
         if self._recorded[slot]:
             self._check(self._driver.cuEventSynchronize(self._events[slot]), "cuEventSynchronize")
         return slot
@@ -58,13 +64,48 @@ class StagingSlots:
         self._check(self._driver.cuEventRecord(self._events[slot], stream_handle), "cuEventRecord")
         self._recorded[slot] = True
 
+    def start_read(self, source: Any, source_address: int) -> "PendingRead":
+        """Queue a copy of the device array's values (everything queued before on the stream has written them);
+        `PendingRead.values()` waits for it. The host may queue more work in between: the GPU runs it while the
+        copy's values travel and the host waits for them."""
+        slot = self._slot()
+        self._check(self._driver.cuMemcpyDtoHAsync(self._address + slot * SLOT_BYTES, source_address, source.nbytes,
+                                                   self._stream), "cuMemcpyDtoHAsync")
+        self._check(self._driver.cuEventRecord(self._events[slot], self._stream), "cuEventRecord")
+        self._recorded[slot] = True
+        self._reading.add(slot)
+        return PendingRead(self, slot, source.dtype, source.shape)
+
     def read(self, source: Any, source_address: int) -> np.ndarray:
         """The device array's values, after everything queued before on the stream."""
-        slot = self._slot()
-        start = slot * SLOT_BYTES
-        self._check(self._driver.cuMemcpyDtoHAsync(self._address + start, source_address, source.nbytes,
-                                                   self._stream), "cuMemcpyDtoHAsync")
-        self._check(self._driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-        self._recorded[slot] = False  # the stream has passed this copy
-        values = self._host[start:start + source.nbytes].view(source.dtype).reshape(source.shape)
-        return values.copy()
+        return self.start_read(source, source_address).values()
+
+    def _take(self, slot: int, dtype: Any, shape: tuple) -> np.ndarray:
+        self._check(self._driver.cuEventSynchronize(self._events[slot]), "cuEventSynchronize")
+        self._reading.discard(slot)
+        start, nbytes = slot * SLOT_BYTES, int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self._host[start:start + nbytes].view(dtype).reshape(shape).copy()
+
+
+class PendingRead:
+    """A device array's values on their way to the host (`StagingSlots.start_read`)."""
+
+    def __init__(self, slots: StagingSlots, slot: int, dtype: Any, shape: tuple) -> None:
+        self._slots, self._slot, self._dtype, self._shape = slots, slot, dtype, tuple(shape)
+        self._values: np.ndarray | None = None
+
+    def values(self) -> np.ndarray:
+        """The values (waits for the copy the first time)."""
+        if self._values is None:
+            self._values = self._slots._take(self._slot, self._dtype, self._shape)
+        return self._values
+
+
+class ReadValues:
+    """Values already on the host, in `PendingRead`'s form (reads that bypass the slots, the host backend)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
+
+    def values(self) -> np.ndarray:
+        return self._values
