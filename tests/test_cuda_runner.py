@@ -293,27 +293,42 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
 
 
 def test_auto_expert_layout_pads_balanced_routing_and_chunks_skewed_routing(artifacts):
-    """The "auto" rule on given expert counts: padded while the experts padded to the largest count stay within
-    PADDED_EXPERT_ROWS_LIMIT times the routed rows, chunked past it (each expert to whole MOE_CHUNK_ROWS chunks,
-    chunks laid end to end), grouped when neither fits the permuted scratch."""
-    from ninfer.backends.cuda.model import MOE_CHUNK_ROWS, PADDED_EXPERT_ROWS_LIMIT
+    """The "auto" rule on given expert counts (`moe_layout`'s twin, at the model's scratch size): padded while the
+    experts padded to the largest count stay within 8/5 of the routed rows, chunked past it (each expert to whole
+    MOE_CHUNK_ROWS chunks, chunks laid end to end), grouped when neither fits the permuted scratch; info says which,
+    the rows in all and the largest count or the chunks."""
+    from ninfer.backends.cuda.blas import MAX_CHUNKS
+    from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
+    from ninfer.kernels_numba.moe import LAYOUT_CHUNKED, LAYOUT_GROUPED, LAYOUT_PADDED, moe_layout_reference
 
     model = cuda_build("host", artifacts[("moe", "bf16")], prefill_chunk=256).model
     experts = model.dims.moe_experts
     room = model.workspace.perm_in.shape[0]
+
+    def layout(counts, choice="auto"):
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        return moe_layout_reference(offsets, choice=choice, chunk=MOE_CHUNK_ROWS, room=room, max_chunks=MAX_CHUNKS)
+
     balanced = np.full(experts, 20)
-    balanced[0] = int(20 * PADDED_EXPERT_ROWS_LIMIT)
-    layout, starts, rows = model._expert_layout(balanced, int(balanced.sum()))
-    assert layout == "padded" and rows == experts * balanced[0] <= room
-    np.testing.assert_array_equal(starts, np.arange(experts) * balanced[0])
+    # the largest count past which E x largest > 8/5 (20 (E - 1) + largest): just padded at one less
+    edge = 160 * (experts - 1) // (5 * experts - 8) + 1
+    balanced[0] = edge - 1
+    info, starts = layout(balanced)
+    assert info.tolist() == [LAYOUT_PADDED, experts * (edge - 1), edge - 1] and experts * (edge - 1) <= room
+    np.testing.assert_array_equal(starts, np.arange(experts) * (edge - 1))
+    balanced[0] = edge
+    assert layout(balanced)[0][0] == LAYOUT_CHUNKED
     skewed = np.zeros(experts, np.int64)
     skewed[:2] = (MOE_CHUNK_ROWS + 1, 3)
-    layout, starts, rows = model._expert_layout(skewed, int(skewed.sum()))
-    assert layout == "chunked" and rows == 3 * MOE_CHUNK_ROWS
+    info, starts = layout(skewed)
+    assert info.tolist() == [LAYOUT_CHUNKED, 3 * MOE_CHUNK_ROWS, 3]
     np.testing.assert_array_equal(starts[:3], [0, 2 * MOE_CHUNK_ROWS, 3 * MOE_CHUNK_ROWS])
-    assert model._expert_layout(np.full(experts, room // experts + 1), room + 1)[0] == "grouped"
-    model.moe_prefill_gemm = "grouped"
-    assert model._expert_layout(balanced, int(balanced.sum())) == ("grouped", None, int(balanced.sum()))
+    crowded = np.full(experts, room // experts + 1)
+    info, starts = layout(crowded)
+    assert info.tolist() == [LAYOUT_GROUPED, int(crowded.sum()), 0]
+    np.testing.assert_array_equal(starts, np.arange(experts) * crowded[0])  # the offsets: rows stay in place
+    assert layout(balanced, "grouped")[0].tolist() == [LAYOUT_GROUPED, int(balanced.sum()), 0]
+    assert layout(balanced, "padded")[0][0] == LAYOUT_PADDED
 
 
 @pytest.mark.parametrize("kind,recipe", CASES)

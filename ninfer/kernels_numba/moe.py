@@ -515,6 +515,97 @@ def moe_pad_positions_reference(expert_ids, position_of, offsets, starts):
     return (np.asarray(starts)[experts] + np.asarray(position_of) - np.asarray(offsets)[experts]).astype(np.int32)
 
 
+# The expert GEMMs' row layouts of the prefill (`moe_layout`), and the rule between them. Codes, as the kernel writes
+# them in info[0] and takes its `choice` (AUTO: padded while its rows stay within PADDED_LIMIT times the routed ones,
+# chunked past it; a layout whose rows do not fit `room` rows, or whose chunks pass `max_chunks`, falls back to
+# grouped).
+LAYOUT_GROUPED, LAYOUT_PADDED, LAYOUT_CHUNKED, LAYOUT_AUTO = 0, 1, 2, 3
+LAYOUT_CODES = {"grouped": LAYOUT_GROUPED, "padded": LAYOUT_PADDED, "chunked": LAYOUT_CHUNKED, "auto": LAYOUT_AUTO}
+PADDED_LIMIT = (8, 5)  # padded rows <= 8/5 of the routed ones, in integers (the same on host and device)
+LAYOUT_INFO = 3  # int32s of moe_layout's info: layout, rows in all, the largest count (padded) / chunks (chunked)
+LAYOUT_THREADS = 1024  # one block; an expert a thread
+
+
+@kernel((int32[::1], int32[::1], int32[::1], int32, int32, int32, int32), fastmath=False)
+def _moe_layout_kernel(offsets, info, starts, choice, chunk, room, max_chunks):
+    counts_scan = cuda.shared.array(LAYOUT_THREADS, int32)  # inclusive scan of the experts' chunks
+    largest_scan = cuda.shared.array(LAYOUT_THREADS, int32)  # running max of the counts
+    e = cuda.threadIdx.x
+    experts = starts.shape[0]
+    count = offsets[e + 1] - offsets[e] if e < experts else 0
+    pieces = (count + chunk - 1) // chunk
+    counts_scan[e] = pieces
+    largest_scan[e] = count
+    cuda.syncthreads()
+    step = 1
+    while step < LAYOUT_THREADS:
+        add = counts_scan[e - step] if e >= step else 0
+        top = largest_scan[e - step] if e >= step else 0
+        cuda.syncthreads()
+        counts_scan[e] += add
+        largest_scan[e] = max(largest_scan[e], top)
+        cuda.syncthreads()
+        step *= 2
+    chunks = counts_scan[LAYOUT_THREADS - 1]
+    largest = largest_scan[LAYOUT_THREADS - 1]
+    routed = offsets[experts]
+    padded_rows = experts * largest
+    layout = LAYOUT_GROUPED
+    if choice == LAYOUT_PADDED or (choice == LAYOUT_AUTO and padded_rows * PADDED_LIMIT[1] <= PADDED_LIMIT[0] * routed):
+        if padded_rows <= room:
+            layout = LAYOUT_PADDED
+    elif choice != LAYOUT_GROUPED and chunks * chunk <= room and chunks <= max_chunks:
+        layout = LAYOUT_CHUNKED
+    if e < experts:
+        if layout == LAYOUT_PADDED:
+            starts[e] = e * largest
+        elif layout == LAYOUT_CHUNKED:
+            starts[e] = (counts_scan[e] - pieces) * chunk
+        else:
+            starts[e] = offsets[e]
+    if e == 0:
+        info[0] = layout
+        info[1] = padded_rows if layout == LAYOUT_PADDED else (chunks * chunk if layout == LAYOUT_CHUNKED else routed)
+        info[2] = largest if layout == LAYOUT_PADDED else (chunks if layout == LAYOUT_CHUNKED else 0)
+
+
+def moe_layout(offsets, info, starts, *, choice, chunk, room, max_chunks, stream):
+    """The expert GEMMs' row layout from moe_group's offsets int32 [E + 1], on the device (so the rows can be placed
+    and gathered before the host knows the layout): info int32 [LAYOUT_INFO] = (layout code, rows in all, the
+    largest count for LAYOUT_PADDED or the chunks for LAYOUT_CHUNKED, else 0) and starts int32 [E], each expert's
+    first row: e * largest (padded: one strided-batched GEMM), whole chunks of `chunk` rows an expert in expert order
+    (chunked: one pointer-array batched GEMM) or its offset (grouped). `choice`: a LAYOUT_CODES key."""
+    experts = starts.shape[0]
+    if offsets.shape[0] != experts + 1 or info.shape[0] != LAYOUT_INFO or not 0 < experts <= LAYOUT_THREADS:
+        raise ValueError(f"moe_layout takes E + 1 offsets, E <= {LAYOUT_THREADS} starts and {LAYOUT_INFO} info "
+                         f"values; got {offsets.shape[0]}, {experts}, {info.shape[0]}")
+    if choice not in LAYOUT_CODES or chunk < 1:
+        raise ValueError(f"moe_layout: choice must be one of {sorted(LAYOUT_CODES)} and chunk >= 1, got {choice!r}, "
+                         f"{chunk}")
+    _moe_layout_kernel[1, LAYOUT_THREADS, stream](offsets, info, starts, np.int32(LAYOUT_CODES[choice]),
+                                                  np.int32(chunk), np.int32(room), np.int32(max_chunks))
+
+
+def moe_layout_reference(offsets, *, choice, chunk, room, max_chunks):
+    """The twin: (info, starts)."""
+    counts = np.diff(np.asarray(offsets, np.int64))
+    experts, routed, largest = counts.size, int(offsets[-1]), int(counts.max())
+    pieces = -(-counts // chunk)
+    chunks, padded_rows = int(pieces.sum()), experts * largest
+    layout = LAYOUT_GROUPED
+    if choice == "padded" or (choice == "auto" and padded_rows * PADDED_LIMIT[1] <= PADDED_LIMIT[0] * routed):
+        layout = LAYOUT_PADDED if padded_rows <= room else LAYOUT_GROUPED
+    elif choice != "grouped" and chunks * chunk <= room and chunks <= max_chunks:
+        layout = LAYOUT_CHUNKED
+    if layout == LAYOUT_PADDED:
+        starts, info = np.arange(experts) * largest, (layout, padded_rows, largest)
+    elif layout == LAYOUT_CHUNKED:
+        starts, info = (np.cumsum(pieces) - pieces) * chunk, (layout, chunks * chunk, chunks)
+    else:
+        starts, info = np.asarray(offsets[:-1]), (layout, routed, 0)
+    return np.asarray(info, np.int32), np.asarray(starts, np.int32)
+
+
 COMBINE_COLUMNS = 4  # columns per thread of moe_scatter_combine (independent loads in flight)
 
 

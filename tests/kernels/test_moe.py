@@ -455,3 +455,12 @@ def test_padded_layout_kernels_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     assert len([line for line in run("moe_padded").splitlines() if line.startswith("ok moe_padded")]) == 2
+
+
+@pytest.mark.slow
+def test_layout_kernel_in_cuda_simulator():
+    """moe_layout's block (its scans, the rule, each layout's starts) thread by thread against its twin, 36 cases
+    (`simulated_kernels.moe_layout`, about 30 s)."""
+    from tests.support.simulated_kernels import run
+
+    assert "ok moe_layout 36" in run("moe_layout")

@@ -658,12 +658,37 @@ def moe_padded() -> None:
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 
+def moe_layout() -> None:
+    """moe_layout's one block (scans of the experts' chunks and counts) against its twin: balanced, skewed and
+    crowded counts under each choice, 8 and 256 experts."""
+    from ninfer.kernels_numba import moe
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(moe))
+    rng = np.random.default_rng(2)
+    cases = 0
+    for experts in (8, 256):
+        for counts in (np.full(experts, 20), rng.integers(0, 300, experts), np.eye(1, experts, 3)[0] * 900):
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            for choice, room in (("auto", 40 * experts), ("auto", 2 * int(offsets[-1])), ("padded", 10 ** 6),
+                                 ("chunked", 10 ** 6), ("grouped", 10 ** 6), ("auto", int(offsets[-1]))):
+                info = np.full(moe.LAYOUT_INFO, -1, np.int32)
+                starts = np.full(experts, -1, np.int32)
+                moe.moe_layout(offsets, info, starts, choice=choice, chunk=128, room=room, max_chunks=8192, stream=0)
+                want_info, want_starts = moe.moe_layout_reference(offsets, choice=choice, chunk=128, room=room,
+                                                                  max_chunks=8192)
+                np.testing.assert_array_equal(info, want_info)
+                np.testing.assert_array_equal(starts, want_starts)
+                cases += 1
+    print("ok moe_layout", cases, flush=True)
+
+
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
-          "moe_padded": moe_padded}
+          "moe_padded": moe_padded, "moe_layout": moe_layout}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

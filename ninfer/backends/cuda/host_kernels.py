@@ -293,6 +293,11 @@ def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
         out[...] = _moe.moe_scatter_rows_reference(x, position_of, top_k, out)
 
 
+def moe_layout(offsets, info, starts, *, choice, chunk, room, max_chunks, stream):
+    info[...], starts[...] = _moe.moe_layout_reference(offsets, choice=choice, chunk=chunk, room=room,
+                                                        max_chunks=max_chunks)
+
+
 def moe_pad_positions(expert_ids, position_of, offsets, starts, placed, *, stream):
     placed[...] = _moe.moe_pad_positions_reference(expert_ids, position_of, offsets, starts)
 

@@ -37,7 +37,8 @@ from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.attention import check_min_split_keys, check_splits, row_splits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
-from ninfer.kernels_numba.moe import COMBINE_NORM_SLOTS
+from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_INFO, LAYOUT_PADDED,
+                                     PADDED_LIMIT)
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.device import CudaDevice, Device
@@ -59,10 +60,10 @@ SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill
 # time with the host's work): every expert padded to the largest count, one strided-batched GEMM, 0.52 ms at 20%
 # padding (time grows with the padded rows); each expert padded to whole MOE_CHUNK_ROWS chunks, one pointer-array
 # batched GEMM, 0.67-0.71 ms whatever the skew; the grouped GEMM on the contiguous groups 1.10-1.26 ms. So the
-# padded layout while the padded rows stay within this multiple of the routed ones (0.71 / 0.52 * 1.2), the chunked
-# one past it. In the model (results/cuda_model_35b_bf16_moe_gemm_session13.json) chunked everywhere took the 8K
-# prefill from 249.8 ms ("auto" then: padded within 2x, else grouped) to 230.5.
-PADDED_EXPERT_ROWS_LIMIT = 1.6
+# padded layout while the padded rows stay within 8/5 of the routed ones (0.71 / 0.52 * 1.2: moe.PADDED_LIMIT, the
+# rule `moe_layout` applies on the device), the chunked one past it. In the model
+# (results/cuda_model_35b_bf16_moe_gemm_session13.json) chunked everywhere took the 8K prefill from 249.8 ms ("auto"
+# then: padded within 2x, else grouped) to 230.5.
 MOE_CHUNK_ROWS = 128  # rows a batch entry of the chunked layout
 
 
@@ -574,15 +575,18 @@ class Workspace:
             self.shared_out = buf(rows, h)
             widths += [d.moe_intermediate, d.shared_intermediate]
             self.moe_counts = buf(e, dtype=np.int32)
-            self.moe_offsets = buf(e + 1, dtype=np.int32)
+            # moe_group's offsets, then moe_layout's info: what the prefill reads back, in one copy
+            self.moe_sizes = buf(e + 1 + LAYOUT_INFO, dtype=np.int32)
+            self.moe_offsets = self.moe_sizes[: e + 1]
             self.moe_slot_of = buf(rows * s, dtype=np.int32)
             self.moe_position_of = buf(rows * s, dtype=np.int32)
             if rows > SKINNY_ROWS:
                 self.moe_padded_position_of = buf(rows * s, dtype=np.int32)
-                self.moe_starts = buf(e, dtype=np.int32)  # each expert's first row in the padded layouts
+                self.moe_starts = buf(e, dtype=np.int32)  # each expert's first row in the expert GEMMs' layout
                 # the expert GEMMs' input, bf16 outputs and the activation between them, with room for the padded
                 # layout wherever the "auto" rule takes it
-                permuted = max(int(rows * s * PADDED_EXPERT_ROWS_LIMIT), rows * s + e * (MOE_CHUNK_ROWS - 1))
+                limit, parts = PADDED_LIMIT
+                permuted = max(rows * s * limit // parts, rows * s + e * (MOE_CHUNK_ROWS - 1))
                 self.perm_in = buf(permuted, h, dtype=np.uint16)
                 self.perm_gate_up = buf(permuted, 2 * d.moe_intermediate, dtype=np.uint16)
                 self.perm_act_bf16 = buf(permuted, d.moe_intermediate, dtype=np.uint16)
@@ -827,7 +831,7 @@ class CudaQwen:
             self.prefill_attention = "flash"
         else:
             self.prefill_attention = "kernel"
-        # MoE prefill expert GEMMs: "auto" (padded while within PADDED_EXPERT_ROWS_LIMIT, else chunked), "grouped",
+        # MoE prefill expert GEMMs: "auto" (padded while within moe.PADDED_LIMIT, else chunked), "grouped",
         # "padded" or "chunked" (the last two where their rows fit the permuted scratch; grouped otherwise).
         self.moe_prefill_gemm = "auto"
         fused = dims.is_moe
@@ -1498,72 +1502,52 @@ class CudaQwen:
 
     def _moe_grouped(self, w: MoeFfn, rows: int, *, beside_the_read: Callable[[], None] | None) -> None:
         """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS call per projection,
-        bf16 outputs (not captured: the group sizes are read back to the host). The call is the grouped GEMM on the
+        bf16 outputs (not captured: cuBLAS takes the group sizes from the host). The call is the grouped GEMM on the
         contiguous groups, a strided-batched GEMM over the experts padded to the largest count, or a pointer-array
-        batched GEMM over chunks of MOE_CHUNK_ROWS rows (`moe_prefill_gemm`, `_expert_layout`). `beside_the_read`
-        queues work that needs no group size (the shared expert) after the sizes' copy and before the host waits
-        for them: the GPU runs it meanwhile instead of idling through the host's wait and its next launches."""
+        batched GEMM over chunks of MOE_CHUNK_ROWS rows: `moe_layout` picks one on the device by
+        `moe_prefill_gemm`'s rule and places the rows, so the rows' gather, `beside_the_read` (work that needs no
+        group size: the shared expert) and a quantized gate_up's dequantization queue after the sizes' copy and
+        before the host waits for it. The GPU runs them while the sizes travel and the host sets up the GEMMs,
+        instead of idling through both (~24 ms of the 35B-A3B's 212 ms 8K prefill idled so, most of it here)."""
         ws, stream = self.workspace, self.device.stream
         s, e = self.dims.moe_top_k, self.dims.moe_experts
+        if self.moe_prefill_gemm not in LAYOUT_CODES:
+            raise ValueError(f"moe_prefill_gemm must be one of {sorted(LAYOUT_CODES)}, got {self.moe_prefill_gemm!r}")
         ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
         slot_of = ws.moe_slot_of[: rows * s]
         position_of = ws.moe_position_of[: rows * s]
+        placed = ws.moe_padded_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
-        pending = self.device.start_read(ws.moe_offsets)
+        self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts, choice=self.moe_prefill_gemm,
+                          chunk=MOE_CHUNK_ROWS, room=ws.perm_in.shape[0], max_chunks=MAX_CHUNKS, stream=stream)
+        pending = self.device.start_read(ws.moe_sizes)
+        self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, ws.moe_starts, placed, stream=stream)
+        self.k.moe_gather(ws.h[:rows], slot_of, s, ws.perm_in, stream=stream, position_of=placed)
         if beside_the_read is not None:
             beside_the_read()
-        offsets = pending.values()
-        counts = np.diff(offsets)
-        layout, starts, count = self._expert_layout(counts, rows * s)
+        # (a quantized gate_up dequantizes into the scratch the shared expert's GEMMs read: after them, in order)
         gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
-        placed = position_of
-        if starts is not None:
-            placed = ws.moe_padded_position_of[: rows * s]
-            self.device.write(ws.moe_starts, starts)
-            self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, ws.moe_starts, placed, stream=stream)
-        chunk_groups = np.repeat(np.arange(e), -(-counts // MOE_CHUNK_ROWS)) if layout == "chunked" else None
+        sizes = pending.values()
+        offsets, (layout, count, extent) = sizes[: e + 1], (int(v) for v in sizes[e + 1:])
+        if layout == LAYOUT_CHUNKED:
+            chunk_groups = np.repeat(np.arange(e), -(-np.diff(offsets) // MOE_CHUNK_ROWS))
+            assert chunk_groups.size == extent, (chunk_groups.size, extent)
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
-            if layout == "padded":
+            if layout == LAYOUT_PADDED:
                 self.linear.blas.batched_gemm_bf16(x, weight, y, e)
-            elif layout == "chunked":
+            elif layout == LAYOUT_CHUNKED:
                 self.linear.blas.chunked_gemm_bf16(x, weight, y, chunk_groups, MOE_CHUNK_ROWS)
             else:
                 self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
 
-        permuted = ws.perm_in[:count]
-        self.k.moe_gather(ws.h[:rows], slot_of, s, permuted, stream=stream, position_of=placed)
         gate_up = ws.perm_gate_up[:count]
-        expert_gemm(permuted, gate_up_w, gate_up)
+        expert_gemm(ws.perm_in[:count], gate_up_w, gate_up)
         act_bf16 = ws.perm_act_bf16[:count]
         self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
         out = ws.perm_out[:count]
         expert_gemm(act_bf16, self.linear.bf16_weight(w.routed_down), out)
         self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream)
-
-    def _expert_layout(self, counts: np.ndarray, routed: int) -> tuple[str, np.ndarray | None, int]:
-        """(layout, each expert's first row or None, rows in all) of the expert GEMMs: "grouped" (contiguous
-        groups: moe_group's positions), "padded" (expert e from row e * P, P the largest count) or "chunked" (each
-        expert's rows padded to whole MOE_CHUNK_ROWS chunks). "auto" takes padded while the padded rows stay within
-        PADDED_EXPERT_ROWS_LIMIT times the routed ones, chunked past it. A padded or chunked layout whose rows do not
-        fit the permuted scratch (or whose chunks the device table) falls back to grouped."""
-        choice, room, experts = self.moe_prefill_gemm, self.workspace.perm_in.shape[0], counts.size
-        if choice not in ("auto", "grouped", "padded", "chunked"):
-            raise ValueError(f"moe_prefill_gemm must be 'auto', 'grouped', 'padded' or 'chunked', got {choice!r}")
-        grouped = ("grouped", None, routed)
-        if choice == "grouped":
-            return grouped
-        largest = int(counts.max())
-        padded_rows = experts * largest
-        if choice == "padded" or (choice == "auto" and padded_rows <= PADDED_EXPERT_ROWS_LIMIT * routed):
-            if padded_rows > room:
-                return grouped
-            return "padded", (np.arange(experts) * largest).astype(np.int32), padded_rows
-        chunks = -(-counts // MOE_CHUNK_ROWS)
-        if int(chunks.sum()) * MOE_CHUNK_ROWS > room or int(chunks.sum()) > MAX_CHUNKS:
-            return grouped
-        starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]) * MOE_CHUNK_ROWS
-        return "chunked", starts.astype(np.int32), int(chunks.sum()) * MOE_CHUNK_ROWS
 
     # ---- state operations ----
 
