@@ -26,7 +26,7 @@ from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, 
                                          half_pair_to_f32, sigmoid_f32, store_word_at, warp_max, warp_sum)
 from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_prior,
                                              shared_address)
-from ninfer.kernels_numba.linear import load2, load4
+from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
 from ninfer.kernels_numba.quant_mma import check_fragment_output, fragment_half
 
@@ -560,16 +560,12 @@ def _bf16_lane(word, i):
 
 
 @device_function
-def _step_values(values, words, quant):
-    """A step's 4 keys x this lane's 8 dims as fp32 from the words `_staged_load` read: bf16 values, or int8 codes
-    (their scales apply once a dot product in `_step_scores`, and to the step's 4 weights for V)."""
+def _step_values(values, words):
+    """A step's 4 keys x this lane's 8 dims as fp32 from the bf16 words `_staged_load` read (int8: the codes; their
+    scales apply once a dot product in `_step_scores`, and to the step's 4 weights for V)."""
     for j in range(STEP_KEYS):
         for e in range(8):
-            if quant:
-                biased = words[4 * j + e // 4] ^ uint32(INT8_SIGN_BITS)
-                values[j * 8 + e] = code_float(biased, e % 4, float32(INT8_CODE_OFFSET))
-            else:
-                values[j * 8 + e] = _bf16_lane(words[4 * j + e // 2], e % 2)
+            values[j * 8 + e] = _bf16_lane(words[4 * j + e // 2], e % 2)
 
 
 @device_function
@@ -670,13 +666,29 @@ u64_4d = uint64[:, :, :, ::1]
 # kernel_attention_staged_session16.json, kernel_attention_fast_vs_staged_session17.txt): bf16 KV at 32K context
 # 35B-A3B 169 -> 79 us / 1208 -> 434, 27B 178 -> 113 / 1304 -> 766; int8 KV at 32K 35B-A3B 462 -> 162 / 3538 ->
 # 1101, 27B 514 -> 249 / 3976 -> 1839; at 1K B=1 about the same (~20 us bf16, ~26 int8).
+#
+# int8 pools: the G warps of a kv head read the same rows, so a tile's codes are converted once, by the whole block,
+# into bf16 rows (exact: a code has at most 8 significant bits) in a buffer after the ring, and the warps step over
+# those as over a bf16 tile; the rows' fp16 scales stay in the tile and multiply the lanes' dot products and weights.
 STAGE_KEYS = 32
 STAGES = 3  # copy_async_wait_prior (all but the newest group landed) is the wait of a 3-stage ring
-# A tile's uint32 words: the K rows, then the V rows (128 words a bf16 row, 64 an int8 one), then from
-# STAGE_SCALES the K rows' int8 scales and the V rows' (4 fp16 a row: 2 words).
-STAGE_SCALES = 2 * STAGE_KEYS * 128
-STAGE_WORDS = STAGE_SCALES + 2 * STAGE_KEYS * 2
-STAGED_SHARED_BYTES = STAGES * STAGE_WORDS * 4  # 97.5 KiB of dynamic shared memory a block
+BF16_ROW_WORDS = 128  # uint32 words of a head_dim 256 row: bf16
+INT8_ROW_WORDS = 64  # int8 codes
+
+
+def stage_layout(quant: bool) -> dict[str, int]:
+    """The staged kernel's dynamic shared memory in uint32 words. A tile: the K rows, then the V rows, then from
+    SCALES the K rows' int8 scales and the V rows' (4 fp16 a row: 2 words); STAGES tiles of WORDS; int8 pools then
+    the converted bf16 K and V rows of one tile at CONVERTED. BYTES in all: bf16 97.5 KiB, int8 81.5 KiB."""
+    row_words = INT8_ROW_WORDS if quant else BF16_ROW_WORDS
+    scales = 2 * STAGE_KEYS * row_words
+    words = scales + 2 * STAGE_KEYS * 2
+    converted = STAGES * words
+    total = converted + (2 * STAGE_KEYS * BF16_ROW_WORDS if quant else 0)
+    return dict(ROW_WORDS=row_words, SCALES=scales, WORDS=words, CONVERTED=converted, BYTES=4 * total)
+
+
+INT8_CODE_FLOAT_BITS = 0x7632  # byte_perm selector: the high halves of two fp32 words as one bf16 pair
 STAGED_BLOCK_WARPS = 8  # at most G x KW warps a block (KW a power of two): two blocks an SM at <= 128 registers
 STAGED_MAX_REGISTERS = 128
 
@@ -698,10 +710,10 @@ def _pool_row(page_tables, lane_id, key, stop, page_tokens):
 
 @device_function
 def _stage_tile(base, k_at, v_at, k_scale_at, v_scale_at, page_tables, lane_id, key_start, stop, page_tokens,
-                token_bytes, scale_token_bytes, row_pieces, quant):
+                token_bytes, scale_token_bytes, row_pieces, scales_word, quant):
     """Issue the copies of the tile of keys key_start .. key_start + STAGE_KEYS - 1 into the stage at shared address
-    `base`: K rows, then V rows (`row_pieces` 16-byte pieces a row), then (int8) the rows' 8 bytes of scales; keys
-    from `stop` on read nothing and land as zeros."""
+    `base`: K rows, then V rows (`row_pieces` 16-byte pieces a row), then (int8) from word `scales_word` the rows'
+    8 bytes of scales; keys from `stop` on read nothing and land as zeros."""
     for c in range(cuda.threadIdx.x, STAGE_KEYS * row_pieces, cuda.blockDim.x):
         key = key_start + c // row_pieces
         at = _pool_row(page_tables, lane_id, key, stop, page_tokens) * token_bytes + (c % row_pieces) * 16
@@ -713,21 +725,39 @@ def _stage_tile(base, k_at, v_at, k_scale_at, v_scale_at, page_tables, lane_id, 
             key = key_start + c
             at = _pool_row(page_tables, lane_id, key, stop, page_tokens) * scale_token_bytes
             size = uint32(8) if key < stop else uint32(0)
-            copy_async_8(base + uint32(STAGE_SCALES * 4 + c * 8), k_scale_at + at, size)
-            copy_async_8(base + uint32((STAGE_SCALES + 2 * STAGE_KEYS) * 4 + c * 8), v_scale_at + at, size)
+            copy_async_8(base + uint32(scales_word * 4 + c * 8), k_scale_at + at, size)
+            copy_async_8(base + uint32((scales_word + 2 * STAGE_KEYS) * 4 + c * 8), v_scale_at + at, size)
 
 
 @device_function
 def _staged_load(words, scales, sh, row0, scale0, lane, quant):
-    """A step's 4 rows of this lane from the stage (row0: the first row's word, scale0: its scales' word), as
-    `_step_values` takes them: 16 bytes a row (bf16), or 8 bytes and the lane's fp32 scale (int8)."""
+    """A step's 4 bf16 rows of this lane (row0: the first row's word: the stage's, or the converted tile's for int8),
+    16 bytes a row as `_step_values` takes them, and (int8) the rows' fp32 scales of the lane's group (scale0: the
+    first row's scales' word in the stage)."""
     for j in range(STEP_KEYS):
+        words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load4(
+            sh, row0 + j * BF16_ROW_WORDS + lane * 4)
         if quant:
-            words[4 * j], words[4 * j + 1] = load2(sh, row0 + j * 64 + lane * 2)
             low, high = half_pair_to_f32(sh[scale0 + j * 2 + lane // 16])
             scales[j] = high if (lane // 8) % 2 else low
-        else:
-            words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load4(sh, row0 + j * 128 + lane * 4)
+
+
+@device_function
+def _convert_tile(sh, stage, converted):
+    """The int8 K and V rows of the stage at word `stage` as bf16 rows at word `converted`, by the whole block: each
+    thread takes 16-byte pieces (16 codes) and writes their 8 bf16 pair words."""
+    for piece in range(cuda.threadIdx.x, 2 * STAGE_KEYS * INT8_ROW_WORDS // 4, cuda.blockDim.x):
+        codes = load4(sh, stage + piece * 4)
+        pairs = cuda.local.array(8, uint32)
+        for w in range(4):
+            biased = codes[w] ^ uint32(INT8_SIGN_BITS)
+            for h in range(2):
+                low = code_float(biased, 2 * h, float32(INT8_CODE_OFFSET))
+                high = code_float(biased, 2 * h + 1, float32(INT8_CODE_OFFSET))
+                pairs[2 * w + h] = uint32(libdevice.byte_perm(libdevice.float_as_int(low),
+                                                              libdevice.float_as_int(high), INT8_CODE_FLOAT_BITS))
+        store4(sh, converted + piece * 8, pairs[0], pairs[1], pairs[2], pairs[3])
+        store4(sh, converted + piece * 8 + 4, pairs[4], pairs[5], pairs[6], pairs[7])
 
 
 STAGED_SIGNATURE = (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_4d, f32_4d, int32, int32, int32)
@@ -736,9 +766,10 @@ STAGED_SIGNATURE = (f32_3d, i32_2d, i32_1d, i32_1d, u64_4d, u64_4d, u16_4d, u16_
 def _make_decode_staged_kernel(quant: bool):
     """The staged kernel for int8 pools (`quant`) or bf16 ones: `quant` is a constant of the closure, so each pool
     dtype compiles to its own code (a runtime switch took the bf16 kernel from 104 registers to the 128 cap), with
-    its row size a constant (the tile's divisions become shifts)."""
-    row_words = 64 if quant else 128  # uint32 words of a head row
-    row_pieces = row_words // 4  # its 16-byte copies
+    its row size and shared layout (`stage_layout`) constants (the tile's divisions become shifts)."""
+    layout = stage_layout(quant)
+    row_words, stage_words, scales_word, converted = (layout[n] for n in ("ROW_WORDS", "WORDS", "SCALES", "CONVERTED"))
+    row_pieces = row_words // 4  # 16-byte copies a head row
     def _decode_staged_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scale, v_scale, partials,
                               heads, kv_heads, min_keys):
         """head_dim == 256. Block = G x KW warps: warp w serves q head w % G over keys start + (w // G)*4 +
@@ -787,9 +818,9 @@ def _make_decode_staged_kernel(quant: bool):
         # last tile), so at iteration t "all but the newest group landed" is tile t.
         for t in range(STAGES - 1):
             if t < tiles:
-                _stage_tile(shared + uint32(t * STAGE_WORDS * 4), k_at, v_at, k_scale_at, v_scale_at, page_tables,
+                _stage_tile(shared + uint32(t * stage_words * 4), k_at, v_at, k_scale_at, v_scale_at, page_tables,
                             lane_id, start + t * STAGE_KEYS, stop, page_tokens, token_bytes, scale_token_bytes,
-                            row_pieces, quant)
+                            row_pieces, scales_word, quant)
             copy_async_commit()
         step_keys = key_warps * STEP_KEYS
         for t in range(tiles):
@@ -797,22 +828,28 @@ def _make_decode_staged_kernel(quant: bool):
             cuda.syncthreads()  # tile t landed for every thread; every warp left tile t - 1, whose stage refills now
             ahead = t + STAGES - 1
             if ahead < tiles:
-                _stage_tile(shared + uint32((ahead % STAGES) * STAGE_WORDS * 4), k_at, v_at, k_scale_at, v_scale_at,
+                _stage_tile(shared + uint32((ahead % STAGES) * stage_words * 4), k_at, v_at, k_scale_at, v_scale_at,
                             page_tables, lane_id, start + ahead * STAGE_KEYS, stop, page_tokens, token_bytes,
-                            scale_token_bytes, row_pieces, quant)
+                            scale_token_bytes, row_pieces, scales_word, quant)
             copy_async_commit()
-            stage = (t % STAGES) * STAGE_WORDS
+            stage = (t % STAGES) * stage_words
+            tile_rows = stage  # where the warps read the tile's bf16 rows
+            if quant:
+                _convert_tile(sh, stage, converted)
+                cuda.syncthreads()  # every piece converted (the next iteration's barrier guards the buffer's reuse)
+                tile_rows = converted
             key_base = start + t * STAGE_KEYS
             for j0 in range(kw_i * STEP_KEYS, STAGE_KEYS, step_keys):
                 key0 = key_base + j0
                 if key0 < stop:
-                    _staged_load(kw, ksc, sh, stage + j0 * row_words, stage + STAGE_SCALES + j0 * 2, lane, quant)
-                    _step_values(kx, kw, quant)
+                    _staged_load(kw, ksc, sh, tile_rows + j0 * BF16_ROW_WORDS, stage + scales_word + j0 * 2, lane,
+                                 quant)
+                    _step_values(kx, kw)
                     p0, p1, p2, p3, alpha, m_l, l_l = _step_softmax(
                         _step_scores(qv, kx, ksc, quant, lane, key0, stop), m_l, l_l)
-                    _staged_load(kw, ksc, sh, stage + (STAGE_KEYS + j0) * row_words,
-                                 stage + STAGE_SCALES + (STAGE_KEYS + j0) * 2, lane, quant)
-                    _step_values(kx, kw, quant)
+                    _staged_load(kw, ksc, sh, tile_rows + (STAGE_KEYS + j0) * BF16_ROW_WORDS,
+                                 stage + scales_word + (STAGE_KEYS + j0) * 2, lane, quant)
+                    _step_values(kx, kw)
                     if quant:  # the V rows' scales go into the weights: 4 products a step instead of 32
                         p0, p1, p2, p3 = p0 * ksc[0], p1 * ksc[1], p2 * ksc[2], p3 * ksc[3]
                     _step_accumulate(acc, kx, alpha, p0, p1, p2, p3)
@@ -873,9 +910,9 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     check_splits(splits)
     if head_dim == 256 and k_pool.shape[1] % STEP_KEYS == 0:
         group = heads // kv_heads
-        staged_kernel = DECODE_STAGED_KERNELS[bool(quant)]
-        allow_dynamic_shared(staged_kernel, STAGED_SIGNATURE, STAGED_SHARED_BYTES)
-        staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream, STAGED_SHARED_BYTES](
+        staged_kernel, shared_bytes = DECODE_STAGED_KERNELS[bool(quant)], stage_layout(bool(quant))["BYTES"]
+        allow_dynamic_shared(staged_kernel, STAGED_SIGNATURE, shared_bytes)
+        staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream, shared_bytes](
             q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
             *_i32(heads, kv_heads, min_split_keys))
     else:
