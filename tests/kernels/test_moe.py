@@ -450,11 +450,11 @@ def test_gpu_combine_norm_equals_combine_then_norm(rows, slots, hidden):
     assert rel_l2(results[0][0], want_x) < 1e-5 and rel_l2(results[0][1], want_out) < 1e-5
 
 def test_padded_layout_kernels_in_cuda_simulator():
-    """moe_pad_positions and the padded scatter run thread by thread against their twins
-    (`simulated_kernels.moe_padded`)."""
+    """moe_pad_positions, the padded scatter and the combine back run thread by thread against their twins, in their
+    16-byte and narrower forms (`simulated_kernels.moe_padded`)."""
     from tests.support.simulated_kernels import run
 
-    assert len([line for line in run("moe_padded").splitlines() if line.startswith("ok moe_padded")]) == 2
+    assert len([line for line in run("moe_padded").splitlines() if line.startswith("ok moe_padded")]) == 3
 
 
 @pytest.mark.slow

@@ -533,7 +533,10 @@ def attention_decode_staged() -> None:
 
 
 def elementwise() -> None:
-    """silu_mul_to_bf16_rows (16-byte loads by address, 8-byte stores): bitwise its twin, a partial column tile."""
+    """silu_mul_to_bf16_rows (16-byte loads by address, 8-byte stores): bitwise its twin, a partial column tile;
+    silu_mul_bf16_rows' 16-byte kernel bitwise its word kernel (the same arithmetic), both within fp32 rounding of
+    the twin."""
+    from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
     from ninfer.kernels_numba import elementwise as ew
     from tests.support import cuda_simulator
 
@@ -544,6 +547,15 @@ def elementwise() -> None:
         ew.silu_mul_to_bf16_rows(gate_up, out, stream=0)
         np.testing.assert_array_equal(out, ew.silu_mul_to_bf16_rows_reference(gate_up))
         print("ok elementwise silu_mul_to_bf16", rows, width, flush=True)
+    for rows, width in [(3, 8), (2, 24)]:  # 16-byte path (widths of 8k), then the word kernel on the same values
+        gate_up = f32_to_bf16_bits(np.random.default_rng(width).standard_normal((rows, 2 * width)).astype(np.float32))
+        quads = np.full((rows, width), 0x7FC1, np.uint16)
+        ew.silu_mul_bf16_rows(gate_up, quads, stream=0)
+        words = np.full((rows, width), 0x7FC1, np.uint16)
+        ew._silu_mul_bf16_kernel[(rows, 1), 32](gate_up.view(np.uint32), words.view(np.uint32))
+        np.testing.assert_array_equal(quads, words)
+        assert _rel(bf16_bits_to_f32(quads), bf16_bits_to_f32(ew.silu_mul_bf16_rows_reference(gate_up))) < 1e-5
+        print("ok silu_mul_bf16", rows, width, flush=True)
 
 
 def gdn_output() -> None:
@@ -635,14 +647,15 @@ def moe_route() -> None:
 
 
 def moe_padded() -> None:
-    """moe_pad_positions and the scatter through its positions (column pairs; single columns for an odd width)
-    equal their twins; padding rows keep their contents."""
+    """moe_pad_positions and the scatter through its positions (8 columns a thread for widths of 8k, column pairs,
+    single columns for an odd width) equal their twins; padding rows keep their contents; the combine back (8
+    columns a thread, or a column kernel) bitwise the column kernel, within fp32 rounding of its twin."""
     from ninfer.kernels_numba import moe
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(moe))
     rng = np.random.default_rng(1)
-    for rows, experts, k, hidden in [(7, 8, 2, 6), (5, 16, 4, 5)]:
+    for rows, experts, k, hidden in [(7, 8, 2, 6), (5, 16, 4, 5), (6, 8, 2, 16)]:  # the last: 16-byte kernels
         ids = np.sort(np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
         counts, offsets, _, position_of = moe.moe_group_reference(ids, experts)
         largest = int(counts.max())
@@ -655,6 +668,15 @@ def moe_padded() -> None:
         out = blank.copy()
         moe.moe_gather(x, None, k, out, position_of=padded, stream=0)
         np.testing.assert_array_equal(out, moe.moe_scatter_rows_reference(x, padded, k, blank))
+        residual = rng.standard_normal((rows, hidden)).astype(np.float32)
+        weights = rng.random((rows, k)).astype(np.float32)
+        combined = residual.copy()
+        moe.moe_scatter_combine(out, None, weights, k, combined, position_of=padded, stream=0)
+        columns = residual.copy()  # the column kernel, which widths not of 8k take
+        moe._moe_scatter_combine_kernel[(rows, 1), 32](out, padded, weights, columns)
+        np.testing.assert_array_equal(combined, columns)
+        want = moe.moe_scatter_combine_reference(out, padded, weights, k, residual)
+        assert _rel(combined, want) < 1e-6, _rel(combined, want)
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 
