@@ -50,6 +50,15 @@ def code_float(u, i, offset):
 
 
 @device_function
+def flat_row_piece(pieces):
+    """(row, piece) of this thread in a flat 1-D grid over rows of `pieces` pieces each (a row past the array's last
+    means no work): the 16-byte-access kernels' mapping, whatever the row length."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    r = i // pieces
+    return r, i - r * pieces
+
+
+@device_function
 def bf16_pair(low, high):
     """Two float32 as the bf16 pair of one little-endian word (low in bits 0..15), each rounded to nearest even."""
     return uint32(f32_to_bf16(low)) | (uint32(f32_to_bf16(high)) << uint32(16))

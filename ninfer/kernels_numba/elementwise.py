@@ -18,8 +18,8 @@ from numba.cuda import libdevice
 from ninfer.backends.cpu import ops
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_target, bf16_to_f32,
-                                         block_sum, blocks_for, f32_to_bf16, fragment_target, load_words4_at,
-                                         sigmoid_f32, store_word_at, store_words2_at, store_words4_at)
+                                         block_sum, blocks_for, f32_to_bf16, flat_row_piece, fragment_target,
+                                         load_words4_at, sigmoid_f32, store_word_at, store_words2_at, store_words4_at)
 from ninfer.kernels_numba.quant_mma import FRAGMENT_HALVES_PER_COLUMN, check_fragment_output, fragment_half
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.programmatic import allow_dependents
@@ -300,12 +300,9 @@ def _silu_mul_bf16_quads(gate_up, out):
     """Thread i: words 4 q .. 4 q + 3 of out row r = i // quads (q = i % quads), from one 16-byte load of the gate
     half and one of the up half, one 16-byte store (pairs % 4 == 0). The word kernel's 4-byte accesses and a block
     a row took the 35B-A3B's 8K prefill ~0.14 ms a layer (~0.4 of copy)."""
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     pairs = out.shape[1]
-    quads = pairs // 4
-    if i < out.shape[0] * quads:
-        r = i // quads
-        q = i - r * quads
+    r, q = flat_row_piece(pairs // 4)
+    if r < out.shape[0]:
         gate_at = address_of(gate_up) + (int64(r) * int64(2 * pairs) + int64(4 * q)) * 4
         g0, g1, g2, g3 = load_words4_at(gate_at)
         u0, u1, u2, u3 = load_words4_at(gate_at + int64(pairs) * 4)

@@ -25,7 +25,8 @@ from numba import float32, int32, uint16, uint32, uint64
 from ninfer.backends.cpu.moe import route_top_k as cpu_route_top_k
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, bf16_hi_to_f32, bf16_pair, bf16_target, bf16_to_f32, block_sum,
-                                         blocks_for, f32_to_bf16, fragment_target, sigmoid_f32, warp_max, warp_sum)
+                                         blocks_for, f32_to_bf16, flat_row_piece, fragment_target, sigmoid_f32,
+                                         warp_max, warp_sum)
 from ninfer.kernels_numba.elementwise import (NORM_ITEMS, NORM_VECTORS, norm_threads, rms_norm_rows_reference,
                                               scale_row, sigmoid_gate_add_reference)
 from ninfer.kernels_numba.linear import load4, store4
@@ -452,12 +453,9 @@ def _moe_scatter_rows_single(x, position_of, top_k, out):
 def _moe_scatter_rows_octets(x, position_of, top_k, out_words):
     # thread i: row r = i // octets, columns 8 o .. 8 o + 7 (o = i % octets): two 16-byte loads of x, converted once,
     # one 16-byte store to each of the row's top_k positions
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     width = x.shape[1]
-    octets = width // 8
-    if i < x.shape[0] * octets:
-        r = i // octets
-        o = i - r * octets
+    r, o = flat_row_piece(width // 8)
+    if r < x.shape[0]:
         x0, x1, x2, x3 = load4(x, r * width + 8 * o)
         x4, x5, x6, x7 = load4(x, r * width + 8 * o + 4)
         w0 = bf16_pair(x0, x1)
@@ -659,12 +657,9 @@ def _moe_scatter_combine_kernel(permuted_out, position_of, weights, residual):
 def _moe_scatter_combine_octets(permuted_words, position_of, weights, residual):
     # thread i: row r = i // octets, columns 8 o .. 8 o + 7 (o = i % octets), each slot's 8 bf16 in one 16-byte load
     # and the residual's 8 in two; per column the arithmetic of _moe_scatter_combine_kernel
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     width = residual.shape[1]
-    octets = width // 8
-    if i < residual.shape[0] * octets:
-        r = i // octets
-        o = i - r * octets
+    r, o = flat_row_piece(width // 8)
+    if r < residual.shape[0]:
         slots = weights.shape[1]
         acc = cuda.local.array(8, float32)
         for k in range(8):
