@@ -24,6 +24,7 @@ from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rul
 from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softplus
 from ninfer.kernels_numba.common import (FULL_MASK, WARP, bf16_target, blocks_for, f32_to_bf16,  # noqa: F401
                                          fragment_target, sigmoid_f32, warp_sum)  # (FULL_MASK: templates)
+from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.programmatic import allow_dependents
 from ninfer.kernels_numba.quant_mma import check_fragment_output, fragment_half
@@ -590,6 +591,46 @@ def _gdn_output_kernel(o, z_source, weight, result, write_f32, result_bf16, writ
                 fragments[fragment_half(int32(row), int32(h * v_dim + j))] = uint16(f32_to_bf16(value))
 
 
+VEC_HEAD_DIM = 4 * WARP  # the real models' v_dim: a lane's 4 consecutive dims in one 16-byte load
+
+
+@kernel(_OUT_SIG)
+def _gdn_output_vec_kernel(o, z_source, weight, result, write_f32, result_bf16, write_bf16, fragments,
+                           write_fragments, v_heads, v_dim, z_offset, eps):
+    """_gdn_output_kernel for v_dim == VEC_HEAD_DIM: lane L holds dims 4 L .. 4 L + 3 (16-byte loads of o and z,
+    16-byte fp32 stores) instead of L, L + 32, ... (4-byte ones: the 8K prefill ran at ~0.45 of copy bandwidth).
+    Only the sum of squares' order differs (a lane's partial over consecutive dims)."""
+    allow_dependents()
+    item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
+    lane = cuda.threadIdx.x % WARP
+    rows = o.shape[0]
+    if item >= rows * v_heads:
+        return
+    row = item // v_heads
+    h = item - row * v_heads
+    column = h * VEC_HEAD_DIM + 4 * lane
+    x0, x1, x2, x3 = load4(o, item * VEC_HEAD_DIM + 4 * lane)
+    z0, z1, z2, z3 = load4(z_source, row * z_source.shape[1] + z_offset + column)
+    total = warp_sum(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)
+    inv = float32(1.0) / math.sqrt(total / float32(VEC_HEAD_DIM) + eps)
+    v0 = ((x0 * inv) * weight[4 * lane]) * (z0 * sigmoid_f32(z0))
+    v1 = ((x1 * inv) * weight[4 * lane + 1]) * (z1 * sigmoid_f32(z1))
+    v2 = ((x2 * inv) * weight[4 * lane + 2]) * (z2 * sigmoid_f32(z2))
+    v3 = ((x3 * inv) * weight[4 * lane + 3]) * (z3 * sigmoid_f32(z3))
+    if write_f32 != 0:
+        store4(result, row * result.shape[1] + column, v0, v1, v2, v3)
+    if write_bf16 != 0:
+        result_bf16[row, column] = uint16(f32_to_bf16(v0))
+        result_bf16[row, column + 1] = uint16(f32_to_bf16(v1))
+        result_bf16[row, column + 2] = uint16(f32_to_bf16(v2))
+        result_bf16[row, column + 3] = uint16(f32_to_bf16(v3))
+    if write_fragments != 0:
+        fragments[fragment_half(int32(row), int32(column))] = uint16(f32_to_bf16(v0))
+        fragments[fragment_half(int32(row), int32(column + 1))] = uint16(f32_to_bf16(v1))
+        fragments[fragment_half(int32(row), int32(column + 2))] = uint16(f32_to_bf16(v2))
+        fragments[fragment_half(int32(row), int32(column + 3))] = uint16(f32_to_bf16(v3))
+
+
 def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps, stream, result_bf16=None,
                result_fragments=None):
     """result[r, h*Dv + j] = rms_norm(out[r, h], norm_weight, eps, offset=False)[j] * silu(z_source[r, z_offset +
@@ -605,12 +646,13 @@ def gdn_output(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, 
         check_fragment_output(rows, v_heads * v_dim, result_fragments)
     written = result if result is not None else result_bf16  # a stand-in for the arrays not asked for
     grid = blocks_for(rows * v_heads, OUT_WARPS)
-    _gdn_output_kernel[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight,
-                                                      z_source if result is None else result,
-                                                      np.int32(result is not None),
-                                                      *bf16_target(written, result_bf16),
-                                                      *fragment_target(written, result_fragments), np.int32(v_heads),
-                                                      np.int32(v_dim), np.int32(z_offset), np.float32(eps))
+    # the vector kernel by v_dim and the z columns' alignment only (never by rows: batch invariance)
+    vector = v_dim == VEC_HEAD_DIM and z_source.shape[1] % 4 == 0 and z_offset % 4 == 0
+    launch = _gdn_output_vec_kernel if vector else _gdn_output_kernel
+    launch[grid, OUT_WARPS * WARP, stream](out, z_source, norm_weight, z_source if result is None else result,
+                                           np.int32(result is not None), *bf16_target(written, result_bf16),
+                                           *fragment_target(written, result_fragments), np.int32(v_heads),
+                                           np.int32(v_dim), np.int32(z_offset), np.float32(eps))
 
 
 def gdn_output_reference(out, z_source, norm_weight, result, *, v_heads, v_dim, z_offset, eps):

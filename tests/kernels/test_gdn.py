@@ -503,4 +503,5 @@ def test_output_kernel_in_cuda_simulator():
     """gdn_output run thread by thread with and without its fp32 result (`simulated_kernels.gdn_output`)."""
     from tests.support.simulated_kernels import run
 
-    assert "ok gdn_output bf16 alone" in run("gdn_output")
+    lines = run("gdn_output")
+    assert "ok gdn_output bf16 alone 64" in lines and "ok gdn_output bf16 alone 128" in lines

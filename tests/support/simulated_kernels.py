@@ -559,31 +559,33 @@ def elementwise() -> None:
 
 
 def gdn_output() -> None:
-    """gdn_output with and without its fp32 result: the same bf16 bits, the fp32 within rounding of the twin."""
+    """gdn_output with and without its fp32 result: the same bf16 bits, the fp32 within rounding of the twin; v_dim
+    64 (a lane's strided dims) and 128 (the vector kernel: a lane's 4 consecutive dims)."""
     from ninfer.artifact.codec import f32_to_bf16_bits
     from ninfer.kernels_numba import gdn
     from ninfer.kernels_numba.numba_setup import cuda
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(gdn))
-    rows, hv, dv, c = 3, 2, 64, 32
-    rng = np.random.default_rng(5)
-    out = rng.standard_normal((rows, hv, dv)).astype(np.float32)
-    projected = rng.standard_normal((rows, c + hv * dv)).astype(np.float32)
-    norm = rng.standard_normal(dv).astype(np.float32)
-    want = np.empty((rows, hv * dv), np.float32)
-    gdn.gdn_output_reference(out, projected, norm, want, v_heads=hv, v_dim=dv, z_offset=c, eps=1e-6)
-    copies = []
-    for result in (cuda.to_device(np.full((rows, hv * dv), np.nan, np.float32)), None):
-        bf16 = cuda.to_device(np.full((rows, hv * dv), 0x7FC1, np.uint16))
-        gdn.gdn_output(cuda.to_device(out), cuda.to_device(projected), cuda.to_device(norm), result, v_heads=hv,
-                       v_dim=dv, z_offset=c, eps=1e-6, stream=0, result_bf16=bf16)
-        copies.append(bf16.copy_to_host())
-        if result is not None:
-            assert _rel(result.copy_to_host(), want) < 1e-6
-            np.testing.assert_array_equal(copies[0], f32_to_bf16_bits(result.copy_to_host()))
-    np.testing.assert_array_equal(copies[1], copies[0])
-    print("ok gdn_output bf16 alone", flush=True)
+    for dv in (64, 128):
+        rows, hv, c = 3, 2, 32
+        rng = np.random.default_rng(5)
+        out = rng.standard_normal((rows, hv, dv)).astype(np.float32)
+        projected = rng.standard_normal((rows, c + hv * dv)).astype(np.float32)
+        norm = rng.standard_normal(dv).astype(np.float32)
+        want = np.empty((rows, hv * dv), np.float32)
+        gdn.gdn_output_reference(out, projected, norm, want, v_heads=hv, v_dim=dv, z_offset=c, eps=1e-6)
+        copies = []
+        for result in (cuda.to_device(np.full((rows, hv * dv), np.nan, np.float32)), None):
+            bf16 = cuda.to_device(np.full((rows, hv * dv), 0x7FC1, np.uint16))
+            gdn.gdn_output(cuda.to_device(out), cuda.to_device(projected), cuda.to_device(norm), result, v_heads=hv,
+                           v_dim=dv, z_offset=c, eps=1e-6, stream=0, result_bf16=bf16)
+            copies.append(bf16.copy_to_host())
+            if result is not None:
+                assert _rel(result.copy_to_host(), want) < 1e-6
+                np.testing.assert_array_equal(copies[0], f32_to_bf16_bits(result.copy_to_host()))
+        np.testing.assert_array_equal(copies[1], copies[0])
+        print("ok gdn_output bf16 alone", dv, flush=True)
 
 
 def moe_combine_norm() -> None:
