@@ -556,17 +556,21 @@ _OUT_SIG = (float32[:, :, ::1], float32[:, ::1], float32[::1], float32[:, ::1], 
             uint16[::1], int32, int32, int32, int32, float32)
 
 
+@device_function
+def _output_item(v_heads):
+    """(row, v head, lane) of this thread in gdn_output's grid (a warp an item; a row past the last: no work)."""
+    item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
+    row = item // v_heads
+    return row, item - row * v_heads, cuda.threadIdx.x % WARP
+
+
 @kernel(_OUT_SIG)
 def _gdn_output_kernel(o, z_source, weight, result, write_f32, result_bf16, write_bf16, fragments, write_fragments,
                        v_heads, v_dim, z_offset, eps):
     allow_dependents()  # the output projection may start loading its weights (`programmatic`)
-    item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
-    lane = cuda.threadIdx.x % WARP
-    rows = o.shape[0]
-    if item >= rows * v_heads:
+    row, h, lane = _output_item(v_heads)
+    if row >= o.shape[0]:
         return
-    row = item // v_heads
-    h = item - row * v_heads
     x = cuda.local.array(PER_LANE, float32)
     z = cuda.local.array(PER_LANE, float32)
     zb = z_offset + h * v_dim
@@ -601,15 +605,11 @@ def _gdn_output_vec_kernel(o, z_source, weight, result, write_f32, result_bf16, 
     16-byte fp32 stores) instead of L, L + 32, ... (4-byte ones: the 8K prefill ran at ~0.45 of copy bandwidth).
     Only the sum of squares' order differs (a lane's partial over consecutive dims)."""
     allow_dependents()
-    item = cuda.blockIdx.x * OUT_WARPS + cuda.threadIdx.x // WARP
-    lane = cuda.threadIdx.x % WARP
-    rows = o.shape[0]
-    if item >= rows * v_heads:
+    row, h, lane = _output_item(v_heads)
+    if row >= o.shape[0]:
         return
-    row = item // v_heads
-    h = item - row * v_heads
     column = h * VEC_HEAD_DIM + 4 * lane
-    x0, x1, x2, x3 = load4(o, item * VEC_HEAD_DIM + 4 * lane)
+    x0, x1, x2, x3 = load4(o, (row * v_heads + h) * VEC_HEAD_DIM + 4 * lane)
     z0, z1, z2, z3 = load4(z_source, row * z_source.shape[1] + z_offset + column)
     total = warp_sum(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)
     inv = float32(1.0) / math.sqrt(total / float32(VEC_HEAD_DIM) + eps)
