@@ -85,12 +85,13 @@ def test_silu_mul_to_bf16_rejects_shapes_it_cannot_vectorize(gate_up, out):
 def test_kernels_in_cuda_simulator():
     """The vector-load kernels run thread by thread in numba's simulator (tests.support.cuda_simulator's address
     stand-ins check alignment and bounds): silu_mul_to_bf16_rows equals its twin bitwise, silu_mul_bf16_rows' 16-byte
-    kernel its word kernel (`simulated_kernels.elementwise`)."""
+    kernel its word kernel, sigmoid_gate_add's 4-column kernel its column kernel (`simulated_kernels.elementwise`)."""
     from tests.support.simulated_kernels import run
 
     lines = run("elementwise").splitlines()
     assert len([line for line in lines if line.startswith("ok elementwise")]) == 2
     assert len([line for line in lines if line.startswith("ok silu_mul_bf16")]) == 2
+    assert len([line for line in lines if line.startswith("ok sigmoid_gate_add")]) == 2
 
 
 @pytest.mark.parametrize("gate_up,out", [((3, 10), (3, 4)), ((3, 6), (3, 3))])

@@ -535,9 +535,10 @@ def attention_decode_staged() -> None:
 def elementwise() -> None:
     """silu_mul_to_bf16_rows (16-byte loads by address, 8-byte stores): bitwise its twin, a partial column tile;
     silu_mul_bf16_rows' 16-byte kernel bitwise its word kernel (the same arithmetic), both within fp32 rounding of
-    the twin."""
+    the twin; sigmoid_gate_add's 4-column kernel bitwise its column kernel."""
     from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
     from ninfer.kernels_numba import elementwise as ew
+    from ninfer.kernels_numba.numba_setup import cuda
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(ew))
@@ -556,6 +557,19 @@ def elementwise() -> None:
         np.testing.assert_array_equal(quads, words)
         assert _rel(bf16_bits_to_f32(quads), bf16_bits_to_f32(ew.silu_mul_bf16_rows_reference(gate_up))) < 1e-5
         print("ok silu_mul_bf16", rows, width, flush=True)
+    for rows, width in [(3, 8), (2, 6)]:  # 4 columns a thread (the gate logits a strided view), then one a thread
+        rng = np.random.default_rng(width)
+        residual, delta = (rng.standard_normal((rows, width)).astype(np.float32) for _ in range(2))
+        logits = rng.standard_normal((rows, 3)).astype(np.float32)
+        gate = cuda.to_device(logits)[:, 2:]  # a device view, as the model's router logits' last column
+        got = cuda.to_device(residual)
+        ew.sigmoid_gate_add(got, cuda.to_device(delta), gate, stream=0)
+        columns = cuda.to_device(residual)
+        ew._sigmoid_gate_add_kernel[(rows, 1), 32](columns, cuda.to_device(delta), gate)
+        got, columns = got.copy_to_host(), columns.copy_to_host()
+        np.testing.assert_array_equal(got, columns)
+        assert _rel(got, ew.sigmoid_gate_add_reference(residual, delta, logits[:, 2:])) < 1e-6
+        print("ok sigmoid_gate_add", rows, width, flush=True)
 
 
 def gdn_output() -> None:
