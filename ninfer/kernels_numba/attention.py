@@ -23,7 +23,8 @@ from ninfer.backends.cpu.paged_kv import dequantize_int8, int8_group, quantize_i
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_target, bf16_to_f32,
                                          block_sum, blocks_for, code_float, f32_to_bf16, fragment_target,
-                                         half_pair_to_f32, sigmoid_f32, store_word_at, warp_max, warp_sum)
+                                         half_pair_to_f32, pack_bf16x2, sigmoid_f32, store_word_at, warp_max,
+                                         warp_sum)
 from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_prior,
                                              shared_address)
 from ninfer.kernels_numba.linear import load4, store4
@@ -688,7 +689,6 @@ def stage_layout(quant: bool) -> dict[str, int]:
     return dict(ROW_WORDS=row_words, SCALES=scales, WORDS=words, CONVERTED=converted, BYTES=4 * total)
 
 
-INT8_CODE_FLOAT_BITS = 0x7632  # byte_perm selector: the high halves of two fp32 words as one bf16 pair
 STAGED_BLOCK_WARPS = 8  # at most G x KW warps a block (KW a power of two): two blocks an SM at <= 128 registers
 STAGED_MAX_REGISTERS = 128
 
@@ -752,10 +752,8 @@ def _convert_tile(sh, stage, converted):
         for w in range(4):
             biased = codes[w] ^ uint32(INT8_SIGN_BITS)
             for h in range(2):
-                low = code_float(biased, 2 * h, float32(INT8_CODE_OFFSET))
-                high = code_float(biased, 2 * h + 1, float32(INT8_CODE_OFFSET))
-                pairs[2 * w + h] = uint32(libdevice.byte_perm(libdevice.float_as_int(low),
-                                                              libdevice.float_as_int(high), INT8_CODE_FLOAT_BITS))
+                pairs[2 * w + h] = pack_bf16x2(code_float(biased, 2 * h, float32(INT8_CODE_OFFSET)),
+                                               code_float(biased, 2 * h + 1, float32(INT8_CODE_OFFSET)))
         store4(sh, converted + piece * 8, pairs[0], pairs[1], pairs[2], pairs[3])
         store4(sh, converted + piece * 8 + 4, pairs[4], pairs[5], pairs[6], pairs[7])
 
@@ -862,6 +860,7 @@ def _make_decode_staged_kernel(quant: bool):
 
 
 DECODE_STAGED_KERNELS = {quant: _make_decode_staged_kernel(quant) for quant in (False, True)}
+STAGED_SHARED_BYTES = {quant: stage_layout(quant)["BYTES"] for quant in (False, True)}
 
 
 @kernel((f32_4d, f32_2d, i32_1d, f32_2d, uint16[:, ::1], int32, uint16[::1], int32, int32, int32, int32, int32),
@@ -910,7 +909,7 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     check_splits(splits)
     if head_dim == 256 and k_pool.shape[1] % STEP_KEYS == 0:
         group = heads // kv_heads
-        staged_kernel, shared_bytes = DECODE_STAGED_KERNELS[bool(quant)], stage_layout(bool(quant))["BYTES"]
+        staged_kernel, shared_bytes = DECODE_STAGED_KERNELS[bool(quant)], STAGED_SHARED_BYTES[bool(quant)]
         allow_dynamic_shared(staged_kernel, STAGED_SIGNATURE, shared_bytes)
         staged_kernel[(splits, kv_heads, rows), 32 * group * staged_key_warps(group), stream, shared_bytes](
             q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), ks, vs, partials,
