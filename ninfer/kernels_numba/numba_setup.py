@@ -96,21 +96,22 @@ def hopper_ptx(function: Callable[..., Any], signature: Any, options: dict[str, 
     return ptx
 
 
-_DYNAMIC_SHARED_SET: set[tuple[int, int, int]] = set()
+_DYNAMIC_SHARED_ALLOWED: dict[tuple[int, int], int] = {}
 
 
 def allow_dynamic_shared(dispatcher: Any, signature: Any, nbytes: int) -> None:
     """Let `dispatcher`'s `signature` variant launch with `nbytes` of dynamic shared memory on the current device
     (past 48 KiB a kernel must opt in; Hopper allows up to 227 KiB a block). numba has no API for this attribute:
-    this is the driver call numba's own `set_shared_memory_carveout` makes, on the same kernel handle. Once per
-    (kernel, device, size)."""
+    this is the driver call numba's own `set_shared_memory_carveout` makes, on the same kernel handle. The attribute
+    is a ceiling, so it only ever rises: lowering it for a smaller launch would make a later, larger launch of the
+    same kernel fail with CUDA_ERROR_INVALID_VALUE (a GPU test met that, widths 2048 then 64 then 2048)."""
     from numba.cuda.cudadrv.driver import binding, driver
 
     compiled = dispatcher.compile(signature)
     function = compiled.library.get_cufunc()
-    key = (id(function), function.device.id, nbytes)
-    if key in _DYNAMIC_SHARED_SET:
+    key = (id(function), function.device.id)
+    if _DYNAMIC_SHARED_ALLOWED.get(key, -1) >= nbytes:
         return
     attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
-    _DYNAMIC_SHARED_SET.add(key)
+    _DYNAMIC_SHARED_ALLOWED[key] = nbytes

@@ -449,6 +449,28 @@ def test_gpu_combine_norm_equals_combine_then_norm(rows, slots, hidden):
                                                           offset=True)
     assert rel_l2(results[0][0], want_x) < 1e-5 and rel_l2(results[0][1], want_out) < 1e-5
 
+
+@pytest.mark.gpu
+def test_gpu_combine_norm_wide_after_narrow_launches():
+    """A kernel's dynamic shared ceiling only rises: a 2048-wide combine + norm after a 64-wide one (which needs less
+    shared memory) still launches and matches its twin (once it failed with CUDA_ERROR_INVALID_VALUE)."""
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(15)
+    for hidden in (2048, 64, 2048):
+        eo, w, res = rand(rng, 9, 8, hidden), rand(rng, 9, 8), rand(rng, 9, hidden)
+        shared, logits, norm = rand(rng, 9, hidden), rand(rng, 9, 3), rand(rng, hidden)
+        x = cuda.to_device(res, stream=stream)
+        out = cuda.device_array((9, hidden), np.float32, stream=stream)
+        moe.moe_combine_rms_norm(*(cuda.to_device(a, stream=stream) for a in (eo, w)), x,
+                                 cuda.to_device(shared, stream=stream), cuda.to_device(logits, stream=stream)[:, 2:3],
+                                 cuda.to_device(norm, stream=stream), out, eps=1e-6, offset=True, stream=stream)
+        want_x, want_out = moe.moe_combine_rms_norm_reference(eo, w, res, shared, logits[:, 2:3], norm, eps=1e-6,
+                                                              offset=True)
+        assert rel_l2(x.copy_to_host(stream=stream), want_x) < 1e-5
+        assert rel_l2(out.copy_to_host(stream=stream), want_out) < 1e-5
+
+
 def test_padded_layout_kernels_in_cuda_simulator():
     """moe_pad_positions, the padded scatter and the combine back run thread by thread against their twins, in their
     16-byte and narrower forms (`simulated_kernels.moe_padded`)."""
