@@ -8,7 +8,7 @@ E = exp(G), S the state before the chunk):
     A = strict_lower(diag(beta) (K K^T) * exp(G_r - G_s))      T = (I + A)^-1        P = tril((Q K^T) * exp(G_r - G_s))
     U = T diag(beta) (V - diag(E) K S)
     O = diag(E) Q S + P U
-    S' = exp(G_last) S + (diag(exp(G_last - G)) K)^T U
+    S' = exp(G_last) S + K^T (diag(exp(G_last - G)) U)
 which equals the recurrence (S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q) row for row in exact
 arithmetic. Every exponent is <= 0 (log decays are <= 0), so nothing overflows.
 
@@ -45,7 +45,7 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_all, shared_address)
-from ninfer.kernels_numba.common import address_of  # noqa: F401 (templates)
+from ninfer.kernels_numba.common import address_of, load_matrix_x4  # noqa: F401 (templates)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function  # noqa: F401 (cuda)
 from ninfer.kernels_numba.templates import instantiate
 
@@ -90,6 +90,12 @@ def tf32_round(value):
     """float32 rounded to TF32 (10 mantissa bits; to nearest, ties away from zero), as a float32."""
     bits = (uint32(libdevice.float_as_int(float32(value))) + uint32(TF32_HALF)) & uint32(TF32_MASK)
     return libdevice.int_as_float(int32(bits))
+
+
+@device_function
+def tf32_word(word):
+    """`tf32_round` of a float32 held as its bits (a word that ldmatrix loaded)."""
+    return libdevice.int_as_float(int32((uint32(word) + uint32(TF32_HALF)) & uint32(TF32_MASK)))
 
 
 def tf32_round_host(values: np.ndarray) -> np.ndarray:
@@ -261,31 +267,47 @@ _SCAN_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32[:,
              float32[:, :, ::1], float32[:, :, :, ::1], int32[::1], int32[::1], int32[::1], float32[:, :, ::1], int32,
              int32, int32, int32)
 
-# Copies of a chunk's rows into shared memory (`cp.async`, 16 bytes a piece; rows past the chunk's end arrive as
-# zeros), each issued as soon as the buffer it fills is free; `nxt` is the chunk, `buf` the K / T-P buffer.
+# Copies of a chunk's rows into shared memory (`cp.async`, 16 bytes a piece), each issued as soon as the buffer it
+# fills is free; `nxt` is the chunk, `buf` the K / T-P buffer. A full chunk (every row there, and the slice's columns
+# all inside v_dim) takes the fast form: a thread's pieces sit a fixed number of rows apart, so each copy is its
+# first source address plus a multiple of one per-thread stride (the general form's 64-bit clamps cost ~25
+# instructions a copy, a sixth of a chunk's instructions). A chunk's last rows otherwise take the general form:
+# rows past the chunk's end arrive as zeros.
 # _COPY_ROWS copies K or Q rows (`source`) to word offset `dst`.
 _COPY_ROWS = """
             nb = start + nxt * CHUNK
             nn = min(CHUNK, count - nxt * CHUNK)
-            for e in range({k_pieces}):
-                idx = tid + e * SCAN_THREADS
-                r = idx // {k_row_pieces}
-                p = idx - r * {k_row_pieces}
-                row = int64(nb + min(r, nn - 1))
-                size = uint32(16) if r < nn else uint32(0)
-                copy_async_16(shared + uint32(({dst} + r * {kp} + 4 * p) * 4),
-                              {source} + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
+            if nn == CHUNK:
+                at = {source} + (int64(nb) * qk_heads + hq) * ({k_dim} * 4) + k_src
+                for e in range({k_pieces}):
+                    copy_async_16(shared + uint32(({dst}) * 4) + k_dst + uint32(e * K_ROW_STEP * {kp} * 4),
+                                  at + e * k_stride, uint32(16))
+            else:
+                for e in range({k_pieces}):
+                    idx = tid + e * SCAN_THREADS
+                    r = idx // {k_row_pieces}
+                    p = idx - r * {k_row_pieces}
+                    row = int64(nb + min(r, nn - 1))
+                    size = uint32(16) if r < nn else uint32(0)
+                    copy_async_16(shared + uint32(({dst} + r * {kp} + 4 * p) * 4),
+                                  {source} + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
 """
 
 _COPY_M = """
-            for e in range(M_PIECES):
-                idx = tid + e * SCAN_THREADS
-                r = idx // M_ROW_PIECES
-                p = idx - r * M_ROW_PIECES
-                row = int64(nb + min(r, nn - 1))
-                size = uint32(16) if r < nn else uint32(0)
-                copy_async_16(shared + uint32((M_OFF + buf * M_SIZE + r * MP + 4 * p) * 4),
-                              mats_at + ((row * v_heads + h) * CHUNK + 4 * p) * 4, size)
+            if nn == CHUNK:
+                at = mats_at + (int64(nb) * v_heads + h) * (CHUNK * 4) + m_src
+                for e in range(M_PIECES):
+                    copy_async_16(shared + uint32((M_OFF + buf * M_SIZE) * 4) + m_dst
+                                  + uint32(e * M_ROW_STEP * MP * 4), at + e * m_stride, uint32(16))
+            else:
+                for e in range(M_PIECES):
+                    idx = tid + e * SCAN_THREADS
+                    r = idx // M_ROW_PIECES
+                    p = idx - r * M_ROW_PIECES
+                    row = int64(nb + min(r, nn - 1))
+                    size = uint32(16) if r < nn else uint32(0)
+                    copy_async_16(shared + uint32((M_OFF + buf * M_SIZE + r * MP + 4 * p) * 4),
+                                  mats_at + ((row * v_heads + h) * CHUNK + 4 * p) * 4, size)
             copy_async_commit()
             if tid < CHUNK:
                 p_last = cum[uint64(nb + nn - 1), uh]
@@ -300,14 +322,20 @@ _COMMIT = """
 _COPY_V = """
             nb = start + nxt * CHUNK
             nn = min(CHUNK, count - nxt * CHUNK)
-            for e in range(V_PIECES):
-                idx = tid + e * SCAN_THREADS
-                r = idx // V_ROW_PIECES
-                p = idx - r * V_ROW_PIECES
-                row = int64(nb + min(r, nn - 1))
-                size = uint32(16) if r < nn and 4 * p < v_left else uint32(0)
-                copy_async_16(shared + uint32((Y_OFF + r * SP + 4 * p) * 4),
-                              mixed_at + (row * channels + v_base + min(4 * p, v_left - 4)) * 4, size)
+            if nn == CHUNK and v_left >= SLICE:
+                at = mixed_at + (int64(nb) * channels + v_base) * 4 + v_src
+                for e in range(V_PIECES):
+                    copy_async_16(shared + uint32(Y_OFF * 4) + v_dst + uint32(e * V_ROW_STEP * SP * 4),
+                                  at + e * v_stride, uint32(16))
+            else:
+                for e in range(V_PIECES):
+                    idx = tid + e * SCAN_THREADS
+                    r = idx // V_ROW_PIECES
+                    p = idx - r * V_ROW_PIECES
+                    row = int64(nb + min(r, nn - 1))
+                    size = uint32(16) if r < nn and 4 * p < v_left else uint32(0)
+                    copy_async_16(shared + uint32((Y_OFF + r * SP + 4 * p) * 4),
+                                  mixed_at + (row * channels + v_base + min(4 * p, v_left - 4)) * 4, size)
             copy_async_commit()
 """
 
@@ -316,10 +344,11 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
                                           out, qk_heads, v_heads, v_dim, channels_qk):
     # One dynamic shared array (past the 48 KiB static limit), laid out as: K chunk rows [CHUNK, {kp}] twice (this
     # chunk's and the next one's), Q rows [CHUNK, {kp}], the packed T / P [CHUNK, MP] twice, V then Y [CHUNK, SP],
-    # the state slice [Dk, SP] (TF32), U [CHUNK, SP], and exp(G), exp(G_last - G), beta [CHUNK] each. K, Q and T / P
-    # are held as loaded and rounded to TF32 where they become operands. Shared indices are unsigned (numba adds
-    # negative-index arithmetic to signed ones) and built from per-thread bases plus literal offsets, which fold into
-    # the load instructions once the k-step loops are written out.
+    # the state slice [Dk, SP] (TF32), U and diag(exp(G_last - G)) U [CHUNK, SP] (the second the state update's B
+    # operand, scaled once a chunk instead of K at each of its uses), and exp(G), exp(G_last - G), beta [CHUNK] each.
+    # K, Q and T / P are held as loaded and rounded to TF32 where they become operands. Shared indices are unsigned
+    # (numba adds negative-index arithmetic to signed ones) and built from per-thread bases plus literal offsets,
+    # which fold into the load instructions once the k-step loops are written out.
     sh = cuda.shared.array(0, float32)
     sacc = cuda.local.array({sacc}, float32)  # this warp's state tiles (mma C layout), fp32
     acc = cuda.local.array({tile}, float32)
@@ -353,10 +382,28 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
     n0 = (warp >> 2) * {warp_cols}  # and its half of the slice's columns ({ntiles} mma n-tiles)
     r0 = mw * 16 + g
     row_frag = uint64(r0 * {kp} + t)  # A fragment (r0, t) of a [CHUNK, {kp}] row block
+    # this lane's ldmatrix row of a [CHUNK, {kp}] row block's A fragments (bytes): matrices 0-3 are rows 0-7 / 8-15
+    # of the warp's tile x words 0-3 / 4-7 of the k step, which lands a0..a3 of mma m16n8k8's TF32 layout
+    row_matrix = uint32(((mw * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * {kp} + 4 * (lane >> 4)) * 4)
     col_frag = uint64(t * SP + n0 + g)  # B fragment (t, n0 + g) of a [*, SP] block
     t_frag = uint64(t * MP + r0)  # T[r0, t] = mats[t, r0]
     p_frag = uint64(r0 * MP + t)  # P[r0, t]
     c_frag = uint64(r0 * SP + n0 + 2 * t)  # C fragment (r0, n0 + 2t) of a [*, SP] block
+    # the fast copies' per-thread pieces (first row, 16-byte piece of it) of K / Q, T / P and V rows: byte offsets
+    # from the chunk's first row in global memory and from the tile in shared memory, and the global stride between
+    # a thread's consecutive pieces
+    kr = tid // {k_row_pieces}
+    k_src = int64(kr * qk_heads * {k_dim} + 4 * (tid - kr * {k_row_pieces})) * 4
+    k_dst = uint32((kr * {kp} + 4 * (tid - kr * {k_row_pieces})) * 4)
+    k_stride = int64(K_ROW_STEP * qk_heads * {k_dim} * 4)
+    mr = tid // M_ROW_PIECES
+    m_src = int64(mr * v_heads * CHUNK + 4 * (tid - mr * M_ROW_PIECES)) * 4
+    m_dst = uint32((mr * MP + 4 * (tid - mr * M_ROW_PIECES)) * 4)
+    m_stride = int64(M_ROW_STEP * v_heads * CHUNK * 4)
+    vr = tid // V_ROW_PIECES
+    v_src = (int64(vr) * channels + 4 * (tid - vr * V_ROW_PIECES)) * 4
+    v_dst = uint32((vr * SP + 4 * (tid - vr * V_ROW_PIECES)) * 4)
+    v_stride = int64(V_ROW_STEP) * channels * 4
 
     for e in range({k_dim} * SLICE // SCAN_THREADS):
         idx = tid + e * SCAN_THREADS
@@ -404,16 +451,13 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
         for e in range({tile}):
             acc[e] = float32(0.0)
             acc_o[e] = float32(0.0)
-        ka = k_off + row_frag
+        ka = shared + uint32(k_off * 4) + row_matrix  # the K and Q A fragments by ldmatrix, 4 words an instruction
+        qa = shared + uint32(Q_OFF * 4) + row_matrix
         for ks in range({ksteps}):
-            a0 = tf32_round(sh[ka + uint64(ks * 8)])
-            a1 = tf32_round(sh[ka + uint64(ks * 8 + 8 * {kp})])
-            a2 = tf32_round(sh[ka + uint64(ks * 8 + 4)])
-            a3 = tf32_round(sh[ka + uint64(ks * 8 + 8 * {kp} + 4)])
-            q0 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8)])
-            q1 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 8 * {kp})])
-            q2 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 4)])
-            q3 = tf32_round(sh[row_frag + uint64(Q_OFF + ks * 8 + 8 * {kp} + 4)])
+            w0, w1, w2, w3 = load_matrix_x4(ka + uint32(ks * 32))
+            a0, a1, a2, a3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
+            w0, w1, w2, w3 = load_matrix_x4(qa + uint32(ks * 32))
+            q0, q1, q2, q3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
             for nt in range({ntiles}):
                 b0 = sh[col_frag + uint64(S_OFF + ks * 8 * SP + nt * 8)]
                 b1 = sh[col_frag + uint64(S_OFF + (ks * 8 + 4) * SP + nt * 8)]
@@ -454,7 +498,10 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
                         a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
         for nt in range({ntiles}):
             for e in range(4):
-                sh[c_frag + uint64(U_OFF + 8 * (e >> 1) * SP + nt * 8 + (e & 1))] = tf32_round(acc[4 * nt + e])
+                u = tf32_round(acc[4 * nt + e])
+                sh[c_frag + uint64(U_OFF + 8 * (e >> 1) * SP + nt * 8 + (e & 1))] = u
+                sh[c_frag + uint64(UW_OFF + 8 * (e >> 1) * SP + nt * 8 + (e & 1))] = tf32_round(
+                    sh[uint64(W_OFF + r0 + 8 * (e >> 1))] * u)
         cuda.syncthreads()
         if chunk + 1 < chunks:
 {copy_v}
@@ -483,25 +530,22 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
                 if r < n and c < v_left:
                     out[uint64(base + r), uh, uint64(col0 + c)] = acc_o[4 * nt + e]
 
-        # S = exp(G_last) S + (diag(exp(G_last - G)) K)^T U, into the registers; shared S is still read above
+        # S = exp(G_last) S + K^T (diag(exp(G_last - G)) U), into the registers; shared S is still read above
         decay = sh[uint64(E_OFF + CHUNK - 1)]
         for jj in unrolled({sj}):
             mt = mw + 4 * jj
             if mt < {mtiles}:
                 kt = k_off + uint64(t * {kp} + mt * 16 + g)  # K[t, m]: the transposed A fragment
-                wt = uint64(W_OFF + t)
                 for e in range({tile}):
                     sacc[{tile} * jj + e] *= decay
                 for ks in range({chunk_ksteps}):
-                    w0 = sh[wt + uint64(ks * 8)]
-                    w4 = sh[wt + uint64(ks * 8 + 4)]
-                    a0 = tf32_round(tf32_round(sh[kt + uint64(ks * 8 * {kp})]) * w0)
-                    a1 = tf32_round(tf32_round(sh[kt + uint64(ks * 8 * {kp} + 8)]) * w0)
-                    a2 = tf32_round(tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp})]) * w4)
-                    a3 = tf32_round(tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp} + 8)]) * w4)
+                    a0 = tf32_round(sh[kt + uint64(ks * 8 * {kp})])
+                    a1 = tf32_round(sh[kt + uint64(ks * 8 * {kp} + 8)])
+                    a2 = tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp})])
+                    a3 = tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp} + 8)])
                     for nt in range({ntiles}):
-                        b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
-                        b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
+                        b0 = sh[col_frag + uint64(UW_OFF + ks * 8 * SP + nt * 8)]
+                        b1 = sh[col_frag + uint64(UW_OFF + (ks * 8 + 4) * SP + nt * 8)]
                         x = {tile} * jj + 4 * nt
                         sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3] = mma_tf32_m16n8k8(
                             a0, a1, a2, a3, b0, b1, sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3])
@@ -532,12 +576,13 @@ SCRATCH = CHUNK * AP  # R's offset in the prepare kernel's shared memory
 MP = CHUNK + 4  # packed T / P rows in the scan's shared memory: row and column fragment reads hit 32 banks
 M_ROW_PIECES = CHUNK // 4  # 16-byte pieces of a packed T / P row
 M_PIECES = CHUNK * M_ROW_PIECES // SCAN_THREADS  # T / P pieces per scan thread and chunk
+M_ROW_STEP = SCAN_THREADS // M_ROW_PIECES  # rows between a scan thread's T / P pieces
 
 
 def scan_slice(blocks_at_64: int, multiprocessors: int) -> int:
     """The scan's value columns per block (SLICES) for a launch of `blocks_at_64` blocks at 64 columns on a GPU of
-    `multiprocessors` SMs. A scan block walks its chunks one after another and takes an SM to itself (~210 KB of
-    shared memory at 64 columns, ~178 KB at 32), so a grid smaller than the GPU leaves SMs idle for the whole scan:
+    `multiprocessors` SMs. A scan block walks its chunks one after another and takes an SM to itself (~224 KiB of
+    shared memory at 64 columns, ~184 KiB at 32), so a grid smaller than the GPU leaves SMs idle for the whole scan:
     the 35B-A3B's 8K prefill (32 v heads x 2 slices = 64 blocks) ran on half the H200's 132 SMs, 1.2 ms a layer (128
     chunks at ~9.4 us). 32 columns double the blocks with the same chunk loop and half the products each; past half
     the SMs (the 27B's 48 x 2 = 96 blocks) the doubled grid would take a second wave."""
@@ -549,7 +594,7 @@ def _scan_layout(k_dim: int, sp: int) -> dict[str, int]:
     size in bytes."""
     kp = k_dim + 4
     sizes = dict(K_OFF=2 * CHUNK * kp, Q_OFF=CHUNK * kp, M_OFF=2 * CHUNK * MP, Y_OFF=CHUNK * sp, S_OFF=k_dim * sp,
-                 U_OFF=CHUNK * sp, E_OFF=CHUNK, W_OFF=CHUNK, B_OFF=CHUNK)
+                 U_OFF=CHUNK * sp, UW_OFF=CHUNK * sp, E_OFF=CHUNK, W_OFF=CHUNK, B_OFF=CHUNK)
     layout, words = {}, 0
     for name, size in sizes.items():
         layout[name] = words
@@ -575,7 +620,8 @@ def _make_kernels(k_dim: int):
                        sacc=4 * ntiles * sizes["sj"])
         sp = columns + SHARED_PAD
         constants = dict(_scan_layout(k_dim, sp), SLICE=columns, SP=sp, V_ROW_PIECES=columns // 4,
-                         V_PIECES=CHUNK * columns // 4 // SCAN_THREADS)
+                         V_PIECES=CHUNK * columns // 4 // SCAN_THREADS, V_ROW_STEP=SCAN_THREADS * 4 // columns,
+                         K_ROW_STEP=SCAN_THREADS * 4 // k_dim)
         scan = instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}_s{columns}", _SCAN_SIG, globals(),
                            variant, constants)
         scans[columns] = scan, constants["SCAN_SHARED_BYTES"]
@@ -661,6 +707,6 @@ def gdn_chunked_reference(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg
                 y = tf32_round_host(b[:, None] * (v - e[:, None] * _product(kt, st)))
                 u = tf32_round_host(_product(tf32_round_host(inverse), y))
                 out[rs, h] = e[:, None] * _product(qt, st) + _product(tf32_round_host(p), u)
-                k_scaled = tf32_round_host(kt * w[:, None])
-                state = (np.exp(g[-1]).astype(F32) * state + _product(k_scaled.T, u)).astype(F32)
+                u_scaled = tf32_round_host(w[:, None] * u)
+                state = (np.exp(g[-1]).astype(F32) * state + _product(kt.T, u_scaled)).astype(F32)
             ssm_state[lane, h] = state

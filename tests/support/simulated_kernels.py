@@ -175,7 +175,7 @@ def gather_kv() -> None:
 def gdn_chunked() -> None:
     """Prepare and scan kernels against the twin: two segments (a full and a partial chunk, then a short one) on two
     of three lanes, two v heads sharing a qk head; the third lane's state untouched. The scan at 64 and at 32 value
-    columns a block, the same bits."""
+    columns a block, the same bits (at 32 the slice fills v_dim: the full chunk's copies all take the fast form)."""
     from ninfer.kernels_numba import gdn_chunked as chunked
     from tests.kernels.test_gdn_chunked import CHUNK, _case, _chunked_twin
     from tests.support import cuda_simulator
@@ -185,7 +185,7 @@ def gdn_chunked() -> None:
         for scan, _ in scans.values():
             cuda_simulator.install(scan.py_func.__globals__)
     cuda_simulator.install(vars(chunked))
-    heads = dict(qk_heads=1, v_heads=2, k_dim=16, v_dim=8)
+    heads = dict(qk_heads=1, v_heads=2, k_dim=16, v_dim=32)
     case = _case(np.random.default_rng(3), mix=[(1, 70), (0, 5)], lanes=3, **heads)
     rows = case["rows"]
     want_out, want_state, want_cum, want_mats = _chunked_twin(case)
@@ -193,7 +193,7 @@ def gdn_chunked() -> None:
     results = {}
     for multiprocessors in (0, 8):  # 2 segments x 2 heads = 4 blocks at 64 columns: none of 0 SMs, half of 8
         state = case["ssm_state"].copy()
-        out = np.full((rows, 2, 8), np.nan, np.float32)
+        out = np.full((rows, 2, 32), np.nan, np.float32)
         cum = np.full((rows, 2), np.nan, np.float32)
         mats = np.full((rows, 2, CHUNK), np.nan, np.float32)
         chunked.gdn_chunked(case["q"], case["k"], case["mixed"], case["log_decay"], case["beta"], state,
