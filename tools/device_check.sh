@@ -14,6 +14,10 @@
 #                                                   REGEX (bench/ncu_decode.py: one eager step, 4 layers + head)
 #   bash tools/device_check.sh ncu-source MODEL RECIPE REGEX [COUNT]  the same kernels' warp stalls per SASS
 #                                                   instruction (SourceCounters), as CSV, and the report itself
+#   bash tools/device_check.sh ncu-script REGEX COUNT SCRIPT [ARGS]  Nsight Compute on the first COUNT launches
+#                                                   matching REGEX in any script (e.g. bench/kernel_gdn.py --models 35b
+#                                                   --scenarios prefill): the headline sections and the warp stalls
+#                                                   and instructions executed per SASS instruction (CSV)
 #   bash tools/device_check.sh ncu-dram MODEL RECIPE REGEX [COUNT]  the same kernels' DRAM and L2 traffic against
 #                                                   their duration (bytes read from DRAM vs requested, throughput)
 # The filters run --line-buffered, so a call cut short by its time limit still brings back its log up to the cut
@@ -91,5 +95,18 @@ case "$what" in
     python3 -c 'import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[0].isdigit()]
 for r in rows: print(r[0], r[4].split("(")[0][-48:], r[12], r[13], r[14])' "$OUT/ncu_dram.csv" | head -120 ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu|ncu-source|ncu-dram [args]" >&2; exit 2 ;;
+  ncu-script)
+    regex="$1"; count="$2"; shift 2
+    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+    "$NCU" --clock-control none -k "regex:$regex" --launch-count "$count" --section SourceCounters \
+      --section WarpStateStats --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis -f -o "$OUT/ncu_script" python3 "$@" \
+      > "$OUT/ncu_script_run.txt" 2>&1
+    "$NCU" --import "$OUT/ncu_script.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_script_source.csv" \
+      2> /dev/null
+    "$NCU" --import "$OUT/ncu_script.ncu-rep" --page details > "$OUT/ncu_script_details.txt" 2>&1
+    grep -E "^  [a-zA-Z_]|Duration|Throughput|Registers Per|Occupancy|Warp Cycles Per Issued|Issued Warp|Eligible" \
+      "$OUT/ncu_script_details.txt" | cut -c1-160 | head -120 ;;
+  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu|ncu-source|ncu-script|ncu-dram [args]" >&2
+     exit 2 ;;
 esac
