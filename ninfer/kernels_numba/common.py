@@ -97,11 +97,12 @@ def warp_max(value):
 
 @device_function
 def sigmoid_f32(x):
-    """Split by sign like `ops.sigmoid`, so exp never overflows."""
-    if x >= float32(0.0):
-        return float32(1.0) / (float32(1.0) + math.exp(-x))
-    e = math.exp(x)
-    return e / (float32(1.0) + e)
+    """Split by sign like `ops.sigmoid`, so exp never overflows: 1 / (1 + exp(-x)) for x >= 0, else e / (1 + e)
+    with e = exp(x). Written without a branch (one exp of -|x|, the numerator selected), the same bits: as two
+    branches, a warp whose lanes' signs differ ran both (the prefill conv was issue-bound on them)."""
+    e = math.exp(-abs(x))
+    numerator = float32(1.0) if x >= float32(0.0) else e
+    return numerator / (float32(1.0) + e)
 
 
 # ---- raw global addresses ----------------------------------------------------------------------------------------

@@ -165,11 +165,14 @@ def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_
             if first + 3 <= r0 and r0 + CONV_FAST_ROWS <= first + seg_count[i]:
                 s = i
         if s >= 0:
+            # unsigned indices (r0 >= 3 here): signed ones cost each access numba's negative-index wrap
+            first_row = uint64(r0 - 3)
+            column = uint64(c)
             e = cuda.local.array(CONV_FAST_LOADS, float32)
             for j in range(CONV_FAST_LOADS):
-                e[j] = projected[r0 - 3 + j, c]
+                e[j] = projected[first_row + uint64(j), column]
             for j in range(CONV_FAST_ROWS):
-                out[r0 + j, c] = _conv_silu(w0, w1, w2, w3, e[j], e[j + 1], e[j + 2], e[j + 3])
+                out[first_row + uint64(j + 3), column] = _conv_silu(w0, w1, w2, w3, e[j], e[j + 1], e[j + 2], e[j + 3])
             if seg_record[s] != 0:
                 lane = seg_lane[s]
                 t0 = r0 - seg_row[s]
