@@ -45,7 +45,8 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_all, shared_address)
-from ninfer.kernels_numba.common import address_of, load_matrix_x4  # noqa: F401 (templates)
+from ninfer.kernels_numba.common import (address_of, load_matrix_x4, load_word_at,  # noqa: F401 (templates)
+                                         load_words4_at)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function  # noqa: F401 (cuda)
 from ninfer.kernels_numba.templates import instantiate
 
@@ -136,14 +137,28 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
     g = lane >> 2
     t = lane & 3
 
-    for e in range({k_loads}):
-        idx = tid + e * THREADS
-        r = idx // {k_dim}
-        i = idx - r * {k_dim}
-        value = float32(0.0)
-        if r < n:
-            value = k[uint64(base + r), uhq, uint64(i)]
-        work[uint64(r * {kp} + i)] = tf32_round(value)
+    row_bytes = int64(qk_heads) * ({k_dim} * 4)  # from one row's K (or Q) head to the next row's
+    if n == CHUNK:  # 16-byte loads from a per-thread address plus a fixed stride (the general loop's index math
+        # was a quarter of the kernel's instructions)
+        kr = tid // ({k_dim} // 4)
+        kc = 4 * (tid - kr * ({k_dim} // 4))
+        at = address_of(k) + (int64(base + kr) * qk_heads + hq) * ({k_dim} * 4) + kc * 4
+        for e in range(CHUNK * {k_dim} // 4 // THREADS):
+            w0, w1, w2, w3 = load_words4_at(at + e * (THREADS * 4 // {k_dim}) * row_bytes)
+            to = uint64((kr + e * (THREADS * 4 // {k_dim})) * {kp} + kc)
+            work[to] = tf32_word(w0)
+            work[to + uint64(1)] = tf32_word(w1)
+            work[to + uint64(2)] = tf32_word(w2)
+            work[to + uint64(3)] = tf32_word(w3)
+    else:
+        for e in range({k_loads}):
+            idx = tid + e * THREADS
+            r = idx // {k_dim}
+            i = idx - r * {k_dim}
+            value = float32(0.0)
+            if r < n:
+                value = k[uint64(base + r), uhq, uint64(i)]
+            work[uint64(r * {kp} + i)] = tf32_round(value)
     if tid < CHUNK:
         decay = float32(0.0)
         bt = float32(0.0)
@@ -167,6 +182,9 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
     for e in range(32):
         kk[e] = float32(0.0)
         qk[e] = float32(0.0)
+    # this lane's Q A-fragment rows r0 and r0 + 8 (column t): each k step's loads are these addresses plus a literal
+    q_row = address_of(q) + (int64(base + r0) * qk_heads + hq) * ({k_dim} * 4) + t * 4
+    q_row8 = q_row + 8 * row_bytes
     for ks in range({ksteps}):
         c0 = ks * 8 + t
         a0 = work[uint64(r0 * {kp} + c0)]
@@ -178,11 +196,11 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         q2 = float32(0.0)
         q3 = float32(0.0)
         if r0 < n:
-            q0 = tf32_round(q[uint64(base + r0), uhq, uint64(c0)])
-            q2 = tf32_round(q[uint64(base + r0), uhq, uint64(c0 + 4)])
+            q0 = tf32_word(load_word_at(q_row + ks * 32))
+            q2 = tf32_word(load_word_at(q_row + ks * 32 + 16))
         if r0 + 8 < n:
-            q1 = tf32_round(q[uint64(base + r0 + 8), uhq, uint64(c0)])
-            q3 = tf32_round(q[uint64(base + r0 + 8), uhq, uint64(c0 + 4)])
+            q1 = tf32_word(load_word_at(q_row8 + ks * 32))
+            q3 = tf32_word(load_word_at(q_row8 + ks * 32 + 16))
         for nt in range(8):
             if nt <= 2 * warp + 1:
                 b0 = work[uint64((nt * 8 + g) * {kp} + c0)]
