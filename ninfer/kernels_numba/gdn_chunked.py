@@ -357,6 +357,70 @@ _COPY_V = """
             copy_async_commit()
 """
 
+# One k step of the scan's products (`ks` an expression of kk), accumulating into the named arrays: the state
+# products K S and Q S; U = T Y (T[r, s] = mats[s, r], unit diagonal); O += P U (P[r, s] = mats[r, s], s <= r).
+_STATE_STEP = """
+            w0, w1, w2, w3 = load_matrix_x4(ka + uint32(({ks}) * 32))
+            a0, a1, a2, a3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
+            w0, w1, w2, w3 = load_matrix_x4(qa + uint32(({ks}) * 32))
+            q0, q1, q2, q3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
+            for nt in range({ntiles}):
+                b0 = sh[col_frag + uint64(S_OFF + ({ks}) * 8 * SP + nt * 8)]
+                b1 = sh[col_frag + uint64(S_OFF + (({ks}) * 8 + 4) * SP + nt * 8)]
+                {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3] = mma_tf32_m16n8k8(
+                    a0, a1, a2, a3, b0, b1, {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3])
+                {acc_o}[4 * nt], {acc_o}[4 * nt + 1], {acc_o}[4 * nt + 2], {acc_o}[4 * nt + 3] = mma_tf32_m16n8k8(
+                    q0, q1, q2, q3, b0, b1, {acc_o}[4 * nt], {acc_o}[4 * nt + 1], {acc_o}[4 * nt + 2],
+                    {acc_o}[4 * nt + 3])
+"""
+
+_T_STEP = """
+                ks = {ks}
+                s0 = ks * 8 + t
+                a0 = sh[ta + uint64(ks * 8 * MP)] if s0 < r0 else (float32(1.0) if s0 == r0 else float32(0.0))
+                a1 = sh[ta + uint64(ks * 8 * MP + 8)] if s0 < r0 + 8 else (
+                    float32(1.0) if s0 == r0 + 8 else float32(0.0))
+                a2 = sh[ta + uint64((ks * 8 + 4) * MP)] if s0 + 4 < r0 else (
+                    float32(1.0) if s0 + 4 == r0 else float32(0.0))
+                a3 = sh[ta + uint64((ks * 8 + 4) * MP + 8)] if s0 + 4 < r0 + 8 else (
+                    float32(1.0) if s0 + 4 == r0 + 8 else float32(0.0))
+                a0 = tf32_round(a0)
+                a1 = tf32_round(a1)
+                a2 = tf32_round(a2)
+                a3 = tf32_round(a3)
+                for nt in range({ntiles}):
+                    b0 = sh[col_frag + uint64(Y_OFF + ks * 8 * SP + nt * 8)]
+                    b1 = sh[col_frag + uint64(Y_OFF + (ks * 8 + 4) * SP + nt * 8)]
+                    {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3] = mma_tf32_m16n8k8(
+                        a0, a1, a2, a3, b0, b1, {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3])
+"""
+
+_P_STEP = """
+                ks = {ks}
+                s0 = ks * 8 + t
+                a0 = tf32_round(sh[pa + uint64(ks * 8)]) if s0 <= r0 else float32(0.0)
+                a1 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP)]) if s0 <= r0 + 8 else float32(0.0)
+                a2 = tf32_round(sh[pa + uint64(ks * 8 + 4)]) if s0 + 4 <= r0 else float32(0.0)
+                a3 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP + 4)]) if s0 + 4 <= r0 + 8 else float32(0.0)
+                for nt in range({ntiles}):
+                    b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
+                    b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
+                    {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3] = mma_tf32_m16n8k8(
+                        a0, a1, a2, a3, b0, b1, {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3])
+"""
+
+
+def _steps(ntiles: int) -> dict[str, str]:
+    """The scan's k-step bodies, even and odd, for `ntiles` n-tiles a warp (template pieces, already formatted)."""
+    pieces = {}
+    for parity, ks, acc, acc_o in (("even", "2 * kk", "acc", "acc_o"), ("odd", "2 * kk + 1", "acc2", "acc_o2")):
+        pieces[f"state_step_{parity}"] = _STATE_STEP.format(ks=ks, acc=acc, acc_o=acc_o, ntiles=ntiles).lstrip("\n")
+        pieces[f"t_step_{parity}"] = _T_STEP.format(ks=ks, acc=acc, ntiles=ntiles).lstrip("\n")
+        pieces[f"p_step_{parity}"] = _P_STEP.format(ks=ks, acc="acc_o" if parity == "even" else "acc2",
+                                                    ntiles=ntiles).lstrip("\n")
+    return pieces
+
+
 _SCAN_SOURCE = """
 def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_state, seg_lane, seg_row, seg_count,
                                           out, qk_heads, v_heads, v_dim, channels_qk):
@@ -369,8 +433,12 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
     # which fold into the load instructions once the k-step loops are written out.
     sh = cuda.shared.array(0, float32)
     sacc = cuda.local.array({sacc}, float32)  # this warp's state tiles (mma C layout), fp32
+    # two accumulators a product (even and odd k steps): two dependent mma chains of half the length (the scan waited
+    # on each mma's result before the next; ncu's top stall)
     acc = cuda.local.array({tile}, float32)
     acc_o = cuda.local.array({tile}, float32)
+    acc2 = cuda.local.array({tile}, float32)
+    acc_o2 = cuda.local.array({tile}, float32)
     p_last = float32(0.0)
     p_cum = float32(0.0)
     p_beta = float32(0.0)
@@ -469,20 +537,14 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
         for e in range({tile}):
             acc[e] = float32(0.0)
             acc_o[e] = float32(0.0)
+            acc2[e] = float32(0.0)
+            acc_o2[e] = float32(0.0)
         ka = shared + uint32(k_off * 4) + row_matrix  # the K and Q A fragments by ldmatrix, 4 words an instruction
         qa = shared + uint32(Q_OFF * 4) + row_matrix
-        for ks in range({ksteps}):
-            w0, w1, w2, w3 = load_matrix_x4(ka + uint32(ks * 32))
-            a0, a1, a2, a3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
-            w0, w1, w2, w3 = load_matrix_x4(qa + uint32(ks * 32))
-            q0, q1, q2, q3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
-            for nt in range({ntiles}):
-                b0 = sh[col_frag + uint64(S_OFF + ks * 8 * SP + nt * 8)]
-                b1 = sh[col_frag + uint64(S_OFF + (ks * 8 + 4) * SP + nt * 8)]
-                acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
-                    a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
-                acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3] = mma_tf32_m16n8k8(
-                    q0, q1, q2, q3, b0, b1, acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3])
+        for kk in range({ksteps} // 2):  # even k steps into acc / acc_o, odd ones into acc2 / acc_o2
+{state_step_even}{state_step_odd}        for e in range({tile}):
+            acc[e] += acc2[e]
+            acc_o[e] += acc_o2[e]
         for nt in range({ntiles}):
             for e in range(4):
                 r = uint64(r0 + 8 * (e >> 1))
@@ -494,26 +556,12 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
         # U = T Y (T unit lower triangular, T[r, s] = mats[s, r]: the column tiles at or left of the diagonal)
         for e in range({tile}):
             acc[e] = float32(0.0)
+            acc2[e] = float32(0.0)
         ta = m_off + t_frag
-        for ks in range({chunk_ksteps}):
-            if ks < 2 * mw + 2:
-                s0 = ks * 8 + t
-                a0 = sh[ta + uint64(ks * 8 * MP)] if s0 < r0 else (float32(1.0) if s0 == r0 else float32(0.0))
-                a1 = sh[ta + uint64(ks * 8 * MP + 8)] if s0 < r0 + 8 else (
-                    float32(1.0) if s0 == r0 + 8 else float32(0.0))
-                a2 = sh[ta + uint64((ks * 8 + 4) * MP)] if s0 + 4 < r0 else (
-                    float32(1.0) if s0 + 4 == r0 else float32(0.0))
-                a3 = sh[ta + uint64((ks * 8 + 4) * MP + 8)] if s0 + 4 < r0 + 8 else (
-                    float32(1.0) if s0 + 4 == r0 + 8 else float32(0.0))
-                a0 = tf32_round(a0)
-                a1 = tf32_round(a1)
-                a2 = tf32_round(a2)
-                a3 = tf32_round(a3)
-                for nt in range({ntiles}):
-                    b0 = sh[col_frag + uint64(Y_OFF + ks * 8 * SP + nt * 8)]
-                    b1 = sh[col_frag + uint64(Y_OFF + (ks * 8 + 4) * SP + nt * 8)]
-                    acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3] = mma_tf32_m16n8k8(
-                        a0, a1, a2, a3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
+        for kk in range({chunk_ksteps} // 2):
+            if kk <= mw:  # k steps at or left of the diagonal tile; even into acc, odd into acc2
+{t_step_even}{t_step_odd}        for e in range({tile}):
+            acc[e] += acc2[e]
         for nt in range({ntiles}):
             for e in range(4):
                 u = tf32_round(acc[4 * nt + e])
@@ -527,20 +575,13 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
         for nt in range({ntiles}):
             for e in range(4):
                 acc_o[4 * nt + e] *= sh[uint64(E_OFF + r0 + 8 * (e >> 1))]
+        for e in range({tile}):
+            acc2[e] = float32(0.0)
         pa = m_off + p_frag
-        for ks in range({chunk_ksteps}):
-            if ks < 2 * mw + 2:
-                s0 = ks * 8 + t
-                a0 = tf32_round(sh[pa + uint64(ks * 8)]) if s0 <= r0 else float32(0.0)
-                a1 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP)]) if s0 <= r0 + 8 else float32(0.0)
-                a2 = tf32_round(sh[pa + uint64(ks * 8 + 4)]) if s0 + 4 <= r0 else float32(0.0)
-                a3 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP + 4)]) if s0 + 4 <= r0 + 8 else float32(0.0)
-                for nt in range({ntiles}):
-                    b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
-                    b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
-                    acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2], acc_o[4 * nt + 3] = mma_tf32_m16n8k8(
-                        a0, a1, a2, a3, b0, b1, acc_o[4 * nt], acc_o[4 * nt + 1], acc_o[4 * nt + 2],
-                        acc_o[4 * nt + 3])
+        for kk in range({chunk_ksteps} // 2):
+            if kk <= mw:  # even k steps into acc_o, odd into acc2
+{p_step_even}{p_step_odd}        for e in range({tile}):
+            acc_o[e] += acc2[e]
         for nt in range({ntiles}):
             for e in range(4):
                 r = r0 + 8 * (e >> 1)
@@ -635,7 +676,7 @@ def _make_kernels(k_dim: int):
     for columns in SLICES:
         ntiles = columns // 16  # a warp's mma n-tiles: half the slice's columns, 8 each
         variant = dict(sizes, slice=columns, warp_cols=columns // 2, ntiles=ntiles, tile=4 * ntiles,
-                       sacc=4 * ntiles * sizes["sj"])
+                       sacc=4 * ntiles * sizes["sj"], **_steps(ntiles))
         sp = columns + SHARED_PAD
         constants = dict(_scan_layout(k_dim, sp), SLICE=columns, SP=sp, V_ROW_PIECES=columns // 4,
                          V_PIECES=CHUNK * columns // 4 // SCAN_THREADS, V_ROW_STEP=SCAN_THREADS * 4 // columns,
