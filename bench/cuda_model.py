@@ -159,15 +159,19 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
-                 decode_only: bool = False, decode_quant: str = "mma", batches: tuple[int, ...] = (1, 2, 4, 8),
+                 decode_only: bool = False, prefill_only: bool = False, decode_quant: str = "mma",
+                 batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
                  narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
                  attention_splits: tuple[int | None, ...] = (None,),
                  split_floors: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
-    and a tiny model); the GPU run uses the defaults."""
+    and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
+    prefill or MTP rounds), for a short device call after a prefill change."""
     dims = dims or MODELS[dims_name]
+    if prefill_only:
+        batches = ()
     device = device or CudaDevice(0)
     specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
     capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
@@ -285,6 +289,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print_profile(f"prefill [{label}]", kernels, top=20)
             result["prefill"][-1]["profile"] = kernels
     model.prefill_attention, model.moe_prefill_gemm = "kernel", "auto"
+    if prefill_only:
+        return result
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
                                               profile=profile)
 
@@ -425,6 +431,8 @@ def main() -> None:
                         help="8K prefill attention paths to time: kernel (the numba kernel), gemm (the tensor cores "
                              "through cuBLAS), flash (one tensor-core kernel)")
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="only the 8K prefill: no decode steps, suffix prefill or MTP rounds")
     parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
                         help="quantized decode kernels: SIMT (quant_linear) or tensor cores (quant_mma)")
     parser.add_argument("--branches", default="default",
@@ -476,6 +484,7 @@ def main() -> None:
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
                                                           decode_linears=linears, profile=args.profile,
                                                           decode_only=args.decode_only,
+                                                          prefill_only=args.prefill_only,
                                                           batches=tuple(int(b) for b in args.batches.split(",")),
                                                           prefill_attentions=tuple(args.prefill_attention.split(",")),
                                                           decode_quant=args.decode_quant,

@@ -99,3 +99,15 @@ def test_off_on_options_parse_to_booleans_and_refuse_anything_else(bench):
     assert bench.on_off(parser, "--programmatic", "on") == (True,)
     with pytest.raises(SystemExit):
         bench.on_off(parser, "--programmatic", "yes")
+
+
+def test_prefill_only_times_the_prefill_and_nothing_else(bench):
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(),
+                                dims=cuda_tiny_dims(moe=True), context=70, prefill_tokens=128, repeats=4,
+                                prefill_attentions=("gemm",), prefill_only=True)
+    assert result["decode"] == []
+    assert [(row["attention"], row["tokens"]) for row in result["prefill"]] == [("gemm", 128)]
+    assert result["prefill"][0]["seconds"] > 0
+    assert "suffix_prefill" not in result and "mtp_round" not in result
