@@ -72,6 +72,7 @@ def captured_repeats(device, launch: Callable[[], None], repeats: int, replays: 
 
 GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")  # Kineto trace categories of device work
 TOP_WAITS = 8  # the serving stream's idle time reported before this many kernel names
+TOP_GAPS = 8  # the serving stream's longest single gaps, each with the kernels either side
 TOP_STREAMS = 3  # streams printed one by one (a graph's branches may spread over dozens)
 SEQUENCE_EVENTS = 72  # the first replay's first device events listed in order (the first layers' chains)
 
@@ -83,13 +84,16 @@ def stream_timeline(trace_events: list[dict], replays: int) -> dict:
     driver's choosing, so the one with the most launches is the serving stream's chain; for it, `waits`: its idle
     time a replay summed by the kernel that ran after the gap (what the chain waited to start: a join with another
     stream, or launch latency), the TOP_WAITS longest; `sequence`: the first replay's first SEQUENCE_EVENTS events in
-    start order (stream, name, start and duration in us from the replay's start), to read which branch ran where."""
+    start order (stream, name, start and duration in us from the replay's start), to read which branch ran where;
+    `gaps`: the serving stream's TOP_GAPS longest single gaps (after which kernel, before which, how long, and where
+    from the trace's first event), to find a host round trip that a sum by kernel name spreads over many gaps."""
     work = sorted((e for e in trace_events if e.get("cat") in GPU_WORK and "dur" in e), key=lambda e: e["ts"])
     if not work:
-        return {"replays": replays, "span_us": 0.0, "streams": [], "waits": [], "sequence": []}
+        return {"replays": replays, "span_us": 0.0, "streams": [], "waits": [], "sequence": [], "gaps": []}
     streams: dict = defaultdict(lambda: {"launches": 0, "busy_us": 0.0, "idle_us": 0.0, "gaps": [],
-                                         "waits": defaultdict(float)})
+                                         "waits": defaultdict(float), "single": []})
     last_end: dict = {}
+    last_name: dict = {}
     for event in work:
         stream = event.get("args", {}).get("stream")
         entry = streams[stream]
@@ -100,7 +104,10 @@ def stream_timeline(trace_events: list[dict], replays: int) -> dict:
             entry["idle_us"] += gap
             entry["gaps"].append(gap)
             entry["waits"][short_name(event["name"])] += gap
+            entry["single"].append({"after": last_name[stream], "before": short_name(event["name"]), "gap_us": gap,
+                                    "at_us": last_end[stream] - work[0]["ts"]})
         last_end[stream] = event["ts"] + event["dur"]
+        last_name[stream] = short_name(event["name"])
     count = max(1, replays)
     span = max(e["ts"] + e["dur"] for e in work) - work[0]["ts"]
     rows = sorted(({"stream": stream, "launches_per_replay": e["launches"] / count,
@@ -113,7 +120,9 @@ def stream_timeline(trace_events: list[dict], replays: int) -> dict:
     start = work[0]["ts"]
     sequence = [{"stream": e.get("args", {}).get("stream"), "name": short_name(e["name"]), "start_us": e["ts"] - start,
                  "dur_us": e["dur"]} for e in work if e["ts"] - start < span / count][:SEQUENCE_EVENTS]
-    return {"replays": replays, "span_us": span / count, "streams": rows, "waits": waits, "sequence": sequence}
+    gaps = sorted(streams[rows[0]["stream"]]["single"], key=lambda g: -g["gap_us"])[:TOP_GAPS]
+    return {"replays": replays, "span_us": span / count, "streams": rows, "waits": waits, "sequence": sequence,
+            "gaps": gaps}
 
 
 def profile_replays(replay: Callable[[], None], synchronize: Callable[[], None], replays: int = 5) -> dict:
@@ -166,6 +175,9 @@ def print_profile(title: str, report: dict, top: int = 14) -> None:
                   f"{sum(s['busy_us_per_replay'] for s in rest) / 1e3:.2f} ms", flush=True)
         for w in timeline["waits"]:
             print(f"    serving stream idle {w['idle_us_per_replay']:7.1f} us before {w['before']}", flush=True)
+        for g in timeline.get("gaps", []):
+            print(f"    gap {g['gap_us']:8.1f} us at {g['at_us'] / 1e3:8.2f} ms: after {g['after'][:40]} before "
+                  f"{g['before'][:40]}", flush=True)
         for e in timeline["sequence"]:
             print(f"    {e['start_us']:8.1f} us +{e['dur_us']:6.1f}  stream {e['stream']}  {e['name']}", flush=True)
     for k in report["kernels"][:top]:

@@ -35,9 +35,12 @@ def test_the_timeline_reports_each_streams_busy_and_idle_time_and_what_the_servi
     # the first replay's device events in start order, from its start
     assert [(e["stream"], e["name"], e["start_us"], e["dur_us"]) for e in timeline["sequence"]] == [
         (7, "norm", 0, 10), (9, "shared", 11, 20), (7, "router", 12, 5), (7, "join", 33, 4), (7, "Memset", 38, 1)]
+    # the serving stream's longest single gaps, either replay, with the kernels either side and where they open
+    assert [(g["after"], g["before"], g["gap_us"], g["at_us"]) for g in timeline["gaps"][:4]] == [
+        ("router", "join", 16, 17), ("router", "join", 16, 57), ("norm", "router", 2, 10), ("norm", "router", 2, 50)]
 
 
 def test_an_empty_trace_has_no_streams():
     profile = importlib.import_module("bench.kernel_profile")
     assert profile.stream_timeline([], 3) == {"replays": 3, "span_us": 0.0, "streams": [], "waits": [],
-                                                   "sequence": []}
+                                                   "sequence": [], "gaps": []}
