@@ -288,6 +288,13 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             kernels = profile_replays(prefill, device.synchronize, replays=1)
             print_profile(f"prefill [{label}]", kernels, top=20)
             result["prefill"][-1]["profile"] = kernels
+            # where the host's time goes: the GPU idles wherever the host, just woken from a MoE layer's wait for
+            # its group sizes, takes longer to queue the next launches than the GPU takes to run what is queued
+            from bench.kernel_profile import host_profile
+
+            result["prefill"][-1]["host_profile"] = host_profile(lambda: (prefill(), device.synchronize()),
+                                                                 sort="tottime", top=25)
+            print(result["prefill"][-1]["host_profile"], flush=True)
     model.prefill_attention, model.moe_prefill_gemm = "kernel", "auto"
     if prefill_only:
         return result
