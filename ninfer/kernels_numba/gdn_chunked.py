@@ -291,41 +291,29 @@ _SCAN_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32[:,
 # first source address plus a multiple of one per-thread stride (the general form's 64-bit clamps cost ~25
 # instructions a copy, a sixth of a chunk's instructions). A chunk's last rows otherwise take the general form:
 # rows past the chunk's end arrive as zeros.
-# _COPY_ROWS copies K or Q rows (`source`) to word offset `dst`.
-_COPY_ROWS = """
-            nb = start + nxt * CHUNK
-            nn = min(CHUNK, count - nxt * CHUNK)
-            if nn == CHUNK:
-                at = {source} + (int64(nb) * qk_heads + hq) * ({k_dim} * 4) + k_src
-                for e in range({k_pieces}):
-                    copy_async_16(shared + uint32(({dst}) * 4) + k_dst + uint32(e * K_ROW_STEP * {kp} * 4),
-                                  at + e * k_stride, uint32(16))
+_COPY_PIECES = """
+            if {full}:
+                at = {source} + (int64(nb) * {row_words} + {head_words}) * 4 + {name}_src
+                for e in range({pieces}):
+                    copy_async_16(shared + uint32(({dst}) * 4) + {name}_dst + uint32(e * {row_step} * {pitch} * 4),
+                                  at + e * {name}_stride, uint32(16))
             else:
-                for e in range({k_pieces}):
+                for e in range({pieces}):
                     idx = tid + e * SCAN_THREADS
-                    r = idx // {k_row_pieces}
-                    p = idx - r * {k_row_pieces}
+                    r = idx // {row_pieces}
+                    p = idx - r * {row_pieces}
                     row = int64(nb + min(r, nn - 1))
-                    size = uint32(16) if r < nn else uint32(0)
-                    copy_async_16(shared + uint32(({dst} + r * {kp} + 4 * p) * 4),
-                                  {source} + ((row * qk_heads + hq) * {k_dim} + 4 * p) * 4, size)
+                    size = uint32(16) if r < nn{columns_there} else uint32(0)
+                    copy_async_16(shared + uint32(({dst} + r * {pitch} + 4 * p) * 4),
+                                  {source} + (row * {row_words} + {head_words} + {column}) * 4, size)
 """
 
-_COPY_M = """
-            if nn == CHUNK:
-                at = mats_at + (int64(nb) * v_heads + h) * (CHUNK * 4) + m_src
-                for e in range(M_PIECES):
-                    copy_async_16(shared + uint32((M_OFF + buf * M_SIZE) * 4) + m_dst
-                                  + uint32(e * M_ROW_STEP * MP * 4), at + e * m_stride, uint32(16))
-            else:
-                for e in range(M_PIECES):
-                    idx = tid + e * SCAN_THREADS
-                    r = idx // M_ROW_PIECES
-                    p = idx - r * M_ROW_PIECES
-                    row = int64(nb + min(r, nn - 1))
-                    size = uint32(16) if r < nn else uint32(0)
-                    copy_async_16(shared + uint32((M_OFF + buf * M_SIZE + r * MP + 4 * p) * 4),
-                                  mats_at + ((row * v_heads + h) * CHUNK + 4 * p) * 4, size)
+_CHUNK_ROWS = """
+            nb = start + nxt * CHUNK
+            nn = min(CHUNK, count - nxt * CHUNK)
+"""
+
+_SCALARS = """
             copy_async_commit()
             if tid < CHUNK:
                 p_last = cum[uint64(nb + nn - 1), uh]
@@ -333,29 +321,30 @@ _COPY_M = """
                 p_beta = beta[uint64(nb + min(tid, nn - 1)), uh]
 """
 
-_COMMIT = """
-            copy_async_commit()
-"""
 
-_COPY_V = """
-            nb = start + nxt * CHUNK
-            nn = min(CHUNK, count - nxt * CHUNK)
-            if nn == CHUNK and v_left >= SLICE:
-                at = mixed_at + (int64(nb) * channels + v_base) * 4 + v_src
-                for e in range(V_PIECES):
-                    copy_async_16(shared + uint32(Y_OFF * 4) + v_dst + uint32(e * V_ROW_STEP * SP * 4),
-                                  at + e * v_stride, uint32(16))
-            else:
-                for e in range(V_PIECES):
-                    idx = tid + e * SCAN_THREADS
-                    r = idx // V_ROW_PIECES
-                    p = idx - r * V_ROW_PIECES
-                    row = int64(nb + min(r, nn - 1))
-                    size = uint32(16) if r < nn and 4 * p < v_left else uint32(0)
-                    copy_async_16(shared + uint32((Y_OFF + r * SP + 4 * p) * 4),
-                                  mixed_at + (row * channels + v_base + min(4 * p, v_left - 4)) * 4, size)
-            copy_async_commit()
-"""
+def _copies(k_dim: int) -> dict[str, str]:
+    """The scan's copy blocks (template pieces, formatted): K with T / P (and the chunk's scalars), Q, V. The fast
+    form's per-thread offsets `{name}_src`, `{name}_dst` and `{name}_stride` are set before the chunk loop."""
+    kp, k_pieces = k_dim + 4, CHUNK * k_dim // 4 // SCAN_THREADS
+
+    def rows(name, source, dst, full="nn == CHUNK", columns_there="", column="4 * p", **layout):
+        return _COPY_PIECES.format(name=name, source=source, dst=dst, full=full, columns_there=columns_there,
+                                   column=column, **layout).lstrip("\n")
+
+    k_layout = dict(row_words=f"qk_heads * {k_dim}", head_words=f"hq * {k_dim}", pieces=k_pieces,
+                    row_pieces=k_dim // 4, row_step="K_ROW_STEP", pitch=kp)
+    chunk_rows = _CHUNK_ROWS.lstrip("\n")
+    return dict(
+        copy_km=chunk_rows + rows("k", "k_at", "buf * K_SIZE", **k_layout) + rows(
+            "m", "mats_at", "M_OFF + buf * M_SIZE", row_words="v_heads * CHUNK", head_words="h * CHUNK",
+            pieces="M_PIECES", row_pieces="M_ROW_PIECES", row_step="M_ROW_STEP", pitch="MP") + _SCALARS.lstrip("\n"),
+        copy_q=chunk_rows + rows("k", "q_at", "Q_OFF", **k_layout) + "            copy_async_commit()\n",
+        copy_v=chunk_rows + rows("v", "mixed_at", "Y_OFF", full="nn == CHUNK and v_left >= SLICE",
+                                 columns_there=" and 4 * p < v_left", column="min(4 * p, v_left - 4)",
+                                 row_words="channels", head_words="v_base", pieces="V_PIECES",
+                                 row_pieces="V_ROW_PIECES", row_step="V_ROW_STEP", pitch="SP")
+        + "            copy_async_commit()\n")
+
 
 # One k step of the scan's products (`ks` an expression of kk), accumulating into the named arrays: the state
 # products K S and Q S; U = T Y (T[r, s] = mats[s, r], unit diagonal); O += P U (P[r, s] = mats[r, s], s <= r).
@@ -669,8 +658,7 @@ def _make_kernels(k_dim: int):
     sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, SCRATCH + 16 * RS), k_loads=CHUNK * k_dim // THREADS,
                  k_row_pieces=k_dim // 4, k_pieces=CHUNK * k_dim // 4 // SCAN_THREADS, ksteps=k_dim // 8,
                  chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4)
-    sizes.update(copy_km=_COPY_ROWS.format(dst="buf * K_SIZE", source="k_at", **sizes) + _COPY_M,
-                 copy_q=_COPY_ROWS.format(dst="Q_OFF", source="q_at", **sizes) + _COMMIT, copy_v=_COPY_V)
+    sizes.update(_copies(k_dim))
     prepare = instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(), sizes)
     scans = {}
     for columns in SLICES:
