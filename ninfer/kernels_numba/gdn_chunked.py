@@ -456,7 +456,6 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
     mw = warp & 3  # the warp's 16-row tile of the chunk
     n0 = (warp >> 2) * {warp_cols}  # and its half of the slice's columns ({ntiles} mma n-tiles)
     r0 = mw * 16 + g
-    row_frag = uint64(r0 * {kp} + t)  # A fragment (r0, t) of a [CHUNK, {kp}] row block
     # this lane's ldmatrix row of a [CHUNK, {kp}] row block's A fragments (bytes): matrices 0-3 are rows 0-7 / 8-15
     # of the warp's tile x words 0-3 / 4-7 of the k step, which lands a0..a3 of mma m16n8k8's TF32 layout
     row_matrix = uint32(((mw * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * {kp} + 4 * (lane >> 4)) * 4)
@@ -656,8 +655,8 @@ def _make_kernels(k_dim: int):
     kp = k_dim + 4  # K rows in shared memory: the A- and B-fragment reads hit distinct banks (16-byte aligned rows)
     mtiles = k_dim // 16
     sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, SCRATCH + 16 * RS), k_loads=CHUNK * k_dim // THREADS,
-                 k_row_pieces=k_dim // 4, k_pieces=CHUNK * k_dim // 4 // SCAN_THREADS, ksteps=k_dim // 8,
-                 chunk_ksteps=CHUNK // 8, mtiles=mtiles, sj=(mtiles + 3) // 4)
+                 k_row_pieces=k_dim // 4, ksteps=k_dim // 8, chunk_ksteps=CHUNK // 8, mtiles=mtiles,
+                 sj=(mtiles + 3) // 4)
     sizes.update(_copies(k_dim))
     prepare = instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(), sizes)
     scans = {}
