@@ -1368,12 +1368,13 @@ class CudaQwen:
             self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
             self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
         inter = d.moe_intermediate
-        grouped = not _fused_swiglu(w.routed_gate_up, rows) and rows > SKINNY_ROWS
+        fused_swiglu = _fused_swiglu(w.routed_gate_up, rows)
+        grouped = not fused_swiglu and rows > SKINNY_ROWS
         if grouped:  # the shared expert (when no side stream takes it) runs while the group sizes travel
             shared = None if side is not None else (
                 lambda: self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag))
             self._moe_grouped(w, rows, beside_the_read=shared)
-        elif _fused_swiglu(w.routed_gate_up, rows):
+        elif fused_swiglu:
             self._swiglu_experts(w, rows, h_frag)
         else:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
