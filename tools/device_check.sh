@@ -30,6 +30,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/device-out}"; mkdir -p "$OUT"
 what="${1:-tests}"; shift || true
 quiet() { grep --line-buffered -v -i "warn"; }  # drop the warning lines, keep each other line as it comes
+NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"  # the ncu modes' profiler
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 case "$what" in
   tests)
@@ -63,7 +64,6 @@ case "$what" in
     # Counters with the clocks left alone (METHOD.md); the sections that say what bounds a kernel: throughput against
     # the peaks, memory traffic per level, occupancy and its limiter, registers, and where warps stall.
     model="${1:-27b}"; recipe="${2:-ninfer-v2}"; regex="${3:-.}"; count="${4:-60}"
-    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
     log="$OUT/ncu_${model}_${recipe}.txt"
     "$NCU" --clock-control none -k "regex:$regex" --launch-count "$count" --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
@@ -73,7 +73,6 @@ case "$what" in
   ncu-source)
     # Where in the SASS the warps wait (compare with tools/sass.py's listing of the same kernel, made without a GPU).
     model="${1:-27b}"; recipe="${2:-ninfer-v2}"; regex="${3:-.}"; count="${4:-4}"
-    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
     "$NCU" --clock-control none -k "regex:$regex" --launch-count "$count" --section SourceCounters \
       --section WarpStateStats --section SpeedOfLight -f -o "$OUT/ncu_source" \
       python3 bench/ncu_decode.py --model "$model" --recipe "$recipe" --steps 1 > "$OUT/ncu_source_run.txt" 2>&1
@@ -85,7 +84,6 @@ case "$what" in
     # Whether a memory-bound kernel reads more than it needs (x re-reads missing L2, scale words, partial sectors)
     # or reads what it needs slowly: DRAM bytes and sectors against the L1 requests, with the duration.
     model="${1:-27b}"; recipe="${2:-ninfer-v2}"; regex="${3:-.}"; count="${4:-8}"
-    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
     metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
     metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum
     metrics+=,lts__t_sector_op_read_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
@@ -97,7 +95,6 @@ rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[0].isdigit
 for r in rows: print(r[0], r[4].split("(")[0][-48:], r[12], r[13], r[14])' "$OUT/ncu_dram.csv" | head -120 ;;
   ncu-script)
     regex="$1"; count="$2"; shift 2
-    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
     "$NCU" --clock-control none -k "regex:$regex" --launch-count "$count" --section SourceCounters \
       --section WarpStateStats --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis -f -o "$OUT/ncu_script" python3 "$@" \
