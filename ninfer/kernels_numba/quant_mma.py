@@ -999,16 +999,28 @@ def make_dequantize_mma_kernel(bits: int):
         at2 = out_at + int64(target2) * row_bytes
         at3 = out_at + int64(target3) * row_bytes
         from0 = staged + (lane >> 3) * STAGE_ROW_WORDS + column
+        first_slot = tile * blocks  # the tile's first (tile, block) slot of the codes, high words and scales
+        n0, n1, n2, n3 = load4(base, (first_slot * 32 + lane) * 4)
+        nh0, nh1, nh2, nh3 = load_high_words(high, first_slot * 32 + lane, bits)
+        ns0 = scales[first_slot * SW * 8 + g]
+        ns1 = scales[(first_slot * SW + SW - 1) * 8 + g]
         for q in range(blocks):
-            at = tile * blocks + q  # the (tile, block) slot of the codes, high words and scales
-            w0, w1, w2, w3 = load4(base, (at * 32 + lane) * 4)
-            hw0, hw1, hw2, hw3 = load_high_words(high, at * 32 + lane, bits)
+            w0, w1, w2, w3 = n0, n1, n2, n3
+            hw0, hw1, hw2, hw3 = nh0, nh1, nh2, nh3
+            sc0, sc1 = ns0, ns1
+            # The next block's words load while this one decodes and stores: a warp walks its tile's blocks in
+            # order, so without them in flight each block waited out a whole load latency (the last block reloads
+            # itself rather than branch).
+            ahead = first_slot + min(q + 1, blocks - 1)
+            n0, n1, n2, n3 = load4(base, (ahead * 32 + lane) * 4)
+            nh0, nh1, nh2, nh3 = load_high_words(high, ahead * 32 + lane, bits)
+            ns0 = scales[ahead * SW * 8 + g]
+            ns1 = scales[(ahead * SW + SW - 1) * 8 + g]
             cuda.syncwarp()  # the previous block's rows are stored before the stage is written again
             for j in range(4):
                 w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
                 h = hw0 if j == 0 else (hw1 if j == 1 else (hw2 if j == 2 else hw3))
-                k = j >> 1 if bits == 8 else 0
-                s_lo, s_hi = half_pair_to_f32(scales[(at * SW + k) * 8 + g])
+                s_lo, s_hi = half_pair_to_f32(sc1 if bits == 8 and j >= 2 else sc0)
                 for s in range(4):
                     if bits == 8:
                         hi = nibble_pair(h, s, minus)
