@@ -295,6 +295,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             result["prefill"][-1]["host_profile"] = host_profile(lambda: (prefill(), device.synchronize()),
                                                                  sort="tottime", top=25)
             print(result["prefill"][-1]["host_profile"], flush=True)
+            if dims.is_moe:
+                result["prefill"][-1]["moe_host"] = trace_moe_host(model, lambda: (prefill(), device.synchronize()))
     model.prefill_attention, model.moe_prefill_gemm = "kernel", "auto"
     if prefill_only:
         return result
@@ -303,6 +305,28 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
 
     result["mtp_round"] = mtp_rounds(model, dims, context)
     return result
+
+
+def trace_moe_host(model: CudaQwen, run) -> dict:
+    """The host's own time through each MoE layer of one unprofiled `run()` (bench/host_trace.py): the wait for the
+    group sizes, then each call until the first expert GEMM is queued. The GPU idles wherever that takes longer
+    than the work queued before the wait (the rows' gather, the shared expert)."""
+    from bench.host_trace import HostTrace, moe_waits, print_moe_waits
+    from ninfer.backends.cuda.staging import PendingRead, StagingSlots
+
+    trace = HostTrace()
+    gemms = ("batched_gemm_bf16", "chunked_gemm_bf16", "grouped_gemm_bf16")
+    for name in ("gemm_bf16", *gemms):
+        trace.wrap(model.linear.blas, name)
+    trace.wrap(PendingRead, "values", "sizes wait")
+    trace.wrap(StagingSlots, "write", "staging write")
+    trace.wrap(model.linear, "bf16_weight")
+    for name in ("moe_group", "moe_layout", "moe_pad_positions", "moe_gather", "silu_mul_bf16_rows",
+                 "silu_mul_to_bf16_rows", "moe_scatter_combine", "sigmoid_gate_add", "route_top_k", "rms_norm_rows"):
+        trace.wrap(model.k, name)
+    report = moe_waits(trace.run(run), wait="sizes wait", gemms=gemms)
+    print_moe_waits(report)
+    return report
 
 
 def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile: bool) -> dict:
