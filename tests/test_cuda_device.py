@@ -89,6 +89,9 @@ def test_views_are_built_once_and_element_reads_are_read_every_time(device):
     assert isinstance(rows, ViewMemoArray) and a[:3] is rows and a[:4] is not rows
     assert rows.copy_to_host().tolist() == np.arange(12).reshape(3, 4).tolist()
     assert a.reshape(24) is a.reshape((24,)) and a.reshape(24)[5:7].copy_to_host().tolist() == [5, 6]
+    halves = a.view(np.uint16)
+    assert halves is a.view("uint16") and isinstance(halves, ViewMemoArray) and halves.shape == (6, 8)
+    assert halves[:1].copy_to_host().tolist() == [np.arange(4, dtype=np.float32).view(np.uint16).tolist()]
     assert a[:, 1].copy_to_host().tolist() == [1, 5, 9, 13, 17, 21]
     assert a[1, 2] == 6.0
     device.write(a, np.zeros((6, 4), np.float32))

@@ -41,7 +41,9 @@ def _index_key(item: Any) -> Any:
 
 
 class ViewMemoArray(DeviceNDArray):
-    """A DeviceNDArray whose slices and reshapes are built once (views of it are ViewMemoArrays too)."""
+    """A DeviceNDArray whose slices, reshapes and dtype views are built once (views of it are ViewMemoArrays too).
+    Remembered views are also what makes `fast_launch` cheap: it works out an array's launch slots once per
+    object."""
 
     def _views(self) -> dict:
         views = self.__dict__.get("_memo")
@@ -70,6 +72,16 @@ class ViewMemoArray(DeviceNDArray):
         view = views.get(key)
         if view is None:
             view = views[key] = super().reshape(*shape)
+        return view
+
+
+    def view(self, dtype: Any) -> Any:
+        """The same bytes as another dtype (the kernels' unused-output stand-ins view fp32 outputs as uint16)."""
+        key = ("view", np.dtype(dtype).str)
+        views = self._views()
+        view = views.get(key)
+        if view is None:
+            view = views[key] = remembering_views(super().view(dtype))  # (numba's is a plain DeviceNDArray)
         return view
 
 

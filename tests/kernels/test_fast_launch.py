@@ -1,0 +1,131 @@
+"""fast_launch.py: the driver launch packs every argument kind as numba does (the same bits out as numba's own launch),
+falls back to numba's launch where it must, raises a typed error where the driver refuses, and costs less host time.
+Every other GPU kernel test launches through it too (the `kernel` decorator wraps each kernel)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba.cuda")
+
+from ninfer.kernels_numba import fast_launch  # noqa: E402
+from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402
+
+
+def test_the_kernel_decorator_wraps_and_reads_through():
+    from numba import config
+
+    from ninfer.kernels_numba import elementwise
+
+    wrapped = elementwise._rms_norm_kernel
+    if config.ENABLE_CUDASIM:
+        pytest.skip("the simulator launches its own way")
+    assert isinstance(wrapped, fast_launch.FastKernel)
+    assert wrapped.py_func.__name__ == "_rms_norm_kernel"  # dispatcher attributes read through
+
+
+def test_scalar_slots_and_launch_dimensions():
+    from numba import types
+
+    assert [fast_launch._scalar_code(t) for t in (types.int32, types.uint32, types.int64, types.uint64,
+                                                  types.float32, types.float64, types.boolean)] == [
+        "q", "Q", "q", "Q", "f4x", "d", "?7x"]
+    assert fast_launch._scalar_code(types.complex64) is None  # left to numba
+    assert fast_launch._dims(7) == (7, 1, 1) and fast_launch._dims((2, 3)) == (2, 3, 1)
+    assert fast_launch._dims(np.int64(4)) == (4, 1, 1) and fast_launch._dims((1, 2, 3)) == (1, 2, 3)
+    with pytest.raises(ValueError):
+        fast_launch._dims((1, 2, 3, 4))
+
+
+def _mix(a, b, out, scale, shift, count, flag, big):
+    """Every argument kind the model's kernels pass: 2-D fp32 (contiguous or strided), 1-D uint16, float32, int32,
+    uint32, bool and a Python int (int64)."""
+    r = cuda.blockIdx.x
+    c = cuda.threadIdx.x
+    if r < out.shape[0] and c < out.shape[1]:
+        extra = 1.0 if flag else 0.0
+        out[r, c] = a[r, c] * scale + shift + count + extra + (big % 1000) + b[c] + a.strides[0] + a.shape[1]
+
+
+@pytest.fixture(scope="module")
+def mix():
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        pytest.skip("no driver under the simulator")
+    return fast_launch.FastKernel(cuda.jit(_mix))
+
+
+def _arrays(stream, rows=5, width=24, *, strided=False):
+    rng = np.random.default_rng(rows + width)
+    a = rng.standard_normal((rows, 2 * width if strided else width)).astype(np.float32)
+    b = rng.integers(0, 1000, width).astype(np.uint16)
+    da, db = cuda.to_device(a, stream=stream), cuda.to_device(b, stream=stream)
+    if strided:
+        da = da[:, ::2]
+    return da, db, cuda.to_device(np.full((rows, width), np.nan, np.float32), stream=stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_fast_launch_gives_numba_launch_bits(mix, strided):
+    stream = cuda.stream()
+    da, db, fast_out = _arrays(stream, strided=strided)
+    _, _, numba_out = _arrays(stream, strided=strided)
+    scalars = (np.float32(1.5), np.int32(-7), np.uint32(3_000_000_000), True, 123_456_789_012)
+    for _ in range(2):  # the first launch is numba's (it picks the overload), the second the packed one
+        mix[da.shape[0], 32, stream](da, db, fast_out, *scalars)
+    mix.dispatcher[da.shape[0], 32, stream](da, db, numba_out, *scalars)
+    stream.synchronize()
+    assert any(launcher is not None for launcher in mix.launchers.values())
+    np.testing.assert_array_equal(fast_out.copy_to_host(), numba_out.copy_to_host())
+    assert not np.isnan(fast_out.copy_to_host()).any()
+
+
+@pytest.mark.gpu
+def test_other_argument_kinds_launch_as_numba_launches_them(mix):
+    stream = cuda.stream()
+    da, db, out = _arrays(stream)
+    _, _, want = _arrays(stream)
+    # an int past int64 (numba types it uint64): numba's launch; a negative Python int where other launches pass a
+    # uint32: the overload numba picks for it, packed
+    for big, count in ((2**63, np.uint32(5)), (12, -3)):
+        mix[da.shape[0], 32, stream](da, db, out, np.float32(2.0), np.int32(1), count, False, big)
+        mix.dispatcher[da.shape[0], 32, stream](da, db, want, np.float32(2.0), np.int32(1), count, False, big)
+        stream.synchronize()
+        np.testing.assert_array_equal(out.copy_to_host(), want.copy_to_host())
+
+
+@pytest.mark.gpu
+def test_a_refused_launch_raises_a_typed_error(mix):
+    stream = cuda.stream()
+    da, db, out = _arrays(stream)
+    args = (da, db, out, np.float32(1.0), np.int32(0), np.uint32(0), False, 0)
+    mix[1, 32, stream](*args)  # numba's launch first: the kinds' launcher exists after it
+    with pytest.raises(fast_launch.LaunchError, match="cuLaunchKernel"):
+        mix[1, 2048, stream](*args)  # more threads a block than the GPU allows
+
+
+@pytest.mark.gpu
+def test_fast_launch_costs_less_host_time(mix):
+    stream = cuda.stream()
+    da, db, out = _arrays(stream)
+    args = (da, db, out, np.float32(1.0), np.int32(0), np.uint32(0), False, 0)
+
+    def per_launch(launch) -> float:
+        launch(*args)
+        stream.synchronize()
+        began = time.perf_counter()
+        for _ in range(200):
+            launch(*args)
+        seconds = (time.perf_counter() - began) / 200
+        stream.synchronize()
+        return seconds
+
+    numba_us = per_launch(lambda *a: mix.dispatcher[1, 32, stream](*a)) * 1e6
+    fast_us = per_launch(lambda *a: mix[1, 32, stream](*a)) * 1e6
+    print(f"host time a launch: numba {numba_us:.1f} us, fast {fast_us:.1f} us")
+    assert fast_us < numba_us / 2
