@@ -164,6 +164,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
                  narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
+                 moe_chunks: tuple[int | None, ...] = (None,),
                  attention_splits: tuple[int | None, ...] = (None,),
                  split_floors: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
@@ -268,15 +269,21 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
 
     result["prefill"] = []
-    for attention, moe_gemm in ((a, m) for a in prefill_attentions for m in (moe_gemms if dims.is_moe else ("auto",))):
+    serving_chunk = model.moe_chunk_rows
+    for attention, moe_gemm, chunk in ((a, m, c) for a in prefill_attentions
+                                       for m in (moe_gemms if dims.is_moe else ("auto",))
+                                       for c in (moe_chunks if dims.is_moe else (None,))):
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
-        label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}")
+        model.moe_chunk_rows = chunk or serving_chunk
+        label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
+            "" if chunk is None else f" chunk {chunk}")
         prefill()
         device.synchronize()
         times = event_time(device.stream, prefill, 3)
         seconds = float(np.median(times))
         flops = prefill_flops(model, prefill_tokens)
-        result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm, "tokens": prefill_tokens,
+        result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
+                                  "moe_chunk_rows": model.moe_chunk_rows, "tokens": prefill_tokens,
                                   "seconds": seconds,
                                   "tok_s": prefill_tokens / seconds, "flops": flops,
                                   "ratio_to_gemm_peak": flops / seconds / gemm})
@@ -297,7 +304,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(result["prefill"][-1]["host_profile"], flush=True)
             if dims.is_moe:
                 result["prefill"][-1]["moe_host"] = trace_moe_host(model, lambda: (prefill(), device.synchronize()))
-    model.prefill_attention, model.moe_prefill_gemm = "kernel", "auto"
+    model.prefill_attention, model.moe_prefill_gemm, model.moe_chunk_rows = "kernel", "auto", serving_chunk
     if prefill_only:
         return result
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
@@ -478,6 +485,9 @@ def main() -> None:
     parser.add_argument("--moe-gemm", default="auto",
                         help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
                              "a list times each)")
+    parser.add_argument("--moe-chunk", default="default",
+                        help="MoE models' 8K prefill with these chunked-layout chunk rows (e.g. 64,128; default: the "
+                             "serving default)")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--context", type=int, default=CONTEXT, help="tokens each decode row attends to")
@@ -524,6 +534,7 @@ def main() -> None:
                                                                          args.branches.split(",")),
                                                           programmatic=programmatic, narrow=narrow,
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
+                                                          moe_chunks=counts_or_default(args.moe_chunk),
                                                           context=args.context,
                                                           attention_splits=counts_or_default(args.attention_splits),
                                                           split_floors=counts_or_default(args.split_floor)))

@@ -250,8 +250,8 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     """The MoE prefill's expert GEMMs as one strided-batched call over experts padded to the largest count, or one
     pointer-array batched call over 128-row chunks, against the grouped call over contiguous groups: the same
     logits (bitwise on the host's twins, within a bf16 step's effect on the GPU, where each call picks its own
-    kernels), and the CPU model's within bf16 tolerance. "auto" gives the logits of the layout its rule picks for
-    this routing; both fall back to the grouped call when their rows pass the scratch."""
+    kernels), and the CPU model's within bf16 tolerance; so do 64-row chunks. "auto" gives the logits of the layout
+    its rule picks for this routing; both fall back to the grouped call when their rows pass the scratch."""
     from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
 
     path = artifacts[("moe", recipe)]
@@ -279,6 +279,15 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
         else:
             assert np.linalg.norm(logits[choice] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
     np.testing.assert_array_equal(logits["auto"], logits[picked[next(iter(used["auto"]))]])
+    model.moe_prefill_gemm, model.moe_chunk_rows = "chunked", MOE_CHUNK_ROWS // 2  # smaller chunks, less padding
+    before = len(calls)
+    got, _ = prompt_logits(model, cpu, ids)
+    assert set(calls[before:]) == {("chunked_gemm_bf16", MOE_CHUNK_ROWS // 2)}
+    if device_kind == "host":
+        np.testing.assert_array_equal(got, logits["grouped"])
+    else:
+        assert np.linalg.norm(got - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
+    model.moe_chunk_rows = MOE_CHUNK_ROWS
     before = len(calls)
     routed = len(ids) * model.dims.moe_top_k
     model.workspace.perm_in = model.workspace.perm_in[:routed]  # room for the routed rows, not the padded ones

@@ -834,6 +834,9 @@ class CudaQwen:
         # MoE prefill expert GEMMs: "auto" (padded while within moe.PADDED_LIMIT, else chunked), "grouped",
         # "padded" or "chunked" (the last two where their rows fit the permuted scratch; grouped otherwise).
         self.moe_prefill_gemm = "auto"
+        # rows a batch entry of the chunked layout (the workspace has room for up to MOE_CHUNK_ROWS: a larger chunk
+        # the rows do not fit takes the grouped GEMM); bench/cuda_model.py --moe-chunk times the choices
+        self.moe_chunk_rows = MOE_CHUNK_ROWS
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -1505,7 +1508,7 @@ class CudaQwen:
         """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS call per projection,
         bf16 outputs (not captured: cuBLAS takes the group sizes from the host). The call is the grouped GEMM on the
         contiguous groups, a strided-batched GEMM over the experts padded to the largest count, or a pointer-array
-        batched GEMM over chunks of MOE_CHUNK_ROWS rows: `moe_layout` picks one on the device by
+        batched GEMM over chunks of `moe_chunk_rows` rows: `moe_layout` picks one on the device by
         `moe_prefill_gemm`'s rule and places the rows, so the rows' gather, `beside_the_read` (work that needs no
         group size: the shared expert) and a quantized gate_up's dequantization queue after the sizes' copy and
         before the host waits for it. The GPU runs them while the sizes travel and the host sets up the GEMMs,
@@ -1519,8 +1522,9 @@ class CudaQwen:
         position_of = ws.moe_position_of[: rows * s]
         placed = ws.moe_padded_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
+        chunk = self.moe_chunk_rows
         self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts, choice=self.moe_prefill_gemm,
-                          chunk=MOE_CHUNK_ROWS, room=ws.perm_in.shape[0], max_chunks=MAX_CHUNKS, stream=stream)
+                          chunk=chunk, room=ws.perm_in.shape[0], max_chunks=MAX_CHUNKS, stream=stream)
         pending = self.device.start_read(ws.moe_sizes)
         self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, ws.moe_starts, placed, stream=stream)
         self.k.moe_gather(ws.h[:rows], slot_of, s, ws.perm_in, stream=stream, position_of=placed)
@@ -1531,14 +1535,14 @@ class CudaQwen:
         sizes = pending.values()
         offsets, (layout, count, extent) = sizes[: e + 1], (int(v) for v in sizes[e + 1:])
         if layout == LAYOUT_CHUNKED:
-            chunk_groups = np.repeat(np.arange(e), -(-np.diff(offsets) // MOE_CHUNK_ROWS))
+            chunk_groups = np.repeat(np.arange(e), -(-np.diff(offsets) // chunk))
             assert chunk_groups.size == extent, (chunk_groups.size, extent)
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
             if layout == LAYOUT_PADDED:
                 self.linear.blas.batched_gemm_bf16(x, weight, y, e)
             elif layout == LAYOUT_CHUNKED:
-                self.linear.blas.chunked_gemm_bf16(x, weight, y, chunk_groups, MOE_CHUNK_ROWS)
+                self.linear.blas.chunked_gemm_bf16(x, weight, y, chunk_groups, chunk)
             else:
                 self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
 
