@@ -9,8 +9,10 @@ without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 
 quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at a time around the down and gate_up
 shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
 = 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, JSON to
-quant_gemv_tiles.json. (Session 14 timed the kernels with each step's codes loaded during the step before against
-the former ones, matrix copies cycled: results/quant_gemv_prefetch_session14.json.)
+quant_gemv_tiles.json. `--dequantize`: the v2 prefill's expert dequantization (`dequantize_mma_bf16`, both `ahead`
+variants) at the 35B-A3B's stacked expert shapes, JSON to dequantize_mma.json. (Session 14 timed the kernels with
+each step's codes loaded during the step before against the former ones, matrix copies cycled:
+results/quant_gemv_prefetch_session14.json.)
 """
 
 from __future__ import annotations
@@ -291,6 +293,47 @@ def small_sweep(device, bandwidth, rng) -> list[dict]:
     return rows
 
 
+DEQUANTIZE_EXPERTS = 256  # the 35B-A3B's routed experts: the prefill dequantizes each stacked matrix whole
+DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (1024, 2048), "down 256 x 2048x512": (2048, 512)}
+
+
+def dequantize_rates(device, bandwidth, rng) -> list[dict]:
+    """The v2 prefill's expert dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes, each
+    format and each `ahead` variant: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One
+    expert's planes are repacked on the host and repeated (tile-major planes stack by concatenation); the first and
+    last experts' rows are checked against the codec's values."""
+    from ninfer.kernels_numba import quant_mma as QM
+    from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
+
+    rows = []
+    for name, (rpe, k) in DEQUANTIZE_SHAPES.items():
+        for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
+            payload = random_payload(fmt, (rpe, k), rng)
+            one = QM.repack_quant_mma(fmt, (rpe, k), payload)
+            planes = {n: v if n == "high" and fmt == Q4G64 else np.tile(v, DEQUANTIZE_EXPERTS) for n, v in one.items()}
+            shape = (DEQUANTIZE_EXPERTS * rpe, k)
+            weight = QM.upload_quant_mma_planes(fmt, shape, planes, stream=device.stream)
+            out = device.empty(shape, np.uint16, "bench")
+            want = dequantize_bf16_reference(fmt, (rpe, k), payload)
+            moved = sum(v.nbytes for v in planes.values()) + out.nbytes
+            for ahead in (1, 2):
+                def launch(ahead=ahead):
+                    QM.dequantize_mma_bf16(weight, out, stream=device.stream, ahead=ahead)
+
+                seconds = timed(device, launch)
+                device.synchronize()
+                ends = (out[:rpe].copy_to_host(), out[shape[0] - rpe:].copy_to_host())
+                exact = all(np.array_equal(end, want) for end in ends)
+                rows.append({"kernel": "dequantize_mma", "shape": name, "fmt": fmt, "ahead": ahead,
+                             "us": seconds * 1e6, "gb_s": moved / seconds / 1e9, "of_copy": moved / seconds / bandwidth,
+                             "exact": exact})
+                print(f"dequantize_mma {name:24s} {fmt:10s} ahead {ahead}: {seconds * 1e6:8.1f} us "
+                      f"{moved / seconds / 1e9:7.0f} GB/s  {moved / seconds / bandwidth:.2f} of copy  "
+                      f"exact {exact}", flush=True)
+            weight = out = None
+    return rows
+
+
 def main() -> None:
     if "--ncu" in sys.argv:
         eager_launches()
@@ -311,6 +354,11 @@ def main() -> None:
     if "--tiles" in sys.argv:  # does the Q4 GEMV's time step with the most blocks an SM holds?
         report["rows"] = tile_sweep(device, bandwidth, rng)
         out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_tiles.json"
+        out.write_text(json.dumps(report, indent=1))
+        return
+    if "--dequantize" in sys.argv:  # the prefill's expert dequantization, not the GEMV
+        report["rows"] = dequantize_rates(device, bandwidth, rng)
+        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "dequantize_mma.json"
         out.write_text(json.dumps(report, indent=1))
         return
     if "--small" in sys.argv:  # the geometry search on the small projections alone

@@ -13,19 +13,18 @@ cuBLAS path rounds its probabilities), with the running max and sum kept in fp32
 walks the same tiles with the same roundings, so kernel and twin differ only in fp32 summation order and the last
 bit of exp.
 
-Layout: BR / 16 warps (4 or 8), warp w owns query rows 16w..16w+15 of the block (mma m16n8k16: lane 4 gq + t holds rows gq and
-gq + 8). Shared memory (dynamic) holds the Q tile [BR, D] and the K tile [BC, D] as bf16 pair words with rows of
-D/2 + WORD_PAD words, and the V^T tile [D, BC] with rows of BC/2 + WORD_PAD words: the 8 rows an `ldmatrix` phase
-reads fall in distinct banks. Tiles arrive by `cp.async` (rows past the keys or queries arrive as zeros and are
+Layout: BR / 16 warps (4 or 8), warp w owns query rows 16w..16w+15 of the block (mma m16n8k16: lane 4 gq + t holds
+rows gq and gq + 8). Shared memory (dynamic) holds the Q tile [BR, D] and the K tile [BC, D] as bf16 pair words with
+rows of D/2 + WORD_PAD words, and the V^T tile [D, BC] with rows of BC/2 + WORD_PAD words: the 8 rows an `ldmatrix`
+phase reads fall in distinct banks. Tiles arrive by `cp.async` (rows past the keys or queries arrive as zeros and are
 masked).
 
-Instructions, not the tensor cores, bound a loop like this one (2 blocks of 4 warps an SM): at ~10 instructions an
-mma (32-bit fragment loads with 64-bit shared indices, the mask on every tile, software bf16 rounding, a rolled
-copy loop dividing its index) the kernel ran at ~128 TFLOP/s on the H200's 8K prefill. So fragments come by
+Instructions, not the tensor cores, bound a loop like this one (2 blocks of 4 warps an SM at 64 rows): at ~10
+instructions an mma (32-bit fragment loads with 64-bit shared indices, the mask on every tile, software bf16 rounding,
+a rolled copy loop dividing its index) the kernel ran at ~128 TFLOP/s on the H200's 8K prefill. So fragments come by
 `ldmatrix` (Q's A fragment and two n-tiles of K or V^T an instruction), P is packed by `cvt.rn.bf16x2`, only tiles
-that reach past the block's first query or the keys' end are masked, the O rescale is skipped when no row's max
-moved, and each thread's tile copies are one piece of every n-th row from addresses set once: ~5 instructions an
-mma.
+that reach past the block's first query or the keys' end are masked, the O rescale is skipped when no row's max moved,
+and each thread's tile copies are one piece of every n-th row from addresses set once: ~5 instructions an mma.
 """
 
 from __future__ import annotations

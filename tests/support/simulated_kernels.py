@@ -130,7 +130,8 @@ def linear_narrow() -> None:
 
 def flash_prefill() -> None:
     """Every head dim, a prefix (first position > 0), partial query and key tiles, one row, and the 128-row variant
-    over more than its first 4 warps' rows; rows past `rows` of the output untouched. Small head counts: a block's key tile takes the simulator about a second."""
+    over more than its first 4 warps' rows; rows past `rows` of the output untouched. Small head counts: a block's
+    key tile takes the simulator about a second."""
     from ninfer.kernels_numba import attention_flash as flash
     from tests.kernels.test_attention_flash import _case, _exact, _twin
     from tests.support import cuda_simulator
@@ -299,9 +300,14 @@ def quant_mma() -> None:
         shape = (24, 128)
         payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
         weight = qm.upload_quant_mma(fmt, shape, payload)
-        out = np.zeros(shape, np.uint16)
-        qm.dequantize_mma_bf16(weight, out, stream=0)
-        assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, shape, payload)), fmt
+        for ahead in (1, 2):  # one block (a warp reloads it past the end), two and five blocks
+            for columns in (64, 128, 320):
+                part = (shape[0], columns)
+                part_payload = codec.encode_buffer(rng.standard_normal(part).astype(np.float32) * 0.05, fmt)
+                out = np.zeros(part, np.uint16)
+                qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0, ahead=ahead)
+                assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
+                    fmt, ahead, columns)
         experts, rpe, slots, rows = 3, 16, 2, 2
         stacked = (experts * rpe, 128)
         payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
