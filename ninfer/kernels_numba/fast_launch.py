@@ -9,15 +9,20 @@ kernels followed one another. Decode replays graphs and pays none of this; prefi
 on every launch.
 
 `FastKernel` wraps a numba dispatcher. `kernel[grid, block, stream, shared](*args)` keys the launch on the argument
-kinds (a device array's numba type, a scalar's Python type), takes numba's compiled overload for those types once
-(numba compiles it exactly as its own launch would), and from then on packs each argument into the slots numba's
-kernel ABI gives it (an array: meminfo, parent, item count, item size, data address, shape, strides) with one
-`struct.pack_into`, then calls `cuLaunchKernel`. A device array's slot values and type are worked out once per
-array object (the workspace's views are long-lived objects) and remembered through a weak reference.
+kinds (a device array's numba type, a scalar's Python type). The first launch of each kind is numba's own, and a
+pre-launch callback records the overload numba picked (compiled, conversions included, exactly as always); from then
+on each argument is packed into the slots numba's kernel ABI gives it (an array: meminfo, parent, item count, item
+size, data address, shape, strides) with one `struct.pack_into`, then `cuLaunchKernel` launches it. A device array's
+slot values and type are worked out once per array object (the workspace's views are long-lived objects) and
+remembered through a weak reference.
+
+A launcher keeps the kernel handle numba gave on its first launch: kernels run on one GPU a process (the engine's;
+the cold tier's secondary GPUs only take copies).
 
 Anything else (a host array to copy, a foreign CUDA array, an empty array, a type this packer does not know) takes
-numba's own launch, so the fast path never changes what a launch computes, only what it costs; the GPU tests launch
-each kernel both ways and compare (tests/kernels/test_fast_launch.py). Every other attribute reads through to the
+numba's own launch, so the fast path never changes what a launch computes, only what it costs:
+tests/kernels/test_fast_launch.py launches a kernel of every argument kind both ways and compares the bits, and every
+other GPU kernel test runs through the fast path against its NumPy twin. Every other attribute reads through to the
 dispatcher (compile, overloads, ...).
 """
 
