@@ -99,7 +99,15 @@ def test_device_kernels_equal_their_twins(heads, kv_heads, head_dim, int8):
         gather_kv(cuda.to_device(table), 0, length, cuda.to_device(pool),
                   None if scales is None else cuda.to_device(scales), out, stream=stream)
         stream.synchronize()
-        assert np.array_equal(out.copy_to_host()[:, :length], gather_kv_reference(table, 0, length, pool, scales))
+        want = gather_kv_reference(table, 0, length, pool, scales)
+        assert np.array_equal(out.copy_to_host()[:, :length], want)
+        stride = -(-length // 8) * 8 + 8  # V^T rows: a multiple of 8 keys, past the lane's length
+        turned = cuda.to_device(np.full((kv_heads, head_dim, stride), 0xFFFF, np.uint16))
+        gather_kv(cuda.to_device(table), 0, length, cuda.to_device(pool),
+                  None if scales is None else cuda.to_device(scales), turned, stream=stream, transposed=True)
+        stream.synchronize()
+        host = turned.copy_to_host()
+        assert np.array_equal(host[:, :, :length].transpose(0, 2, 1), want) and (host[:, :, length:] == 0xFFFF).all()
     packed = cuda.to_device(np.zeros((kv_heads, group * 20, head_dim), np.uint16))
     pack_queries(cuda.to_device(q), packed, first=7, rows=20, group=group, scale=0.125, stream=stream)
     stream.synchronize()

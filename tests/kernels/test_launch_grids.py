@@ -57,6 +57,11 @@ def test_prefill_attention_glue_launches_at_long_prompts_and_contexts(record):
     attention_gemm.gather_kv(np.zeros((1, 1), np.int32), 0, LONG, pool, None, np.zeros((kv_heads, 1, head_dim),
                                                                                     np.uint16), stream=0)
     assert_launchable(gather.grids)
+    turned = record(attention_gemm, "_gather_kv_transposed")
+    attention_gemm.gather_kv(np.zeros((1, 1), np.int32), 0, LONG, pool, None, np.zeros((kv_heads, head_dim, 8),
+                                                                                    np.uint16), stream=0,
+                             transposed=True)
+    assert_launchable(turned.grids)
     unpack = record(attention_gemm, "_unpack_gated")
     attention_gemm.unpack_gated(np.zeros((kv_heads, group * 8192, head_dim), np.float32),
                                 np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), first=0, rows=8192,

@@ -154,25 +154,39 @@ def flash_prefill() -> None:
 
 def gather_kv() -> None:
     """K / V gathered from a paged pool, bf16 and INT8, plain and transposed (the flash path's V^T): bitwise the
-    twin's."""
+    twin's, keys past `length` untouched; a length inside the first 64-key tile and one past it, a second lane.
+    Then `pack_queries` against its twin."""
     from ninfer.kernels_numba import attention_gemm
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(attention_gemm))
     rng = np.random.default_rng(2)
-    pages, page_tokens, kv_heads, head_dim, length = 4, 4, 2, 64, 9
-    tables = np.array([[3, 0, 2, 1]], np.int32)
-    bf16_pool = rng.integers(0, 1 << 15, (pages, page_tokens, kv_heads, head_dim), dtype=np.uint16)
-    int8_pool = rng.integers(-127, 128, (pages, page_tokens, kv_heads, head_dim), dtype=np.int8)
-    scales = np.float16(rng.uniform(0.01, 0.1, (pages, page_tokens, kv_heads, 2))).view(np.uint16)
-    for pool, pool_scales in ((bf16_pool, None), (int8_pool, scales)):
-        want = attention_gemm.gather_kv_reference(tables, 0, length, pool, pool_scales)
-        for transposed in (False, True):
-            out = np.zeros((kv_heads, head_dim, 16) if transposed else (kv_heads, 16, head_dim), np.uint16)
-            attention_gemm.gather_kv(tables, 0, length, pool, pool_scales, out, stream=0, transposed=transposed)
-            got = out[:, :, :length].transpose(0, 2, 1) if transposed else out[:, :length]
-            assert np.array_equal(got, want), (pool.dtype, transposed)
+    for pages, page_tokens, kv_heads, head_dim, length, lane in [(4, 4, 2, 64, 9, 0), (5, 16, 1, 128, 70, 1)]:
+        tables = np.stack([rng.permutation(pages), rng.permutation(pages)]).astype(np.int32)
+        bf16_pool = rng.integers(0, 1 << 15, (pages, page_tokens, kv_heads, head_dim), dtype=np.uint16)
+        int8_pool = rng.integers(-127, 128, (pages, page_tokens, kv_heads, head_dim), dtype=np.int8)
+        scales = np.float16(rng.uniform(0.01, 0.1, (pages, page_tokens, kv_heads, head_dim // 32))).view(np.uint16)
+        stride = -(-length // 8) * 8 + 8
+        for pool, pool_scales in ((bf16_pool, None), (int8_pool, scales)):
+            want = attention_gemm.gather_kv_reference(tables, lane, length, pool, pool_scales)
+            for transposed in (False, True):
+                shape = (kv_heads, head_dim, stride) if transposed else (kv_heads, stride, head_dim)
+                out = np.full(shape, 0xABCD, np.uint16)
+                attention_gemm.gather_kv(tables, lane, length, pool, pool_scales, out, stream=0,
+                                         transposed=transposed)
+                got = out[:, :, :length].transpose(0, 2, 1) if transposed else out[:, :length]
+                rest = out[:, :, length:] if transposed else out[:, length:]
+                assert np.array_equal(got, want), (pool.dtype, transposed, length)
+                assert (rest == 0xABCD).all(), (pool.dtype, transposed, length)
     print("ok gather_kv", flush=True)
+    for kv_heads, group, head_dim, first, rows in [(2, 2, 64, 3, 5), (1, 3, 128, 0, 4)]:
+        q = rng.standard_normal((first + rows + 2, kv_heads * group, head_dim)).astype(np.float32)
+        packed = np.zeros((kv_heads, group * rows, head_dim), np.uint16)
+        attention_gemm.pack_queries(q, packed, first=first, rows=rows, group=group, scale=0.125, stream=0)
+        want = attention_gemm.pack_queries_reference(q, first=first, rows=rows, group=group, scale=0.125,
+                                                     kv_heads=kv_heads)
+        assert np.array_equal(packed, want), (kv_heads, group, head_dim, first, rows)
+    print("ok pack_queries", flush=True)
 
 
 def gdn_chunked() -> None:
