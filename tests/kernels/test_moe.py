@@ -189,7 +189,9 @@ def test_gpu_moe_group_and_gather(rows, experts, k, hidden):
     d = [cuda.to_device(a, stream=stream) for a in (ids, np.full(experts, -1, np.int32),
                                                       np.full(experts + 1, -1, np.int32), np.full(n, -1, np.int32),
                                                       np.full(n, -1, np.int32))]
-    moe.moe_group(d[0], d[1], d[2], d[3], experts=experts, position_of=d[4], stream=stream)
+    block_counts = cuda.to_device(np.full((-(-rows // moe.GROUP_ROWS), experts), -1, np.int32), stream=stream)
+    moe.moe_group(d[0], d[1], d[2], d[3], experts=experts, position_of=d[4], block_counts=block_counts,
+                  stream=stream)
     got = [a.copy_to_host(stream=stream) for a in d[1:]]
     stream.synchronize()
     for g, want in zip(got, moe.moe_group_reference(ids, experts)):
@@ -486,3 +488,12 @@ def test_layout_kernel_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     assert "ok moe_layout 36" in run("moe_layout")
+
+
+@pytest.mark.slow
+def test_group_kernels_in_cuda_simulator():
+    """moe_group's block histogram and stable placement thread by thread against the twin: two blocks of rows, and
+    more experts than a block has threads (`simulated_kernels.moe_group`, about a minute)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("moe_group").splitlines() if line.startswith("ok moe_group")]) == 2

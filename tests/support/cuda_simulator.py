@@ -67,6 +67,12 @@ def shfl_sync(mask, value, source_lane):
     return values[int(source_lane) & 31]
 
 
+def shfl_up_sync(mask, value, delta):
+    """Lane l gets lane l - delta's value, or its own where l < delta (as `shfl.sync.up`)."""
+    values, lane = warp_collective(value, tuple)
+    return values[lane - int(delta)] if lane >= int(delta) else values[lane]
+
+
 _masked_barriers: dict[tuple, threading.Barrier] = {}
 
 
@@ -488,4 +494,5 @@ libdevice.byte_perm = byte_perm
 libdevice.cosf, libdevice.sinf, libdevice.rintf = (_float32_function(f) for f in (np.cos, np.sin, np.rint))
 kernelapi.FakeCUDAModule.shfl_xor_sync = staticmethod(shfl_xor_sync)
 kernelapi.FakeCUDAModule.shfl_sync = staticmethod(shfl_sync)
+kernelapi.FakeCUDAModule.shfl_up_sync = staticmethod(shfl_up_sync)
 kernelapi.FakeCUDAModule.syncwarp = staticmethod(syncwarp)

@@ -743,12 +743,33 @@ def moe_layout() -> None:
     print("ok moe_layout", cases, flush=True)
 
 
+def moe_group() -> None:
+    """moe_group's block histogram and stable placement against the twin: rows over two blocks (a partial second),
+    a crowded expert, and more experts than a block has threads (two passes of the offsets' scan)."""
+    from ninfer.kernels_numba import moe
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(moe))
+    rng = np.random.default_rng(5)
+    for rows, experts, k in [(moe.GROUP_ROWS + 9, 6, 2), (7, moe.GROUP_THREADS + 4, 3)]:
+        ids = np.sort(np.argsort(rng.random((rows, experts)), axis=1)[:, :k], axis=1).astype(np.int32)
+        ids[: rows // 2, :] = np.arange(k, dtype=np.int32)  # a crowded expert
+        blocks = -(-rows // moe.GROUP_ROWS)
+        got = [np.full(experts, -1, np.int32), np.full(experts + 1, -1, np.int32), np.full(rows * k, -1, np.int32),
+               np.full(rows * k, -1, np.int32)]
+        moe.moe_group(ids, got[0], got[1], got[2], experts=experts, position_of=got[3],
+                      block_counts=np.full((blocks + 1, experts), -1, np.int32), stream=0)
+        for g, want in zip(got, moe.moe_group_reference(ids, experts)):
+            np.testing.assert_array_equal(g, want)
+        print("ok moe_group", rows, experts, k, flush=True)
+
+
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
-          "moe_padded": moe_padded, "moe_layout": moe_layout}
+          "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -282,7 +282,8 @@ def moe_combine_rms_norm(expert_out, weights, residual, shared_out, gate_logit, 
     _fragment_rows(out, out_fragments)
 
 
-def moe_group(expert_ids, counts, offsets, slot_of, *, experts, position_of, stream):
+def moe_group(expert_ids, counts, offsets, slot_of, *, experts, position_of, block_counts, stream):
+    """(the twin needs no scratch: block_counts is left alone)"""
     counts[...], offsets[...], slot_of[...], position_of[...] = _moe.moe_group_reference(expert_ids, experts)
 
 

@@ -39,6 +39,7 @@ from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
 from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_INFO, LAYOUT_PADDED,
                                      PADDED_LIMIT)
+from ninfer.kernels_numba.moe import GROUP_ROWS as MOE_GROUP_ROWS
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.device import CudaDevice, Device
@@ -581,6 +582,7 @@ class Workspace:
             self.moe_slot_of = buf(rows * s, dtype=np.int32)
             self.moe_position_of = buf(rows * s, dtype=np.int32)
             if rows > SKINNY_ROWS:
+                self.moe_block_counts = buf(-(-rows // MOE_GROUP_ROWS), e, dtype=np.int32)  # moe_group's scratch
                 self.moe_padded_position_of = buf(rows * s, dtype=np.int32)
                 self.moe_starts = buf(e, dtype=np.int32)  # each expert's first row in the expert GEMMs' layout
                 # the expert GEMMs' input, bf16 outputs and the activation between them, with room for the padded
@@ -1521,7 +1523,8 @@ class CudaQwen:
         slot_of = ws.moe_slot_of[: rows * s]
         position_of = ws.moe_position_of[: rows * s]
         placed = ws.moe_padded_position_of[: rows * s]
-        self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of, stream=stream)
+        self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of,
+                         block_counts=ws.moe_block_counts, stream=stream)
         chunk = self.moe_chunk_rows
         self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts, choice=self.moe_prefill_gemm,
                           chunk=chunk, room=ws.perm_in.shape[0], max_chunks=MAX_CHUNKS, stream=stream)
