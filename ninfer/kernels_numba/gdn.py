@@ -215,8 +215,8 @@ def gdn_conv_reference(projected, conv_weight, conv_state, conv_columns, seg_lan
 # ---------------------------------------------------------------------------------------------------------------
 # 2. q/k L2 norm (q scaled by 1/sqrt(Dk)) and the gates
 
-GATES_WARPS = 4
-PER_LANE = 4  # head dims up to 4 * 32 = 128 are held in registers, one warp per head
+GATES_WARPS = 8
+PER_LANE = 4  # head dims up to 4 * 32 = 128: a lane holds 4 consecutive dims (one 16-byte load), a warp a head
 MAX_HEAD_DIM = PER_LANE * WARP
 
 _GATES_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[:, :, ::1], float32[:, :, ::1],
@@ -225,34 +225,34 @@ _GATES_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], floa
 
 @kernel(_GATES_SIG)
 def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, qk_heads, v_heads, k_dim):
-    row = cuda.blockIdx.x
-    w = cuda.blockIdx.y * GATES_WARPS + cuda.threadIdx.x // WARP
+    """A warp a (row, task) of a flat grid: tasks 0 .. 2 Hqk - 1 normalise a q or k head (a lane's 4 consecutive
+    dims by one 16-byte load and store; 4-byte accesses a lane and a block a row ran at ~0.5 of copy on the 35B-A3B's
+    8K prefill), task 2 Hqk writes the row's decays and betas."""
+    tasks = 2 * qk_heads + 1
+    item = cuda.blockIdx.x * GATES_WARPS + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
+    row = item // tasks
+    w = item - row * tasks
+    if row >= mixed.shape[0]:
+        return
     if w < 2 * qk_heads:  # warp-uniform branch
         which = w // qk_heads
         head = w - which * qk_heads
-        base = (which * qk_heads + head) * k_dim
-        x = cuda.local.array(PER_LANE, float32)
-        total = float32(0.0)
-        for e in range(PER_LANE):
-            j = lane + e * WARP
-            x[e] = mixed[row, base + j] if j < k_dim else float32(0.0)
-        for e in range(PER_LANE):
-            total += x[e] * x[e]
-        total = warp_sum(total)
+        live = lane * PER_LANE < k_dim
+        x0 = x1 = x2 = x3 = float32(0.0)
+        if live:
+            x0, x1, x2, x3 = load4(mixed, row * mixed.shape[1] + (which * qk_heads + head) * k_dim + lane * PER_LANE)
+        total = warp_sum(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)
         denom = math.sqrt(total + float32(L2_EPS))
-        if which == 0:
-            scale = float32(1.0) / math.sqrt(float32(k_dim))
-            for e in range(PER_LANE):
-                j = lane + e * WARP
-                if j < k_dim:
-                    q_out[row, head, j] = (x[e] / denom) * scale
-        else:
-            for e in range(PER_LANE):
-                j = lane + e * WARP
-                if j < k_dim:
-                    k_out[row, head, j] = x[e] / denom
-    elif w == 2 * qk_heads:
+        if live:
+            at = (row * qk_heads + head) * k_dim + lane * PER_LANE
+            if which == 0:
+                scale = float32(1.0) / math.sqrt(float32(k_dim))
+                store4(q_out, at, (x0 / denom) * scale, (x1 / denom) * scale, (x2 / denom) * scale,
+                       (x3 / denom) * scale)
+            else:
+                store4(k_out, at, x0 / denom, x1 / denom, x2 / denom, x3 / denom)
+    else:
         for h in range(lane, v_heads, WARP):
             log_decay[row, h] = neg_a[h] * _softplus(ab[row, h] + dt_bias[h])
             beta[row, h] = sigmoid_f32(ab[row, v_heads + h])
@@ -260,13 +260,17 @@ def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, 
 
 def gdn_gates(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim, stream):
     """q_out/k_out [R, Hqk, Dk] = l2norm(q|k head) (q * 1/sqrt(Dk)); log_decay = neg_a * softplus(a + dt_bias),
-    beta = sigmoid(b), each [R, Hv], from ab [R, 2*Hv] = a | b."""
-    if k_dim > MAX_HEAD_DIM:
-        raise ValueError(f"gdn_gates supports k_dim <= {MAX_HEAD_DIM}, got {k_dim}")
+    beta = sigmoid(b), each [R, Hv], from ab [R, 2*Hv] = a | b. Dk a multiple of 4, at most MAX_HEAD_DIM; mixed's
+    rows a multiple of 4 long (16-byte loads)."""
+    if k_dim > MAX_HEAD_DIM or k_dim % PER_LANE or mixed.shape[1] % PER_LANE:
+        raise ValueError(f"gdn_gates takes k_dim <= {MAX_HEAD_DIM}, a multiple of {PER_LANE}, and rows of a "
+                         f"multiple of {PER_LANE}; got k_dim {k_dim}, rows of {mixed.shape[1]}")
     rows = mixed.shape[0]
-    grid = (rows, blocks_for(2 * qk_heads + 1, GATES_WARPS))
-    _gdn_gates_kernel[grid, GATES_WARPS * WARP, stream](mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta,
-                                                       np.int32(qk_heads), np.int32(v_heads), np.int32(k_dim))
+    if rows:
+        warps = rows * (2 * qk_heads + 1)
+        _gdn_gates_kernel[blocks_for(warps, GATES_WARPS), GATES_WARPS * WARP, stream](
+            mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, np.int32(qk_heads), np.int32(v_heads),
+            np.int32(k_dim))
 
 
 def gdn_gates_reference(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim):
@@ -325,22 +329,31 @@ _GATES_PLAIN = """            pg = math.exp(log_decay[start + nxt + tid, h])
 # gdn_gates' arithmetic for this row and head (log decay, then its exp here, as the plain form reads it)
 _GATES_GATED = """            pg = math.exp(neg_a[h] * _softplus(ab[start + nxt + tid, h] + dt_bias[h]))
             pb = sigmoid_f32(ab[start + nxt + tid, v_heads + h])"""
-# gdn_gates' L2 norms of the staged rows' q and k (a warp a row's q or k: the same lane-strided sums, butterfly and
-# roundings, so the same bits), between the staging barrier and one more
+# gdn_gates' L2 norms of the staged rows' q and k (a warp a row's q or k, a lane its 4 consecutive dims: the same
+# sums, butterfly and roundings, so the same bits), between the staging barrier and one more
 _NORMALIZE = """
         for item in range(tid // WARP, 2 * min(REC_CHUNK, count - base), {threads} // WARP):
-            at = uint64(off + (item >> 1) * {k_dim})
-            total = float32(0.0)
-            for i in range(lane, {k_dim}, WARP):
-                x = q_sh[at + uint64(i)] if (item & 1) == 0 else k_sh[at + uint64(i)]
-                total += x * x
-            denom = math.sqrt(warp_sum(total) + float32(L2_EPS))
-            scale = float32(1.0) / math.sqrt(float32({k_dim}))
-            for i in range(lane, {k_dim}, WARP):
+            at = uint64(off + (item >> 1) * {k_dim} + 4 * lane)
+            live = 4 * lane < {k_dim}
+            x0 = x1 = x2 = x3 = float32(0.0)
+            if live:
                 if (item & 1) == 0:
-                    q_sh[at + uint64(i)] = (q_sh[at + uint64(i)] / denom) * scale
+                    x0, x1, x2, x3 = q_sh[at], q_sh[at + uint64(1)], q_sh[at + uint64(2)], q_sh[at + uint64(3)]
                 else:
-                    k_sh[at + uint64(i)] = k_sh[at + uint64(i)] / denom
+                    x0, x1, x2, x3 = k_sh[at], k_sh[at + uint64(1)], k_sh[at + uint64(2)], k_sh[at + uint64(3)]
+            denom = math.sqrt(warp_sum(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3) + float32(L2_EPS))
+            scale = float32(1.0) / math.sqrt(float32({k_dim}))
+            if live:
+                if (item & 1) == 0:
+                    q_sh[at] = (x0 / denom) * scale
+                    q_sh[at + uint64(1)] = (x1 / denom) * scale
+                    q_sh[at + uint64(2)] = (x2 / denom) * scale
+                    q_sh[at + uint64(3)] = (x3 / denom) * scale
+                else:
+                    k_sh[at] = x0 / denom
+                    k_sh[at + uint64(1)] = x1 / denom
+                    k_sh[at + uint64(2)] = x2 / denom
+                    k_sh[at + uint64(3)] = x3 / denom
         cuda.syncthreads()
 """
 
