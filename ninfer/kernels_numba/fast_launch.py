@@ -201,7 +201,7 @@ class FastKernel:
 
         compiled, codes = chosen[0], []
         launcher: _Launcher | None = None
-        for numba_type, value in zip(compiled.argument_types, args):
+        for numba_type in compiled.argument_types:
             if isinstance(numba_type, types.Array):
                 codes.extend("q" * (5 + 2 * numba_type.ndim))
             elif (code := _scalar_code(numba_type)) is not None:
