@@ -40,6 +40,87 @@ def test_scalar_slots_and_launch_dimensions():
         fast_launch._dims((1, 2, 3, 4))
 
 
+class _FakeMemory:
+    """A device allocation's stand-in: numba's DeviceNDArray takes it as gpu_data without a GPU."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    @property
+    def device_ctypes_pointer(self):
+        import ctypes
+
+        return ctypes.c_void_p(self.address)
+
+
+def _fake_array(shape, strides, dtype=np.float32, address=0x10000):
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return DeviceNDArray(shape=shape, strides=strides, dtype=dtype, gpu_data=_FakeMemory(address))
+
+
+class _Recorder:
+    """A dispatcher's and the driver's stand-ins: what each launch would have been given."""
+
+    def __init__(self, result: int = 0) -> None:
+        self.numba, self.driver_calls, self.result = [], [], result
+
+    def __getitem__(self, config):
+        return lambda *args: self.numba.append((config, args))
+
+    def cuLaunchKernel(self, *args):  # noqa: N802 (the driver's name)
+        self.driver_calls.append(args)
+        return (self.result,)
+
+
+def _fast_with_launcher(recorder, kinds, codes):
+    fast = fast_launch.FastKernel(recorder)
+    fast.driver, fast.success, fast.invalid_context = recorder, 0, 201
+    launcher = fast_launch._Launcher("kernel handle", codes, "mix")
+    fast.launchers[kinds] = launcher
+    return fast, launcher
+
+
+def test_arrays_and_scalars_pack_into_numba_abi_slots():
+    """An array's slots are (meminfo, parent, items, item size, data, shape..., strides...); a scalar takes the
+    low bytes of its 8-byte slot; the launch gets the grid, block, stream and shared size it was configured with."""
+    from numba.core.typing.typeof import Purpose, typeof
+
+    array = _fake_array((3, 4), (16, 4))
+    strided = _fake_array((3, 2), (16, 8), address=0x20000)
+    assert fast_launch._array_entry(array)[1:] == (typeof(array, Purpose.argument), (0, 0, 12, 4, 0x10000, 3, 4,
+                                                                                      16, 4))
+    assert typeof(strided, Purpose.argument).layout == "A" and fast_launch._array_entry(strided)[2][-2:] == (16, 8)
+    recorder = _Recorder()
+    kinds = (typeof(array, Purpose.argument), np.float32, np.int32, int, bool)
+    fast, launcher = _fast_with_launcher(recorder, kinds, ["q"] * 9 + ["f4x", "q", "q", "?7x"])
+    stream = type("Stream", (), {"handle": 0xABC})()
+    fast[(2, 3), 64, stream, 128](array, np.float32(1.5), np.int32(-7), 12345678901, True)
+    assert recorder.numba == [] and recorder.driver_calls == [
+        ("kernel handle", 2, 3, 1, 64, 1, 1, 128, 0xABC, launcher.pointers_address, 0)]
+    slots = launcher.buffer
+    assert slots[:9].tolist() == [0, 0, 12, 4, 0x10000, 3, 4, 16, 4]
+    assert slots[9:10].view(np.float32)[0] == np.float32(1.5)
+    assert slots[10:11].view(np.int64)[0] == -7 and slots[11] == 12345678901 and slots[12] & 0xFF == 1
+    assert (launcher.pointers - launcher.pointers[0]).tolist() == [8 * i for i in range(13)]
+
+
+def test_unknown_values_and_refused_launches():
+    from numba.core.typing.typeof import Purpose, typeof
+
+    array = _fake_array((3, 4), (16, 4))
+    recorder = _Recorder()
+    fast, _ = _fast_with_launcher(recorder, (typeof(array, Purpose.argument),), ["q"] * 9)
+    host = np.zeros((3, 4), np.float32)
+    fast[1, 32](host)  # a host array: numba's launch (it copies it)
+    fast[1, 32](array, 2**64 - 1)  # past int64: numba types it uint64
+    assert [args for _, args in recorder.numba] == [(host,), (array, 2**64 - 1)] and recorder.driver_calls == []
+    refusing = _Recorder(result=1)
+    fast, _ = _fast_with_launcher(refusing, (typeof(array, Purpose.argument),), ["q"] * 9)
+    with pytest.raises(fast_launch.LaunchError, match="mix: cuLaunchKernel grid"):
+        fast[1, 4096](array)
+
+
 def _mix(a, b, out, scale, shift, count, flag, big):
     """Every argument kind the model's kernels pass: 2-D fp32 (contiguous or strided), 1-D uint16, float32, int32,
     uint32, bool and a Python int (int64)."""
