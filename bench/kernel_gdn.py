@@ -119,6 +119,9 @@ def _launchers(m, stream, scenario):
                                           *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=2),
         "conv_r4": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"],
                                           *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=4),
+        # the conv with 4 channels a thread (16-byte rows, weights, outputs and histories; the same bits)
+        "conv_quads": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"],
+                                             *seg(d), d["mixed"], channels=d["c"], stream=stream, quads=True),
         "gates": lambda d: gdn.gdn_gates(d["mixed"], d["ab"], d["neg_a"], d["dt_bias"], d["q"], d["k"],
                                          d["log_decay"], d["beta"], qk_heads=hq, v_heads=hv, k_dim=dk,
                                          stream=stream),
@@ -144,7 +147,7 @@ def _launchers(m, stream, scenario):
 
     launchers["chunked"] = chunked(cuda.get_current_device().MULTIPROCESSOR_COUNT)
     launchers["chunked_64"] = chunked(0)  # no SMs to fill: `scan_slice` keeps 64 columns
-    return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4", "chunked_64"}
+    return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4", "conv_quads", "chunked_64"}
 
 
 def _bytes_and_flops(name, m, sc, d):

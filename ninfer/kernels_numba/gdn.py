@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int32, uint16, uint64  # noqa: F401 (uint64: templates)
+from numba import float32, int32, int64, uint16, uint64  # noqa: F401 (uint64: templates)
 
 from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rule
 from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softplus
@@ -186,19 +186,85 @@ def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_
                       out, r, c)
 
 
+@kernel(_CONV_SIG)
+def _gdn_conv_quads_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
+                           out, channels, rows_per_thread):
+    """`_gdn_conv_kernel` with 4 consecutive channels a thread: the fast path's rows, weights, outputs and recorded
+    histories move as 16-byte vectors (the scalar kernel is issue-bound at ~0.73 of copy on the 35B-A3B's 8K
+    prefill); every value is the same arithmetic, so the same bits. Other rows take the scalar path a channel at a
+    time. Channels and every row length a multiple of 4 (`gdn_conv` checks)."""
+    c = (cuda.blockIdx.x * CONV_THREADS + cuda.threadIdx.x) * 4
+    r0 = (cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y) * rows_per_thread
+    rows = projected.shape[0]
+    if c >= channels or r0 >= rows:
+        return
+    width = channels  # weight [K, C] rows
+    w00, w01, w02, w03 = load4(weight, c)
+    w10, w11, w12, w13 = load4(weight, width + c)
+    w20, w21, w22, w23 = load4(weight, 2 * width + c)
+    w30, w31, w32, w33 = load4(weight, 3 * width + c)
+    if rows_per_thread == CONV_FAST_ROWS and r0 + CONV_FAST_ROWS <= rows:
+        s = -1
+        for i in range(seg_lane.shape[0]):
+            first = seg_row[i]
+            if first + 3 <= r0 and r0 + CONV_FAST_ROWS <= first + seg_count[i]:
+                s = i
+        if s >= 0:
+            stride = int64(projected.shape[1])
+            out_stride = int64(out.shape[1])
+            e0 = cuda.local.array(CONV_FAST_LOADS, float32)
+            e1 = cuda.local.array(CONV_FAST_LOADS, float32)
+            e2 = cuda.local.array(CONV_FAST_LOADS, float32)
+            e3 = cuda.local.array(CONV_FAST_LOADS, float32)
+            for j in range(CONV_FAST_LOADS):
+                e0[j], e1[j], e2[j], e3[j] = load4(projected, (int64(r0 - 3) + j) * stride + c)
+            for j in range(CONV_FAST_ROWS):
+                store4(out, (int64(r0) + j) * out_stride + c,
+                       _conv_silu(w00, w10, w20, w30, e0[j], e0[j + 1], e0[j + 2], e0[j + 3]),
+                       _conv_silu(w01, w11, w21, w31, e1[j], e1[j + 1], e1[j + 2], e1[j + 3]),
+                       _conv_silu(w02, w12, w22, w32, e2[j], e2[j + 1], e2[j + 2], e2[j + 3]),
+                       _conv_silu(w03, w13, w23, w33, e3[j], e3[j + 1], e3[j + 2], e3[j + 3]))
+            if seg_record[s] != 0:
+                lane = int64(seg_lane[s])
+                t0 = int64(r0 - seg_row[s])
+                steps = int64(conv_columns.shape[1])
+                for j in range(CONV_FAST_ROWS):
+                    at = ((lane * steps + t0 + j) * 3) * width + c
+                    store4(conv_columns, at, e0[j + 1], e1[j + 1], e2[j + 1], e3[j + 1])
+                    store4(conv_columns, at + width, e0[j + 2], e1[j + 2], e2[j + 2], e3[j + 2])
+                    store4(conv_columns, at + 2 * width, e0[j + 3], e1[j + 3], e2[j + 3], e3[j + 3])
+            return
+    for r in range(r0, min(r0 + rows_per_thread, rows)):
+        _conv_one_row(projected, w00, w10, w20, w30, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c)
+        _conv_one_row(projected, w01, w11, w21, w31, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c + 1)
+        _conv_one_row(projected, w02, w12, w22, w32, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c + 2)
+        _conv_one_row(projected, w03, w13, w23, w33, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c + 3)
+
+
 def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, *,
-             channels, stream, row_threads=CONV_ROWS):
+             channels, stream, row_threads=CONV_ROWS, quads=False):
     """out[r, :C] = silu(causal depthwise conv of projected[:, :C] with carried state); updates conv_state in place;
     records the history after each row of recording segments into conv_columns[lane, t] ([K-1, C]). K must be 4.
-    `row_threads`: threads a block along rows (bench/kernel_gdn.py times the alternatives)."""
+    `row_threads`: threads a block along rows; `quads`: 4 channels a thread (`_gdn_conv_quads_kernel`, the same
+    bits; C and the row lengths a multiple of 4); bench/kernel_gdn.py times the alternatives."""
     if conv_weight.shape[0] != CONV_TAPS:
         raise ValueError(f"gdn_conv supports a {CONV_TAPS}-tap conv, got {conv_weight.shape[0]}")
+    if quads and (channels % 4 or projected.shape[1] % 4 or out.shape[1] % 4 or conv_weight.shape[1] != channels or
+                  conv_columns.shape[3] != channels):
+        raise ValueError(f"gdn_conv's 4-channel variant needs channels, row lengths and the weight's and histories' "
+                         f"widths multiples of 4 and equal to the channels ({channels}, {projected.shape[1]}, "
+                         f"{out.shape[1]}, {conv_weight.shape[1]}, {conv_columns.shape[3]})")
     rows = projected.shape[0]
     per_thread = CONV_FAST_ROWS if rows >= CONV_FAST_MIN_ROWS else 1
-    grid = (blocks_for(channels, CONV_THREADS), blocks_for(rows, row_threads * per_thread))
-    _gdn_conv_kernel[grid, (CONV_THREADS, row_threads), stream](projected, conv_weight, conv_state, conv_columns,
-                                                              seg_lane, seg_row, seg_count, seg_record, out,
-                                                              np.int32(channels), np.int32(per_thread))
+    grid = (blocks_for(channels // 4 if quads else channels, CONV_THREADS), blocks_for(rows, row_threads * per_thread))
+    function = _gdn_conv_quads_kernel if quads else _gdn_conv_kernel
+    function[grid, (CONV_THREADS, row_threads), stream](projected, conv_weight, conv_state, conv_columns, seg_lane,
+                                                        seg_row, seg_count, seg_record, out, np.int32(channels),
+                                                        np.int32(per_thread))
 
 
 def gdn_conv_reference(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,

@@ -384,23 +384,24 @@ def test_gpu_big_launch_matches_twins_and_is_batch_invariant(groups):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_threads", [2, 4])
-def test_gpu_conv_block_shape_changes_no_bit(row_threads):
-    """gdn_conv's threads a block along rows is a launch choice (bench/kernel_gdn.py times them): outputs, state and
-    recorded columns equal those of the default shape bitwise, on both the many-rows-per-thread and row paths."""
+@pytest.mark.parametrize("row_threads,quads", [(2, False), (4, False), (gdn.CONV_ROWS, True)])
+def test_gpu_conv_block_shape_changes_no_bit(row_threads, quads):
+    """gdn_conv's threads a block along rows and its 4-channel variant are launch choices (bench/kernel_gdn.py times
+    them): outputs, state and recorded columns equal those of the default launch bitwise, on both the
+    many-rows-per-thread and row paths."""
     from ninfer.kernels_numba.numba_setup import cuda
 
     case = _gpu_case(np.random.default_rng(14), _dims(), BIG_MIX, order=[1, 0, 3, 2], max_cols=200)
     c = case["dims"][0]
     stream = cuda.stream()
     results = []
-    for threads in (gdn.CONV_ROWS, row_threads):
+    for threads, variant in ((gdn.CONV_ROWS, False), (row_threads, quads)):
         dev = {name: cuda.to_device(np.ascontiguousarray(case[name]), stream=stream)
                for name in ("projected", "conv_weight", "conv_state", "conv_columns")}
         mixed = cuda.to_device(np.full((case["rows"], c), np.nan, F32), stream=stream)
         gdn.gdn_conv(dev["projected"], dev["conv_weight"], dev["conv_state"], dev["conv_columns"],
                      *[cuda.to_device(a, stream=stream) for a in case["seg"]], mixed, channels=c, stream=stream,
-                     row_threads=threads)
+                     row_threads=threads, quads=variant)
         results.append([a.copy_to_host(stream=stream) for a in (mixed, dev["conv_state"], dev["conv_columns"])])
     stream.synchronize()
     assert not np.isnan(results[0][0]).any()
@@ -505,3 +506,12 @@ def test_output_kernel_in_cuda_simulator():
 
     lines = run("gdn_output")
     assert "ok gdn_output bf16 alone 64" in lines and "ok gdn_output bf16 alone 128" in lines
+
+
+@pytest.mark.slow
+def test_conv_quads_kernel_in_cuda_simulator():
+    """The 4-channel conv thread by thread against the scalar kernel, bit for bit, on its 8-row fast path with
+    recorded histories and on its row path (`simulated_kernels.gdn_conv_quads`, a few seconds)."""
+    from tests.support.simulated_kernels import run
+
+    assert "ok gdn_conv_quads" in run("gdn_conv_quads")

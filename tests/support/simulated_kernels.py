@@ -743,6 +743,36 @@ def moe_layout() -> None:
     print("ok moe_layout", cases, flush=True)
 
 
+def gdn_conv_quads() -> None:
+    """The conv with 4 channels a thread against the scalar kernel, bit for bit (outputs, carried state, recorded
+    histories), and the twin: a recording segment long enough for the 8-row fast path, a short one after it."""
+    from ninfer.kernels_numba import gdn
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(gdn))
+    rng = np.random.default_rng(8)
+    channels, rows, lanes = 8, gdn.CONV_FAST_MIN_ROWS + 14, 3
+    seg = (np.array([2, 0], np.int32), np.array([0, rows - 9], np.int32), np.array([rows - 9, 9], np.int32),
+           np.array([1, 0], np.int32))
+    projected = rng.standard_normal((rows, channels + 4)).astype(np.float32)
+    weight = (rng.standard_normal((gdn.CONV_TAPS, channels)) * 0.5).astype(np.float32)
+    state0 = rng.standard_normal((lanes, gdn.CONV_TAPS - 1, channels)).astype(np.float32)
+    results = []
+    for quads in (False, True):
+        state = state0.copy()
+        columns = np.full((lanes, rows, gdn.CONV_TAPS - 1, channels), np.nan, np.float32)
+        out = np.full((rows, channels), np.nan, np.float32)
+        gdn.gdn_conv(projected, weight, state, columns, *seg, out, channels=channels, stream=0, quads=quads)
+        results.append((out, state, columns))
+    for scalar, quads in zip(*results):
+        np.testing.assert_array_equal(quads, scalar)
+    state, columns = state0.copy(), np.full((lanes, rows, gdn.CONV_TAPS - 1, channels), np.nan, np.float32)
+    want = np.full((rows, channels), np.nan, np.float32)
+    gdn.gdn_conv_reference(projected, weight, state, columns, *seg, want, channels=channels)
+    assert _rel(results[1][0], want) < 1e-6 and np.array_equal(results[1][1], state), _rel(results[1][0], want)
+    print("ok gdn_conv_quads", flush=True)
+
+
 def moe_group() -> None:
     """moe_group's block histogram and stable placement against the twin: rows over two blocks (a partial second),
     a crowded expert, and more experts than a block has threads (two passes of the offsets' scan)."""
@@ -769,7 +799,8 @@ CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": fla
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
-          "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group}
+          "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
+          "gdn_conv_quads": gdn_conv_quads}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
