@@ -75,6 +75,18 @@ def _conv_silu(w0, w1, w2, w3, e0, e1, e2, e3):
 
 
 @device_function
+def _fast_segment(seg_row, seg_count, r0, rows_per_thread, rows):
+    """The segment whose rows t >= 3 hold all CONV_FAST_ROWS rows from r0 (the conv kernels' fast path), or -1."""
+    s = -1
+    if rows_per_thread == CONV_FAST_ROWS and r0 + CONV_FAST_ROWS <= rows:
+        for i in range(seg_row.shape[0]):
+            first = seg_row[i]
+            if first + 3 <= r0 and r0 + CONV_FAST_ROWS <= first + seg_count[i]:
+                s = i
+    return s
+
+
+@device_function
 def _conv_one_row(projected, w0, w1, w2, w3, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,
                   r, c):
     """Row r, channel c. Rows t >= 3 of a segment read their 4 inputs from `projected`; the thread of row 0 computes
@@ -158,29 +170,24 @@ def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_
     w1 = weight[1, c]
     w2 = weight[2, c]
     w3 = weight[3, c]
-    if rows_per_thread == CONV_FAST_ROWS and r0 + CONV_FAST_ROWS <= rows:
-        s = -1
-        for i in range(seg_lane.shape[0]):
-            first = seg_row[i]
-            if first + 3 <= r0 and r0 + CONV_FAST_ROWS <= first + seg_count[i]:
-                s = i
-        if s >= 0:
-            # unsigned indices (r0 >= 3 here): signed ones cost each access numba's negative-index wrap
-            first_row = uint64(r0 - 3)
-            column = uint64(c)
-            e = cuda.local.array(CONV_FAST_LOADS, float32)
-            for j in range(CONV_FAST_LOADS):
-                e[j] = projected[first_row + uint64(j), column]
+    s = _fast_segment(seg_row, seg_count, r0, rows_per_thread, rows)
+    if s >= 0:
+        # unsigned indices (r0 >= 3 here): signed ones cost each access numba's negative-index wrap
+        first_row = uint64(r0 - 3)
+        column = uint64(c)
+        e = cuda.local.array(CONV_FAST_LOADS, float32)
+        for j in range(CONV_FAST_LOADS):
+            e[j] = projected[first_row + uint64(j), column]
+        for j in range(CONV_FAST_ROWS):
+            out[first_row + uint64(j + 3), column] = _conv_silu(w0, w1, w2, w3, e[j], e[j + 1], e[j + 2], e[j + 3])
+        if seg_record[s] != 0:
+            lane = seg_lane[s]
+            t0 = r0 - seg_row[s]
             for j in range(CONV_FAST_ROWS):
-                out[first_row + uint64(j + 3), column] = _conv_silu(w0, w1, w2, w3, e[j], e[j + 1], e[j + 2], e[j + 3])
-            if seg_record[s] != 0:
-                lane = seg_lane[s]
-                t0 = r0 - seg_row[s]
-                for j in range(CONV_FAST_ROWS):
-                    conv_columns[lane, t0 + j, 0, c] = e[j + 1]
-                    conv_columns[lane, t0 + j, 1, c] = e[j + 2]
-                    conv_columns[lane, t0 + j, 2, c] = e[j + 3]
-            return
+                conv_columns[lane, t0 + j, 0, c] = e[j + 1]
+                conv_columns[lane, t0 + j, 1, c] = e[j + 2]
+                conv_columns[lane, t0 + j, 2, c] = e[j + 3]
+        return
     for r in range(r0, min(r0 + rows_per_thread, rows)):
         _conv_one_row(projected, w0, w1, w2, w3, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
                       out, r, c)
@@ -203,37 +210,32 @@ def _gdn_conv_quads_kernel(projected, weight, conv_state, conv_columns, seg_lane
     w10, w11, w12, w13 = load4(weight, width + c)
     w20, w21, w22, w23 = load4(weight, 2 * width + c)
     w30, w31, w32, w33 = load4(weight, 3 * width + c)
-    if rows_per_thread == CONV_FAST_ROWS and r0 + CONV_FAST_ROWS <= rows:
-        s = -1
-        for i in range(seg_lane.shape[0]):
-            first = seg_row[i]
-            if first + 3 <= r0 and r0 + CONV_FAST_ROWS <= first + seg_count[i]:
-                s = i
-        if s >= 0:
-            stride = int64(projected.shape[1])
-            out_stride = int64(out.shape[1])
-            e0 = cuda.local.array(CONV_FAST_LOADS, float32)
-            e1 = cuda.local.array(CONV_FAST_LOADS, float32)
-            e2 = cuda.local.array(CONV_FAST_LOADS, float32)
-            e3 = cuda.local.array(CONV_FAST_LOADS, float32)
-            for j in range(CONV_FAST_LOADS):
-                e0[j], e1[j], e2[j], e3[j] = load4(projected, (int64(r0 - 3) + j) * stride + c)
+    s = _fast_segment(seg_row, seg_count, r0, rows_per_thread, rows)
+    if s >= 0:
+        stride = int64(projected.shape[1])
+        out_stride = int64(out.shape[1])
+        e0 = cuda.local.array(CONV_FAST_LOADS, float32)
+        e1 = cuda.local.array(CONV_FAST_LOADS, float32)
+        e2 = cuda.local.array(CONV_FAST_LOADS, float32)
+        e3 = cuda.local.array(CONV_FAST_LOADS, float32)
+        for j in range(CONV_FAST_LOADS):
+            e0[j], e1[j], e2[j], e3[j] = load4(projected, (int64(r0 - 3) + j) * stride + c)
+        for j in range(CONV_FAST_ROWS):
+            store4(out, (int64(r0) + j) * out_stride + c,
+                   _conv_silu(w00, w10, w20, w30, e0[j], e0[j + 1], e0[j + 2], e0[j + 3]),
+                   _conv_silu(w01, w11, w21, w31, e1[j], e1[j + 1], e1[j + 2], e1[j + 3]),
+                   _conv_silu(w02, w12, w22, w32, e2[j], e2[j + 1], e2[j + 2], e2[j + 3]),
+                   _conv_silu(w03, w13, w23, w33, e3[j], e3[j + 1], e3[j + 2], e3[j + 3]))
+        if seg_record[s] != 0:
+            lane = int64(seg_lane[s])
+            t0 = int64(r0 - seg_row[s])
+            steps = int64(conv_columns.shape[1])
             for j in range(CONV_FAST_ROWS):
-                store4(out, (int64(r0) + j) * out_stride + c,
-                       _conv_silu(w00, w10, w20, w30, e0[j], e0[j + 1], e0[j + 2], e0[j + 3]),
-                       _conv_silu(w01, w11, w21, w31, e1[j], e1[j + 1], e1[j + 2], e1[j + 3]),
-                       _conv_silu(w02, w12, w22, w32, e2[j], e2[j + 1], e2[j + 2], e2[j + 3]),
-                       _conv_silu(w03, w13, w23, w33, e3[j], e3[j + 1], e3[j + 2], e3[j + 3]))
-            if seg_record[s] != 0:
-                lane = int64(seg_lane[s])
-                t0 = int64(r0 - seg_row[s])
-                steps = int64(conv_columns.shape[1])
-                for j in range(CONV_FAST_ROWS):
-                    at = ((lane * steps + t0 + j) * 3) * width + c
-                    store4(conv_columns, at, e0[j + 1], e1[j + 1], e2[j + 1], e3[j + 1])
-                    store4(conv_columns, at + width, e0[j + 2], e1[j + 2], e2[j + 2], e3[j + 2])
-                    store4(conv_columns, at + 2 * width, e0[j + 3], e1[j + 3], e2[j + 3], e3[j + 3])
-            return
+                at = ((lane * steps + t0 + j) * 3) * width + c
+                store4(conv_columns, at, e0[j + 1], e1[j + 1], e2[j + 1], e3[j + 1])
+                store4(conv_columns, at + width, e0[j + 2], e1[j + 2], e2[j + 2], e3[j + 2])
+                store4(conv_columns, at + 2 * width, e0[j + 3], e1[j + 3], e2[j + 3], e3[j + 3])
+        return
     for r in range(r0, min(r0 + rows_per_thread, rows)):
         _conv_one_row(projected, w00, w10, w20, w30, conv_state, conv_columns, seg_lane, seg_row, seg_count,
                       seg_record, out, r, c)
