@@ -112,13 +112,15 @@ def _launchers(m, stream, scenario):
 
     launchers = {
         "conv": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"], *seg(d),
-                                       d["mixed"], channels=d["c"], stream=stream),
-        # the conv with 2 or 4 threads a block along rows (the default is 1: at 72 registers a 512-thread block
-        # fits once an SM)
+                                       d["mixed"], channels=d["c"], stream=stream, quads=False),
+        # the scalar conv, and with 2 or 4 threads a block along rows (the default is 1: at 72 registers a
+        # 512-thread block fits once an SM)
         "conv_r2": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"],
-                                          *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=2),
+                                          *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=2,
+                                          quads=False),
         "conv_r4": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"],
-                                          *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=4),
+                                          *seg(d), d["mixed"], channels=d["c"], stream=stream, row_threads=4,
+                                          quads=False),
         # the conv with 4 channels a thread (16-byte rows, weights, outputs and histories; the same bits)
         "conv_quads": lambda d: gdn.gdn_conv(d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"],
                                              *seg(d), d["mixed"], channels=d["c"], stream=stream, quads=True),

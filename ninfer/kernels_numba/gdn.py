@@ -248,15 +248,19 @@ def _gdn_conv_quads_kernel(projected, weight, conv_state, conv_columns, seg_lane
 
 
 def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, *,
-             channels, stream, row_threads=CONV_ROWS, quads=False):
+             channels, stream, row_threads=CONV_ROWS, quads=None):
     """out[r, :C] = silu(causal depthwise conv of projected[:, :C] with carried state); updates conv_state in place;
     records the history after each row of recording segments into conv_columns[lane, t] ([K-1, C]). K must be 4.
     `row_threads`: threads a block along rows; `quads`: 4 channels a thread (`_gdn_conv_quads_kernel`, the same
-    bits; C and the row lengths a multiple of 4); bench/kernel_gdn.py times the alternatives."""
+    bits; C and the row lengths a multiple of 4). None takes it wherever the widths allow: on the H200 it ran
+    0.85 of copy against the scalar kernel's 0.73 at both models' 8K prefill (bench/kernel_gdn.py, session 21)."""
     if conv_weight.shape[0] != CONV_TAPS:
         raise ValueError(f"gdn_conv supports a {CONV_TAPS}-tap conv, got {conv_weight.shape[0]}")
-    if quads and (channels % 4 or projected.shape[1] % 4 or out.shape[1] % 4 or conv_weight.shape[1] != channels or
-                  conv_columns.shape[3] != channels):
+    quads_fit = not (channels % 4 or projected.shape[1] % 4 or out.shape[1] % 4 or conv_weight.shape[1] != channels
+                     or conv_columns.shape[3] != channels)
+    if quads is None:
+        quads = quads_fit
+    if quads and not quads_fit:
         raise ValueError(f"gdn_conv's 4-channel variant needs channels, row lengths and the weight's and histories' "
                          f"widths multiples of 4 and equal to the channels ({channels}, {projected.shape[1]}, "
                          f"{out.shape[1]}, {conv_weight.shape[1]}, {conv_columns.shape[3]})")

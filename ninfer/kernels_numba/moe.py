@@ -309,9 +309,12 @@ def moe_combine_rms_norm_reference(expert_out, weights, residual, shared_out, ga
 
 
 GROUP_ROWS = 128  # rows of expert ids a block of the grouping kernels takes (moe_group's scratch: a row a block)
+GROUP_ROW_WORDS = GROUP_ROWS // 32  # 32-bit words of a block's row mask an expert
 GROUP_MAX_EXPERTS = 1024  # the block histogram's shared size
 GROUP_MAX_SLOTS = 16  # top-k slots a row the placement's shared copy holds
 GROUP_PAIRS = GROUP_ROWS * GROUP_MAX_SLOTS  # (a literal for the shared array's size)
+GROUP_MASK_WORDS = GROUP_MAX_EXPERTS * GROUP_ROW_WORDS  # (likewise)
+GROUP_LOADS = 8  # block counts a thread has in flight while it sums an expert's column
 
 
 @kernel((I32_2D, I32_2D), fastmath=False)
@@ -335,37 +338,57 @@ def _moe_block_count_kernel(expert_ids, block_counts):
         block_counts[b, e] = hist[e]
 
 
+@device_function
+def _column_sums(block_counts, e, b):
+    """(expert e's pairs in all blocks, in the blocks before b), GROUP_LOADS loads in flight at a time: the sums are
+    a chain of L2 round trips otherwise."""
+    blocks = block_counts.shape[0]
+    total = int32(0)
+    before = int32(0)
+    for b0 in range(0, blocks, GROUP_LOADS):
+        held = cuda.local.array(GROUP_LOADS, int32)
+        for j in range(GROUP_LOADS):
+            held[j] = block_counts[b0 + j, e] if b0 + j < blocks else 0
+        for j in range(GROUP_LOADS):
+            total += held[j]
+            if b0 + j < b:
+                before += held[j]
+    return total, before
+
+
 @kernel((I32_2D, I32_2D, int32[::1], int32[::1], int32[::1], int32[::1]), fastmath=False)
 def _moe_block_place_kernel(expert_ids, block_counts, counts, offsets, slot_of, position_of):
     """A thread an expert: its first position in block b's rows is the expert's offset (the exclusive sum of the
-    experts before it) plus its count in the blocks before b; it then walks the block's (row, slot) pairs in order
-    in shared memory and places each one of its own, so an expert's pairs keep their row order (the stable sort)."""
+    experts before it) plus its count in the blocks before b. The block first marks, a bit a row, which of its rows
+    pick each expert; each thread then walks its expert's set bits in row order and places those pairs, so an
+    expert's pairs keep their row order (the stable sort), and a thread's work is its own pairs, not the block's."""
     ids = cuda.shared.array(GROUP_PAIRS, int32)
+    masks = cuda.shared.array(GROUP_MASK_WORDS, uint32)
     buf = cuda.shared.array(GROUP_WARPS, int32)
     t = cuda.threadIdx.x
     lane = t & 31
     warp = t >> 5
     b = cuda.blockIdx.x
-    blocks = block_counts.shape[0]
     experts = block_counts.shape[1]
     rows = expert_ids.shape[0]
     slots = expert_ids.shape[1]
     first = b * GROUP_ROWS
     pairs = (min(rows, first + GROUP_ROWS) - first) * slots
+    for w in range(t, experts * GROUP_ROW_WORDS, GROUP_THREADS):
+        masks[w] = uint32(0)
+    cuda.syncthreads()
     for i in range(t, pairs, GROUP_THREADS):
         r = i // slots
-        ids[i] = expert_ids[first + r, i - r * slots]
+        e = expert_ids[first + r, i - r * slots]
+        ids[i] = e
+        cuda.atomic.or_(masks, e * GROUP_ROW_WORDS + (r >> 5), uint32(1) << uint32(r & 31))
     running = int32(0)  # the experts of earlier passes' pairs
     for e0 in range(0, experts, GROUP_THREADS):
         e = e0 + t
         total = int32(0)
         before = int32(0)
         if e < experts:
-            for bb in range(blocks):
-                c = block_counts[bb, e]
-                total += c
-                if bb < b:
-                    before += c
+            total, before = _column_sums(block_counts, e, b)
         # the inclusive sum of `total` over this pass's threads: within the warp by shuffles, then the warps before
         inclusive = total
         for step in (1, 2, 4, 8, 16):
@@ -374,7 +397,7 @@ def _moe_block_place_kernel(expert_ids, block_counts, counts, offsets, slot_of, 
                 inclusive += other
         if lane == 31:
             buf[warp] = inclusive
-        cuda.syncthreads()  # also: the ids are in shared memory
+        cuda.syncthreads()  # also: the ids and masks are complete
         warps_before = int32(0)
         pass_total = int32(0)
         for w in range(GROUP_WARPS):
@@ -388,11 +411,18 @@ def _moe_block_place_kernel(expert_ids, block_counts, counts, offsets, slot_of, 
                 counts[e] = total
                 offsets[e] = offset
             p = offset + before
-            for i in range(pairs):
-                if ids[i] == e:
+            for w in range(GROUP_ROW_WORDS):
+                bits = masks[e * GROUP_ROW_WORDS + w]
+                while bits != 0:
+                    lowest = bits & (~bits + uint32(1))
+                    r = w * 32 + cuda.popc(lowest - uint32(1))
+                    i = r * slots
+                    while ids[i] != e:  # the row holds e once (checked bits say it does)
+                        i += 1
                     slot_of[p] = first * slots + i
                     position_of[first * slots + i] = p
                     p += 1
+                    bits ^= lowest
         running += pass_total
     if b == 0 and t == 0:
         offsets[experts] = running
