@@ -173,15 +173,14 @@ def bench_flash(rows_out, stream, count=8192):
         qkgv = cuda.to_device(rng.standard_normal((count, 2 * (heads + kv_heads) * d), dtype=np.float32))
         out = cuda.device_array((count, heads * d), np.float32)
 
-        for block_rows in (r for r, dims in F.ROW_VARIANTS.items() if d in dims):
-            def launch(_, block_rows=block_rows):
-                F.flash_prefill(packed, keys, values_t, qkgv, out, rows=count, first_position=0, length=count,
-                                group=group, stream=stream, block_rows=block_rows)
+        def launch(_):
+            F.flash_prefill(packed, keys, values_t, qkgv, out, rows=count, first_position=0, length=count,
+                            group=group, stream=stream)
 
-            us = timed(launch, [None], stream, warm=1, runs=RUNS)
-            flops = 4 * heads * d * count * count / 2
-            rows_out.append(dict(kernel=f"flash_prefill/{block_rows}", model=model, kv="bf16", ctx=count, rows=count,
-                                 us=us, block_rows=block_rows, tflops=flops / (us * 1e-6) / 1e12))
+        us = timed(launch, [None], stream, warm=1, runs=RUNS)
+        flops = 4 * heads * d * count * count / 2
+        rows_out.append(dict(kernel="flash_prefill", model=model, kv="bf16", ctx=count, rows=count, us=us,
+                             tflops=flops / (us * 1e-6) / 1e12))
 
 
 def bench_prepare(rows_out, stream):
@@ -238,8 +237,6 @@ def main() -> None:
                    for name in ("decode_split_kernel", "decode_combine_kernel", "prefill_kernel")}
     dispatchers.update({f"decode_staged_kernel[{'int8' if quant else 'bf16'}]": dispatcher
                         for quant, dispatcher in A.DECODE_STAGED_KERNELS.items()})
-    dispatchers.update({f"flash_prefill d{d} rows {rows}": function for (d, rows), (function, _) in F._KERNELS.items()
-                        if d == 256})
     for name, dispatcher in dispatchers.items():
         try:
             print(name, "regs", sorted(set(dispatcher.get_regs_per_thread().values())),

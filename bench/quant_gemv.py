@@ -9,9 +9,9 @@ without OUT). `--small`: block geometries on the small projections (35B-A3B W8, 
 quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at a time around the down and gate_up
 shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
 = 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, JSON to
-quant_gemv_tiles.json. `--dequantize`: the v2 prefill's expert dequantization (`dequantize_mma_bf16`, both `ahead`
-variants) at the 35B-A3B's stacked expert shapes, JSON to dequantize_mma.json. (Session 14 timed the kernels with
-each step's codes loaded during the step before against the former ones, matrix copies cycled:
+quant_gemv_tiles.json. `--dequantize`: the v2 prefill's expert dequantization (`dequantize_mma_bf16`) at the
+35B-A3B's stacked expert shapes, JSON to dequantize_mma.json. (Session 14 timed the kernels with each step's codes
+loaded during the step before against the former ones, matrix copies cycled:
 results/quant_gemv_prefetch_session14.json.)
 """
 
@@ -299,7 +299,7 @@ DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (1024, 2048), "down 256 x 2048x5
 
 def dequantize_rates(device, bandwidth, rng) -> list[dict]:
     """The v2 prefill's expert dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes, each
-    format and each `ahead` variant: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One
+    format: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One
     expert's planes are repacked on the host and repeated (tile-major planes stack by concatenation); the first and
     last experts' rows are checked against the codec's values."""
     from ninfer.kernels_numba import quant_mma as QM
@@ -316,20 +316,17 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
             out = device.empty(shape, np.uint16, "bench")
             want = dequantize_bf16_reference(fmt, (rpe, k), payload)
             moved = sum(v.nbytes for v in planes.values()) + out.nbytes
-            for ahead in (1, 2):
-                def launch(ahead=ahead):
-                    QM.dequantize_mma_bf16(weight, out, stream=device.stream, ahead=ahead)
+            def launch():
+                QM.dequantize_mma_bf16(weight, out, stream=device.stream)
 
-                seconds = timed(device, launch)
-                device.synchronize()
-                ends = (out[:rpe].copy_to_host(), out[shape[0] - rpe:].copy_to_host())
-                exact = all(np.array_equal(end, want) for end in ends)
-                rows.append({"kernel": "dequantize_mma", "shape": name, "fmt": fmt, "ahead": ahead,
-                             "us": seconds * 1e6, "gb_s": moved / seconds / 1e9, "of_copy": moved / seconds / bandwidth,
-                             "exact": exact})
-                print(f"dequantize_mma {name:24s} {fmt:10s} ahead {ahead}: {seconds * 1e6:8.1f} us "
-                      f"{moved / seconds / 1e9:7.0f} GB/s  {moved / seconds / bandwidth:.2f} of copy  "
-                      f"exact {exact}", flush=True)
+            seconds = timed(device, launch)
+            device.synchronize()
+            ends = (out[:rpe].copy_to_host(), out[shape[0] - rpe:].copy_to_host())
+            exact = all(np.array_equal(end, want) for end in ends)
+            rows.append({"kernel": "dequantize_mma", "shape": name, "fmt": fmt, "us": seconds * 1e6,
+                         "gb_s": moved / seconds / 1e9, "of_copy": moved / seconds / bandwidth, "exact": exact})
+            print(f"dequantize_mma {name:24s} {fmt:10s}: {seconds * 1e6:8.1f} us {moved / seconds / 1e9:7.0f} GB/s  "
+                  f"{moved / seconds / bandwidth:.2f} of copy  exact {exact}", flush=True)
             weight = out = None
     return rows
 

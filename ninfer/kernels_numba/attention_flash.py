@@ -13,18 +13,19 @@ cuBLAS path rounds its probabilities), with the running max and sum kept in fp32
 walks the same tiles with the same roundings, so kernel and twin differ only in fp32 summation order and the last
 bit of exp.
 
-Layout: BR / 16 warps (4 or 8), warp w owns query rows 16w..16w+15 of the block (mma m16n8k16: lane 4 gq + t holds
-rows gq and gq + 8). Shared memory (dynamic) holds the Q tile [BR, D] and the K tile [BC, D] as bf16 pair words with
-rows of D/2 + WORD_PAD words, and the V^T tile [D, BC] with rows of BC/2 + WORD_PAD words: the 8 rows an `ldmatrix`
-phase reads fall in distinct banks. Tiles arrive by `cp.async` (rows past the keys or queries arrive as zeros and are
+Layout: 4 warps, warp w owns query rows 16w..16w+15 of the block (mma m16n8k16: lane 4 gq + t holds rows gq and
+gq + 8). Shared memory (dynamic) holds the Q tile [BR, D] and the K tile [BC, D] as bf16 pair words with rows of
+D/2 + WORD_PAD words, and the V^T tile [D, BC] with rows of BC/2 + WORD_PAD words: the 8 rows an `ldmatrix` phase
+reads fall in distinct banks. Tiles arrive by `cp.async` (rows past the keys or queries arrive as zeros and are
 masked).
 
-Instructions, not the tensor cores, bound a loop like this one (2 blocks of 4 warps an SM at 64 rows): at ~10
-instructions an mma (32-bit fragment loads with 64-bit shared indices, the mask on every tile, software bf16 rounding,
-a rolled copy loop dividing its index) the kernel ran at ~128 TFLOP/s on the H200's 8K prefill. So fragments come by
-`ldmatrix` (Q's A fragment and two n-tiles of K or V^T an instruction), P is packed by `cvt.rn.bf16x2`, only tiles
-that reach past the block's first query or the keys' end are masked, the O rescale is skipped when no row's max moved,
-and each thread's tile copies are one piece of every n-th row from addresses set once: ~5 instructions an mma.
+Instructions, not the tensor cores, bound a loop like this one (2 blocks of 4 warps an SM): at ~10 instructions an
+mma (32-bit fragment loads with 64-bit shared indices, the mask on every tile, software bf16 rounding, a rolled copy
+loop dividing its index) the kernel ran at ~128 TFLOP/s on the H200's 8K prefill. So fragments come by `ldmatrix`
+(Q's A fragment and two n-tiles of K or V^T an instruction), P is packed by `cvt.rn.bf16x2`, only tiles that reach
+past the block's first query or the keys' end are masked, the O rescale is skipped when no row's max moved, and each
+thread's tile copies are one piece of every n-th row from addresses set once: ~5 instructions an mma. A 128-row
+variant (8 warps, one block an SM, half the tile copies) gave the same bits and ran 15% slower (H200, session 21).
 """
 
 from __future__ import annotations
@@ -47,14 +48,11 @@ from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16  # noqa: F401 (temp
 
 F32 = np.float32
 
-BLOCK_ROWS = 64  # queries per block (BR in the kernel), 16 a warp: 4 warps
+BR = 64  # queries per block: 4 warps x 16 rows
 BC = 64  # keys per tile
+FLASH_THREADS = 128
 WORD_PAD = 4
 HEAD_DIMS = (64, 128, 256)  # head dims with a compiled variant (Qwen3.6: 256)
-# Query rows a block with a compiled variant, per head dim. 128 rows (8 warps, one 138 KB block an SM) read each
-# K / V tile once for twice the queries of 64 (4 warps, two blocks an SM): half the tile copies and barriers per mma,
-# at the same 8 warps an SM. bench/kernel_attention.py flash times both.
-ROW_VARIANTS = {64: HEAD_DIMS, 128: (256,)}
 
 _SIG = (uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, ::1], float32[:, ::1], int32, int32,
         int32, int32)
@@ -264,52 +262,44 @@ def _tile_loads(template: str, first: str, indent: int, sizes: dict[str, int]) -
     return "".join(" " * indent + line + "\n" for line in lines)
 
 
-def _layout(d: int, rows: int) -> dict[str, int]:
+def _layout(d: int) -> dict[str, int]:
     qw, vw = d // 2 + WORD_PAD, BC // 2 + WORD_PAD
-    words = (rows + BC) * qw + d * vw
+    words = (BR + BC) * qw + d * vw
     # the epilogue's O rows [BR, OW] (fp32 bits) reuse the tiles' space; OW = D + 2 keeps its stores 2-way at most
-    assert rows * (d + 2) <= words
-    return dict(BR=rows, FLASH_THREADS=2 * rows, QW=qw, VW=vw, OW=d + 2, Q_OFF=0, K_OFF=rows * qw,
-                V_OFF=(rows + BC) * qw, SHARED_BYTES=4 * words)
+    assert BR * (d + 2) <= words
+    return dict(QW=qw, VW=vw, OW=d + 2, Q_OFF=0, K_OFF=BR * qw, V_OFF=(BR + BC) * qw, SHARED_BYTES=4 * words)
 
 
-def _make_kernel(d: int, rows: int):
-    """The variant for head dim `d` and `rows` queries a block (16 a warp: 2 rows threads)."""
-    threads, row_pieces = 2 * rows, d // 8  # row_pieces: 16-byte pieces of a K row
-    assert rows % 16 == 0 and (rows * row_pieces) % threads == 0 and (BC * row_pieces) % threads == 0
-    assert threads % (BC // 8) == 0 and (d * (BC // 8)) % threads == 0
+def _make_kernel(d: int):
+    row_pieces = d // 8  # 16-byte pieces of a K row
     sizes = dict(d=d, o_regs=d // 2, n_tiles=d // 8, n_pairs=d // 16, row_pieces=row_pieces,
-                 k_rows_per_pass=threads // row_pieces, k_passes=BC * row_pieces // threads,
-                 v_dims_per_pass=threads // (BC // 8), v_passes=d * (BC // 8) // threads)
+                 k_rows_per_pass=FLASH_THREADS // row_pieces, k_passes=BC * row_pieces // FLASH_THREADS,
+                 v_dims_per_pass=FLASH_THREADS // (BC // 8), v_passes=d * (BC // 8) // FLASH_THREADS)
     sizes.update(k_first=_tile_loads(_K_TILE, "0", 4, sizes), v_first=_tile_loads(_V_TILE, "0", 4, sizes),
                  k_next=_tile_loads(_K_TILE, "j0 + BC", 12, sizes), v_next=_tile_loads(_V_TILE, "j0 + BC", 12, sizes))
-    layout = _layout(d, rows)
-    name = f"flash_prefill_kernel_d{d}" + ("" if rows == BLOCK_ROWS else f"_r{rows}")
-    return instantiate(_SOURCE.replace("flash_prefill_kernel_d{d}", name), name, _SIG, globals(), sizes,
-                       layout), layout["SHARED_BYTES"]
+    layout = _layout(d)
+    return instantiate(_SOURCE, f"flash_prefill_kernel_d{d}", _SIG, globals(), sizes, layout), layout["SHARED_BYTES"]
 
 
-_KERNELS = {(d, rows): _make_kernel(d, rows) for rows, dims in ROW_VARIANTS.items() for d in dims}
+_KERNELS = {d: _make_kernel(d) for d in HEAD_DIMS}
 
 
 def flash_prefill(packed, keys, values_t, qkgv, out, *, rows: int, first_position: int, length: int, group: int,
-                  stream, block_rows: int = BLOCK_ROWS) -> None:
+                  stream) -> None:
     """Gated causal attention of `rows` queries (positions first_position..) over keys 0..length-1, into out fp32
     [>= rows, Hq * D] (rows 0..rows-1 written). packed: uint16 [Hkv, group * rows', D] from `pack_queries` (query i of
     head g at row g * rows + i); keys: uint16 [Hkv, >= length, D]; values_t: uint16 [Hkv, D, stride >= length]
-    (`gather_kv(..., transposed=True)`; stride a multiple of 8); qkgv: the attention projection (gate columns).
-    `block_rows`: queries a block, one of ROW_VARIANTS (the same values whatever the choice)."""
+    (`gather_kv(..., transposed=True)`; stride a multiple of 8); qkgv: the attention projection (gate columns)."""
     kv_heads, _, d = keys.shape
-    if (d, block_rows) not in _KERNELS:
-        raise ValueError(f"flash_prefill has no variant for head_dim={d} with {block_rows} rows a block "
-                         f"(variants: {sorted(_KERNELS)})")
+    if d not in _KERNELS:
+        raise ValueError(f"flash_prefill has no variant for head_dim={d}")
     if values_t.shape[2] % 8:
         raise ValueError(f"values_t rows must be a multiple of 8 keys long (16-byte copies), got {values_t.shape[2]}")
     if rows == 0:
         return
-    function, shared_bytes = _KERNELS[d, block_rows]
+    function, shared_bytes = _KERNELS[d]
     allow_dynamic_shared(function, _SIG, shared_bytes)
-    function[((rows + block_rows - 1) // block_rows, group, kv_heads), 2 * block_rows, stream, shared_bytes](
+    function[((rows + BR - 1) // BR, group, kv_heads), FLASH_THREADS, stream, shared_bytes](
         packed, keys, values_t, qkgv, out, np.int32(rows), np.int32(first_position), np.int32(length),
         np.int32(group))
 
@@ -326,8 +316,8 @@ def flash_prefill_reference(packed, keys, values_t, qkgv, out, *, rows: int, fir
             h = b * group + g
             q_all = bf16_bits_to_f32(packed[b, g * rows:(g + 1) * rows]).astype(np.float64)
             gate = qkgv[:rows, (heads + kv_heads) * d + h * d:(heads + kv_heads) * d + (h + 1) * d]
-            for i0 in range(0, rows, BLOCK_ROWS):  # (a row's values do not depend on its block)
-                q = q_all[i0:i0 + BLOCK_ROWS]
+            for i0 in range(0, rows, BR):
+                q = q_all[i0:i0 + BR]
                 n = len(q)
                 positions = first_position + i0 + np.arange(n)
                 key_end = min(int(positions[-1]) + 1, length)

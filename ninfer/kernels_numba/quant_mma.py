@@ -971,18 +971,10 @@ def _block_words(base, high, scales, slot, lane, g, bits, scale_words):
             scales[(slot * scale_words + scale_words - 1) * 8 + g])
 
 
-DEQUANTIZE_AHEAD = 1  # blocks whose words a warp has in flight while it decodes one (`make_dequantize_mma_kernel`)
-
-
-def make_dequantize_mma_kernel(bits: int, ahead: int = DEQUANTIZE_AHEAD):
-    """`ahead`: 1 or 2 blocks' words loading while a warp decodes and stores one (the same bits either way;
-    bench/quant_gemv.py --dequantize times both)."""
-    if ahead not in (1, 2):
-        raise ValueError(f"dequantize_mma keeps 1 or 2 blocks in flight, not {ahead}")
+def make_dequantize_mma_kernel(bits: int):
     SW = SCALE_WORDS[bits]
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
     MINUS_LOW = _minus_pair(0)
-    AHEAD = ahead
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32, int32), fastmath=False)
     def dequantize_mma_kernel(base, high, scales, out, blocks, swiglu_rows):
@@ -1017,23 +1009,16 @@ def make_dequantize_mma_kernel(bits: int, ahead: int = DEQUANTIZE_AHEAD):
         at3 = out_at + int64(target3) * row_bytes
         from0 = staged + (lane >> 3) * STAGE_ROW_WORDS + column
         first_slot = tile * blocks  # the tile's first (tile, block) slot of the codes, high words and scales
-        # The next AHEAD blocks' words load while this one decodes and stores: a warp walks its tile's blocks in
-        # order, so without them in flight each block waited out a whole load latency (past the last block a warp
-        # reloads the last rather than branch; with AHEAD = 1 the second set is never read).
+        # The next block's words load while this one decodes and stores: a warp walks its tile's blocks in order,
+        # so without them in flight each block waited out a whole load latency (the last block reloads itself
+        # rather than branch). Two blocks in flight (80 registers) gave the same bits and ran 4-14% slower (H200,
+        # session 21).
         n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(base, high, scales, first_slot, lane, g, bits,
                                                                     SW)
-        m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1 = _block_words(base, high, scales,
-                                                                    first_slot + min(1, blocks - 1), lane, g,
-                                                                    bits, SW)
         for q in range(blocks):
             w0, w1, w2, w3, hw0, hw1, hw2, hw3, sc0, sc1 = n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1
-            if AHEAD == 2:
-                n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1
-                m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1 = _block_words(
-                    base, high, scales, first_slot + min(q + 2, blocks - 1), lane, g, bits, SW)
-            else:
-                n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(
-                    base, high, scales, first_slot + min(q + 1, blocks - 1), lane, g, bits, SW)
+            n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(
+                base, high, scales, first_slot + min(q + 1, blocks - 1), lane, g, bits, SW)
             cuda.syncwarp()  # the previous block's rows are stored before the stage is written again
             for j in range(4):
                 w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
@@ -1070,19 +1055,17 @@ def make_dequantize_mma_kernel(bits: int, ahead: int = DEQUANTIZE_AHEAD):
     return dequantize_mma_kernel
 
 
-DEQUANTIZE_MMA_KERNELS = {(bits, ahead): make_dequantize_mma_kernel(bits, ahead) for bits in (4, 5, 6, 8)
-                          for ahead in (1, 2)}
+DEQUANTIZE_MMA_KERNELS = {bits: make_dequantize_mma_kernel(bits) for bits in (4, 5, 6, 8)}
 
 
-def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream, ahead: int = DEQUANTIZE_AHEAD) -> None:
+def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream) -> None:
     """out[N, K] (uint16 bf16 bits, C-contiguous) = bf16(code * scale): what `quant_linear.dequantize_bf16` gives for
-    the artifact layout (the prefill path's cuBLAS operand), rows in their original order whatever the storage's.
-    `ahead`: blocks a warp has in flight (1 or 2: the same bits)."""
+    the artifact layout (the prefill path's cuBLAS operand), rows in their original order whatever the storage's."""
     N, K = qw.shape
     if tuple(out.shape) != (N, K):
         raise ValueError(f"dequantize into {tuple(out.shape)}, the weight is {qw.shape}")
     threads = -(-N // TILE_ROWS) * 32
-    function = DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt], ahead]
+    function = DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]]
     function[math.ceil(threads / DEQUANTIZE_THREADS), DEQUANTIZE_THREADS, stream](
         qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks), int32(qw.swiglu_rows))
 

@@ -129,9 +129,8 @@ def linear_narrow() -> None:
 
 
 def flash_prefill() -> None:
-    """Every head dim, a prefix (first position > 0), partial query and key tiles, one row, and the 128-row variant
-    over more than its first 4 warps' rows; rows past `rows` of the output untouched. Small head counts: a block's
-    key tile takes the simulator about a second."""
+    """Every head dim, a prefix (first position > 0), partial query and key tiles, one row; rows past `rows` of the
+    output untouched. Small head counts: a block's key tile takes the simulator about a second."""
     from ninfer.kernels_numba import attention_flash as flash
     from tests.kernels.test_attention_flash import _case, _exact, _twin
     from tests.support import cuda_simulator
@@ -139,17 +138,15 @@ def flash_prefill() -> None:
     for function, _ in flash._KERNELS.values():
         cuda_simulator.install(function.py_func.__globals__)
     cuda_simulator.install(vars(flash))
-    for heads, kv_heads, head_dim, start, rows, block_rows in [(1, 1, 64, 0, 70, 64), (2, 1, 128, 70, 9, 64),
-                                                               (1, 1, 256, 5, 1, 64), (1, 1, 256, 5, 70, 128)]:
+    for heads, kv_heads, head_dim, start, rows in [(1, 1, 64, 0, 70), (2, 1, 128, 70, 9), (1, 1, 256, 5, 1)]:
         case = _case(np.random.default_rng(heads + rows), heads, kv_heads, head_dim, start, rows)
         out = np.full((rows + 2, heads * head_dim), np.nan, np.float32)
         flash.flash_prefill(case["packed"], case["k"], case["v_t"], case["qkgv"], out, rows=rows,
-                            first_position=start, length=case["length"], group=case["group"], stream=0,
-                            block_rows=block_rows)
+                            first_position=start, length=case["length"], group=case["group"], stream=0)
         assert np.isnan(out[rows:]).all(), "rows past `rows` were written"
         err_twin, err_exact = _rel(out[:rows], _twin(case)), _rel(out[:rows], _exact(case))
         assert err_twin < 1e-4 and err_exact < 1e-2, (heads, kv_heads, head_dim, start, rows, err_twin, err_exact)
-        print("ok flash_prefill", heads, kv_heads, head_dim, start, rows, block_rows, err_twin, flush=True)
+        print("ok flash_prefill", heads, kv_heads, head_dim, start, rows, err_twin, flush=True)
 
 
 def gather_kv() -> None:
@@ -314,14 +311,13 @@ def quant_mma() -> None:
         shape = (24, 128)
         payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
         weight = qm.upload_quant_mma(fmt, shape, payload)
-        for ahead in (1, 2):  # one block (a warp reloads it past the end), two and five blocks
-            for columns in (64, 128, 320):
-                part = (shape[0], columns)
-                part_payload = codec.encode_buffer(rng.standard_normal(part).astype(np.float32) * 0.05, fmt)
-                out = np.zeros(part, np.uint16)
-                qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0, ahead=ahead)
-                assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
-                    fmt, ahead, columns)
+        for columns in (64, 128, 320):  # one block (a warp reloads it past the end), two and five blocks
+            part = (shape[0], columns)
+            part_payload = codec.encode_buffer(rng.standard_normal(part).astype(np.float32) * 0.05, fmt)
+            out = np.zeros(part, np.uint16)
+            qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0)
+            assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
+                fmt, columns)
         experts, rpe, slots, rows = 3, 16, 2, 2
         stacked = (experts * rpe, 128)
         payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
