@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (numpy shim first)
 
+from bench.host_trace import GcPauses  # noqa: E402
 from bench.kernel_profile import wall_seconds  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
 from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: E402
@@ -41,6 +42,7 @@ from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa
 MODELS = {"27b": QWEN36_27B_DIMS, "35b": QWEN36_35B_A3B_DIMS}
 CONTEXT = 1024  # tokens already in each lane's KV during decode timing
 PREFILL = 8192
+PREFILL_REPEATS = 5  # timed prefills a setting (the median is reported)
 SUFFIX = 32  # a returning turn's new prompt tokens, prefilled after the 8K context
 
 
@@ -279,16 +281,21 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             "" if chunk is None else f" chunk {chunk}")
         prefill()
         device.synchronize()
-        times = event_time(device.stream, prefill, 3)
+        with GcPauses() as pauses:
+            times = event_time(device.stream, prefill, PREFILL_REPEATS)
         seconds = float(np.median(times))
         flops = prefill_flops(model, prefill_tokens)
+        gc_pauses = pauses.summary()
         result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
                                   "moe_chunk_rows": model.moe_chunk_rows, "tokens": prefill_tokens,
-                                  "seconds": seconds,
+                                  "seconds": seconds, "all_seconds": [float(t) for t in times],
                                   "tok_s": prefill_tokens / seconds, "flops": flops,
-                                  "ratio_to_gemm_peak": flops / seconds / gemm})
+                                  "ratio_to_gemm_peak": flops / seconds / gemm, "gc_pauses": gc_pauses})
         print(f"  prefill [{label}] {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} "
-              f"tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}", flush=True)
+              f"tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}  (of "
+              f"{PREFILL_REPEATS}: {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms; the collector paused the host "
+              f"{gc_pauses['collections']} times, {gc_pauses['total_ms']:.1f} ms, longest {gc_pauses['max_ms']:.1f})",
+              flush=True)
         if profile:  # GPU busy time against the wall time: is the eager prefill bound by the GPU or the host?
             from bench.kernel_profile import print_profile, profile_replays
 

@@ -8,6 +8,7 @@ its group sizes and its first expert GEMM. `HostTrace` wraps a few named callabl
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -53,6 +54,35 @@ class HostTrace:
         finally:
             self.restore()
         return sorted(self.events, key=lambda e: e[1])
+
+
+class GcPauses:
+    """The garbage collector's pauses while the block runs (gc.callbacks): a collection that scans every object of a
+    process that has compiled its kernels stops the host for milliseconds, and a prefill's GPU idles through it
+    whenever its queue runs dry first."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._began))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        seconds = [s for _, s in self.pauses]
+        return {"collections": len(self.pauses), "by_generation": {g: sum(1 for x, _ in self.pauses if x == g)
+                                                                   for g in (0, 1, 2)},
+                "total_ms": sum(seconds) * 1e3, "max_ms": max(seconds, default=0.0) * 1e3}
 
 
 def moe_waits(events: list[tuple[str, float, float]], *, wait: str, gemms: tuple[str, ...]) -> dict:

@@ -3,7 +3,9 @@ prefill's host time."""
 
 from __future__ import annotations
 
-from bench.host_trace import HostTrace, moe_waits
+import gc
+
+from bench.host_trace import GcPauses, HostTrace, moe_waits
 
 
 class Gemms:
@@ -39,3 +41,18 @@ def test_moe_waits_reads_each_layer_from_its_wait_to_its_first_expert_gemm():
     assert round(report["median_to_first_gemm_us"]) == 95
     assert report["call_us"]["chunked_gemm_bf16"]["calls"] == 2
     assert round(report["call_us"]["chunked_gemm_bf16"]["total"]) == 100
+
+
+def test_gc_pauses_records_each_collection_while_open_and_none_after():
+    gc.disable()  # only the two collections asked for
+    try:
+        with GcPauses() as pauses:
+            gc.collect(2)
+            gc.collect(0)
+        gc.collect()
+    finally:
+        gc.enable()
+    summary = pauses.summary()
+    assert [g for g, _ in pauses.pauses] == [2, 0]
+    assert summary["collections"] == 2 and summary["by_generation"] == {0: 1, 1: 0, 2: 1}
+    assert 0 <= summary["max_ms"] <= summary["total_ms"]
