@@ -166,7 +166,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
                  narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
-                 moe_chunks: tuple[int | None, ...] = (None,),
+                 moe_chunks: tuple[int | None, ...] = (None,), moe_chunk_steps: tuple[int | None, ...] = (None,),
                  attention_splits: tuple[int | None, ...] = (None,),
                  split_floors: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
@@ -271,14 +271,15 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
 
     result["prefill"] = []
-    serving_chunk = model.moe_chunk_rows
-    for attention, moe_gemm, chunk in ((a, m, c) for a in prefill_attentions
-                                       for m in (moe_gemms if dims.is_moe else ("auto",))
-                                       for c in (moe_chunks if dims.is_moe else (None,))):
+    serving_chunk, serving_step = model.moe_chunk_rows, model.moe_chunk_step
+    for attention, moe_gemm, chunk, step in ((a, m, c, t) for a in prefill_attentions
+                                             for m in (moe_gemms if dims.is_moe else ("auto",))
+                                             for c in (moe_chunks if dims.is_moe else (None,))
+                                             for t in (moe_chunk_steps if dims.is_moe else (None,))):
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
-        model.moe_chunk_rows = chunk or serving_chunk
+        model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
         label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
-            "" if chunk is None else f" chunk {chunk}")
+            "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}")
         prefill()
         device.synchronize()
         with GcPauses() as pauses:
@@ -287,7 +288,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         flops = prefill_flops(model, prefill_tokens)
         gc_pauses = pauses.summary()
         result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
-                                  "moe_chunk_rows": model.moe_chunk_rows, "tokens": prefill_tokens,
+                                  "moe_chunk_rows": model.moe_chunk_rows, "moe_chunk_step": model.moe_chunk_step,
+                                  "tokens": prefill_tokens,
                                   "seconds": seconds, "all_seconds": [float(t) for t in times],
                                   "tok_s": prefill_tokens / seconds, "flops": flops,
                                   "ratio_to_gemm_peak": flops / seconds / gemm, "gc_pauses": gc_pauses})
@@ -312,6 +314,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             if dims.is_moe:
                 result["prefill"][-1]["moe_host"] = trace_moe_host(model, lambda: (prefill(), device.synchronize()))
     model.prefill_attention, model.moe_prefill_gemm, model.moe_chunk_rows = "kernel", "auto", serving_chunk
+    model.moe_chunk_step = serving_step
     if prefill_only:
         return result
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
@@ -495,6 +498,9 @@ def main() -> None:
     parser.add_argument("--moe-chunk", default="default",
                         help="MoE models' 8K prefill with these chunked-layout chunk rows (e.g. 64,128; default: the "
                              "serving default)")
+    parser.add_argument("--moe-chunk-step", default="default",
+                        help="MoE models' 8K prefill with the chunked layout's batch count rounded up to multiples of "
+                             "these (e.g. 1,32; default: the serving default)")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--context", type=int, default=CONTEXT, help="tokens each decode row attends to")
@@ -542,6 +548,7 @@ def main() -> None:
                                                           programmatic=programmatic, narrow=narrow,
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
                                                           moe_chunks=counts_or_default(args.moe_chunk),
+                                                          moe_chunk_steps=counts_or_default(args.moe_chunk_step),
                                                           context=args.context,
                                                           attention_splits=counts_or_default(args.attention_splits),
                                                           split_floors=counts_or_default(args.split_floor)))

@@ -250,8 +250,9 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     """The MoE prefill's expert GEMMs as one strided-batched call over experts padded to the largest count, or one
     pointer-array batched call over 128-row chunks, against the grouped call over contiguous groups: the same
     logits (bitwise on the host's twins, within a bf16 step's effect on the GPU, where each call picks its own
-    kernels), and the CPU model's within bf16 tolerance; so do 64-row chunks. "auto" gives the logits of the layout
-    its rule picks for this routing; both fall back to the grouped call when their rows pass the scratch."""
+    kernels), and the CPU model's within bf16 tolerance; so do 64-row chunks, also with their batch count rounded up
+    to a multiple of 5. "auto" gives the logits of the layout its rule picks for this routing; both fall back to the
+    grouped call when their rows pass the scratch."""
     from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
 
     path = artifacts[("moe", recipe)]
@@ -280,14 +281,21 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
             assert np.linalg.norm(logits[choice] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
     np.testing.assert_array_equal(logits["auto"], logits[picked[next(iter(used["auto"]))]])
     model.moe_prefill_gemm, model.moe_chunk_rows = "chunked", MOE_CHUNK_ROWS // 2  # smaller chunks, less padding
-    before = len(calls)
-    got, _ = prompt_logits(model, cpu, ids)
-    assert set(calls[before:]) == {("chunked_gemm_bf16", MOE_CHUNK_ROWS // 2)}
-    if device_kind == "host":
-        np.testing.assert_array_equal(got, logits["grouped"])
-    else:
-        assert np.linalg.norm(got - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
-    model.moe_chunk_rows = MOE_CHUNK_ROWS
+    chunked, batch_counts, got = blas.chunked_gemm_bf16, {}, {}
+    # a batch count rounded up to a multiple of 5: the surplus chunks run over rows nothing reads
+    for step in (1, 5):
+        model.moe_chunk_step, batch_counts[step] = step, []
+        blas.chunked_gemm_bf16 = lambda *args, step=step: (batch_counts[step].append(len(args[-2])), chunked(*args))
+        before = len(calls)
+        got[step], _ = prompt_logits(model, cpu, ids)
+        assert set(calls[before:]) == {("chunked_gemm_bf16", MOE_CHUNK_ROWS // 2)}
+        if device_kind == "host":
+            np.testing.assert_array_equal(got[step], logits["grouped"])
+        else:
+            assert np.linalg.norm(got[step] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
+    blas.chunked_gemm_bf16 = chunked
+    assert batch_counts[5] == [-(-n // 5) * 5 for n in batch_counts[1]] != batch_counts[1]
+    model.moe_chunk_rows, model.moe_chunk_step = MOE_CHUNK_ROWS, 1
     before = len(calls)
     routed = len(ids) * model.dims.moe_top_k
     model.workspace.perm_in = model.workspace.perm_in[:routed]  # room for the routed rows, not the padded ones

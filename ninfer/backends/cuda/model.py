@@ -66,6 +66,7 @@ SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill
 # (results/cuda_model_35b_bf16_moe_gemm_session13.json) chunked everywhere took the 8K prefill from 249.8 ms ("auto"
 # then: padded within 2x, else grouped) to 230.5.
 MOE_CHUNK_ROWS = 128  # rows a batch entry of the chunked layout
+MOE_CHUNK_STEP = 1  # the chunked layout's batch count rounded up to a multiple of this (see CudaQwen.moe_chunk_step)
 
 
 @attrs.frozen
@@ -839,6 +840,10 @@ class CudaQwen:
         # rows a batch entry of the chunked layout (the workspace has room for up to MOE_CHUNK_ROWS: a larger chunk
         # the rows do not fit takes the grouped GEMM); bench/cuda_model.py --moe-chunk times the choices
         self.moe_chunk_rows = MOE_CHUNK_ROWS
+        # the chunked layout's batch count rounded up to a multiple of this, the surplus entries over rows past the
+        # routed ones that nothing reads: a few batch counts recur instead of a new one each layer, in case cuBLAS
+        # chooses its kernel again for each new count (bench/cublas_host_cost.py; --moe-chunk-step times it)
+        self.moe_chunk_step = MOE_CHUNK_STEP
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -1537,9 +1542,14 @@ class CudaQwen:
         gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
         sizes = pending.values()
         offsets, (layout, count, extent) = sizes[: e + 1], (int(v) for v in sizes[e + 1:])
+        gemm_rows = count  # rows the expert GEMMs run over: the layout's, or its chunks' rounded up
         if layout == LAYOUT_CHUNKED:
             chunk_groups = np.repeat(np.arange(e), -(-np.diff(offsets) // chunk))
             assert chunk_groups.size == extent, (chunk_groups.size, extent)
+            stepped = min(-(-extent // self.moe_chunk_step) * self.moe_chunk_step, ws.perm_in.shape[0] // chunk)
+            if stepped > extent:  # the surplus entries repeat the last expert's block over unread rows
+                chunk_groups = np.concatenate([chunk_groups, np.full(stepped - extent, chunk_groups[-1])])
+                gemm_rows = stepped * chunk
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
             if layout == LAYOUT_PADDED:
@@ -1549,13 +1559,11 @@ class CudaQwen:
             else:
                 self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
 
-        gate_up = ws.perm_gate_up[:count]
-        expert_gemm(ws.perm_in[:count], gate_up_w, gate_up)
-        act_bf16 = ws.perm_act_bf16[:count]
-        self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
-        out = ws.perm_out[:count]
-        expert_gemm(act_bf16, self.linear.bf16_weight(w.routed_down), out)
-        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream)
+        expert_gemm(ws.perm_in[:gemm_rows], gate_up_w, ws.perm_gate_up[:gemm_rows])
+        self.k.silu_mul_bf16_rows(ws.perm_gate_up[:count], ws.perm_act_bf16[:count], stream=stream)
+        expert_gemm(ws.perm_act_bf16[:gemm_rows], self.linear.bf16_weight(w.routed_down), ws.perm_out[:gemm_rows])
+        self.k.moe_scatter_combine(ws.perm_out[:count], slot_of, weights, s, ws.x[:rows], position_of=placed,
+                                   stream=stream)
 
     # ---- state operations ----
 
