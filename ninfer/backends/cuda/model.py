@@ -841,8 +841,10 @@ class CudaQwen:
         # the rows do not fit takes the grouped GEMM); bench/cuda_model.py --moe-chunk times the choices
         self.moe_chunk_rows = MOE_CHUNK_ROWS
         # the chunked layout's batch count rounded up to a multiple of this, the surplus entries over rows past the
-        # routed ones that nothing reads: a few batch counts recur instead of a new one each layer, in case cuBLAS
-        # chooses its kernel again for each new count (bench/cublas_host_cost.py; --moe-chunk-step times it)
+        # routed ones that nothing reads: a few row counts recur instead of a new one each layer, so the expert
+        # GEMMs' four workspace views come from the memo (numba builds a new one in ~50 us of host time, two of them
+        # between the sizes' wait and the first expert GEMM), and cuBLAS sees a batch count again, in case it chooses
+        # its kernel anew for each (bench/cublas_host_cost.py); --moe-chunk-step times it
         self.moe_chunk_step = MOE_CHUNK_STEP
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
@@ -1559,11 +1561,13 @@ class CudaQwen:
             else:
                 self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
 
-        expert_gemm(ws.perm_in[:gemm_rows], gate_up_w, ws.perm_gate_up[:gemm_rows])
-        self.k.silu_mul_bf16_rows(ws.perm_gate_up[:count], ws.perm_act_bf16[:count], stream=stream)
-        expert_gemm(ws.perm_act_bf16[:gemm_rows], self.linear.bf16_weight(w.routed_down), ws.perm_out[:gemm_rows])
-        self.k.moe_scatter_combine(ws.perm_out[:count], slot_of, weights, s, ws.x[:rows], position_of=placed,
-                                   stream=stream)
+        # every call over the same gemm_rows (the surplus rows' values are never read): with a step the views recur,
+        # and the workspace's memo hands them back instead of building new ones on the host's critical path
+        gate_up, act_bf16, out = ws.perm_gate_up[:gemm_rows], ws.perm_act_bf16[:gemm_rows], ws.perm_out[:gemm_rows]
+        expert_gemm(ws.perm_in[:gemm_rows], gate_up_w, gate_up)
+        self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
+        expert_gemm(act_bf16, self.linear.bf16_weight(w.routed_down), out)
+        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream)
 
     # ---- state operations ----
 
