@@ -182,8 +182,8 @@ def test_batched_gemm_multiplies_each_padded_group_by_its_own_weight_block(devic
 
 def test_chunked_gemm_multiplies_each_chunk_by_its_groups_weight_block(device):
     """The chunked MoE prefill's pointer-array batched GEMM: chunks of one group or another in any order, bf16
-    outputs within one bf16 step of the host twin, rows past the chunks untouched; the same call again on other
-    chunks reuses the address table in stream order."""
+    outputs within one bf16 step of the host twin, rows past the chunks untouched, the same bits with the groups on
+    the device; the same call again on other chunks reuses the address table in stream order."""
     from ninfer.backends.cuda.blas import Blas
     from ninfer.backends.cuda.host import HostBlas
 
@@ -200,6 +200,12 @@ def test_chunked_gemm_multiplies_each_chunk_by_its_groups_weight_block(device):
         want = np.full((rows, n), 0x7FC1, np.uint16)
         HostBlas().chunked_gemm_bf16(x, w, want, chunk_groups, chunk)
         assert_bf16_rows_match(y.copy_to_host(), want, len(chunk_groups) * chunk, chunk_groups)
+        # the groups on the device (the model's moe_chunk_groups): a kernel writes the addresses; the same call
+        on_device = device.upload(np.full((rows, n), 0x7FC1, np.uint16), "test")
+        blas.chunked_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), on_device,
+                               device.upload(chunk_groups.astype(np.int32), "test"), chunk)
+        device.synchronize()
+        np.testing.assert_array_equal(on_device.copy_to_host(), y.copy_to_host())
     with pytest.raises(ValueError, match="chunked gemm shapes"):
         blas.chunked_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), y, np.array([groups]), chunk)
     blas.close()

@@ -678,6 +678,86 @@ def moe_layout_reference(offsets, *, choice, chunk, room, max_chunks):
     return np.asarray(info, np.int32), np.asarray(starts, np.int32)
 
 
+@kernel((int32[::1], int32[::1], int32[::1], int32[::1], int32, int32, int32), fastmath=False)
+def _moe_chunk_groups_kernel(info, offsets, starts, chunk_groups, chunk, step, room):
+    # thread e < E: expert e's chunks; threads past the last chunk fill the step's surplus entries
+    if info[0] != LAYOUT_CHUNKED:
+        return
+    t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    experts = starts.shape[0]
+    if t < experts:
+        first = starts[t] // chunk
+        for j in range((offsets[t + 1] - offsets[t] + chunk - 1) // chunk):
+            chunk_groups[first + j] = t
+    chunks = info[2]
+    stepped = min((chunks + step - 1) // step * step, room // chunk)
+    for i in range(chunks + t, stepped, cuda.gridDim.x * cuda.blockDim.x):
+        chunk_groups[i] = experts - 1
+
+
+def stepped_chunks(chunks: int, step: int, room: int, chunk: int) -> int:
+    """The chunked layout's batch count rounded up to a multiple of `step`, within `room` rows (never below the
+    chunks themselves, which moe_layout fits in the room)."""
+    return max(chunks, min(-(-chunks // step) * step, room // chunk))
+
+
+def moe_chunk_groups(info, offsets, starts, chunk_groups, *, chunk, step, room, stream):
+    """When moe_layout chose the chunked layout (info[0]): chunk_groups int32 [>= the stepped count] = each chunk's
+    expert (expert e's chunks from row starts[e], offsets' counts rounded up to whole chunks), then the last expert
+    for the surplus entries up to `stepped_chunks` (rows nothing reads): the pointer-array GEMM's map, made on the
+    device, so the host writes no address table after the counts arrive. Another layout leaves it alone."""
+    experts = starts.shape[0]
+    if offsets.shape[0] != experts + 1 or info.shape[0] != LAYOUT_INFO or chunk < 1 or step < 1:
+        raise ValueError(f"moe_chunk_groups takes E + 1 offsets, E starts, {LAYOUT_INFO} info values, chunk and step "
+                         f">= 1; got {offsets.shape[0]}, {experts}, {info.shape[0]}, {chunk}, {step}")
+    _moe_chunk_groups_kernel[blocks_for(experts, TILE), TILE, stream](info, offsets, starts, chunk_groups,
+                                                                      np.int32(chunk), np.int32(step),
+                                                                      np.int32(room))
+
+
+def moe_chunk_groups_reference(info, offsets, starts, chunk_groups, *, chunk, step, room):
+    """The twin (writes chunk_groups in place, as the kernel)."""
+    if int(info[0]) != LAYOUT_CHUNKED:
+        return
+    counts = np.diff(np.asarray(offsets, np.int64))
+    for e, (start, count) in enumerate(zip(np.asarray(starts).tolist(), counts.tolist())):
+        pieces = -(-count // chunk)
+        chunk_groups[start // chunk:start // chunk + pieces] = e
+    chunks = int(info[2])
+    chunk_groups[chunks:stepped_chunks(chunks, step, room, chunk)] = len(counts) - 1
+
+
+@kernel((int32[::1], uint64, uint64, uint64, uint64, uint64, uint64, uint64[::1]), fastmath=False)
+def _chunk_addresses_kernel(chunk_groups, w_address, w_stride, x_address, x_stride, y_address, y_stride, table):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    chunks = chunk_groups.shape[0]
+    if i < chunks:
+        table[i] = w_address + uint64(chunk_groups[i]) * w_stride
+        table[chunks + i] = x_address + uint64(i) * x_stride
+        table[2 * chunks + i] = y_address + uint64(i) * y_stride
+
+
+def chunk_addresses(chunk_groups, table, *, w_address, x_address, y_address, n, k, chunk, stream):
+    """table uint64 [>= 3 C] = the pointer-array GEMM's operand addresses for C chunks (chunk_groups int32 [C] on the
+    device): C weight blocks (w_address + group * N K * 2), C input chunks (x_address + i * chunk K * 2), C output
+    chunks (y_address + i * chunk N * 2); bf16 operands. Blas.chunked_gemm_bf16 with device-side groups."""
+    chunks = chunk_groups.shape[0]
+    if table.shape[0] < 3 * chunks:
+        raise ValueError(f"chunk_addresses: a table of {table.shape[0]} entries for {chunks} chunks (3 each)")
+    if chunks:
+        _chunk_addresses_kernel[blocks_for(chunks, TILE), TILE, stream](
+            chunk_groups, np.uint64(w_address), np.uint64(n * k * 2), np.uint64(x_address), np.uint64(chunk * k * 2),
+            np.uint64(y_address), np.uint64(chunk * n * 2), table)
+
+
+def chunk_addresses_reference(chunk_groups, *, w_address, x_address, y_address, n, k, chunk) -> np.ndarray:
+    """The twin: the 3 C addresses (also what Blas writes from the host for host-side groups)."""
+    index = np.arange(len(chunk_groups), dtype=np.uint64)
+    return np.concatenate([np.uint64(w_address) + np.asarray(chunk_groups, np.uint64) * np.uint64(n * k * 2),
+                           np.uint64(x_address) + index * np.uint64(chunk * k * 2),
+                           np.uint64(y_address) + index * np.uint64(chunk * n * 2)]).astype(np.uint64)
+
+
 COMBINE_COLUMNS = 4  # columns per thread of moe_scatter_combine (independent loads in flight)
 
 

@@ -356,6 +356,49 @@ def test_gpu_pad_positions_and_padded_gather(rows, experts, k, hidden):
     np.testing.assert_array_equal(out, moe.moe_scatter_rows_reference(x, placed, k, blank))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,step", [(8, 1), (256, 1), (256, 32)])
+def test_gpu_layout_chunk_groups_and_addresses(experts, step):
+    """On the device: moe_layout's chunked layout of skewed counts (empty experts too), moe_chunk_groups' map with
+    the step's surplus, and chunk_addresses' table from it, each equal to its twin."""
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(experts + step)
+    counts = rng.integers(0, 400, experts).astype(np.int32)
+    counts[::5] = 0
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    room = int(offsets[-1]) + experts * 128 + 4096
+    d_info, d_starts = cuda.to_device(np.full(moe.LAYOUT_INFO, -1, np.int32)), cuda.to_device(
+        np.full(experts, -1, np.int32))
+    d_offsets, d_groups = cuda.to_device(offsets), cuda.to_device(np.full(9000, -1, np.int32))
+    moe.moe_layout(d_offsets, d_info, d_starts, choice="chunked", chunk=128, room=room, max_chunks=8192,
+                   stream=stream)
+    moe.moe_chunk_groups(d_info, d_offsets, d_starts, d_groups, chunk=128, step=step, room=room, stream=stream)
+    info, starts, groups = (a.copy_to_host(stream=stream) for a in (d_info, d_starts, d_groups))
+    stream.synchronize()
+    want_info, want_starts = moe.moe_layout_reference(offsets, choice="chunked", chunk=128, room=room,
+                                                      max_chunks=8192)
+    want_groups = np.full(9000, -1, np.int32)
+    moe.moe_chunk_groups_reference(want_info, offsets, want_starts, want_groups, chunk=128, step=step, room=room)
+    np.testing.assert_array_equal(info, want_info)
+    np.testing.assert_array_equal(starts, want_starts)
+    np.testing.assert_array_equal(groups, want_groups)
+    used = moe.stepped_chunks(int(info[2]), step, room, 128)
+    assert info[0] == moe.LAYOUT_CHUNKED and (groups >= 0).sum() == used and used % step == 0
+    d_table = cuda.to_device(np.zeros(3 * used, np.uint64))
+    addresses = dict(w_address=1 << 40, x_address=3 << 40, y_address=5 << 40, n=1024, k=2048, chunk=128)
+    moe.chunk_addresses(d_groups[:used], d_table, stream=stream, **addresses)
+    table = d_table.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(table, moe.chunk_addresses_reference(groups[:used], **addresses))
+
+
+def test_chunk_addresses_checks_its_table():
+    with pytest.raises(ValueError, match="3 each"):
+        moe.chunk_addresses(np.zeros(4, np.int32), np.zeros(11, np.uint64), w_address=0, x_address=0, y_address=0,
+                            n=8, k=8, chunk=16, stream=0)
+
+
 def test_scatter_combine_takes_bf16_outputs_only():
     with pytest.raises(ValueError, match="bf16"):
         moe.moe_scatter_combine(np.zeros((4, 8), np.float32), np.zeros(4, np.int32), np.zeros((2, 2), np.float32),

@@ -716,7 +716,8 @@ def moe_padded() -> None:
 
 def moe_layout() -> None:
     """moe_layout's one block (scans of the experts' chunks and counts) against its twin: balanced, skewed and
-    crowded counts under each choice, 8 and 256 experts."""
+    crowded counts under each choice, 8 and 256 experts; then moe_chunk_groups (steps 1 and 7) and chunk_addresses
+    on its output."""
     from ninfer.kernels_numba import moe
     from tests.support import cuda_simulator
 
@@ -735,6 +736,23 @@ def moe_layout() -> None:
                                                                   max_chunks=8192)
                 np.testing.assert_array_equal(info, want_info)
                 np.testing.assert_array_equal(starts, want_starts)
+                # the chunked layout's chunk -> expert map (another layout leaves it alone), its step's surplus,
+                # and the pointer-array GEMM's address table from it
+                for step in (1, 7):
+                    groups, want_groups = np.full(9000, -1, np.int32), np.full(9000, -1, np.int32)
+                    moe.moe_chunk_groups(info, offsets, starts, groups, chunk=128, step=step, room=room, stream=0)
+                    moe.moe_chunk_groups_reference(info, offsets, starts, want_groups, chunk=128, step=step,
+                                                   room=room)
+                    np.testing.assert_array_equal(groups, want_groups)
+                    assert (want_groups >= 0).sum() == (0 if info[0] != moe.LAYOUT_CHUNKED else moe.stepped_chunks(
+                        int(info[2]), step, room, 128))
+                used = groups[groups >= 0]
+                table = np.zeros(3 * len(used) + 5, np.uint64)
+                addresses = dict(w_address=1 << 40, x_address=3 << 40, y_address=5 << 40, n=48, k=64, chunk=128)
+                moe.chunk_addresses(used, table, stream=0, **addresses)
+                np.testing.assert_array_equal(table[:3 * len(used)],
+                                              moe.chunk_addresses_reference(used, **addresses))
+                assert not table[3 * len(used):].any()
                 cases += 1
     print("ok moe_layout", cases, flush=True)
 

@@ -36,15 +36,16 @@ def check_batched(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, 
     return p, n, k
 
 
-def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, chunk_groups: np.ndarray,
+def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, chunk_groups: Any,
                   chunk: int) -> tuple[int, int]:
     """The shapes `chunked_gemm_bf16` takes: x [C chunk, K], w [G N, K], y bf16 bits [C chunk, N] for C chunks whose
-    groups lie in [0, G); returns (N, K)."""
+    groups lie in [0, G) (checked when the groups are on the host); returns (N, K)."""
     chunks, k, n = len(chunk_groups), x_shape[1], y_shape[1]
     groups = w_shape[0] // max(n, 1)
+    host_groups = isinstance(chunk_groups, np.ndarray)
     if groups < 1 or chunk < 1 or chunks > MAX_CHUNKS or tuple(w_shape) != (groups * n, k) or \
             x_shape[0] < chunks * chunk or tuple(y_shape[1:]) != (n,) or y_shape[0] < chunks * chunk or \
-            np.dtype(y_dtype) != np.uint16 or (chunks and not 0 <= int(np.min(chunk_groups)) <= int(
+            np.dtype(y_dtype) != np.uint16 or (host_groups and chunks and not 0 <= int(np.min(chunk_groups)) <= int(
                 np.max(chunk_groups)) < groups):
         raise ValueError(f"chunked gemm shapes x{tuple(x_shape)} w{tuple(w_shape)} y{tuple(y_shape)} {y_dtype}: "
                          f"{chunks} chunks of {chunk} rows over {groups} groups (bf16 y, at most {MAX_CHUNKS} chunks)")
@@ -65,6 +66,12 @@ class Blas:
         cublas.set_workspace(self._handle, device_pointer(self._workspace), WORKSPACE_BYTES)
         cublas.set_pointer_mode(self._handle, cublas.PointerMode.HOST)
         self._device = device
+        if stream_handle is None:
+            self._launch_stream = device.stream  # (the kernels' launches name the same stream)
+        else:
+            from ninfer.kernels_numba.numba_setup import cuda
+
+            self._launch_stream = cuda.external_stream(stream_handle)
         # the grouped and chunked calls' operand addresses, written in stream order before each call
         self._addresses = device.empty(3 * max(MAX_GROUPS, MAX_CHUNKS), np.uint64, "workspace")
         self._one = np.ones(1, np.float32)
@@ -143,22 +150,26 @@ class Blas:
             CUDA_R_16BF, k, n * k, device_pointer(x), CUDA_R_16BF, k, p * k, self._zero.ctypes.data,
             device_pointer(y), CUDA_R_16BF, n, p * n, groups, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
 
-    def chunked_gemm_bf16(self, x: Any, w: Any, y: Any, chunk_groups: np.ndarray, chunk: int) -> None:
+    def chunked_gemm_bf16(self, x: Any, w: Any, y: Any, chunk_groups: Any, chunk: int) -> None:
         """For each chunk i: y[i C:(i+1) C] (bf16 bits [., N]) = x[i C:(i+1) C] (bf16 [., K]) @ w[g N:(g+1) N]^T,
         g = chunk_groups[i], C = chunk; fp32 accumulation rounded once to bf16. The MoE prefill with each expert's
         rows padded to whole chunks (moe_pad_positions): one pointer-array batched GEMM (cublasGemmBatchedEx),
-        padding under a chunk an expert whatever the routing's skew. The operand addresses go to the device in
-        stream order, as the grouped call's."""
+        padding under a chunk an expert whatever the routing's skew. chunk_groups int32 [chunks] on the host (the
+        operand addresses then go to the device in stream order, as the grouped call's) or on the device
+        (moe_chunk_groups' map: a kernel writes the addresses, and the host sends nothing)."""
+        from ninfer.kernels_numba import moe
+
         n, k = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk)
         chunks = len(chunk_groups)
         if chunks == 0:
             return
-        index = np.arange(chunks, dtype=np.uint64)
-        addresses = np.concatenate([
-            device_pointer(w) + np.asarray(chunk_groups, np.uint64) * np.uint64(n * k * 2),
-            device_pointer(x) + index * np.uint64(chunk * k * 2), device_pointer(y) + index * np.uint64(chunk * n * 2)])
-        self._device.write(self._addresses[:3 * chunks], addresses.astype(np.uint64),
-                           stream_handle=self._stream_handle)
+        operands = dict(w_address=device_pointer(w), x_address=device_pointer(x), y_address=device_pointer(y), n=n,
+                        k=k, chunk=chunk)
+        if isinstance(chunk_groups, np.ndarray):
+            self._device.write(self._addresses[:3 * chunks], moe.chunk_addresses_reference(chunk_groups, **operands),
+                               stream_handle=self._stream_handle)
+        else:
+            moe.chunk_addresses(chunk_groups, self._addresses, stream=self._launch_stream, **operands)
         table = device_pointer(self._addresses)
         cublas = self._cublas
         cublas.gemm_batched_ex(

@@ -299,6 +299,10 @@ def moe_layout(offsets, info, starts, *, choice, chunk, room, max_chunks, stream
                                                         max_chunks=max_chunks)
 
 
+def moe_chunk_groups(info, offsets, starts, chunk_groups, *, chunk, step, room, stream):
+    _moe.moe_chunk_groups_reference(info, offsets, starts, chunk_groups, chunk=chunk, step=step, room=room)
+
+
 def moe_pad_positions(expert_ids, position_of, offsets, starts, placed, *, stream):
     placed[...] = _moe.moe_pad_positions_reference(expert_ids, position_of, offsets, starts)
 

@@ -38,7 +38,7 @@ from ninfer.kernels_numba.attention import check_min_split_keys, check_splits, r
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
 from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_INFO, LAYOUT_PADDED,
-                                     PADDED_LIMIT)
+                                     PADDED_LIMIT, stepped_chunks)
 from ninfer.kernels_numba.moe import GROUP_ROWS as MOE_GROUP_ROWS
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
@@ -586,6 +586,7 @@ class Workspace:
                 self.moe_block_counts = buf(-(-rows // MOE_GROUP_ROWS), e, dtype=np.int32)  # moe_group's scratch
                 self.moe_padded_position_of = buf(rows * s, dtype=np.int32)
                 self.moe_starts = buf(e, dtype=np.int32)  # each expert's first row in the expert GEMMs' layout
+                self.moe_chunk_groups = buf(MAX_CHUNKS, dtype=np.int32)  # the chunked layout's chunk -> expert
                 # the expert GEMMs' input, bf16 outputs and the activation between them, with room for the padded
                 # layout wherever the "auto" rule takes it
                 limit, parts = PADDED_LIMIT
@@ -1535,6 +1536,8 @@ class CudaQwen:
         chunk = self.moe_chunk_rows
         self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts, choice=self.moe_prefill_gemm,
                           chunk=chunk, room=ws.perm_in.shape[0], max_chunks=MAX_CHUNKS, stream=stream)
+        self.k.moe_chunk_groups(ws.moe_sizes[e + 1:], ws.moe_offsets, ws.moe_starts, ws.moe_chunk_groups,
+                                chunk=chunk, step=self.moe_chunk_step, room=ws.perm_in.shape[0], stream=stream)
         pending = self.device.start_read(ws.moe_sizes)
         self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, ws.moe_starts, placed, stream=stream)
         self.k.moe_gather(ws.h[:rows], slot_of, s, ws.perm_in, stream=stream, position_of=placed)
@@ -1545,13 +1548,9 @@ class CudaQwen:
         sizes = pending.values()
         offsets, (layout, count, extent) = sizes[: e + 1], (int(v) for v in sizes[e + 1:])
         gemm_rows = count  # rows the expert GEMMs run over: the layout's, or its chunks' rounded up
-        if layout == LAYOUT_CHUNKED:
-            chunk_groups = np.repeat(np.arange(e), -(-np.diff(offsets) // chunk))
-            assert chunk_groups.size == extent, (chunk_groups.size, extent)
-            stepped = min(-(-extent // self.moe_chunk_step) * self.moe_chunk_step, ws.perm_in.shape[0] // chunk)
-            if stepped > extent:  # the surplus entries repeat the last expert's block over unread rows
-                chunk_groups = np.concatenate([chunk_groups, np.full(stepped - extent, chunk_groups[-1])])
-                gemm_rows = stepped * chunk
+        if layout == LAYOUT_CHUNKED:  # the chunks' experts are on the device already (moe_chunk_groups)
+            stepped = stepped_chunks(extent, self.moe_chunk_step, ws.perm_in.shape[0], chunk)
+            chunk_groups, gemm_rows = ws.moe_chunk_groups[:stepped], stepped * chunk
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
             if layout == LAYOUT_PADDED:
