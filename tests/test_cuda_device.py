@@ -202,8 +202,9 @@ def test_chunked_gemm_multiplies_each_chunk_by_its_groups_weight_block(device):
         assert_bf16_rows_match(y.copy_to_host(), want, len(chunk_groups) * chunk, chunk_groups)
         # the groups on the device (the model's moe_chunk_groups): a kernel writes the addresses; the same call
         on_device = device.upload(np.full((rows, n), 0x7FC1, np.uint16), "test")
+        longer = np.concatenate([chunk_groups, [groups - 1] * 3]).astype(np.int32)  # entries past `chunks` unused
         blas.chunked_gemm_bf16(device.upload(x, "test"), device.upload(w, "test"), on_device,
-                               device.upload(chunk_groups.astype(np.int32), "test"), chunk)
+                               device.upload(longer, "test"), chunk, chunks=len(chunk_groups))
         device.synchronize()
         np.testing.assert_array_equal(on_device.copy_to_host(), y.copy_to_host())
     with pytest.raises(ValueError, match="chunked gemm shapes"):

@@ -48,7 +48,8 @@ def test_host_batched_gemm_is_the_grouped_gemm_over_equal_groups_and_checks_its_
 
 def test_host_chunked_gemm_multiplies_each_chunk_by_its_groups_weights_and_checks_its_shapes():
     """HostBlas.chunked_gemm_bf16 (the chunked MoE prefill): chunk i's rows times the weight block of its group,
-    rounded once to bf16, rows past the chunks untouched; a group out of range or an fp32 output is refused."""
+    rounded once to bf16, rows past the chunks untouched, entries past `chunks` ignored; a group out of range, an
+    fp32 output or more chunks than entries are refused."""
     rng = np.random.default_rng(6)
     chunk, n, k, groups = 4, 6, 16, 3
     chunk_groups = np.array([0, 0, 2, 1, 2])
@@ -60,6 +61,12 @@ def test_host_chunked_gemm_multiplies_each_chunk_by_its_groups_weights_and_check
         want = bf16_bits_to_f32(x[i * chunk:(i + 1) * chunk]) @ bf16_bits_to_f32(w[g * n:(g + 1) * n]).T
         np.testing.assert_array_equal(y[i * chunk:(i + 1) * chunk], f32_to_bf16_bits(want.astype(np.float32)))
     assert np.all(y[-2:] == 0x7FC1)
+    first = np.full_like(y, 0x7FC1)  # the first 3 entries only (a whole workspace map, as the model passes)
+    HostBlas().chunked_gemm_bf16(x, w, first, np.concatenate([chunk_groups, [9, 9]]), chunk, chunks=3)
+    np.testing.assert_array_equal(first[:3 * chunk], y[:3 * chunk])
+    assert np.all(first[3 * chunk:] == 0x7FC1)
     for groups_bad, y_bad in ((np.array([0, 3]), y), (chunk_groups, y.astype(np.float32))):
         with pytest.raises(ValueError, match="chunked gemm shapes"):
             HostBlas().chunked_gemm_bf16(x, w, y_bad, groups_bad, chunk)
+    with pytest.raises(ValueError, match="chunked gemm shapes"):  # more chunks than the map has entries
+        HostBlas().chunked_gemm_bf16(x, w, y, chunk_groups, chunk, chunks=6)

@@ -259,9 +259,10 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     build = cuda_build(device_kind, path, prefill_chunk=256)
     model, cpu = build.model, load_model(path)
     blas, calls = model.linear.blas, []
-    for name in ("batched_gemm_bf16", "chunked_gemm_bf16"):
+    for name in ("batched_gemm_bf16", "chunked_gemm_bf16"):  # (the groups of a batched call, a chunked one's rows)
         call = getattr(blas, name)
-        setattr(blas, name, lambda *args, name=name, call=call: (calls.append((name, args[-1])), call(*args)))
+        setattr(blas, name, lambda *args, name=name, call=call, **kw: (calls.append((name, args[4 if kw else -1])),
+                                                                       call(*args, **kw)))
     ids = prompt(5, 100)
     logits, used = {}, {}
     for choice in ("grouped", "padded", "chunked", "auto"):
@@ -285,7 +286,8 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     # a batch count rounded up to a multiple of 5: the surplus chunks run over rows nothing reads
     for step in (1, 5):
         model.moe_chunk_step, batch_counts[step] = step, []
-        blas.chunked_gemm_bf16 = lambda *args, step=step: (batch_counts[step].append(len(args[-2])), chunked(*args))
+        blas.chunked_gemm_bf16 = lambda *args, step=step, **kw: (batch_counts[step].append(kw["chunks"]),
+                                                                 chunked(*args, **kw))
         before = len(calls)
         got[step], _ = prompt_logits(model, cpu, ids)
         assert set(calls[before:]) == {("chunked_gemm_bf16", MOE_CHUNK_ROWS // 2)}

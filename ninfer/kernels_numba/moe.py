@@ -727,27 +727,28 @@ def moe_chunk_groups_reference(info, offsets, starts, chunk_groups, *, chunk, st
     chunk_groups[chunks:stepped_chunks(chunks, step, room, chunk)] = len(counts) - 1
 
 
-@kernel((int32[::1], uint64, uint64, uint64, uint64, uint64, uint64, uint64[::1]), fastmath=False)
-def _chunk_addresses_kernel(chunk_groups, w_address, w_stride, x_address, x_stride, y_address, y_stride, table):
+@kernel((int32[::1], int32, uint64, uint64, uint64, uint64, uint64, uint64, uint64[::1]), fastmath=False)
+def _chunk_addresses_kernel(chunk_groups, chunks, w_address, w_stride, x_address, x_stride, y_address, y_stride,
+                            table):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    chunks = chunk_groups.shape[0]
     if i < chunks:
         table[i] = w_address + uint64(chunk_groups[i]) * w_stride
         table[chunks + i] = x_address + uint64(i) * x_stride
         table[2 * chunks + i] = y_address + uint64(i) * y_stride
 
 
-def chunk_addresses(chunk_groups, table, *, w_address, x_address, y_address, n, k, chunk, stream):
-    """table uint64 [>= 3 C] = the pointer-array GEMM's operand addresses for C chunks (chunk_groups int32 [C] on the
-    device): C weight blocks (w_address + group * N K * 2), C input chunks (x_address + i * chunk K * 2), C output
-    chunks (y_address + i * chunk N * 2); bf16 operands. Blas.chunked_gemm_bf16 with device-side groups."""
-    chunks = chunk_groups.shape[0]
-    if table.shape[0] < 3 * chunks:
-        raise ValueError(f"chunk_addresses: a table of {table.shape[0]} entries for {chunks} chunks (3 each)")
+def chunk_addresses(chunk_groups, table, *, chunks, w_address, x_address, y_address, n, k, chunk, stream):
+    """table uint64 [>= 3 C] = the pointer-array GEMM's operand addresses for the first C = `chunks` entries of
+    chunk_groups (int32, on the device): C weight blocks (w_address + group * N K * 2), C input chunks (x_address +
+    i * chunk K * 2), C output chunks (y_address + i * chunk N * 2); bf16 operands. Blas.chunked_gemm_bf16 with
+    device-side groups."""
+    if table.shape[0] < 3 * chunks or chunk_groups.shape[0] < chunks:
+        raise ValueError(f"chunk_addresses: {chunks} chunks (3 table entries each) from {chunk_groups.shape[0]} groups "
+                         f"into a table of {table.shape[0]}")
     if chunks:
         _chunk_addresses_kernel[blocks_for(chunks, TILE), TILE, stream](
-            chunk_groups, np.uint64(w_address), np.uint64(n * k * 2), np.uint64(x_address), np.uint64(chunk * k * 2),
-            np.uint64(y_address), np.uint64(chunk * n * 2), table)
+            chunk_groups, np.int32(chunks), np.uint64(w_address), np.uint64(n * k * 2), np.uint64(x_address),
+            np.uint64(chunk * k * 2), np.uint64(y_address), np.uint64(chunk * n * 2), table)
 
 
 def chunk_addresses_reference(chunk_groups, *, w_address, x_address, y_address, n, k, chunk) -> np.ndarray:

@@ -387,16 +387,19 @@ def test_gpu_layout_chunk_groups_and_addresses(experts, step):
     assert info[0] == moe.LAYOUT_CHUNKED and (groups >= 0).sum() == used and used % step == 0
     d_table = cuda.to_device(np.zeros(3 * used, np.uint64))
     addresses = dict(w_address=1 << 40, x_address=3 << 40, y_address=5 << 40, n=1024, k=2048, chunk=128)
-    moe.chunk_addresses(d_groups[:used], d_table, stream=stream, **addresses)
+    moe.chunk_addresses(d_groups, d_table, chunks=used, stream=stream, **addresses)
     table = d_table.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(table, moe.chunk_addresses_reference(groups[:used], **addresses))
 
 
 def test_chunk_addresses_checks_its_table():
-    with pytest.raises(ValueError, match="3 each"):
-        moe.chunk_addresses(np.zeros(4, np.int32), np.zeros(11, np.uint64), w_address=0, x_address=0, y_address=0,
-                            n=8, k=8, chunk=16, stream=0)
+    with pytest.raises(ValueError, match="3 table entries each"):
+        moe.chunk_addresses(np.zeros(4, np.int32), np.zeros(11, np.uint64), chunks=4, w_address=0, x_address=0,
+                            y_address=0, n=8, k=8, chunk=16, stream=0)
+    with pytest.raises(ValueError, match="from 4 groups"):
+        moe.chunk_addresses(np.zeros(4, np.int32), np.zeros(15, np.uint64), chunks=5, w_address=0, x_address=0,
+                            y_address=0, n=8, k=8, chunk=16, stream=0)
 
 
 def test_scatter_combine_takes_bf16_outputs_only():

@@ -749,7 +749,7 @@ def moe_layout() -> None:
                 used = groups[groups >= 0]
                 table = np.zeros(3 * len(used) + 5, np.uint64)
                 addresses = dict(w_address=1 << 40, x_address=3 << 40, y_address=5 << 40, n=48, k=64, chunk=128)
-                moe.chunk_addresses(used, table, stream=0, **addresses)
+                moe.chunk_addresses(groups, table, chunks=len(used), stream=0, **addresses)
                 np.testing.assert_array_equal(table[:3 * len(used)],
                                               moe.chunk_addresses_reference(used, **addresses))
                 assert not table[3 * len(used):].any()

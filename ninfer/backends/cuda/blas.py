@@ -36,19 +36,21 @@ def check_batched(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, 
     return p, n, k
 
 
-def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, chunk_groups: Any,
-                  chunk: int) -> tuple[int, int]:
-    """The shapes `chunked_gemm_bf16` takes: x [C chunk, K], w [G N, K], y bf16 bits [C chunk, N] for C chunks whose
-    groups lie in [0, G) (checked when the groups are on the host); returns (N, K)."""
-    chunks, k, n = len(chunk_groups), x_shape[1], y_shape[1]
+def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, chunk_groups: Any, chunk: int,
+                  chunks: int) -> tuple[int, int]:
+    """The shapes `chunked_gemm_bf16` takes: x [>= C chunk, K], w [G N, K], y bf16 bits [>= C chunk, N] for the C =
+    `chunks` first entries of chunk_groups, in [0, G) (checked when the groups are on the host); returns (N, K)."""
+    k, n = x_shape[1], y_shape[1]
     groups = w_shape[0] // max(n, 1)
-    host_groups = isinstance(chunk_groups, np.ndarray)
-    if groups < 1 or chunk < 1 or chunks > MAX_CHUNKS or tuple(w_shape) != (groups * n, k) or \
-            x_shape[0] < chunks * chunk or tuple(y_shape[1:]) != (n,) or y_shape[0] < chunks * chunk or \
-            np.dtype(y_dtype) != np.uint16 or (host_groups and chunks and not 0 <= int(np.min(chunk_groups)) <= int(
-                np.max(chunk_groups)) < groups):
+    host_groups = chunk_groups[:chunks] if isinstance(chunk_groups, np.ndarray) else None
+    if groups < 1 or chunk < 1 or not 0 <= chunks <= min(MAX_CHUNKS, len(chunk_groups)) or \
+            tuple(w_shape) != (groups * n, k) or x_shape[0] < chunks * chunk or tuple(y_shape[1:]) != (n,) or \
+            y_shape[0] < chunks * chunk or np.dtype(y_dtype) != np.uint16 or (
+                host_groups is not None and chunks and not 0 <= int(np.min(host_groups)) <= int(
+                    np.max(host_groups)) < groups):
         raise ValueError(f"chunked gemm shapes x{tuple(x_shape)} w{tuple(w_shape)} y{tuple(y_shape)} {y_dtype}: "
-                         f"{chunks} chunks of {chunk} rows over {groups} groups (bf16 y, at most {MAX_CHUNKS} chunks)")
+                         f"{chunks} chunks of {chunk} rows (of {len(chunk_groups)} groups' entries) over {groups} "
+                         f"groups (bf16 y, at most {MAX_CHUNKS} chunks)")
     return n, k
 
 
@@ -150,26 +152,29 @@ class Blas:
             CUDA_R_16BF, k, n * k, device_pointer(x), CUDA_R_16BF, k, p * k, self._zero.ctypes.data,
             device_pointer(y), CUDA_R_16BF, n, p * n, groups, cublas.ComputeType.COMPUTE_32F, cublas.GemmAlgo.DEFAULT)
 
-    def chunked_gemm_bf16(self, x: Any, w: Any, y: Any, chunk_groups: Any, chunk: int) -> None:
-        """For each chunk i: y[i C:(i+1) C] (bf16 bits [., N]) = x[i C:(i+1) C] (bf16 [., K]) @ w[g N:(g+1) N]^T,
+    def chunked_gemm_bf16(self, x: Any, w: Any, y: Any, chunk_groups: Any, chunk: int,
+                          chunks: int | None = None) -> None:
+        """For each chunk i < C: y[i C:(i+1) C] (bf16 bits [., N]) = x[i C:(i+1) C] (bf16 [., K]) @ w[g N:(g+1) N]^T,
         g = chunk_groups[i], C = chunk; fp32 accumulation rounded once to bf16. The MoE prefill with each expert's
         rows padded to whole chunks (moe_pad_positions): one pointer-array batched GEMM (cublasGemmBatchedEx),
-        padding under a chunk an expert whatever the routing's skew. chunk_groups int32 [chunks] on the host (the
-        operand addresses then go to the device in stream order, as the grouped call's) or on the device
-        (moe_chunk_groups' map: a kernel writes the addresses, and the host sends nothing)."""
+        padding under a chunk an expert whatever the routing's skew. C = `chunks` (default: every entry of
+        chunk_groups). chunk_groups int32 on the host (the operand addresses then go to the device in stream order,
+        as the grouped call's) or on the device (moe_chunk_groups' map: a kernel writes the addresses, and the host
+        sends nothing; with `chunks`, whole workspace buffers serve every call, no view made per count)."""
         from ninfer.kernels_numba import moe
 
-        n, k = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk)
-        chunks = len(chunk_groups)
+        chunks = len(chunk_groups) if chunks is None else int(chunks)
+        n, k = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk, chunks)
         if chunks == 0:
             return
         operands = dict(w_address=device_pointer(w), x_address=device_pointer(x), y_address=device_pointer(y), n=n,
                         k=k, chunk=chunk)
         if isinstance(chunk_groups, np.ndarray):
-            self._device.write(self._addresses[:3 * chunks], moe.chunk_addresses_reference(chunk_groups, **operands),
+            self._device.write(self._addresses[:3 * chunks],
+                               moe.chunk_addresses_reference(chunk_groups[:chunks], **operands),
                                stream_handle=self._stream_handle)
         else:
-            moe.chunk_addresses(chunk_groups, self._addresses, stream=self._launch_stream, **operands)
+            moe.chunk_addresses(chunk_groups, self._addresses, chunks=chunks, stream=self._launch_stream, **operands)
         table = device_pointer(self._addresses)
         cublas = self._cublas
         cublas.gemm_batched_ex(

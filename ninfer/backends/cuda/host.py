@@ -110,10 +110,11 @@ class HostBlas:
         self.grouped_gemm_bf16(x, w, y, np.arange(groups + 1) * p, n)
 
     def chunked_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, chunk_groups: np.ndarray,
-                          chunk: int) -> None:
+                          chunk: int, chunks: int | None = None) -> None:
         """Blas.chunked_gemm_bf16: fp32 products rounded to bf16 bits (y uint16)."""
-        n, _ = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk)
-        for i, group in enumerate(np.asarray(chunk_groups).tolist()):
+        chunks = len(chunk_groups) if chunks is None else int(chunks)
+        n, _ = check_chunked(x.shape, w.shape, y.shape, y.dtype, chunk_groups, chunk, chunks)
+        for i, group in enumerate(np.asarray(chunk_groups)[:chunks].tolist()):
             rows = slice(i * chunk, (i + 1) * chunk)
             self._rounded_product(x[rows], w[group * n:(group + 1) * n], y[rows])
 

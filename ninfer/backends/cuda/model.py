@@ -1550,22 +1550,24 @@ class CudaQwen:
         gemm_rows = count  # rows the expert GEMMs run over: the layout's, or its chunks' rounded up
         if layout == LAYOUT_CHUNKED:  # the chunks' experts are on the device already (moe_chunk_groups)
             stepped = stepped_chunks(extent, self.moe_chunk_step, ws.perm_in.shape[0], chunk)
-            chunk_groups, gemm_rows = ws.moe_chunk_groups[:stepped], stepped * chunk
+            gemm_rows = stepped * chunk
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
+            """x, y: whole workspace buffers. Only the padded call needs views of the count's rows: numba builds a
+            view in ~50 us of host time, and this first call is what the GPU waits for once the counts arrive."""
             if layout == LAYOUT_PADDED:
-                self.linear.blas.batched_gemm_bf16(x, weight, y, e)
+                self.linear.blas.batched_gemm_bf16(x[:count], weight, y[:count], e)
             elif layout == LAYOUT_CHUNKED:
-                self.linear.blas.chunked_gemm_bf16(x, weight, y, chunk_groups, chunk)
+                self.linear.blas.chunked_gemm_bf16(x, weight, y, ws.moe_chunk_groups, chunk, chunks=stepped)
             else:
                 self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
 
-        # every call over the same gemm_rows (the surplus rows' values are never read): with a step the views recur,
-        # and the workspace's memo hands them back instead of building new ones on the host's critical path
+        expert_gemm(ws.perm_in, gate_up_w, ws.perm_gate_up)
+        # (the surplus rows past the routed ones are never read; with a chunk step the counts, and so these views,
+        # recur, and the workspace's memo hands them back)
         gate_up, act_bf16, out = ws.perm_gate_up[:gemm_rows], ws.perm_act_bf16[:gemm_rows], ws.perm_out[:gemm_rows]
-        expert_gemm(ws.perm_in[:gemm_rows], gate_up_w, gate_up)
         self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
-        expert_gemm(act_bf16, self.linear.bf16_weight(w.routed_down), out)
+        expert_gemm(ws.perm_act_bf16, self.linear.bf16_weight(w.routed_down), ws.perm_out)
         self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream)
 
     # ---- state operations ----
