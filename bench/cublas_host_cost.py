@@ -20,8 +20,6 @@ without OUT).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.host_trace import HostTrace  # noqa: E402
+from bench.report import write_report  # noqa: E402
 
 ROUNDS = 40
 CHUNK = 128
@@ -80,10 +79,7 @@ def main() -> None:
             print(f"{shape:8s} {case:9s} ({row['distinct_counts']:3d} counts): call {row['call_us']:7.1f} us "
                   f"(first {row['first_call_us']:8.1f}), cuBLAS {row['gemm_batched_ex_us']:7.1f}, addresses "
                   f"{row['address write_us']:6.1f}", flush=True)
-    out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cublas_host_cost.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / 'cublas_host_cost.json'}", flush=True)
+    write_report("cublas_host_cost", report)
 
 
 if __name__ == "__main__":

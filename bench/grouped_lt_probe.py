@@ -24,7 +24,6 @@ without OUT).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import write_report  # noqa: E402
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 
 EXPERTS, TOKENS, SLOTS, CHUNK = 256, 8192, 8, 128
@@ -205,10 +205,7 @@ def main() -> None:
             print(json.dumps(case), flush=True)
             x = x_chunked = y_chunked = want = None
         w = None
-    out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grouped_lt_probe.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / 'grouped_lt_probe.json'}", flush=True)
+    write_report("grouped_lt_probe", report)
 
 
 if __name__ == "__main__":

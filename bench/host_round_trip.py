@@ -20,7 +20,6 @@ without OUT).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import write_report  # noqa: E402
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (the numpy shim first)
 
 ROUNDS = 100
@@ -110,9 +110,7 @@ def main() -> None:
             modes[name] = {"median": float(np.median(overheads)), "p10": float(np.percentile(overheads, 10)),
                            "p90": float(np.percentile(overheads, 90))}
     print(json.dumps(result, indent=1), flush=True)
-    out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_round_trip.json").write_text(json.dumps(result, indent=1))
+    write_report("host_round_trip", result)
 
 
 if __name__ == "__main__":
