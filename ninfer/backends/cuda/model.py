@@ -842,10 +842,9 @@ class CudaQwen:
         # the rows do not fit takes the grouped GEMM); bench/cuda_model.py --moe-chunk times the choices
         self.moe_chunk_rows = MOE_CHUNK_ROWS
         # the chunked layout's batch count rounded up to a multiple of this, the surplus entries over rows past the
-        # routed ones that nothing reads: a few row counts recur instead of a new one each layer, so the expert
-        # GEMMs' four workspace views come from the memo (numba builds a new one in ~50 us of host time, two of them
-        # between the sizes' wait and the first expert GEMM), and cuBLAS sees a batch count again, in case it chooses
-        # its kernel anew for each (bench/cublas_host_cost.py); --moe-chunk-step times it
+        # routed ones that nothing reads: a few batch counts recur instead of a new one each layer, in case cuBLAS
+        # chooses its kernel anew for each (bench/cublas_host_cost.py), and the SiLU's and scatter's workspace views
+        # come from the memo (numba builds a new one in ~50 us of host time); --moe-chunk-step times it
         self.moe_chunk_step = MOE_CHUNK_STEP
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
