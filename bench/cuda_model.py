@@ -167,6 +167,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
                  narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
                  moe_chunks: tuple[int | None, ...] = (None,), moe_chunk_steps: tuple[int | None, ...] = (None,),
+                 moe_sync_frees: tuple[bool | None, ...] = (None,),
                  attention_splits: tuple[int | None, ...] = (None,),
                  split_floors: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
@@ -271,15 +272,16 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
 
     result["prefill"] = []
-    serving_chunk, serving_step = model.moe_chunk_rows, model.moe_chunk_step
-    for attention, moe_gemm, chunk, step in ((a, m, c, t) for a in prefill_attentions
-                                             for m in (moe_gemms if dims.is_moe else ("auto",))
-                                             for c in (moe_chunks if dims.is_moe else (None,))
-                                             for t in (moe_chunk_steps if dims.is_moe else (None,))):
+    serving_chunk, serving_step, serving_sync_free = model.moe_chunk_rows, model.moe_chunk_step, model.moe_sync_free
+    moe_settings = [(m, c, t, f) for m in moe_gemms for c in moe_chunks for t in moe_chunk_steps
+                    for f in moe_sync_frees] if dims.is_moe else [("auto", None, None, None)]
+    for attention, (moe_gemm, chunk, step, sync_free) in ((a, m) for a in prefill_attentions for m in moe_settings):
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
         model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
+        model.moe_sync_free = serving_sync_free if sync_free is None else sync_free
         label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
-            "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}")
+            "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}") + (
+            "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}")
         prefill()
         device.synchronize()
         with GcPauses() as pauses:
@@ -289,6 +291,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         gc_pauses = pauses.summary()
         result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
                                   "moe_chunk_rows": model.moe_chunk_rows, "moe_chunk_step": model.moe_chunk_step,
+                                  "moe_sync_free": model.moe_sync_free,
                                   "tokens": prefill_tokens,
                                   "seconds": seconds, "all_seconds": [float(t) for t in times],
                                   "tok_s": prefill_tokens / seconds, "flops": flops,
@@ -314,7 +317,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             if dims.is_moe:
                 result["prefill"][-1]["moe_host"] = trace_moe_host(model, lambda: (prefill(), device.synchronize()))
     model.prefill_attention, model.moe_prefill_gemm, model.moe_chunk_rows = "kernel", "auto", serving_chunk
-    model.moe_chunk_step = serving_step
+    model.moe_chunk_step, model.moe_sync_free = serving_step, serving_sync_free
     if prefill_only:
         return result
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
@@ -501,6 +504,9 @@ def main() -> None:
     parser.add_argument("--moe-chunk-step", default="default",
                         help="MoE models' 8K prefill with the chunked layout's batch count rounded up to multiples of "
                              "these (e.g. 1,32; default: the serving default)")
+    parser.add_argument("--moe-sync-free", default="default",
+                        help="MoE models' 8K prefill with the expert GEMMs sized without reading the counts back off "
+                             "and/or on (off,on; default: the serving default)")
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--context", type=int, default=CONTEXT, help="tokens each decode row attends to")
@@ -549,6 +555,8 @@ def main() -> None:
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
                                                           moe_chunks=counts_or_default(args.moe_chunk),
                                                           moe_chunk_steps=counts_or_default(args.moe_chunk_step),
+                                                          moe_sync_frees=(None,) if args.moe_sync_free == "default"
+                                                          else on_off(parser, "--moe-sync-free", args.moe_sync_free),
                                                           context=args.context,
                                                           attention_splits=counts_or_default(args.attention_splits),
                                                           split_floors=counts_or_default(args.split_floor)))

@@ -27,6 +27,7 @@ def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=dims,
                                 context=70, prefill_tokens=128, repeats=4, batches=(1, 8),
                                 prefill_attentions=("gemm",), moe_chunks=(None, 16), moe_chunk_steps=(None, 4),
+                                moe_sync_frees=(None, True),
                                 profile=False,
                                 branches=(False, True),
                                 programmatic=(False, True), narrow=(False, True), attention_splits=(None, 96),
@@ -39,8 +40,8 @@ def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     assert all(row["context"] == 70 for row in result["decode"])
     assert result["branches_after_decode"] is True and result["programmatic_after_decode"] is True
     assert result["narrow_after_decode"] is True
-    assert [(row["attention"], row["moe_chunk_rows"], row["moe_chunk_step"]) for row in result["prefill"]] == [
-        ("gemm", 128, 1), ("gemm", 128, 4), ("gemm", 16, 1), ("gemm", 16, 4)]
+    assert [(row["moe_chunk_rows"], row["moe_chunk_step"], row["moe_sync_free"]) for row in result["prefill"]] == [
+        (chunk, step, free) for chunk in (128, 16) for step in (1, 4) for free in (False, True)]
     from bench.kernel_profile import host_profile
 
     assert "function calls" in host_profile(lambda: sum(range(100)), sort="tottime", top=3)

@@ -251,8 +251,9 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     pointer-array batched call over 128-row chunks, against the grouped call over contiguous groups: the same
     logits (bitwise on the host's twins, within a bf16 step's effect on the GPU, where each call picks its own
     kernels), and the CPU model's within bf16 tolerance; so do 64-row chunks, also with their batch count rounded up
-    to a multiple of 5. "auto" gives the logits of the layout its rule picks for this routing; both fall back to the
-    grouped call when their rows pass the scratch."""
+    to a multiple of 5, or at the most chunks the rows can make (no read of the counts). "auto" gives the logits of
+    the layout its rule picks for this routing; both fall back to the grouped call when their rows pass the
+    scratch."""
     from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
 
     path = artifacts[("moe", recipe)]
@@ -295,7 +296,19 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
             np.testing.assert_array_equal(got[step], logits["grouped"])
         else:
             assert np.linalg.norm(got[step] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
+    # and sized without reading the counts back: each call at the most chunks the rows can make
+    model.moe_chunk_step, model.moe_sync_free, batch_counts["free"] = 1, True, []
+    blas.chunked_gemm_bf16 = lambda *args, **kw: (batch_counts["free"].append(kw["chunks"]), chunked(*args, **kw))
+    free, _ = prompt_logits(model, cpu, ids)
+    model.moe_sync_free = False
     blas.chunked_gemm_bf16 = chunked
+    if device_kind == "host":
+        np.testing.assert_array_equal(free, logits["grouped"])
+    else:
+        assert np.linalg.norm(free - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
+    dims = model.dims
+    most = (len(ids) * dims.moe_top_k + dims.moe_experts * (MOE_CHUNK_ROWS // 2 - 1)) // (MOE_CHUNK_ROWS // 2)
+    assert set(batch_counts["free"]) == {most} and most > max(batch_counts[1])
     assert batch_counts[5] == [-(-n // 5) * 5 for n in batch_counts[1]] != batch_counts[1]
     model.moe_chunk_rows, model.moe_chunk_step = MOE_CHUNK_ROWS, 1
     before = len(calls)

@@ -846,6 +846,10 @@ class CudaQwen:
         # chooses its kernel anew for each (bench/cublas_host_cost.py), and the SiLU's and scatter's workspace views
         # come from the memo (numba builds a new one in ~50 us of host time); --moe-chunk-step times it
         self.moe_chunk_step = MOE_CHUNK_STEP
+        # the prefill's expert GEMMs without reading the counts back: the chunked layout at its most chunks for the
+        # rows (up to E - 1 surplus chunks over rows nothing reads, ~20% more expert FLOPs at the 35B-A3B's 8K), so
+        # the host never waits on the GPU mid-prefill; --moe-sync-free times it
+        self.moe_sync_free = False
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -1521,7 +1525,8 @@ class CudaQwen:
         `moe_prefill_gemm`'s rule and places the rows, so the rows' gather, `beside_the_read` (work that needs no
         group size: the shared expert) and a quantized gate_up's dequantization queue after the sizes' copy and
         before the host waits for it. The GPU runs them while the sizes travel and the host sets up the GEMMs,
-        instead of idling through both (~24 ms of the 35B-A3B's 212 ms 8K prefill idled so, most of it here)."""
+        instead of idling through both (~24 ms of the 35B-A3B's 212 ms 8K prefill idled so, most of it here).
+        With `moe_sync_free` the host reads nothing: the chunked layout at its most chunks for the rows."""
         ws, stream = self.workspace, self.device.stream
         s, e = self.dims.moe_top_k, self.dims.moe_experts
         if self.moe_prefill_gemm not in LAYOUT_CODES:
@@ -1532,24 +1537,33 @@ class CudaQwen:
         placed = ws.moe_padded_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of,
                          block_counts=ws.moe_block_counts, stream=stream)
-        chunk = self.moe_chunk_rows
-        self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts, choice=self.moe_prefill_gemm,
-                          chunk=chunk, room=ws.perm_in.shape[0], max_chunks=MAX_CHUNKS, stream=stream)
+        chunk, room = self.moe_chunk_rows, ws.perm_in.shape[0]
+        # Without the read, the chunked layout at its most chunks: every expert's rows rounded up to whole chunks
+        # come to at most (R S + E (chunk - 1)) / chunk, and the map's surplus entries fill the rest.
+        bound = (rows * s + e * (chunk - 1)) // chunk
+        sync_free = self.moe_sync_free and bound * chunk <= room and bound <= MAX_CHUNKS
+        self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts,
+                          choice="chunked" if sync_free else self.moe_prefill_gemm, chunk=chunk, room=room,
+                          max_chunks=MAX_CHUNKS, stream=stream)
         self.k.moe_chunk_groups(ws.moe_sizes[e + 1:], ws.moe_offsets, ws.moe_starts, ws.moe_chunk_groups,
-                                chunk=chunk, step=self.moe_chunk_step, room=ws.perm_in.shape[0], stream=stream)
-        pending = self.device.start_read(ws.moe_sizes)
+                                chunk=chunk, step=bound if sync_free else self.moe_chunk_step,
+                                room=bound * chunk if sync_free else room, stream=stream)
+        pending = None if sync_free else self.device.start_read(ws.moe_sizes)
         self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, ws.moe_starts, placed, stream=stream)
         self.k.moe_gather(ws.h[:rows], slot_of, s, ws.perm_in, stream=stream, position_of=placed)
         if beside_the_read is not None:
             beside_the_read()
         # (a quantized gate_up dequantizes into the scratch the shared expert's GEMMs read: after them, in order)
         gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
-        sizes = pending.values()
-        offsets, (layout, count, extent) = sizes[: e + 1], (int(v) for v in sizes[e + 1:])
-        gemm_rows = count  # rows the expert GEMMs run over: the layout's, or its chunks' rounded up
-        if layout == LAYOUT_CHUNKED:  # the chunks' experts are on the device already (moe_chunk_groups)
-            stepped = stepped_chunks(extent, self.moe_chunk_step, ws.perm_in.shape[0], chunk)
-            gemm_rows = stepped * chunk
+        if sync_free:
+            offsets, layout, stepped = None, LAYOUT_CHUNKED, bound
+        else:
+            sizes = pending.values()
+            offsets, (layout, count, extent) = sizes[: e + 1], (int(v) for v in sizes[e + 1:])
+            if layout == LAYOUT_CHUNKED:  # the chunks' experts are on the device already (moe_chunk_groups)
+                stepped = stepped_chunks(extent, self.moe_chunk_step, room, chunk)
+        # rows the expert GEMMs run over: the layout's, or its chunks' rounded up
+        gemm_rows = stepped * chunk if layout == LAYOUT_CHUNKED else count
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
             """x, y: whole workspace buffers. Only the padded call needs views of the count's rows: numba builds a
