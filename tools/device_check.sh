@@ -10,6 +10,9 @@
 #   bash tools/device_check.sh quant [BENCH ARGS]   bench/quant_gemv.py (SIMT vs tensor-core quantized GEMV)
 #   bash tools/device_check.sh dflash [BENCH ARGS]  bench/dflash_round.py (the DFlash round at the real 35B shape)
 #   bash tools/device_check.sh moe [--sweep]        bench/moe_gathered.py (SIMT vs tensor-core gathered MoE experts)
+#   bash tools/device_check.sh probes               the MoE prefill's cuBLAS probes: bench/cublas_host_cost.py (host
+#                                                   time of the chunked call) and bench/grouped_lt_probe.py
+#                                                   (cuBLASLt's grouped matmul with device-side sizes)
 #   bash tools/device_check.sh ncu MODEL RECIPE REGEX [COUNT]  Nsight Compute on the decode kernels whose names match
 #                                                   REGEX (bench/ncu_decode.py: one eager step, 4 layers + head)
 #   bash tools/device_check.sh ncu-source MODEL RECIPE REGEX [COUNT]  the same kernels' warp stalls per SASS
@@ -60,6 +63,9 @@ case "$what" in
     python3 bench/dflash_round.py "$@" 2>&1 | quiet | tee "$OUT/dflash_round.log" | tail -20 ;;
   moe)
     python3 bench/moe_gathered.py "$@" 2>&1 | quiet | tee "$OUT/moe_gathered.log" | tail -20 ;;
+  probes)
+    python3 bench/cublas_host_cost.py 2>&1 | quiet | tee "$OUT/cublas_host_cost.log" | tail -12
+    python3 bench/grouped_lt_probe.py 2>&1 | quiet | tee "$OUT/grouped_lt_probe.log" | tail -12 ;;
   ncu)
     # Counters with the clocks left alone (METHOD.md); the sections that say what bounds a kernel: throughput against
     # the peaks, memory traffic per level, occupancy and its limiter, registers, and where warps stall.
