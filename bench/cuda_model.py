@@ -464,6 +464,11 @@ def on_off(parser: argparse.ArgumentParser, option: str, value: str) -> tuple[bo
     return tuple(choice == "on" for choice in choices)
 
 
+def on_off_or_default(parser: argparse.ArgumentParser, option: str, value: str) -> tuple[bool | None, ...]:
+    """`on_off`, or (None,) for "default" (the model's own setting)."""
+    return (None,) if value == "default" else on_off(parser, option, value)
+
+
 def counts_or_default(value: str) -> tuple[int | None, ...]:
     """A list option of integers, where "default" (None) stands for the model's own setting."""
     return tuple(None if x == "default" else int(x) for x in value.split(","))
@@ -523,7 +528,7 @@ def main() -> None:
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     programmatic = on_off(parser, "--programmatic", args.programmatic)
-    narrow = (None,) if args.narrow == "default" else on_off(parser, "--narrow", args.narrow)
+    narrow = on_off_or_default(parser, "--narrow", args.narrow)
     device = CudaDevice(0)
     bandwidth, gemm = copy_bandwidth(device), gemm_rate(device)
     print(f"device {device.info.name}: copy {bandwidth / 1e12:.2f} TB/s, cuBLAS bf16 {gemm / 1e12:.0f} TFLOP/s",
@@ -555,8 +560,8 @@ def main() -> None:
                                                           moe_gemms=tuple(args.moe_gemm.split(",")),
                                                           moe_chunks=counts_or_default(args.moe_chunk),
                                                           moe_chunk_steps=counts_or_default(args.moe_chunk_step),
-                                                          moe_sync_frees=(None,) if args.moe_sync_free == "default"
-                                                          else on_off(parser, "--moe-sync-free", args.moe_sync_free),
+                                                          moe_sync_frees=on_off_or_default(parser, "--moe-sync-free",
+                                                                                           args.moe_sync_free),
                                                           context=args.context,
                                                           attention_splits=counts_or_default(args.attention_splits),
                                                           split_floors=counts_or_default(args.split_floor)))

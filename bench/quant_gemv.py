@@ -17,8 +17,6 @@ results/quant_gemv_prefetch_session14.json.)
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import write_report  # noqa: E402
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geometry  # noqa: E402
 
 SHAPES = {"gate_up 34816x5120": (34816, 5120), "down 5120x17408": (5120, 17408), "query_key 7168x5120": (7168, 5120),
@@ -299,9 +298,9 @@ DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (1024, 2048), "down 256 x 2048x5
 
 def dequantize_rates(device, bandwidth, rng) -> list[dict]:
     """The v2 prefill's expert dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes, each
-    format: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One
-    expert's planes are repacked on the host and repeated (tile-major planes stack by concatenation); the first and
-    last experts' rows are checked against the codec's values."""
+    format: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One expert's planes are repacked
+    on the host and repeated (tile-major planes stack by concatenation); the first and last experts' rows are checked
+    against the codec's values."""
     from ninfer.kernels_numba import quant_mma as QM
     from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
 
@@ -316,6 +315,7 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
             out = device.empty(shape, np.uint16, "bench")
             want = dequantize_bf16_reference(fmt, (rpe, k), payload)
             moved = sum(v.nbytes for v in planes.values()) + out.nbytes
+
             def launch():
                 QM.dequantize_mma_bf16(weight, out, stream=device.stream)
 
@@ -345,23 +345,19 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if "--strides" in sys.argv:  # does the Q4 GEMV's bandwidth depend on its row tiles' stride?
         report["rows"] = stride_sweep(device, bandwidth, rng)
-        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_strides.json"
-        out.write_text(json.dumps(report, indent=1))
+        write_report("quant_gemv_strides", report)
         return
     if "--tiles" in sys.argv:  # does the Q4 GEMV's time step with the most blocks an SM holds?
         report["rows"] = tile_sweep(device, bandwidth, rng)
-        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_tiles.json"
-        out.write_text(json.dumps(report, indent=1))
+        write_report("quant_gemv_tiles", report)
         return
     if "--dequantize" in sys.argv:  # the prefill's expert dequantization, not the GEMV
         report["rows"] = dequantize_rates(device, bandwidth, rng)
-        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "dequantize_mma.json"
-        out.write_text(json.dumps(report, indent=1))
+        write_report("dequantize_mma", report)
         return
     if "--small" in sys.argv:  # the geometry search on the small projections alone
         report["rows"] = small_sweep(device, bandwidth, rng)
-        out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv_small.json"
-        out.write_text(json.dumps(report, indent=1))
+        write_report("quant_gemv_small", report)
         return
     sweep_only = "--sweep-only" in sys.argv  # the Q4 geometry search alone
     for fmt in (Q4G64,) if sweep_only else (Q4G64, Q5G64, Q6G64, W8G32):
@@ -370,8 +366,7 @@ def main() -> None:
             if sweep_only and not sweep:
                 continue
             report["rows"] += measure(device, device.stream, bandwidth, fmt, name, shape, rng, sweep=sweep)
-    out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "quant_gemv.json"
-    out.write_text(json.dumps(report, indent=1))
+    write_report("quant_gemv", report)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,6 @@ def _halves(low, high):
     return uint32(low) | (uint32(high) << uint32(16))
 
 
-
 def gather_kv(page_tables, lane: int, length: int, pool, scales, out, *, stream, transposed: bool = False) -> None:
     """Keys (or values) 0..length-1 of `lane` from a paged pool [pages, P, Hkv, D] (uint16 bf16, or int8 with its
     fp16 `scales`) into out uint16 [Hkv, >= length, D] (`transposed`: [Hkv, D, >= length], rows a multiple of 8 keys

@@ -38,7 +38,7 @@ _REGISTERED_PER_MODULE: dict[str, int] = {}
 def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`cuda.jit(**options)` that also records the kernel with the signatures its launchers use, so CI can compile
     each one to PTX. Signatures are those of real launches: a kernel launched with other argument types recompiles.
-    Launches go through `fast_launch.FastKernel` (numba's own launch costs ~100 us of host time)."""
+    Launches go through `fast_launch.FastKernel` (8-11 us of host time a launch against numba's own 27-33)."""
 
     def wrap(function: Callable[..., Any]) -> Any:
         module = function.__module__

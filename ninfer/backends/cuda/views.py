@@ -74,7 +74,6 @@ class ViewMemoArray(DeviceNDArray):
             view = views[key] = super().reshape(*shape)
         return view
 
-
     def view(self, dtype: Any) -> Any:
         """The same bytes as another dtype (the kernels' unused-output stand-ins view fp32 outputs as uint16)."""
         key = ("view", np.dtype(dtype).str)
