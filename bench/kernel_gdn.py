@@ -126,7 +126,7 @@ def _launchers(m, stream, scenario):
                                              *seg(d), d["mixed"], channels=d["c"], stream=stream, quads=True),
         "gates": lambda d: gdn.gdn_gates(d["mixed"], d["ab"], d["neg_a"], d["dt_bias"], d["q"], d["k"],
                                          d["log_decay"], d["beta"], qk_heads=hq, v_heads=hv, k_dim=dk,
-                                         stream=stream),
+                                         stream=stream, tf32=scenario == "prefill"),  # as the model's prefill
         "recurrent": lambda d: gdn.gdn_recurrent(d["q"], d["k"], d["mixed"], d["log_decay"], d["beta"],
                                                  d["ssm_state"], d["ssm_columns"], *seg(d), d["out"], qk_heads=hq,
                                                  v_heads=hv, k_dim=dk, v_dim=dv, channels_qk=2 * hq * dk,

@@ -41,6 +41,25 @@ def f32_to_bf16(value):
     return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
 
 
+TF32_HALF = 0x1000
+TF32_MASK = 0xFFFFE000
+
+
+@device_function
+def tf32_round(value):
+    """float32 rounded to TF32 (10 mantissa bits; to nearest, ties away from zero), as a float32. Rounding is
+    idempotent: a TF32 value comes back unchanged, so operands rounded where they are made need no rounding where the
+    tensor cores take them."""
+    bits = (uint32(libdevice.float_as_int(float32(value))) + uint32(TF32_HALF)) & uint32(TF32_MASK)
+    return libdevice.int_as_float(int32(bits))
+
+
+def tf32_round_host(values: np.ndarray) -> np.ndarray:
+    """`tf32_round` on the host: the same bits."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(TF32_HALF)) & np.uint32(TF32_MASK)).view(np.float32)
+
+
 @device_function
 def code_float(u, i, offset):
     """Byte i of u (an unsigned code) as float32 minus `offset` (2^23 + code offset): the signed code, exactly. The

@@ -23,7 +23,8 @@ from numba import float32, int32, int64, uint16, uint64  # noqa: F401 (uint64: t
 from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rule
 from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softplus
 from ninfer.kernels_numba.common import (FULL_MASK, WARP, bf16_target, blocks_for, f32_to_bf16,  # noqa: F401
-                                         fragment_target, sigmoid_f32, warp_sum)  # (FULL_MASK: templates)
+                                         fragment_target, sigmoid_f32, tf32_round, tf32_round_host,
+                                         warp_sum)  # (FULL_MASK: templates)
 from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.programmatic import allow_dependents
@@ -292,11 +293,11 @@ PER_LANE = 4  # head dims up to 4 * 32 = 128: a lane holds 4 consecutive dims (o
 MAX_HEAD_DIM = PER_LANE * WARP
 
 _GATES_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[:, :, ::1], float32[:, :, ::1],
-              float32[:, ::1], float32[:, ::1], int32, int32, int32)
+              float32[:, ::1], float32[:, ::1], int32, int32, int32, int32)
 
 
 @kernel(_GATES_SIG)
-def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, qk_heads, v_heads, k_dim):
+def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, qk_heads, v_heads, k_dim, tf32):
     """A warp a (row, task) of a flat grid: tasks 0 .. 2 Hqk - 1 normalise a q or k head (a lane's 4 consecutive
     dims by one 16-byte load and store; 4-byte accesses a lane and a block a row ran at ~0.5 of copy on the 35B-A3B's
     8K prefill), task 2 Hqk writes the row's decays and betas."""
@@ -320,20 +321,27 @@ def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, 
             at = (row * qk_heads + head) * k_dim + lane * PER_LANE
             if which == 0:
                 scale = float32(1.0) / math.sqrt(float32(k_dim))
-                store4(q_out, at, (x0 / denom) * scale, (x1 / denom) * scale, (x2 / denom) * scale,
-                       (x3 / denom) * scale)
+                y0, y1, y2, y3 = (x0 / denom) * scale, (x1 / denom) * scale, (x2 / denom) * scale, (x3 / denom) * scale
             else:
-                store4(k_out, at, x0 / denom, x1 / denom, x2 / denom, x3 / denom)
+                y0, y1, y2, y3 = x0 / denom, x1 / denom, x2 / denom, x3 / denom
+            if tf32:
+                y0, y1, y2, y3 = tf32_round(y0), tf32_round(y1), tf32_round(y2), tf32_round(y3)
+            if which == 0:
+                store4(q_out, at, y0, y1, y2, y3)
+            else:
+                store4(k_out, at, y0, y1, y2, y3)
     else:
         for h in range(lane, v_heads, WARP):
             log_decay[row, h] = neg_a[h] * _softplus(ab[row, h] + dt_bias[h])
             beta[row, h] = sigmoid_f32(ab[row, v_heads + h])
 
 
-def gdn_gates(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim, stream):
+def gdn_gates(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim, stream,
+              tf32=False):
     """q_out/k_out [R, Hqk, Dk] = l2norm(q|k head) (q * 1/sqrt(Dk)); log_decay = neg_a * softplus(a + dt_bias),
     beta = sigmoid(b), each [R, Hv], from ab [R, 2*Hv] = a | b. Dk a multiple of 4, at most MAX_HEAD_DIM; mixed's
-    rows a multiple of 4 long (16-byte loads)."""
+    rows a multiple of 4 long (16-byte loads). `tf32`: q and k rounded to TF32 (`common.tf32_round`), the operands
+    `gdn_chunked` takes; without it they are the fp32 values `gdn_recurrent` (and the gated recurrence) use."""
     if k_dim > MAX_HEAD_DIM or k_dim % PER_LANE or mixed.shape[1] % PER_LANE:
         raise ValueError(f"gdn_gates takes k_dim <= {MAX_HEAD_DIM}, a multiple of {PER_LANE}, and rows of a "
                          f"multiple of {PER_LANE}; got k_dim {k_dim}, rows of {mixed.shape[1]}")
@@ -342,14 +350,17 @@ def gdn_gates(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_he
         warps = rows * (2 * qk_heads + 1)
         _gdn_gates_kernel[blocks_for(warps, GATES_WARPS), GATES_WARPS * WARP, stream](
             mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, np.int32(qk_heads), np.int32(v_heads),
-            np.int32(k_dim))
+            np.int32(k_dim), np.int32(bool(tf32)))
 
 
-def gdn_gates_reference(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim):
+def gdn_gates_reference(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim,
+                        tf32=False):
     rows = mixed.shape[0]
     width = qk_heads * k_dim
-    q_out[:] = l2_normalize(mixed[:, :width].reshape(rows, qk_heads, k_dim), L2_EPS) * F32(1.0 / np.sqrt(k_dim))
-    k_out[:] = l2_normalize(mixed[:, width:2 * width].reshape(rows, qk_heads, k_dim), L2_EPS)
+    rounded = tf32_round_host if tf32 else np.asarray
+    q_out[:] = rounded(l2_normalize(mixed[:, :width].reshape(rows, qk_heads, k_dim), L2_EPS)
+                       * F32(1.0 / np.sqrt(k_dim)))
+    k_out[:] = rounded(l2_normalize(mixed[:, width:2 * width].reshape(rows, qk_heads, k_dim), L2_EPS))
     log_decay[:] = neg_a * softplus(ab[:, :v_heads] + dt_bias)
     beta[:] = sigmoid(ab[:, v_heads:2 * v_heads])
 

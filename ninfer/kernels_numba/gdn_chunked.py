@@ -27,7 +27,10 @@ Two launches (8K rows at the 27B head shapes on the H200: 0.64 + 1.32 ms a layer
    Every value column's S, U and O come from that column alone through the same products, so both give the same bits.
 
 Operands are rounded to TF32 (round to nearest, ties away: `tf32_round`) before each product; the twin
-`gdn_chunked_reference` rounds the same values, so kernel and twin differ only in fp32 summation order. Against the
+`gdn_chunked_reference` rounds the same values, so kernel and twin differ only in fp32 summation order. Each operand
+is rounded once, where it is made: q and k by `gdn.gdn_gates(..., tf32=True)` (so the launcher takes TF32 values;
+the twin refuses others), T and P as the prepare kernel writes them, U and the state as the scan stores them. The
+scan used to round K, Q, T and P at every use, ~2 instructions an element on its critical path. Against the
 fp32 recurrence the TF32 products cost ~1e-3 relative, well inside the bf16 GEMMs' error of the prefill path.
 
 Only segments that do not record per-row states go here (prefill); decode and verify keep the recurrence.
@@ -46,7 +49,7 @@ from numba.cuda.extending import intrinsic
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_all, shared_address)
 from ninfer.kernels_numba.common import (address_of, load_matrix_x4, load_word_at,  # noqa: F401 (templates)
-                                         load_words4_at)
+                                         load_words4_at, tf32_round, tf32_round_host)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function  # noqa: F401 (cuda)
 from ninfer.kernels_numba.templates import instantiate
 
@@ -60,8 +63,6 @@ K_DIMS = (16, 32, 64, 128)  # key dims with a compiled variant (the real models:
 # [*, SLICE] shared tiles have rows of SP = SLICE + 8 words (72 or 40): the B-fragment reads (word t SP + g) hit 32
 # banks (t SP mod 32 = 0, 8, 16, 24) and the rows stay 16-byte aligned for cp.async
 SHARED_PAD = 8
-TF32_HALF = 0x1000
-TF32_MASK = 0xFFFFE000
 
 
 # ---- PTX the numba front end does not expose ------------------------------------------------------------------------
@@ -87,22 +88,10 @@ def mma_tf32_m16n8k8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 @device_function
-def tf32_round(value):
-    """float32 rounded to TF32 (10 mantissa bits; to nearest, ties away from zero), as a float32."""
-    bits = (uint32(libdevice.float_as_int(float32(value))) + uint32(TF32_HALF)) & uint32(TF32_MASK)
-    return libdevice.int_as_float(int32(bits))
-
-
-@device_function
-def tf32_word(word):
-    """`tf32_round` of a float32 held as its bits (a word that ldmatrix loaded)."""
-    return libdevice.int_as_float(int32((uint32(word) + uint32(TF32_HALF)) & uint32(TF32_MASK)))
-
-
-def tf32_round_host(values: np.ndarray) -> np.ndarray:
-    """`tf32_round` on the host: the same bits."""
-    bits = np.ascontiguousarray(values, dtype=F32).view(np.uint32)
-    return ((bits + np.uint32(TF32_HALF)) & np.uint32(TF32_MASK)).view(F32)
+def word_float(word):
+    """A float32 held as its bits (a word that ldmatrix or a word load brought), as float32: q, k, T and P arrive
+    TF32-rounded, so their words are mma operands as they are."""
+    return libdevice.int_as_float(int32(word))
 
 
 # ---- 1. prepare: G, T and P per chunk and v head ------------------------------------------------------------------
@@ -146,10 +135,10 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         for e in range(CHUNK * {k_dim} // 4 // THREADS):
             w0, w1, w2, w3 = load_words4_at(at + e * (THREADS * 4 // {k_dim}) * row_bytes)
             to = uint64((kr + e * (THREADS * 4 // {k_dim})) * {kp} + kc)
-            work[to] = tf32_word(w0)
-            work[to + uint64(1)] = tf32_word(w1)
-            work[to + uint64(2)] = tf32_word(w2)
-            work[to + uint64(3)] = tf32_word(w3)
+            work[to] = word_float(w0)
+            work[to + uint64(1)] = word_float(w1)
+            work[to + uint64(2)] = word_float(w2)
+            work[to + uint64(3)] = word_float(w3)
     else:
         for e in range({k_loads}):
             idx = tid + e * THREADS
@@ -158,7 +147,7 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
             value = float32(0.0)
             if r < n:
                 value = k[uint64(base + r), uhq, uint64(i)]
-            work[uint64(r * {kp} + i)] = tf32_round(value)
+            work[uint64(r * {kp} + i)] = value
     if tid < CHUNK:
         decay = float32(0.0)
         bt = float32(0.0)
@@ -196,11 +185,11 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         q2 = float32(0.0)
         q3 = float32(0.0)
         if r0 < n:
-            q0 = tf32_word(load_word_at(q_row + ks * 32))
-            q2 = tf32_word(load_word_at(q_row + ks * 32 + 16))
+            q0 = word_float(load_word_at(q_row + ks * 32))
+            q2 = word_float(load_word_at(q_row + ks * 32 + 16))
         if r0 + 8 < n:
-            q1 = tf32_word(load_word_at(q_row8 + ks * 32))
-            q3 = tf32_word(load_word_at(q_row8 + ks * 32 + 16))
+            q1 = word_float(load_word_at(q_row8 + ks * 32))
+            q3 = word_float(load_word_at(q_row8 + ks * 32 + 16))
         for nt in range(8):
             if nt <= 2 * warp + 1:
                 b0 = work[uint64((nt * 8 + g) * {kp} + c0)]
@@ -221,7 +210,7 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
                     if s < r:
                         work[uint64(r * AP + s)] = b_sh[uint64(r)] * kk[4 * nt + e] * decay
                     if r < n:
-                        mats[uint64(base + r), uh, uint64(s)] = qk[4 * nt + e] * decay
+                        mats[uint64(base + r), uh, uint64(s)] = tf32_round(qk[4 * nt + e] * decay)
     cuda.syncthreads()
 
     # T = (I + A)^-1 in place, by 16-row blocks. Each warp inverts its diagonal block, D = (I + A_ii)^-1 (lane j < 16
@@ -274,7 +263,7 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
         if a < n and b > a:
             value = float32(0.0)
             if b < n:
-                value = work[uint64(b * AP + a)]
+                value = tf32_round(work[uint64(b * AP + a)])
             mats[uint64(base + a), uh, uint64(b)] = value
 """
 
@@ -350,9 +339,9 @@ def _copies(k_dim: int) -> dict[str, str]:
 # products K S and Q S; U = T Y (T[r, s] = mats[s, r], unit diagonal); O += P U (P[r, s] = mats[r, s], s <= r).
 _STATE_STEP = """
             w0, w1, w2, w3 = load_matrix_x4(ka + uint32(({ks}) * 32))
-            a0, a1, a2, a3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
+            a0, a1, a2, a3 = word_float(w0), word_float(w1), word_float(w2), word_float(w3)
             w0, w1, w2, w3 = load_matrix_x4(qa + uint32(({ks}) * 32))
-            q0, q1, q2, q3 = tf32_word(w0), tf32_word(w1), tf32_word(w2), tf32_word(w3)
+            q0, q1, q2, q3 = word_float(w0), word_float(w1), word_float(w2), word_float(w3)
             for nt in range({ntiles}):
                 b0 = sh[col_frag + uint64(S_OFF + ({ks}) * 8 * SP + nt * 8)]
                 b1 = sh[col_frag + uint64(S_OFF + (({ks}) * 8 + 4) * SP + nt * 8)]
@@ -373,10 +362,6 @@ _T_STEP = """
                     float32(1.0) if s0 + 4 == r0 else float32(0.0))
                 a3 = sh[ta + uint64((ks * 8 + 4) * MP + 8)] if s0 + 4 < r0 + 8 else (
                     float32(1.0) if s0 + 4 == r0 + 8 else float32(0.0))
-                a0 = tf32_round(a0)
-                a1 = tf32_round(a1)
-                a2 = tf32_round(a2)
-                a3 = tf32_round(a3)
                 for nt in range({ntiles}):
                     b0 = sh[col_frag + uint64(Y_OFF + ks * 8 * SP + nt * 8)]
                     b1 = sh[col_frag + uint64(Y_OFF + (ks * 8 + 4) * SP + nt * 8)]
@@ -387,10 +372,10 @@ _T_STEP = """
 _P_STEP = """
                 ks = {ks}
                 s0 = ks * 8 + t
-                a0 = tf32_round(sh[pa + uint64(ks * 8)]) if s0 <= r0 else float32(0.0)
-                a1 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP)]) if s0 <= r0 + 8 else float32(0.0)
-                a2 = tf32_round(sh[pa + uint64(ks * 8 + 4)]) if s0 + 4 <= r0 else float32(0.0)
-                a3 = tf32_round(sh[pa + uint64(ks * 8 + 8 * MP + 4)]) if s0 + 4 <= r0 + 8 else float32(0.0)
+                a0 = sh[pa + uint64(ks * 8)] if s0 <= r0 else float32(0.0)
+                a1 = sh[pa + uint64(ks * 8 + 8 * MP)] if s0 <= r0 + 8 else float32(0.0)
+                a2 = sh[pa + uint64(ks * 8 + 4)] if s0 + 4 <= r0 else float32(0.0)
+                a3 = sh[pa + uint64(ks * 8 + 8 * MP + 4)] if s0 + 4 <= r0 + 8 else float32(0.0)
                 for nt in range({ntiles}):
                     b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
                     b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
@@ -417,7 +402,7 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
     # chunk's and the next one's), Q rows [CHUNK, {kp}], the packed T / P [CHUNK, MP] twice, V then Y [CHUNK, SP],
     # the state slice [Dk, SP] (TF32), U and diag(exp(G_last - G)) U [CHUNK, SP] (the second the state update's B
     # operand, scaled once a chunk instead of K at each of its uses), and exp(G), exp(G_last - G), beta [CHUNK] each.
-    # K, Q and T / P are held as loaded and rounded to TF32 where they become operands. Shared indices are unsigned
+    # K, Q and T / P arrive TF32-rounded and are operands as loaded. Shared indices are unsigned
     # (numba adds negative-index arithmetic to signed ones) and built from per-thread bases plus literal offsets,
     # which fold into the load instructions once the k-step loops are written out.
     sh = cuda.shared.array(0, float32)
@@ -586,10 +571,10 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
                 for e in range({tile}):
                     sacc[{tile} * jj + e] *= decay
                 for ks in range({chunk_ksteps}):
-                    a0 = tf32_round(sh[kt + uint64(ks * 8 * {kp})])
-                    a1 = tf32_round(sh[kt + uint64(ks * 8 * {kp} + 8)])
-                    a2 = tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp})])
-                    a3 = tf32_round(sh[kt + uint64((ks * 8 + 4) * {kp} + 8)])
+                    a0 = sh[kt + uint64(ks * 8 * {kp})]
+                    a1 = sh[kt + uint64(ks * 8 * {kp} + 8)]
+                    a2 = sh[kt + uint64((ks * 8 + 4) * {kp})]
+                    a3 = sh[kt + uint64((ks * 8 + 4) * {kp} + 8)]
                     for nt in range({ntiles}):
                         b0 = sh[col_frag + uint64(UW_OFF + ks * 8 * SP + nt * 8)]
                         b1 = sh[col_frag + uint64(UW_OFF + (ks * 8 + 4) * SP + nt * 8)]
@@ -681,8 +666,10 @@ def gdn_chunked(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_
                 qk_heads, v_heads, k_dim, v_dim, channels_qk, multiprocessors, stream):
     """`gdn.gdn_recurrent` for segments that do not record per-row states, in chunks of CHUNK rows (module
     docstring). `rows` bounds every segment's count; `cum` [>= rows, Hv] and `mats` [>= rows, Hv, CHUNK] are
-    workspace (G and the packed T / P of each chunk). k_dim must be 16, 32, 64 or 128. `multiprocessors`: the
-    GPU's SM count, which picks the scan's slice (`scan_slice`; the results are the same bits either way)."""
+    workspace (G and the packed T / P of each chunk, TF32-rounded). q and k must hold TF32 values
+    (`gdn.gdn_gates(..., tf32=True)`): the tensor cores would truncate others. k_dim must be 16, 32, 64 or 128.
+    `multiprocessors`: the GPU's SM count, which picks the scan's slice (`scan_slice`; the results are the same bits
+    either way)."""
     if k_dim not in _KERNELS:
         raise ValueError(f"gdn_chunked has no variant for k_dim={k_dim}")
     if v_dim % 4 or channels_qk % 4 or mixed.shape[1] % 4:
@@ -710,15 +697,14 @@ def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _prepare_chunk(k: np.ndarray, q: np.ndarray, log_decay: np.ndarray, beta: np.ndarray):
-    """G, T and P of one chunk of one head, as `gdn_chunk_prepare_kernel` forms them."""
+    """G, T and P of one chunk of one head, as `gdn_chunk_prepare_kernel` forms them (k and q: TF32 values)."""
     n = len(k)
-    kt, qt = tf32_round_host(k), tf32_round_host(q)
     cum = np.cumsum(log_decay.astype(F32), dtype=F32)
     on_or_below = np.tril(np.ones((n, n), bool))
     decay = np.exp(np.where(on_or_below, cum[:, None] - cum[None, :], F32(0))).astype(F32)
     below = np.tril(on_or_below, -1)
-    a = np.where(below, beta.astype(F32)[:, None] * _product(kt, kt.T) * decay, F32(0)).astype(F32)
-    p = np.where(on_or_below, _product(qt, kt.T) * decay, F32(0)).astype(F32)
+    a = np.where(below, beta.astype(F32)[:, None] * _product(k, k.T) * decay, F32(0)).astype(F32)
+    p = np.where(on_or_below, _product(q, k.T) * decay, F32(0)).astype(F32)
     inverse = np.eye(n, dtype=F32)
     for r in range(1, n):  # T[r, :r] = -A[r, :r] T[:r, :r] (T unit lower triangular)
         inverse[r, :r] = -(a[r, :r] @ inverse[:r, :r])
@@ -728,7 +714,10 @@ def _prepare_chunk(k: np.ndarray, q: np.ndarray, log_decay: np.ndarray, beta: np
 def gdn_chunked_reference(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_count, out, cum, mats, *,
                           rows, qk_heads, v_heads, k_dim, v_dim, channels_qk):
     """The twin of `gdn_chunked`: the same chunk formulas with the same TF32-rounded operands (`mats` receives the
-    packed T / P, `cum` the cumulative log decay)."""
+    packed T / P, `cum` the cumulative log decay). q and k must hold TF32 values, as the kernels require."""
+    for name, values in (("q", q), ("k", k)):
+        if not np.array_equal(tf32_round_host(values), values):
+            raise ValueError(f"gdn_chunked takes TF32 values of {name} (gdn_gates(..., tf32=True) makes them)")
     repeat = v_heads // qk_heads
     for s in range(len(seg_lane)):
         lane, start, count = int(seg_lane[s]), int(seg_row[s]), int(seg_count[s])
@@ -744,15 +733,14 @@ def gdn_chunked_reference(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg
                 g, inverse, p = _prepare_chunk(kc, qc, log_decay[rs, h], b)
                 cum[rs, h] = g
                 packed = np.zeros((n, CHUNK), F32)  # columns past n: T entries of padding rows, zero
-                packed[:, :n] = np.where(np.triu(np.ones((n, n), bool), 1), inverse.T, p)
+                packed[:, :n] = tf32_round_host(np.where(np.triu(np.ones((n, n), bool), 1), inverse.T, p))
                 mats[rs, h] = packed
                 e = np.exp(g).astype(F32)
                 w = np.exp(g[-1] - g).astype(F32)
                 st = tf32_round_host(state)
-                kt, qt = tf32_round_host(kc), tf32_round_host(qc)
-                y = tf32_round_host(b[:, None] * (v - e[:, None] * _product(kt, st)))
+                y = tf32_round_host(b[:, None] * (v - e[:, None] * _product(kc, st)))
                 u = tf32_round_host(_product(tf32_round_host(inverse), y))
-                out[rs, h] = e[:, None] * _product(qt, st) + _product(tf32_round_host(p), u)
+                out[rs, h] = e[:, None] * _product(qc, st) + _product(tf32_round_host(p), u)
                 u_scaled = tf32_round_host(w[:, None] * u)
-                state = (np.exp(g[-1]).astype(F32) * state + _product(kt.T, u_scaled)).astype(F32)
+                state = (np.exp(g[-1]).astype(F32) * state + _product(kc.T, u_scaled)).astype(F32)
             ssm_state[lane, h] = state

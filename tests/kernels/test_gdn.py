@@ -11,6 +11,7 @@ pytest.importorskip("numba.cuda")
 
 from ninfer.backends.cpu.ops import linear  # noqa: E402
 from ninfer.kernels_numba import gdn  # noqa: E402
+from ninfer.kernels_numba.common import tf32_round_host  # noqa: E402
 from ninfer.models.base import DictWeights  # noqa: E402
 from ninfer.models.qwen3_6 import GatedDeltaNet, GdnState, MixerRows  # noqa: E402
 
@@ -150,6 +151,56 @@ def test_twin_state_carries_across_launches():
     assert _rel(np.concatenate(parts), want) < 1e-5
     np.testing.assert_array_equal(split.conv_state, whole.conv_state)
     assert _rel(split.ssm_state, whole.ssm_state) < 1e-5
+
+
+def _gates_case(rng, rows=9, hq=2, hv=4, dk=32):
+    mixed = rng.standard_normal((rows, 2 * hq * dk + hv * 16), dtype=F32)
+    return dict(mixed=mixed, ab=rng.standard_normal((rows, 2 * hv), dtype=F32),
+                neg_a=-np.exp(rng.uniform(-1, 1, hv)).astype(F32), dt_bias=rng.standard_normal(hv, dtype=F32),
+                heads=dict(qk_heads=hq, v_heads=hv, k_dim=dk))
+
+
+def _gates_twin(case, tf32):
+    rows, heads = case["mixed"].shape[0], case["heads"]
+    outs = [np.full((rows, heads["qk_heads"], heads["k_dim"]), np.nan, F32) for _ in range(2)]
+    outs += [np.full((rows, heads["v_heads"]), np.nan, F32) for _ in range(2)]
+    gdn.gdn_gates_reference(case["mixed"], case["ab"], case["neg_a"], case["dt_bias"], *outs, tf32=tf32, **heads)
+    return outs
+
+
+def test_gates_tf32_rounds_q_and_k_only():
+    """tf32=True (the chunked prefill's operands): q and k are the fp32 results rounded to TF32, bit for bit; the
+    decays and betas are unchanged."""
+    case = _gates_case(np.random.default_rng(4))
+    exact, rounded = _gates_twin(case, False), _gates_twin(case, True)
+    for got, want in zip(rounded[:2], exact[:2]):
+        np.testing.assert_array_equal(got, tf32_round_host(want))
+        assert (got.view(np.uint32) & 0x1FFF == 0).all() and not np.array_equal(got, want)
+    for got, want in zip(rounded[2:], exact[2:]):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gates_kernel_tf32_rounds_its_own_results():
+    """The gates kernel with tf32: q and k are the kernel's own fp32 results rounded to TF32, bit for bit (and those
+    within fp32 rounding of the twin); decays and betas the same bits either way."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    case = _gates_case(np.random.default_rng(5), rows=37, hq=16, hv=32, dk=128)
+    stream = cuda.stream()
+    inputs = [cuda.to_device(case[n], stream=stream) for n in ("mixed", "ab", "neg_a", "dt_bias")]
+    got = {}
+    for tf32 in (False, True):
+        outputs = [cuda.to_device(np.full(a.shape, np.nan, F32), stream=stream) for a in _gates_twin(case, tf32)]
+        gdn.gdn_gates(*inputs, *outputs, stream=stream, tf32=tf32, **case["heads"])
+        got[tf32] = [a.copy_to_host(stream=stream) for a in outputs]
+        stream.synchronize()
+    for have, want in zip(got[False], _gates_twin(case, False)):
+        assert _rel(have, want) < 1e-6
+    for have, want in zip(got[True][:2], got[False][:2]):
+        np.testing.assert_array_equal(have, tf32_round_host(want))
+    for have, want in zip(got[True][2:], got[False][2:]):
+        np.testing.assert_array_equal(have, want)
 
 
 def test_gates_twin_vs_float64_formula():

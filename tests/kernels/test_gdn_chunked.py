@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("numba.cuda")
 
 from ninfer.kernels_numba import gdn, gdn_chunked  # noqa: E402
+from ninfer.kernels_numba.common import tf32_round_host  # noqa: E402
 
 F32 = np.float32
 CHUNK = gdn_chunked.CHUNK
@@ -20,14 +21,14 @@ def _rel(a, b):
 
 
 def _case(rng, *, qk_heads, v_heads, k_dim, v_dim, mix, lanes=4, decay=0.5):
-    """Inputs shaped as gdn_gates leaves them: q and k L2-normalised (q scaled by k_dim^-0.5), log decays <= 0,
-    beta in (0, 1). `mix`: (lane, rows) per segment, rows laid out in order."""
+    """Inputs shaped as gdn_gates(tf32=True) leaves them: q and k L2-normalised (q scaled by k_dim^-0.5) and
+    rounded to TF32, log decays <= 0, beta in (0, 1). `mix`: (lane, rows) per segment, rows laid out in order."""
     counts = np.array([c for _, c in mix], np.int32)
     rows = int(counts.sum())
     q = rng.standard_normal((rows, qk_heads, k_dim)).astype(F32)
     k = rng.standard_normal((rows, qk_heads, k_dim)).astype(F32)
-    q = (q / np.linalg.norm(q, axis=-1, keepdims=True) * k_dim ** -0.5).astype(F32)
-    k = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(F32)
+    q = tf32_round_host(q / np.linalg.norm(q, axis=-1, keepdims=True) * k_dim ** -0.5)
+    k = tf32_round_host(k / np.linalg.norm(k, axis=-1, keepdims=True))
     return dict(
         q=q, k=k, mixed=rng.standard_normal((rows, 2 * qk_heads * k_dim + v_heads * v_dim)).astype(F32),
         log_decay=-rng.uniform(0, decay, (rows, v_heads)).astype(F32),
@@ -64,7 +65,7 @@ def test_tf32_round_is_to_nearest_ties_away():
     one = np.float32(1.0)
     ulp = np.float32(2.0 ** -10)
     values = np.array([one + ulp / 4, one + ulp / 2, one + ulp * 3 / 4, -(one + ulp / 2), 3e38, 0.0], F32)
-    got = gdn_chunked.tf32_round_host(values)
+    got = tf32_round_host(values)
     assert list(got[:4]) == [one, one + ulp, one + ulp, -(one + ulp)]
     assert (got.view(np.uint32) & 0x1FFF == 0).all()
     assert got[5] == 0
@@ -83,6 +84,16 @@ def test_twin_equals_the_recurrence_up_to_tf32(mix, shape):
     assert _rel(state, want_state) < 2e-3
     untouched = sorted(set(range(4)) - {lane for lane, _ in mix})
     assert np.array_equal(state[untouched], case["ssm_state"][untouched])
+
+
+def test_twin_refuses_q_or_k_that_are_not_tf32_values():
+    """The kernels take q and k as TF32 operands unrounded (the tensor cores would truncate anything else): the twin,
+    which states their contract, refuses other values with a typed error naming the tensor."""
+    case = _case(np.random.default_rng(6), qk_heads=1, v_heads=2, k_dim=16, v_dim=8, mix=[(0, 10)])
+    for name in ("q", "k"):
+        bad = dict(case, **{name: case[name] + np.float32(1e-6)})
+        with pytest.raises(ValueError, match=f"TF32 values of {name}"):
+            _chunked_twin(bad)
 
 
 def test_twin_formulas_are_the_recurrence_without_rounding(monkeypatch):

@@ -1350,7 +1350,7 @@ class CudaQwen:
         if chunked and rows > SKINNY_ROWS:
             q, k, log_decay, beta = ws.gdn_q[:rows], ws.gdn_k[:rows], ws.log_decay[:rows], ws.beta[:rows]
             self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
-                             v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream)
+                             v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream, tf32=True)
             self.k.gdn_chunked(q, k, mixed, log_decay, beta, state.ssm, *seg[:3], out, ws.gdn_cum, ws.gdn_mats,
                                rows=rows, multiprocessors=self.multiprocessors, **heads)
         else:  # the gates computed inside the recurrence (one launch fewer, the same bits)
