@@ -2,7 +2,8 @@
 
 Scenarios per model: decode (8 segments x 1 row), verify (8 segments x 4 rows, recording columns), prefill (1 segment x
 8192 rows; the model runs the chunked gated delta rule there, `gdn_chunked`, and the recurrent kernel is shown as the
-alternative, as is `chunked_64`: the chunked rule with its scan at 64 value columns a block whatever the grid). Each
+alternative, as is `chunked_64`: the chunked rule with its scan at 64 value columns a block whatever the grid;
+`prepare` is its first launch alone, `prepare_rN` the same under a register cap of N). Each
 launcher is timed with CUDA events (3 warm-ups, median of RUNS), queued behind a sleeping kernel so the ~26 us Python
 launch cost is not in the measurement; small scenarios rotate 3 input sets (states included) so they do not sit in the
 60 MB L2. `recurrent_g8` is the recurrent kernel with 8 key groups (alternatives are not counted in the layer total,
@@ -32,6 +33,7 @@ COPY_BW = 4.3e12  # measured device copy bandwidth, bytes/s
 RUNS = 20
 WARMUP = 3
 K = 4
+PREPARE_CAPS = (96, 80)  # register caps the prepare kernel is timed under: 5 and 6 blocks of 128 threads an SM
 
 MODELS = {
     "27b": dict(qk_heads=16, v_heads=48, k_dim=128, v_dim=128),
@@ -147,9 +149,18 @@ def _launchers(m, stream, scenario):
             d["seg_count"], d["out"], d["cum"], d["mats"], rows=d["rows"], qk_heads=hq, v_heads=hv, k_dim=dk,
             v_dim=dv, channels_qk=2 * hq * dk, multiprocessors=multiprocessors, stream=stream)
 
+    def prepare(max_registers):
+        return lambda d: gdn_chunked.gdn_chunk_prepare(
+            d["q"], d["k"], d["log_decay"], d["beta"], d["seg_row"], d["seg_count"], d["cum"], d["mats"],
+            rows=d["rows"], qk_heads=hq, v_heads=hv, k_dim=dk, stream=stream, max_registers=max_registers)
+
     launchers["chunked"] = chunked(cuda.get_current_device().MULTIPROCESSOR_COUNT)
     launchers["chunked_64"] = chunked(0)  # no SMs to fill: `scan_slice` keeps 64 columns
-    return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4", "conv_quads", "chunked_64"}
+    launchers["prepare"] = prepare(gdn_chunked.PREPARE_MAX_REGISTERS)  # the chunked rule's first launch alone
+    for cap in PREPARE_CAPS:  # the same kernel under register caps (more blocks an SM; the same bits)
+        launchers[f"prepare_r{cap}"] = prepare(cap)
+    return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4", "conv_quads", "chunked_64", "prepare",
+                       *(f"prepare_r{cap}" for cap in PREPARE_CAPS)}
 
 
 def _bytes_and_flops(name, m, sc, d):
@@ -160,6 +171,8 @@ def _bytes_and_flops(name, m, sc, d):
         return 4 * (2 * rows * c + K * c + 2 * lanes * (K - 1) * c + rec * rows * (K - 1) * c), 2 * K * rows * c
     if name == "gates":
         return 4 * (2 * rows * 2 * hq * dk + 2 * rows * 2 * hv), 0
+    if name.startswith("prepare"):  # q and k read, G and the packed T / P written
+        return 4 * (2 * rows * hq * dk + 2 * rows * hv + rows * hv * (1 + 64)), 0
     if name.startswith(("recurrent", "chunked")):  # the recurrence's FLOPs for both forms
         state = hv * dk * dv
         return (4 * (2 * lanes * state + rows * (2 * hq * dk + 2 * hv + 2 * hv * dv) + rec * rows * state),

@@ -38,6 +38,7 @@ Only segments that do not record per-row states go here (prefill); decode and ve
 
 from __future__ import annotations
 
+import functools
 import math  # noqa: F401 (templates)
 
 import numpy as np
@@ -57,6 +58,7 @@ F32 = np.float32
 
 CHUNK = 64  # rows per chunk: 4 warps x one 16-row mma tile
 THREADS = 128  # prepare: one 16-row tile per warp
+PREPARE_MAX_REGISTERS = None  # the prepare kernel's register cap (`prepare_kernel`)
 SCAN_THREADS = 256  # scan: 8 warps, (16-row tile, half the slice's columns) each
 SLICES = (32, 64)  # value columns per scan block, a compiled variant each (`scan_slice` picks one)
 K_DIMS = (16, 32, 64, 128)  # key dims with a compiled variant (the real models: 128)
@@ -335,8 +337,7 @@ def _copies(k_dim: int) -> dict[str, str]:
         + "            copy_async_commit()\n")
 
 
-# One k step of the scan's products (`ks` an expression of kk), accumulating into the named arrays: the state
-# products K S and Q S; U = T Y (T[r, s] = mats[s, r], unit diagonal); O += P U (P[r, s] = mats[r, s], s <= r).
+# One k step of the state products K S and Q S (`ks` an expression of kk), accumulating into the named arrays.
 _STATE_STEP = """
             w0, w1, w2, w3 = load_matrix_x4(ka + uint32(({ks}) * 32))
             a0, a1, a2, a3 = word_float(w0), word_float(w1), word_float(w2), word_float(w3)
@@ -352,7 +353,20 @@ _STATE_STEP = """
                     {acc_o}[4 * nt + 3])
 """
 
-_T_STEP = """
+# U = T Y (T[r, s] = mats[s, r], unit diagonal) and O += P U (P[r, s] = mats[r, s], s <= r) walk the k steps at or
+# left of a warp's diagonal 16-row tile. Left of it every (r, s) of the fragment has s < r: the loads need no mask
+# (session 22: the masks on every k step were most of those steps' instructions, and the last row tile's warps, with
+# four k-step pairs, set the pace of each phase). On it, T's entries on or past the diagonal are the unit diagonal
+# and zeros, P's past it zeros (the packed matrix holds the other factor there).
+_T_LOADS = """
+                ks = {ks}
+                a0 = sh[ta + uint64(ks * 8 * MP)]
+                a1 = sh[ta + uint64(ks * 8 * MP + 8)]
+                a2 = sh[ta + uint64((ks * 8 + 4) * MP)]
+                a3 = sh[ta + uint64((ks * 8 + 4) * MP + 8)]
+"""
+
+_T_LOADS_DIAGONAL = """
                 ks = {ks}
                 s0 = ks * 8 + t
                 a0 = sh[ta + uint64(ks * 8 * MP)] if s0 < r0 else (float32(1.0) if s0 == r0 else float32(0.0))
@@ -362,36 +376,48 @@ _T_STEP = """
                     float32(1.0) if s0 + 4 == r0 else float32(0.0))
                 a3 = sh[ta + uint64((ks * 8 + 4) * MP + 8)] if s0 + 4 < r0 + 8 else (
                     float32(1.0) if s0 + 4 == r0 + 8 else float32(0.0))
-                for nt in range({ntiles}):
-                    b0 = sh[col_frag + uint64(Y_OFF + ks * 8 * SP + nt * 8)]
-                    b1 = sh[col_frag + uint64(Y_OFF + (ks * 8 + 4) * SP + nt * 8)]
-                    {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3] = mma_tf32_m16n8k8(
-                        a0, a1, a2, a3, b0, b1, {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3])
 """
 
-_P_STEP = """
+_P_LOADS = """
+                ks = {ks}
+                a0 = sh[pa + uint64(ks * 8)]
+                a1 = sh[pa + uint64(ks * 8 + 8 * MP)]
+                a2 = sh[pa + uint64(ks * 8 + 4)]
+                a3 = sh[pa + uint64(ks * 8 + 8 * MP + 4)]
+"""
+
+_P_LOADS_DIAGONAL = """
                 ks = {ks}
                 s0 = ks * 8 + t
                 a0 = sh[pa + uint64(ks * 8)] if s0 <= r0 else float32(0.0)
                 a1 = sh[pa + uint64(ks * 8 + 8 * MP)] if s0 <= r0 + 8 else float32(0.0)
                 a2 = sh[pa + uint64(ks * 8 + 4)] if s0 + 4 <= r0 else float32(0.0)
                 a3 = sh[pa + uint64(ks * 8 + 8 * MP + 4)] if s0 + 4 <= r0 + 8 else float32(0.0)
+"""
+
+# the products of one of those k steps, with B from the [*, SP] block at {b_off} (Y for U, U for O)
+_TRIANGLE_PRODUCTS = """
                 for nt in range({ntiles}):
-                    b0 = sh[col_frag + uint64(U_OFF + ks * 8 * SP + nt * 8)]
-                    b1 = sh[col_frag + uint64(U_OFF + (ks * 8 + 4) * SP + nt * 8)]
+                    b0 = sh[col_frag + uint64({b_off} + ks * 8 * SP + nt * 8)]
+                    b1 = sh[col_frag + uint64({b_off} + (ks * 8 + 4) * SP + nt * 8)]
                     {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3] = mma_tf32_m16n8k8(
                         a0, a1, a2, a3, b0, b1, {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3])
 """
 
 
 def _steps(ntiles: int) -> dict[str, str]:
-    """The scan's k-step bodies, even and odd, for `ntiles` n-tiles a warp (template pieces, already formatted)."""
+    """The scan's k-step bodies, even and odd, for `ntiles` n-tiles a warp (template pieces, already formatted):
+    the state products, and U = T Y and O += P U left of (`_left`) and on the warp's diagonal tile."""
     pieces = {}
     for parity, ks, acc, acc_o in (("even", "2 * kk", "acc", "acc_o"), ("odd", "2 * kk + 1", "acc2", "acc_o2")):
         pieces[f"state_step_{parity}"] = _STATE_STEP.format(ks=ks, acc=acc, acc_o=acc_o, ntiles=ntiles).lstrip("\n")
-        pieces[f"t_step_{parity}"] = _T_STEP.format(ks=ks, acc=acc, ntiles=ntiles).lstrip("\n")
-        pieces[f"p_step_{parity}"] = _P_STEP.format(ks=ks, acc="acc_o" if parity == "even" else "acc2",
-                                                    ntiles=ntiles).lstrip("\n")
+        t_products = _TRIANGLE_PRODUCTS.format(b_off="Y_OFF", acc=acc, ntiles=ntiles)
+        p_products = _TRIANGLE_PRODUCTS.format(b_off="U_OFF", acc="acc_o" if parity == "even" else "acc2",
+                                               ntiles=ntiles)
+        for name, loads, products in (("t", _T_LOADS, t_products), ("p", _P_LOADS, p_products)):
+            diagonal = _T_LOADS_DIAGONAL if name == "t" else _P_LOADS_DIAGONAL
+            pieces[f"{name}_step_{parity}_left"] = (loads.format(ks=ks) + products).lstrip("\n")
+            pieces[f"{name}_step_{parity}"] = (diagonal.format(ks=ks) + products).lstrip("\n")
     return pieces
 
 
@@ -532,7 +558,8 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
             acc2[e] = float32(0.0)
         ta = m_off + t_frag
         for kk in range({chunk_ksteps} // 2):
-            if kk <= mw:  # k steps at or left of the diagonal tile; even into acc, odd into acc2
+            if kk < mw:  # k steps left of the diagonal tile, then on it; even into acc, odd into acc2
+{t_step_even_left}{t_step_odd_left}            elif kk == mw:
 {t_step_even}{t_step_odd}        for e in range({tile}):
             acc[e] += acc2[e]
         for nt in range({ntiles}):
@@ -552,7 +579,8 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
             acc2[e] = float32(0.0)
         pa = m_off + p_frag
         for kk in range({chunk_ksteps} // 2):
-            if kk <= mw:  # even k steps into acc_o, odd into acc2
+            if kk < mw:  # even k steps into acc_o, odd into acc2
+{p_step_even_left}{p_step_odd_left}            elif kk == mw:
 {p_step_even}{p_step_odd}        for e in range({tile}):
             acc_o[e] += acc2[e]
         for nt in range({ntiles}):
@@ -635,15 +663,30 @@ def _scan_layout(k_dim: int, sp: int) -> dict[str, int]:
     return layout
 
 
-def _make_kernels(k_dim: int):
-    """The prepare kernel for `k_dim`, and {slice: (scan kernel, its dynamic shared bytes)} for each of SLICES."""
+def _sizes(k_dim: int) -> dict:
+    """Both kernels' template sizes for `k_dim`."""
     kp = k_dim + 4  # K rows in shared memory: the A- and B-fragment reads hit distinct banks (16-byte aligned rows)
     mtiles = k_dim // 16
     sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, SCRATCH + 16 * RS), k_loads=CHUNK * k_dim // THREADS,
                  k_row_pieces=k_dim // 4, ksteps=k_dim // 8, chunk_ksteps=CHUNK // 8, mtiles=mtiles,
                  sj=(mtiles + 3) // 4)
     sizes.update(_copies(k_dim))
-    prepare = instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(), sizes)
+    return sizes
+
+
+@functools.cache
+def prepare_kernel(k_dim: int, max_registers: int | None = None):
+    """The prepare kernel for `k_dim`, compiled with at most `max_registers` registers a thread (None: as ptxas
+    chooses). The kernel holds 4 blocks an SM at its ~99 registers; a cap is the other way to more warps (the same
+    arithmetic, so the same bits)."""
+    options = {} if max_registers is None else {"max_registers": int(max_registers)}
+    return instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(),
+                       _sizes(k_dim), options=options)
+
+
+def _make_kernels(k_dim: int):
+    """{slice: (scan kernel, its dynamic shared bytes)} for each of SLICES, for `k_dim`."""
+    sizes = _sizes(k_dim)
     scans = {}
     for columns in SLICES:
         ntiles = columns // 16  # a warp's mma n-tiles: half the slice's columns, 8 each
@@ -656,10 +699,23 @@ def _make_kernels(k_dim: int):
         scan = instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}_s{columns}", _SCAN_SIG, globals(),
                            variant, constants)
         scans[columns] = scan, constants["SCAN_SHARED_BYTES"]
-    return prepare, scans
+    return scans
 
 
-_KERNELS = {dk: _make_kernels(dk) for dk in K_DIMS}
+_SCANS = {dk: _make_kernels(dk) for dk in K_DIMS}
+for _k_dim in K_DIMS:
+    prepare_kernel(_k_dim, PREPARE_MAX_REGISTERS)
+
+
+def gdn_chunk_prepare(q, k, log_decay, beta, seg_row, seg_count, cum, mats, *, rows, qk_heads, v_heads, k_dim,
+                      stream, max_registers=PREPARE_MAX_REGISTERS):
+    """The chunked rule's first launch (`gdn_chunked` runs it before the scan): G into `cum`, the packed T / P into
+    `mats`, for every chunk of every segment. `max_registers` picks `prepare_kernel`'s register cap."""
+    segments = seg_row.shape[0]
+    if segments == 0 or rows == 0:
+        return
+    prepare_kernel(k_dim, max_registers)[(segments, (rows + CHUNK - 1) // CHUNK, v_heads), THREADS, stream](
+        q, k, log_decay, beta, seg_row, seg_count, cum, mats, np.int32(qk_heads), np.int32(v_heads))
 
 
 def gdn_chunked(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_count, out, cum, mats, *, rows,
@@ -670,7 +726,7 @@ def gdn_chunked(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_
     (`gdn.gdn_gates(..., tf32=True)`): the tensor cores would truncate others. k_dim must be 16, 32, 64 or 128.
     `multiprocessors`: the GPU's SM count, which picks the scan's slice (`scan_slice`; the results are the same bits
     either way)."""
-    if k_dim not in _KERNELS:
+    if k_dim not in _SCANS:
         raise ValueError(f"gdn_chunked has no variant for k_dim={k_dim}")
     if v_dim % 4 or channels_qk % 4 or mixed.shape[1] % 4:
         raise ValueError("gdn_chunked copies 16-byte pieces: v_dim, channels_qk and mixed's row length must be "
@@ -678,12 +734,12 @@ def gdn_chunked(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_
     segments = seg_lane.shape[0]
     if segments == 0 or rows == 0:
         return
-    prepare, scans = _KERNELS[k_dim]
+    scans = _SCANS[k_dim]
     columns = scan_slice(segments * v_heads * ((v_dim + 63) // 64), multiprocessors)
     scan, shared_bytes = scans[columns]
     allow_dynamic_shared(scan, _SCAN_SIG, shared_bytes)
-    prepare[(segments, (rows + CHUNK - 1) // CHUNK, v_heads), THREADS, stream](
-        q, k, log_decay, beta, seg_row, seg_count, cum, mats, np.int32(qk_heads), np.int32(v_heads))
+    gdn_chunk_prepare(q, k, log_decay, beta, seg_row, seg_count, cum, mats, rows=rows, qk_heads=qk_heads,
+                      v_heads=v_heads, k_dim=k_dim, stream=stream)
     scan[(segments, v_heads, (v_dim + columns - 1) // columns), SCAN_THREADS, stream, shared_bytes](
         q, k, mixed, beta, cum, mats, ssm_state, seg_lane, seg_row, seg_count, out, np.int32(qk_heads),
         np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk))

@@ -37,12 +37,13 @@ def unroll(source: str) -> str:
 
 
 def instantiate(source: str, name: str, signature: tuple, namespace: dict[str, Any], sizes: dict[str, Any],
-                constants: dict[str, int] | None = None) -> Any:
+                constants: dict[str, int] | None = None, options: dict[str, Any] | None = None) -> Any:
     """Compile function `name` of `source` formatted with `sizes` and unrolled, in a copy of `namespace` (the
-    defining module's globals) plus `constants` (numba folds globals), and register it as a kernel of `signature`."""
+    defining module's globals) plus `constants` (numba folds globals), and register it as a kernel of `signature`
+    with `options` (cuda.jit's, e.g. max_registers)."""
     scope = dict(namespace)
     scope.update(constants or {})
     exec(compile(unroll(source.format(**sizes)), f"<{name}>", "exec"), scope)  # noqa: S102  (our own templates)
     function = scope[name]
     function.__module__ = namespace["__name__"]
-    return kernel(signature)(function)
+    return kernel(signature, **(options or {}))(function)

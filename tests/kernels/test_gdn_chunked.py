@@ -210,3 +210,29 @@ def test_both_scan_slices_give_the_same_bits(shape):
     want_out, want_state, _, _ = _chunked_twin(case)
     assert _rel(narrow_out, want_out) < 1e-4
     assert _rel(narrow_state, want_state) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [96, 80])
+def test_prepare_register_caps_give_the_same_bits(cap):
+    """The prepare kernel under a register cap (more blocks an SM) writes the same G and packed T / P, bit for bit,
+    as without one, across partial chunks and segments at the 35B-A3B's head shape."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    case = _case(np.random.default_rng(14), mix=[(1, 150), (0, 64), (3, 5)], **GPU_SHAPES[4])
+    stream = cuda.stream()
+    heads, rows = case["heads"], case["rows"]
+    dev = {name: cuda.to_device(np.ascontiguousarray(case[name]), stream=stream)
+           for name in ("q", "k", "log_decay", "beta", "seg_row", "seg_count")}
+    results = []
+    for max_registers in (None, cap):
+        cum = cuda.to_device(np.full((rows, heads["v_heads"]), np.nan, F32), stream=stream)
+        mats = cuda.to_device(np.full((rows, heads["v_heads"], CHUNK), np.nan, F32), stream=stream)
+        gdn_chunked.gdn_chunk_prepare(dev["q"], dev["k"], dev["log_decay"], dev["beta"], dev["seg_row"],
+                                      dev["seg_count"], cum, mats, rows=rows, qk_heads=heads["qk_heads"],
+                                      v_heads=heads["v_heads"], k_dim=heads["k_dim"], stream=stream,
+                                      max_registers=max_registers)
+        results.append([a.copy_to_host(stream=stream) for a in (cum, mats)])
+        stream.synchronize()
+    for uncapped, capped in zip(*results):
+        np.testing.assert_array_equal(capped, uncapped)

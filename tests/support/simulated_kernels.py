@@ -194,8 +194,8 @@ def gdn_chunked() -> None:
     from tests.kernels.test_gdn_chunked import CHUNK, _case, _chunked_twin
     from tests.support import cuda_simulator
 
-    for prepare, scans in chunked._KERNELS.values():
-        cuda_simulator.install(prepare.py_func.__globals__)
+    for k_dim, scans in chunked._SCANS.items():
+        cuda_simulator.install(chunked.prepare_kernel(k_dim, chunked.PREPARE_MAX_REGISTERS).py_func.__globals__)
         for scan, _ in scans.values():
             cuda_simulator.install(scan.py_func.__globals__)
     cuda_simulator.install(vars(chunked))
