@@ -20,7 +20,8 @@
 #   bash tools/device_check.sh ncu-script REGEX COUNT SCRIPT [ARGS]  Nsight Compute on the first COUNT launches
 #                                                   matching REGEX in any script (e.g. bench/kernel_gdn.py --models 35b
 #                                                   --scenarios prefill): the headline sections and the warp stalls
-#                                                   and instructions executed per SASS instruction (CSV)
+#                                                   and instructions executed per SASS instruction (CSV, gzipped,
+#                                                   and summarised by bench/ncu_source_summary.py)
 #   bash tools/device_check.sh ncu-dram MODEL RECIPE REGEX [COUNT]  the same kernels' DRAM and L2 traffic against
 #                                                   their duration (bytes read from DRAM vs requested, throughput)
 # The filters run --line-buffered, so a call cut short by its time limit still brings back its log up to the cut
@@ -108,8 +109,13 @@ for r in rows: print(r[0], r[4].split("(")[0][-48:], r[12], r[13], r[14])' "$OUT
     "$NCU" --import "$OUT/ncu_script.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_script_source.csv" \
       2> /dev/null
     "$NCU" --import "$OUT/ncu_script.ncu-rep" --page details > "$OUT/ncu_script_details.txt" 2>&1
+    # the full source CSV did not come back in session 22: a summary (top stalls per kernel) and the CSV gzipped
+    head -c 1500 "$OUT/ncu_script_source.csv" > "$OUT/ncu_script_source_head.txt"
+    python3 bench/ncu_source_summary.py "$OUT/ncu_script_source.csv" > "$OUT/ncu_script_summary.txt" 2>&1
+    gzip -f "$OUT/ncu_script_source.csv"
     grep -E "^  [a-zA-Z_]|Duration|Throughput|Registers Per|Occupancy|Warp Cycles Per Issued|Issued Warp|Eligible" \
-      "$OUT/ncu_script_details.txt" | cut -c1-160 | head -120 ;;
+      "$OUT/ncu_script_details.txt" | cut -c1-160 | head -60
+    head -50 "$OUT/ncu_script_summary.txt" ;;
   *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu|ncu-source|ncu-script|ncu-dram [args]" >&2
      exit 2 ;;
 esac
