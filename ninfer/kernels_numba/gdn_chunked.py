@@ -58,7 +58,9 @@ F32 = np.float32
 
 CHUNK = 64  # rows per chunk: 4 warps x one 16-row mma tile
 THREADS = 128  # prepare: one 16-row tile per warp
-PREPARE_MAX_REGISTERS = None  # the prepare kernel's register cap (`prepare_kernel`)
+# the prepare kernel's register cap (`prepare_kernel`): at 96, 5 blocks an SM instead of 4 (session 22, 8K rows:
+# 35B-A3B 316 -> 299 us a layer, 27B 465 -> 432; 80, 6 blocks, spilled: 380 and 534)
+PREPARE_MAX_REGISTERS = 96
 SCAN_THREADS = 256  # scan: 8 warps, (16-row tile, half the slice's columns) each
 SLICES = (32, 64)  # value columns per scan block, a compiled variant each (`scan_slice` picks one)
 K_DIMS = (16, 32, 64, 128)  # key dims with a compiled variant (the real models: 128)
@@ -87,6 +89,20 @@ def mma_tf32_m16n8k8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)])
 
     return signature, codegen
+
+
+@device_function
+def mma_tf32x3(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """D = A . B + C (mma m16n8k8 layouts) at about fp32 accuracy from fp32 operands: each split into a TF32 head
+    and a TF32 tail (x = head + tail to 2^-22), three TF32 products (tail x head, head x tail, head x head; the tail
+    x tail one is below fp32's rounding) into the fp32 accumulators."""
+    h0, h1, h2, h3 = tf32_round(a0), tf32_round(a1), tf32_round(a2), tf32_round(a3)
+    l0, l1, l2, l3 = tf32_round(a0 - h0), tf32_round(a1 - h1), tf32_round(a2 - h2), tf32_round(a3 - h3)
+    bh0, bh1 = tf32_round(b0), tf32_round(b1)
+    bl0, bl1 = tf32_round(b0 - bh0), tf32_round(b1 - bh1)
+    c0, c1, c2, c3 = mma_tf32_m16n8k8(l0, l1, l2, l3, bh0, bh1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = mma_tf32_m16n8k8(h0, h1, h2, h3, bl0, bl1, c0, c1, c2, c3)
+    return mma_tf32_m16n8k8(h0, h1, h2, h3, bh0, bh1, c0, c1, c2, c3)
 
 
 @device_function
@@ -217,7 +233,8 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
 
     # T = (I + A)^-1 in place, by 16-row blocks. Each warp inverts its diagonal block, D = (I + A_ii)^-1 (lane j < 16
     # holds column j in registers: D[r, j] = [r == j] - sum_(s < r) A[r, s] D[s, j]); then block rows i = 1, 2, 3 in
-    # order: R = A_(i, <i) T_(<i, <i) (T's unit diagonal implicit), T_(i, <i) = -D_i R. T's diagonal stays implicit.
+    # order: R = A_(i, <i) T_(<i, <i), T_(i, <i) = -D_i R, as 3xTF32 mma products (fp32 to ~2^-22: the scalar loops
+    # they replace were 60% of the kernel's instructions, session 22's ncu). T's diagonal stays implicit in `work`.
     if lane < 16:
         diagonal = uint64(warp * 16 * AP + warp * 16)
         for r in unrolled(16):
@@ -231,32 +248,14 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
                 work[diagonal + uint64(r * AP) + uint64(lane)] = dcol[r]
     cuda.syncthreads()
     for i in unrolled(3):
-        for e in unrolled(2 * (i + 1)):
-            idx = tid + e * THREADS
-            a = idx // (16 * (i + 1))
-            c = idx - a * (16 * (i + 1))
-            a_at = uint64((16 * (i + 1) + a) * AP + c)
-            total = work[a_at]
-            t_at = uint64((c + 1) * AP + c)
-            for s in range(c + 1, 16 * (i + 1)):
-                a_at += uint64(1)
-                total += work[a_at] * work[t_at]
-                t_at += uint64(AP)
-            work[uint64(SCRATCH + a * RS + c)] = total
-        cuda.syncthreads()
-        for e in unrolled(2 * (i + 1)):
-            idx = tid + e * THREADS
-            a = idx // (16 * (i + 1))
-            c = idx - a * (16 * (i + 1))
-            total = work[uint64(SCRATCH + a * RS + c)]
-            d_at = uint64((16 * (i + 1) + a) * AP + 16 * (i + 1))
-            r_at = uint64(SCRATCH + c)
-            for b in range(a):
-                total += work[d_at] * work[r_at]
-                d_at += uint64(1)
-                r_at += uint64(RS)
-            work[uint64((16 * (i + 1) + a) * AP + c)] = -total
-        cuda.syncthreads()
+        # block row I = i + 1 on the tensor cores, 8-column n-tiles shared out to the warps (`_BLOCK_ROW_TILE`)
+        # R = A_(I, <I) T~_(<I, <I), T~ being T with its unit diagonal and the zeros above it: a tile's k steps left
+        # of its diagonal are zero (skipped), the one on it masked
+        for j in unrolled(2):
+{r_tile}        cuda.syncthreads()
+        # T_(I, <I) = -D~_I R (D~: D_I with its unit diagonal and zeros above it), over R's 16 rows: two k steps
+        for j in unrolled(2):
+{t_tile}        cuda.syncthreads()
 
     for e in range(CHUNK * CHUNK // THREADS):
         idx = tid + e * THREADS
@@ -267,6 +266,59 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
             if b < n:
                 value = tf32_round(work[uint64(b * AP + a)])
             mats[uint64(base + a), uh, uint64(b)] = value
+"""
+
+
+# One warp's n-tile of a block row's products (template pieces, `i` and `j` literal once unrolled): block row
+# I = i + 1 has 2 I tiles of 8 columns; warp w takes tile w, and at I = 3 warps 0-2 take tiles w and 5 - w (each
+# tile's R costs its k steps right of the diagonal: 6 + 1, 5 + 2, 4 + 3).
+_BLOCK_ROW_TILE = """
+            nt = warp if j == 0 else 2 * (i + 1) - 1 - warp
+            if (warp < (3 if i == 2 else 2 * (i + 1))) if j == 0 else (i == 2 and warp < 3):
+                acc0 = float32(0.0)
+                acc1 = float32(0.0)
+                acc2 = float32(0.0)
+                acc3 = float32(0.0)
+{body}"""
+
+_R_TILE_BODY = """
+                for ks in range(2 * (i + 1)):
+                    if ks >= nt:
+                        a_at = uint64((16 * (i + 1) + g) * AP + ks * 8 + t)
+                        s0 = ks * 8 + t
+                        c = nt * 8 + g
+                        b0 = work[uint64(s0 * AP + c)]
+                        b1 = work[uint64((s0 + 4) * AP + c)]
+                        if ks == nt:  # T~[s, c]: 1 at s == c, 0 above (work holds other values there)
+                            b0 = b0 if s0 > c else (float32(1.0) if s0 == c else float32(0.0))
+                            b1 = b1 if s0 + 4 > c else (float32(1.0) if s0 + 4 == c else float32(0.0))
+                        acc0, acc1, acc2, acc3 = mma_tf32x3(
+                            work[a_at], work[a_at + uint64(8 * AP)], work[a_at + uint64(4)],
+                            work[a_at + uint64(8 * AP + 4)], b0, b1, acc0, acc1, acc2, acc3)
+                r_at = uint64(SCRATCH + g * RS + nt * 8 + 2 * t)
+                work[r_at] = acc0
+                work[r_at + uint64(1)] = acc1
+                work[r_at + uint64(8 * RS)] = acc2
+                work[r_at + uint64(8 * RS + 1)] = acc3
+"""
+
+_T_TILE_BODY = """
+                for ks in unrolled(2):
+                    d_at = uint64((16 * (i + 1) + g) * AP + 16 * (i + 1) + ks * 8 + t)
+                    b = ks * 8 + t
+                    a0 = work[d_at] if b < g else (float32(1.0) if b == g else float32(0.0))
+                    a1 = work[d_at + uint64(8 * AP)] if b < g + 8 else (float32(1.0) if b == g + 8 else float32(0.0))
+                    a2 = work[d_at + uint64(4)] if b + 4 < g else (float32(1.0) if b + 4 == g else float32(0.0))
+                    a3 = work[d_at + uint64(8 * AP + 4)] if b + 4 < g + 8 else (
+                        float32(1.0) if b + 4 == g + 8 else float32(0.0))
+                    r_at = uint64(SCRATCH + (ks * 8 + t) * RS + nt * 8 + g)
+                    acc0, acc1, acc2, acc3 = mma_tf32x3(a0, a1, a2, a3, work[r_at], work[r_at + uint64(4 * RS)],
+                                                        acc0, acc1, acc2, acc3)
+                t_at = uint64((16 * (i + 1) + g) * AP + nt * 8 + 2 * t)
+                work[t_at] = -acc0
+                work[t_at + uint64(1)] = -acc1
+                work[t_at + uint64(8 * AP)] = -acc2
+                work[t_at + uint64(8 * AP + 1)] = -acc3
 """
 
 
@@ -671,6 +723,8 @@ def _sizes(k_dim: int) -> dict:
                  k_row_pieces=k_dim // 4, ksteps=k_dim // 8, chunk_ksteps=CHUNK // 8, mtiles=mtiles,
                  sj=(mtiles + 3) // 4)
     sizes.update(_copies(k_dim))
+    sizes.update(r_tile=_BLOCK_ROW_TILE.format(body=_R_TILE_BODY.lstrip("\n")).lstrip("\n"),
+                 t_tile=_BLOCK_ROW_TILE.format(body=_T_TILE_BODY.lstrip("\n")).lstrip("\n"))
     return sizes
 
 
