@@ -19,7 +19,7 @@ Two launches (8K rows at the 27B head shapes on the H200: 0.64 + 1.32 ms a layer
    for b <= a, T[b, a] for b > a.
 2. `gdn_chunk_scan_kernel` (segments x v heads x value-column slices of SLICE, 8 warps: 4 16-row tiles of the chunk
    x the slice's two column halves): walks the chunks in order with the slice of S in registers (mma accumulators)
-   and, TF32-rounded, in shared memory as the B operand. The next chunk's K, Q, T / P and V rows are copied into
+   and, TF32-rounded and transposed, in shared memory as the B operand. The next chunk's K, Q, T / P and V rows are copied into
    (dynamic, > 48 KiB) shared memory with `cp.async` while the current chunk computes: K and T / P double-buffered,
    Q and V as soon as their buffer is read. A block takes an SM to itself and its chunks run one after another, so
    the slice is compiled at 64 and 32 columns and `scan_slice` takes 32 where the 64-column grid would fill at most
@@ -389,20 +389,28 @@ def _copies(k_dim: int) -> dict[str, str]:
         + "            copy_async_commit()\n")
 
 
-# One k step of the state products K S and Q S (`ks` an expression of kk), accumulating into the named arrays.
+# One k step of the state products K S and Q S (`ks` an expression of kk), accumulating into the named arrays. S is
+# held transposed ([SLICE, kp]: a value column's key dims in a row), so one ldmatrix brings the B fragments of two
+# n-tiles (b0 and b1 of each), as it brings K's and Q's A fragments (session 22's ncu: this step waited most on the
+# shared-memory pipe, two 4-byte loads a fragment).
 _STATE_STEP = """
             w0, w1, w2, w3 = load_matrix_x4(ka + uint32(({ks}) * 32))
             a0, a1, a2, a3 = word_float(w0), word_float(w1), word_float(w2), word_float(w3)
             w0, w1, w2, w3 = load_matrix_x4(qa + uint32(({ks}) * 32))
             q0, q1, q2, q3 = word_float(w0), word_float(w1), word_float(w2), word_float(w3)
-            for nt in range({ntiles}):
-                b0 = sh[col_frag + uint64(S_OFF + ({ks}) * 8 * SP + nt * 8)]
-                b1 = sh[col_frag + uint64(S_OFF + (({ks}) * 8 + 4) * SP + nt * 8)]
-                {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3] = mma_tf32_m16n8k8(
-                    a0, a1, a2, a3, b0, b1, {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3])
-                {acc_o}[4 * nt], {acc_o}[4 * nt + 1], {acc_o}[4 * nt + 2], {acc_o}[4 * nt + 3] = mma_tf32_m16n8k8(
-                    q0, q1, q2, q3, b0, b1, {acc_o}[4 * nt], {acc_o}[4 * nt + 1], {acc_o}[4 * nt + 2],
-                    {acc_o}[4 * nt + 3])
+            for pair in unrolled({pairs}):
+                # S^T rows n0 + 16 pair ..: n-tiles 2 pair, 2 pair + 1
+                s0, s1, s2, s3 = load_matrix_x4(sb + uint32(pair * 16 * {kp} * 4 + ({ks}) * 32))
+                for half in unrolled(2):
+                    nt = 2 * pair + half
+                    b0 = word_float(s0 if half == 0 else s2)
+                    b1 = word_float(s1 if half == 0 else s3)
+                    {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2], {acc}[4 * nt + 3] = mma_tf32_m16n8k8(
+                        a0, a1, a2, a3, b0, b1, {acc}[4 * nt], {acc}[4 * nt + 1], {acc}[4 * nt + 2],
+                        {acc}[4 * nt + 3])
+                    {acc_o}[4 * nt], {acc_o}[4 * nt + 1], {acc_o}[4 * nt + 2], {acc_o}[4 * nt + 3] = (
+                        mma_tf32_m16n8k8(q0, q1, q2, q3, b0, b1, {acc_o}[4 * nt], {acc_o}[4 * nt + 1],
+                                         {acc_o}[4 * nt + 2], {acc_o}[4 * nt + 3]))
 """
 
 # U = T Y (T[r, s] = mats[s, r], unit diagonal) and O += P U (P[r, s] = mats[r, s], s <= r) walk the k steps at or
@@ -457,12 +465,13 @@ _TRIANGLE_PRODUCTS = """
 """
 
 
-def _steps(ntiles: int) -> dict[str, str]:
+def _steps(ntiles: int, kp: int) -> dict[str, str]:
     """The scan's k-step bodies, even and odd, for `ntiles` n-tiles a warp (template pieces, already formatted):
     the state products, and U = T Y and O += P U left of (`_left`) and on the warp's diagonal tile."""
     pieces = {}
     for parity, ks, acc, acc_o in (("even", "2 * kk", "acc", "acc_o"), ("odd", "2 * kk + 1", "acc2", "acc_o2")):
-        pieces[f"state_step_{parity}"] = _STATE_STEP.format(ks=ks, acc=acc, acc_o=acc_o, ntiles=ntiles).lstrip("\n")
+        pieces[f"state_step_{parity}"] = _STATE_STEP.format(ks=ks, acc=acc, acc_o=acc_o, pairs=ntiles // 2,
+                                                             kp=kp).lstrip("\n")
         t_products = _TRIANGLE_PRODUCTS.format(b_off="Y_OFF", acc=acc, ntiles=ntiles)
         p_products = _TRIANGLE_PRODUCTS.format(b_off="U_OFF", acc="acc_o" if parity == "even" else "acc2",
                                                ntiles=ntiles)
@@ -478,7 +487,7 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
                                           out, qk_heads, v_heads, v_dim, channels_qk):
     # One dynamic shared array (past the 48 KiB static limit), laid out as: K chunk rows [CHUNK, {kp}] twice (this
     # chunk's and the next one's), Q rows [CHUNK, {kp}], the packed T / P [CHUNK, MP] twice, V then Y [CHUNK, SP],
-    # the state slice [Dk, SP] (TF32), U and diag(exp(G_last - G)) U [CHUNK, SP] (the second the state update's B
+    # the state slice transposed [SLICE, {kp}] (TF32), U and diag(exp(G_last - G)) U [CHUNK, SP] (the second the state update's B
     # operand, scaled once a chunk instead of K at each of its uses), and exp(G), exp(G_last - G), beta [CHUNK] each.
     # K, Q and T / P arrive TF32-rounded and are operands as loaded. Shared indices are unsigned
     # (numba adds negative-index arithmetic to signed ones) and built from per-thread bases plus literal offsets,
@@ -522,6 +531,9 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
     # this lane's ldmatrix row of a [CHUNK, {kp}] row block's A fragments (bytes): matrices 0-3 are rows 0-7 / 8-15
     # of the warp's tile x words 0-3 / 4-7 of the k step, which lands a0..a3 of mma m16n8k8's TF32 layout
     row_matrix = uint32(((mw * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * {kp} + 4 * (lane >> 4)) * 4)
+    # and its ldmatrix row of S^T for the B fragments of n-tiles 2p, 2p + 1 (matrices: n-tile 2p k 0-3 / 4-7, n-tile
+    # 2p + 1 k 0-3 / 4-7 of the k step)
+    sb = shared + uint32((S_OFF + (n0 + 8 * (lane >> 4) + (lane & 7)) * {kp} + 4 * ((lane >> 3) & 1)) * 4)
     col_frag = uint64(t * SP + n0 + g)  # B fragment (t, n0 + g) of a [*, SP] block
     t_frag = uint64(t * MP + r0)  # T[r0, t] = mats[t, r0]
     p_frag = uint64(r0 * MP + t)  # P[r0, t]
@@ -549,18 +561,18 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
         value = float32(0.0)
         if c < v_left:
             value = ssm_state[slot, uh, uint64(i), uint64(col0 + c)]
-        sh[uint64(S_OFF + i * SP + c)] = value
+        sh[uint64(S_OFF + c * {kp} + i)] = value
     cuda.syncthreads()
     for jj in unrolled({sj}):
         mt = mw + 4 * jj
         if mt < {mtiles}:
             for nt in range({ntiles}):
                 for e in range(4):
-                    sacc[{tile} * jj + 4 * nt + e] = sh[uint64(S_OFF + (mt * 16 + 8 * (e >> 1)) * SP + nt * 8
-                                                               + (e & 1)) + c_frag - uint64(mw * 16 * SP)]
+                    sacc[{tile} * jj + 4 * nt + e] = sh[uint64(S_OFF + (n0 + nt * 8 + 2 * t + (e & 1)) * {kp}
+                                                               + mt * 16 + g + 8 * (e >> 1))]
     cuda.syncthreads()
     for e in range({k_dim} * SLICE // SCAN_THREADS):
-        at = uint64(S_OFF + (tid + e * SCAN_THREADS) // SLICE * SP + (tid + e * SCAN_THREADS) % SLICE)
+        at = uint64(S_OFF + (tid + e * SCAN_THREADS) % SLICE * {kp} + (tid + e * SCAN_THREADS) // SLICE)
         sh[at] = tf32_round(sh[at])
 
     chunks = (count + CHUNK - 1) // CHUNK
@@ -667,8 +679,8 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
             if mt < {mtiles}:
                 for nt in range({ntiles}):
                     for e in range(4):
-                        sh[c_frag + uint64(S_OFF + (mt * 16 + 8 * (e >> 1)) * SP + nt * 8 + (e & 1))
-                           - uint64(mw * 16 * SP)] = tf32_round(sacc[{tile} * jj + 4 * nt + e])
+                        sh[uint64(S_OFF + (n0 + nt * 8 + 2 * t + (e & 1)) * {kp} + mt * 16 + g + 8 * (e >> 1))] = (
+                            tf32_round(sacc[{tile} * jj + 4 * nt + e]))
 
     for jj in unrolled({sj}):
         mt = mw + 4 * jj
@@ -701,11 +713,11 @@ def scan_slice(blocks_at_64: int, multiprocessors: int) -> int:
     return 32 if 2 * blocks_at_64 <= multiprocessors else 64
 
 
-def _scan_layout(k_dim: int, sp: int) -> dict[str, int]:
-    """Word offsets of the scan's dynamic shared array (see its source) for [*, SLICE] rows of `sp` words, and its
-    size in bytes."""
+def _scan_layout(k_dim: int, columns: int, sp: int) -> dict[str, int]:
+    """Word offsets of the scan's dynamic shared array (see its source) for slices of `columns` value columns and
+    [*, SLICE] rows of `sp` words, and its size in bytes."""
     kp = k_dim + 4
-    sizes = dict(K_OFF=2 * CHUNK * kp, Q_OFF=CHUNK * kp, M_OFF=2 * CHUNK * MP, Y_OFF=CHUNK * sp, S_OFF=k_dim * sp,
+    sizes = dict(K_OFF=2 * CHUNK * kp, Q_OFF=CHUNK * kp, M_OFF=2 * CHUNK * MP, Y_OFF=CHUNK * sp, S_OFF=columns * kp,
                  U_OFF=CHUNK * sp, UW_OFF=CHUNK * sp, E_OFF=CHUNK, W_OFF=CHUNK, B_OFF=CHUNK)
     layout, words = {}, 0
     for name, size in sizes.items():
@@ -745,9 +757,9 @@ def _make_kernels(k_dim: int):
     for columns in SLICES:
         ntiles = columns // 16  # a warp's mma n-tiles: half the slice's columns, 8 each
         variant = dict(sizes, slice=columns, warp_cols=columns // 2, ntiles=ntiles, tile=4 * ntiles,
-                       sacc=4 * ntiles * sizes["sj"], **_steps(ntiles))
+                       sacc=4 * ntiles * sizes["sj"], **_steps(ntiles, sizes["kp"]))
         sp = columns + SHARED_PAD
-        constants = dict(_scan_layout(k_dim, sp), SLICE=columns, SP=sp, V_ROW_PIECES=columns // 4,
+        constants = dict(_scan_layout(k_dim, columns, sp), SLICE=columns, SP=sp, V_ROW_PIECES=columns // 4,
                          V_PIECES=CHUNK * columns // 4 // SCAN_THREADS, V_ROW_STEP=SCAN_THREADS * 4 // columns,
                          K_ROW_STEP=SCAN_THREADS * 4 // k_dim)
         scan = instantiate(_SCAN_SOURCE, f"gdn_chunk_scan_kernel_dk{k_dim}_s{columns}", _SCAN_SIG, globals(),
