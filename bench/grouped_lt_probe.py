@@ -6,8 +6,8 @@ cublasGemmBatchedEx and cublasGemmGroupedBatchedEx take their sizes from the hos
 is what the 35B-A3B bf16 8K prefill waits on: its GPU is busy ~156 of ~165 ms, idle where the host, woken by the
 counts, has not yet queued the first expert GEMM. cuBLASLt (13.x) has an experimental grouped mode
 (`grouped_matrix_layout_create`: rows, columns and leading dimensions as device arrays, one entry a group; operand
-pointers as device arrays; alpha and beta as device vectors): if the heuristic offers an algorithm here, the counts
-never need to reach the host, and the whole MoE layer could even be captured.
+pointers as device arrays; alpha and beta host scalars, the same for every group): if the heuristic offers an
+algorithm here, the counts never need to reach the host, and the whole MoE layer could even be captured.
 
 What it does, at the 35B-A3B's routed gate_up (256 experts, [1024, 2048]) and down ([2048, 512]) over 65,536 rows,
 uniform and skewed routings (some experts without rows):
@@ -51,7 +51,8 @@ def expert_counts(rng: np.random.Generator, routing: str) -> np.ndarray:
 
 class GroupedLt:
     """One grouped cuBLASLt matmul shape: y_e^T = W_e . x_e^T (column-major, as `Blas.gemm_bf16`), the group sizes,
-    leading dimensions, operand pointers, alpha and beta all in device arrays."""
+    leading dimensions and operand pointers in device arrays; alpha = 1 and beta = 0 host scalars (session 22: this
+    cuBLASLt refused ALPHA_BATCH_STRIDE, the per-group device vectors, with CUBLAS_STATUS_INVALID_VALUE)."""
 
     def __init__(self, device, n: int, k: int, groups: int) -> None:
         from nvmath.bindings import cublas
@@ -66,10 +67,6 @@ class GroupedLt:
                   lt.MatmulDescAttribute.TRANSA, int(cublas.Operation.T))
         self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, self.desc,
                   lt.MatmulDescAttribute.TRANSB, int(cublas.Operation.N))
-        self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, self.desc,
-                  lt.MatmulDescAttribute.POINTER_MODE, int(lt.PointerMode.DEVICE))
-        for attribute in (lt.MatmulDescAttribute.ALPHA_BATCH_STRIDE, lt.MatmulDescAttribute.BETA_BATCH_STRIDE):
-            self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, self.desc, attribute, 1)
 
         def column(value: int) -> object:
             array = device.empty(groups, np.int64, "bench")
@@ -81,9 +78,7 @@ class GroupedLt:
         self.pointer = device_pointer
         self.k_array, self.n_array, self.rows = column(k), column(n), device.empty(groups, np.int64, "bench")
         self.ld_k, self.ld_n = column(k), column(n)
-        self.alpha, self.beta = device.empty(groups, np.float32, "bench"), device.empty(groups, np.float32, "bench")
-        device.write(self.alpha, np.ones(groups, np.float32))
-        device.write(self.beta, np.zeros(groups, np.float32))
+        self.alpha, self.beta = np.ones(1, np.float32), np.zeros(1, np.float32)  # host pointer mode (the default)
         self.pointers = device.empty(3 * groups, np.uint64, "bench")
         p = device_pointer
         # A = W_e stored [K, N] column-major (rows K, columns N); B = x_e [K, rows]; C = D = y_e [N, rows]
@@ -131,8 +126,8 @@ class GroupedLt:
     def __call__(self) -> None:
         a, b, c, d = self.layouts
         table, g = self.pointer(self.pointers), self.groups
-        self.lt.matmul(self.handle, self.desc, self.pointer(self.alpha), table, a, table + 8 * g, b,
-                       self.pointer(self.beta), table + 16 * g, c, table + 16 * g, d, self.results.ptr,
+        self.lt.matmul(self.handle, self.desc, self.alpha.ctypes.data, table, a, table + 8 * g, b,
+                       self.beta.ctypes.data, table + 16 * g, c, table + 16 * g, d, self.results.ptr,
                        self.pointer(self.workspace), WORKSPACE, self.device.stream_handle)
 
 
