@@ -82,8 +82,10 @@ def main() -> None:
     folder = Path(args.out or tempfile.mkdtemp(prefix="ninfer-sass-"))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "kernel.ptx").write_text(ptx)
-    report = subprocess.run([ptxas, "-arch=sm_90", "-v", str(folder / "kernel.ptx"), "-o",
-                             str(folder / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    cap = entry.options.get("max_registers")  # numba hands a register cap to the linker, not to the PTX
+    report = subprocess.run([ptxas, "-arch=sm_90", "-v", *([f"-maxrregcount={cap}"] if cap else []),
+                             str(folder / "kernel.ptx"), "-o", str(folder / "kernel.cubin")],
+                            capture_output=True, text=True, check=True).stderr
     sass = subprocess.run([find_tool("nvdisasm"), "-c", str(folder / "kernel.cubin")], capture_output=True, text=True,
                           check=True).stdout
     (folder / "kernel.sass").write_text(sass)

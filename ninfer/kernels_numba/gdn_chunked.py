@@ -14,17 +14,18 @@ arithmetic. Every exponent is <= 0 (log decays are <= 0), so nothing overflows.
 
 Two launches (8K rows at the 27B head shapes on the H200: 0.64 + 1.32 ms a layer, against 4.96 ms recurrent):
 1. `gdn_chunk_prepare_kernel` (segments x chunks x v heads, all in parallel): G (written to `cum`), then K K^T and
-   Q K^T on the tensor cores, T by 16-row blocks (each warp inverts its diagonal block in registers, then three block
-   rows of products), and T and P packed into one [C, C] matrix per chunk and head: `mats[row a, h, b]` = P[a, b]
-   for b <= a, T[b, a] for b > a.
-2. `gdn_chunk_scan_kernel` (segments x v heads x value-column slices of SLICE, 8 warps: 4 16-row tiles of the chunk
-   x the slice's two column halves): walks the chunks in order with the slice of S in registers (mma accumulators)
-   and, TF32-rounded and transposed, in shared memory as the B operand. The next chunk's K, Q, T / P and V rows are copied into
-   (dynamic, > 48 KiB) shared memory with `cp.async` while the current chunk computes: K and T / P double-buffered,
-   Q and V as soon as their buffer is read. A block takes an SM to itself and its chunks run one after another, so
-   the slice is compiled at 64 and 32 columns and `scan_slice` takes 32 where the 64-column grid would fill at most
-   half the SMs (the 35B-A3B's 32 v heads x 2 slices on the H200's 132), else 64 (the 27B's 48 x 2: one wave).
-   Every value column's S, U and O come from that column alone through the same products, so both give the same bits.
+   Q K^T on the tensor cores (K and Q staged in shared memory 64 key dims at a time), T by 16-row blocks (each warp
+   inverts its diagonal block in registers, then three block rows of 3xTF32 products), and T and P packed into one
+   [C, C] matrix per chunk and head: `mats[row a, h, b]` = P[a, b] for b <= a, T[b, a] for b > a.
+2. `gdn_chunk_scan_kernel` (segments x v heads x value-column slices of SLICE, 8 warps: 4 16-row tiles of the chunk x
+   the slice's two column halves): walks the chunks in order with the slice of S in registers (mma accumulators) and,
+   TF32-rounded and transposed, in shared memory as the B operand. The next chunk's K, Q, T / P and V rows are copied
+   into (dynamic, > 48 KiB) shared memory with `cp.async` while the current chunk computes: K and T / P double-
+   buffered, Q and V as soon as their buffer is read. A block takes an SM to itself and its chunks run one after
+   another, so the slice is compiled at 64 and 32 columns and `scan_slice` takes 32 where the 64-column grid would
+   fill at most half the SMs (the 35B-A3B's 32 v heads x 2 slices on the H200's 132), else 64 (the 27B's 48 x 2: one
+   wave). Every value column's S, U and O come from that column alone through the same products, so both give the
+   same bits.
 
 Operands are rounded to TF32 (round to nearest, ties away: `tf32_round`) before each product; the twin
 `gdn_chunked_reference` rounds the same values, so kernel and twin differ only in fp32 summation order. Each operand
@@ -49,17 +50,20 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_all, shared_address)
-from ninfer.kernels_numba.common import (address_of, load_matrix_x4, load_word_at,  # noqa: F401 (templates)
-                                         load_words4_at, tf32_round, tf32_round_host)
-from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function  # noqa: F401 (cuda)
+from ninfer.kernels_numba.common import (address_of, load_matrix_x4, tf32_round,  # noqa: F401 (templates)
+                                         tf32_round_host)
+from ninfer.kernels_numba.numba_setup import (COPY_ALIGNMENT, allow_dynamic_shared, cuda,  # noqa: F401
+                                             device_function)  # (COPY_ALIGNMENT, cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
 
 F32 = np.float32
 
 CHUNK = 64  # rows per chunk: 4 warps x one 16-row mma tile
 THREADS = 128  # prepare: one 16-row tile per warp
+PREPARE_PART = 64  # prepare: key dims of K and Q staged in shared memory at a time (two [CHUNK, 68] tiles, 34 KiB)
 # the prepare kernel's register cap (`prepare_kernel`): at 96, 5 blocks an SM instead of 4 (session 22, 8K rows:
-# 35B-A3B 316 -> 299 us a layer, 27B 465 -> 432; 80, 6 blocks, spilled: 380 and 534)
+# 35B-A3B 316 -> 299 us a layer, 27B 465 -> 432; 80, 6 blocks, spilled: 380 and 534). Measured before K and Q
+# were staged in shared memory; under 96 the staging spills 36 bytes (ptxas, sm_90), around its copies only
 PREPARE_MAX_REGISTERS = 96
 SCAN_THREADS = 256  # scan: 8 warps, (16-row tile, half the slice's columns) each
 SLICES = (32, 64)  # value columns per scan block, a compiled variant each (`scan_slice` picks one)
@@ -119,8 +123,9 @@ _PREPARE_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32
 
 _PREPARE_SOURCE = """
 def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count, cum, mats, qk_heads, v_heads):
-    # work: the chunk's K rows [CHUNK, {kp}] (TF32), then A / T as [CHUNK, AP] and a block row's R [16, RS]
-    work = cuda.shared.array({work}, float32)
+    # work: a part of the chunk's K and Q rows ([CHUNK, {pp}] each, TF32 values), then A / T as [CHUNK, AP] and a
+    # block row's R [16, RS]
+    work = cuda.shared.array({work}, float32, alignment=COPY_ALIGNMENT)  # cp.async writes 16-byte pieces
     g_sh = cuda.shared.array(CHUNK, float32)
     b_sh = cuda.shared.array(CHUNK, float32)
     kk = cuda.local.array(32, float32)
@@ -144,28 +149,6 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
     g = lane >> 2
     t = lane & 3
 
-    row_bytes = int64(qk_heads) * ({k_dim} * 4)  # from one row's K (or Q) head to the next row's
-    if n == CHUNK:  # 16-byte loads from a per-thread address plus a fixed stride (the general loop's index math
-        # was a quarter of the kernel's instructions)
-        kr = tid // ({k_dim} // 4)
-        kc = 4 * (tid - kr * ({k_dim} // 4))
-        at = address_of(k) + (int64(base + kr) * qk_heads + hq) * ({k_dim} * 4) + kc * 4
-        for e in range(CHUNK * {k_dim} // 4 // THREADS):
-            w0, w1, w2, w3 = load_words4_at(at + e * (THREADS * 4 // {k_dim}) * row_bytes)
-            to = uint64((kr + e * (THREADS * 4 // {k_dim})) * {kp} + kc)
-            work[to] = word_float(w0)
-            work[to + uint64(1)] = word_float(w1)
-            work[to + uint64(2)] = word_float(w2)
-            work[to + uint64(3)] = word_float(w3)
-    else:
-        for e in range({k_loads}):
-            idx = tid + e * THREADS
-            r = idx // {k_dim}
-            i = idx - r * {k_dim}
-            value = float32(0.0)
-            if r < n:
-                value = k[uint64(base + r), uhq, uint64(i)]
-            work[uint64(r * {kp} + i)] = value
     if tid < CHUNK:
         decay = float32(0.0)
         bt = float32(0.0)
@@ -184,38 +167,63 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
     if tid < n:
         cum[uint64(base + tid), uh] = g_sh[uint64(tid)]
 
-    # K K^T and Q K^T, rows 16 warp .. 16 warp + 15, the column tiles at or left of the diagonal
+    # K K^T and Q K^T, rows 16 warp .. 16 warp + 15, the column tiles at or left of the diagonal, over the key dims
+    # in parts of {part}: each part's K and Q columns of the chunk's rows are copied into work first ([CHUNK, {pp}]
+    # each; rows past n arrive as zeros), all of a part's 16-byte copies in flight together (session 22's ncu: Q's
+    # A fragments, read from global memory a k step at a time, were a quarter of the kernel's stalls)
     r0 = warp * 16 + g
     for e in range(32):
         kk[e] = float32(0.0)
         qk[e] = float32(0.0)
-    # this lane's Q A-fragment rows r0 and r0 + 8 (column t): each k step's loads are these addresses plus a literal
-    q_row = address_of(q) + (int64(base + r0) * qk_heads + hq) * ({k_dim} * 4) + t * 4
-    q_row8 = q_row + 8 * row_bytes
-    for ks in range({ksteps}):
-        c0 = ks * 8 + t
-        a0 = work[uint64(r0 * {kp} + c0)]
-        a1 = work[uint64((r0 + 8) * {kp} + c0)]
-        a2 = work[uint64(r0 * {kp} + c0 + 4)]
-        a3 = work[uint64((r0 + 8) * {kp} + c0 + 4)]
-        q0 = float32(0.0)
-        q1 = float32(0.0)
-        q2 = float32(0.0)
-        q3 = float32(0.0)
-        if r0 < n:
-            q0 = word_float(load_word_at(q_row + ks * 32))
-            q2 = word_float(load_word_at(q_row + ks * 32 + 16))
-        if r0 + 8 < n:
-            q1 = word_float(load_word_at(q_row8 + ks * 32))
-            q3 = word_float(load_word_at(q_row8 + ks * 32 + 16))
-        for nt in range(8):
-            if nt <= 2 * warp + 1:
-                b0 = work[uint64((nt * 8 + g) * {kp} + c0)]
-                b1 = work[uint64((nt * 8 + g) * {kp} + c0 + 4)]
-                kk[4 * nt], kk[4 * nt + 1], kk[4 * nt + 2], kk[4 * nt + 3] = mma_tf32_m16n8k8(
-                    a0, a1, a2, a3, b0, b1, kk[4 * nt], kk[4 * nt + 1], kk[4 * nt + 2], kk[4 * nt + 3])
-                qk[4 * nt], qk[4 * nt + 1], qk[4 * nt + 2], qk[4 * nt + 3] = mma_tf32_m16n8k8(
-                    q0, q1, q2, q3, b0, b1, qk[4 * nt], qk[4 * nt + 1], qk[4 * nt + 2], qk[4 * nt + 3])
+    shared = shared_address(address_of(work))
+    pr = tid // {part_pieces}  # this thread's first row and 16-byte piece of a part's rows
+    pc = 4 * (tid - pr * {part_pieces})
+    row_bytes = int64(qk_heads) * ({k_dim} * 4)  # from one row's K (or Q) head to the next row's
+    # the thread's first K piece (Q's: the same offset from q); a row past n copies nothing (from the chunk's row 0).
+    # The copy loop's trip count is read from the launch (THREADS) so that it stays rolled: unrolled, its 8 source
+    # addresses were computed once for both parts and held across the products, and spilled.
+    first_piece = address_of(k) + (int64(base + pr) * qk_heads + hq) * ({k_dim} * 4) + pc * 4
+    chunk_start = address_of(k) + (int64(base) * qk_heads + hq) * ({k_dim} * 4) + pc * 4
+    q_from_k = address_of(q) - address_of(k)
+    passes = CHUNK * {part} // 4 // cuda.blockDim.x
+    for part in range({parts}):
+        if part > 0:
+            cuda.syncthreads()  # the part before is read
+        source = first_piece + part * ({part} * 4)
+        at = shared + uint32((pr * {pp} + pc) * 4)
+        r = pr
+        for e in range(passes):
+            there = r < n
+            size = uint32(16) if there else uint32(0)
+            from_k = source if there else chunk_start + part * ({part} * 4)
+            copy_async_16(at, from_k, size)
+            copy_async_16(at + uint32(CHUNK * {pp} * 4), from_k + q_from_k, size)
+            source += {rows_per_pass} * row_bytes
+            at += uint32({rows_per_pass} * {pp} * 4)
+            r += {rows_per_pass}
+        copy_async_commit()
+        copy_async_wait_all()
+        cuda.syncthreads()
+        for ks in range({part_ksteps}):
+            c0 = ks * 8 + t
+            a_at = uint64(r0 * {pp} + c0)
+            a0 = work[a_at]
+            a1 = work[a_at + uint64(8 * {pp})]
+            a2 = work[a_at + uint64(4)]
+            a3 = work[a_at + uint64(8 * {pp} + 4)]
+            q_at = a_at + uint64(CHUNK * {pp})
+            q0 = work[q_at]
+            q1 = work[q_at + uint64(8 * {pp})]
+            q2 = work[q_at + uint64(4)]
+            q3 = work[q_at + uint64(8 * {pp} + 4)]
+            for nt in range(8):
+                if nt <= 2 * warp + 1:
+                    b0 = work[uint64((nt * 8 + g) * {pp} + c0)]
+                    b1 = work[uint64((nt * 8 + g) * {pp} + c0 + 4)]
+                    kk[4 * nt], kk[4 * nt + 1], kk[4 * nt + 2], kk[4 * nt + 3] = mma_tf32_m16n8k8(
+                        a0, a1, a2, a3, b0, b1, kk[4 * nt], kk[4 * nt + 1], kk[4 * nt + 2], kk[4 * nt + 3])
+                    qk[4 * nt], qk[4 * nt + 1], qk[4 * nt + 2], qk[4 * nt + 3] = mma_tf32_m16n8k8(
+                        q0, q1, q2, q3, b0, b1, qk[4 * nt], qk[4 * nt + 1], qk[4 * nt + 2], qk[4 * nt + 3])
     cuda.syncthreads()  # K is read: work becomes A
 
     for nt in range(8):
@@ -487,8 +495,9 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
                                           out, qk_heads, v_heads, v_dim, channels_qk):
     # One dynamic shared array (past the 48 KiB static limit), laid out as: K chunk rows [CHUNK, {kp}] twice (this
     # chunk's and the next one's), Q rows [CHUNK, {kp}], the packed T / P [CHUNK, MP] twice, V then Y [CHUNK, SP],
-    # the state slice transposed [SLICE, {kp}] (TF32), U and diag(exp(G_last - G)) U [CHUNK, SP] (the second the state update's B
-    # operand, scaled once a chunk instead of K at each of its uses), and exp(G), exp(G_last - G), beta [CHUNK] each.
+    # the state slice transposed [SLICE, {kp}] (TF32), U and diag(exp(G_last - G)) U [CHUNK, SP] (the second the
+    # state update's B operand, scaled once a chunk instead of K at each of its uses), and exp(G), exp(G_last - G),
+    # beta [CHUNK] each.
     # K, Q and T / P arrive TF32-rounded and are operands as loaded. Shared indices are unsigned
     # (numba adds negative-index arithmetic to signed ones) and built from per-thread bases plus literal offsets,
     # which fold into the load instructions once the k-step loops are written out.
@@ -731,9 +740,12 @@ def _sizes(k_dim: int) -> dict:
     """Both kernels' template sizes for `k_dim`."""
     kp = k_dim + 4  # K rows in shared memory: the A- and B-fragment reads hit distinct banks (16-byte aligned rows)
     mtiles = k_dim // 16
-    sizes = dict(k_dim=k_dim, kp=kp, work=max(CHUNK * kp, SCRATCH + 16 * RS), k_loads=CHUNK * k_dim // THREADS,
-                 k_row_pieces=k_dim // 4, ksteps=k_dim // 8, chunk_ksteps=CHUNK // 8, mtiles=mtiles,
-                 sj=(mtiles + 3) // 4)
+    part = min(k_dim, PREPARE_PART)  # the prepare kernel's key dims a copy of K and Q rows
+    pp = part + 4  # their rows in work: fragment reads hit distinct banks, rows stay 16-byte aligned
+    sizes = dict(k_dim=k_dim, kp=kp, work=max(2 * CHUNK * pp, SCRATCH + 16 * RS), part=part, parts=k_dim // part,
+                 pp=pp, part_pieces=part // 4, rows_per_pass=THREADS * 4 // part,
+                 part_ksteps=part // 8, k_row_pieces=k_dim // 4, ksteps=k_dim // 8, chunk_ksteps=CHUNK // 8,
+                 mtiles=mtiles, sj=(mtiles + 3) // 4)
     sizes.update(_copies(k_dim))
     sizes.update(r_tile=_BLOCK_ROW_TILE.format(body=_R_TILE_BODY.lstrip("\n")).lstrip("\n"),
                  t_tile=_BLOCK_ROW_TILE.format(body=_T_TILE_BODY.lstrip("\n")).lstrip("\n"))

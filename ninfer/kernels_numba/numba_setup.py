@@ -18,6 +18,9 @@ if not hasattr(numpy, "row_stack"):
 from numba import config, cuda  # noqa: E402  (after the shim on purpose)
 
 COMPUTE_CAPABILITY = (9, 0)  # H100/H200
+# `cuda.shared.array(..., alignment=COPY_ALIGNMENT)` for a static shared array that 16-byte copies (cp.async, vector
+# stores) fill: numba aligns one to its element's size otherwise. The simulator refuses the argument (None there).
+COPY_ALIGNMENT = None if config.ENABLE_CUDASIM else 16
 
 
 @attrs.frozen

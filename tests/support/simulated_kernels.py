@@ -189,7 +189,8 @@ def gather_kv() -> None:
 def gdn_chunked() -> None:
     """Prepare and scan kernels against the twin: two segments (a full and a partial chunk, then a short one) on two
     of three lanes, two v heads sharing a qk head; the third lane's state untouched. The scan at 64 and at 32 value
-    columns a block, the same bits (at 32 the slice fills v_dim: the full chunk's copies all take the fast form)."""
+    columns a block, the same bits (at 32 the slice fills v_dim: the full chunk's copies all take the fast form). Then
+    the prepare kernel alone at key dim 128 (its K and Q staged in two parts)."""
     from ninfer.kernels_numba import gdn_chunked as chunked
     from tests.kernels.test_gdn_chunked import CHUNK, _case, _chunked_twin
     from tests.support import cuda_simulator
@@ -223,6 +224,19 @@ def gdn_chunked() -> None:
         print("ok gdn_chunked slice", columns, *errors, flush=True)
     assert sorted(results) == [32, 64]
     assert np.array_equal(results[32][0], results[64][0]) and np.array_equal(results[32][1], results[64][1])
+    # the prepare kernel at the real key dim: K and Q staged in two parts of 64 dims (16 above took one)
+    wide = dict(qk_heads=1, v_heads=2, k_dim=128, v_dim=8)
+    case = _case(np.random.default_rng(5), mix=[(0, 70)], lanes=1, **wide)
+    _, _, want_cum, want_mats = _chunked_twin(case)
+    cum = np.full((70, 2), np.nan, np.float32)
+    mats = np.full((70, 2, CHUNK), np.nan, np.float32)
+    chunked.gdn_chunk_prepare(case["q"], case["k"], case["log_decay"], case["beta"], case["seg_row"],
+                              case["seg_count"], cum, mats, rows=70, qk_heads=1, v_heads=2, k_dim=128, stream=0)
+    written = ~np.isnan(want_mats)
+    assert np.array_equal(~np.isnan(mats), written), "packed T / P written where the twin writes nothing (dk 128)"
+    errors = [_rel(cum, want_cum), _rel(mats[written], want_mats[written])]
+    assert max(errors) < 1e-4, errors
+    print("ok gdn_chunked prepare dk128", *errors, flush=True)
     print("ok gdn_chunked", flush=True)
 
 
