@@ -42,7 +42,8 @@ from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa
 MODELS = {"27b": QWEN36_27B_DIMS, "35b": QWEN36_35B_A3B_DIMS}
 CONTEXT = 1024  # tokens already in each lane's KV during decode timing
 PREFILL = 8192
-PREFILL_REPEATS = 5  # timed prefills a setting (the median is reported)
+PREFILL_REPEATS = 7  # timed prefills a setting (the median is reported)
+PREFILL_WARMUPS = 2  # untimed ones first (session 22: 5 runs after one warm-up spread 156.9-171.8 ms)
 SUFFIX = 32  # a returning turn's new prompt tokens, prefilled after the 8K context
 
 
@@ -282,7 +283,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
             "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}") + (
             "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}")
-        prefill()
+        for _ in range(PREFILL_WARMUPS):
+            prefill()
         device.synchronize()
         with GcPauses() as pauses:
             times = event_time(device.stream, prefill, PREFILL_REPEATS)
