@@ -9,7 +9,8 @@ launch cost is not in the measurement; small scenarios rotate 3 input sets (stat
 60 MB L2. `recurrent_g8` is the recurrent kernel with 8 key groups (alternatives are not counted in the layer total,
 which uses what the model runs). Prints a table and writes JSON to $OUT/kernel_gdn.json when OUT is set.
 
-Run on the GPU box: `python bench/kernel_gdn.py [--models 27b,35b] [--scenarios decode,verify,prefill]`.
+Run on the GPU box: `python bench/kernel_gdn.py [--models 27b,35b] [--scenarios decode,verify,prefill]
+[--kernels prepare,chunked]` (--kernels: only those timed, and only those alternatives compiled; no layer total).
 """
 
 from __future__ import annotations
@@ -187,7 +188,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--kernels", default="", help="time only these launchers (e.g. prepare,prepare_r128,chunked);"
+                        " the model's own launchers still run once to make their inputs. Default: all, and the total")
     args = parser.parse_args()
+    only = set(filter(None, args.kernels.split(",")))
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     records = []
@@ -201,6 +205,12 @@ def main() -> None:
             n_sets = 1 if sc_name == "prefill" else 3
             sets = [_make_set(rng, m, sc, stream) for _ in range(n_sets)]
             launchers, alternatives = _launchers(m, stream, sc_name)
+            if only:  # each alternative compiles a kernel of its own: skip those not asked for
+                unknown = only - set(launchers)
+                if unknown:
+                    raise SystemExit(f"no launcher {sorted(unknown)} in {sc_name}; there are {sorted(launchers)}")
+                launchers = {name: launch for name, launch in launchers.items()
+                             if name in only or name not in alternatives}
             for d in sets:  # realistic inputs for each stage (normalised q/k, real gates)
                 for launch in launchers.values():
                     launch(d)
@@ -208,6 +218,8 @@ def main() -> None:
             sleep_iterations = 3000
             total = 0.0
             for kname, launch in launchers.items():
+                if only and kname not in only:
+                    continue
                 us = _timed(stream, launch, sets, sleep_iterations)
                 if kname not in alternatives:
                     total += us
@@ -220,6 +232,9 @@ def main() -> None:
                 print(f"{model_name:5} {sc_name:8} {kname:10} {us:10.1f} {gbs:9.1f} {gbs * 1e9 / COPY_BW:10.3f} "
                       f"{tflops:8.3f}")
             rows = sets[0]["rows"]
+            if only:  # a partial list has no layer total
+                del sets
+                continue
             layer = dict(model=model_name, scenario=sc_name, kernel="layer_total", rows=rows, us=total,
                          tokens_per_s_per_layer=rows / (total * 1e-6))
             records.append(layer)
