@@ -34,8 +34,9 @@ COPY_BW = 4.3e12  # measured device copy bandwidth, bytes/s
 RUNS = 20
 WARMUP = 3
 K = 4
-PREPARE_CAPS = (80, 96, 128)  # register caps the prepare kernel is timed under: 6, 5 and 4 blocks of 128 threads
-# an SM (session 22: 96 the default; the K and Q staging then spilled 36 bytes under it, so 128 is timed too)
+# register caps the prepare kernel is also timed under (6 and 4 blocks of 128 threads an SM), beside `prepare` at
+# the default PREPARE_MAX_REGISTERS (96, 5 blocks; the K and Q staging spills 36 bytes under it)
+PREPARE_CAPS = (80, 128)
 
 MODELS = {
     "27b": dict(qk_heads=16, v_heads=48, k_dim=128, v_dim=128),

@@ -12,7 +12,8 @@ E = exp(G), S the state before the chunk):
 which equals the recurrence (S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q) row for row in exact
 arithmetic. Every exponent is <= 0 (log decays are <= 0), so nothing overflows.
 
-Two launches (8K rows at the 27B head shapes on the H200: 0.64 + 1.32 ms a layer, against 4.96 ms recurrent):
+Two launches (8K rows at the 27B head shapes on the H200, session 22: ~0.43 + ~0.93 ms a layer, against 4.96 ms
+recurrent; measured before the block rows went to 3xTF32 products, K and Q were staged and S held transposed):
 1. `gdn_chunk_prepare_kernel` (segments x chunks x v heads, all in parallel): G (written to `cum`), then K K^T and
    Q K^T on the tensor cores (K and Q staged in shared memory 64 key dims at a time), T by 16-row blocks (each warp
    inverts its diagonal block in registers, then three block rows of 3xTF32 products), and T and P packed into one
@@ -111,7 +112,7 @@ def mma_tf32x3(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 @device_function
 def word_float(word):
-    """A float32 held as its bits (a word that ldmatrix or a word load brought), as float32: q, k, T and P arrive
+    """A float32 held as its bits (a word that ldmatrix brought), as float32: K, Q and the state arrive
     TF32-rounded, so their words are mma operands as they are."""
     return libdevice.int_as_float(int32(word))
 
@@ -142,7 +143,6 @@ def gdn_chunk_prepare_kernel_dk{k_dim}(q, k, log_decay, beta, seg_row, seg_count
     base = seg_row[seg] + first
     hq = h // (v_heads // qk_heads)
     uh = uint64(h)
-    uhq = uint64(hq)
     tid = cuda.threadIdx.x
     warp = tid >> 5
     lane = tid & 31
@@ -497,8 +497,7 @@ def gdn_chunk_scan_kernel_dk{k_dim}_s{slice}(q, k, mixed, beta, cum, mats, ssm_s
     # chunk's and the next one's), Q rows [CHUNK, {kp}], the packed T / P [CHUNK, MP] twice, V then Y [CHUNK, SP],
     # the state slice transposed [SLICE, {kp}] (TF32), U and diag(exp(G_last - G)) U [CHUNK, SP] (the second the
     # state update's B operand, scaled once a chunk instead of K at each of its uses), and exp(G), exp(G_last - G),
-    # beta [CHUNK] each.
-    # K, Q and T / P arrive TF32-rounded and are operands as loaded. Shared indices are unsigned
+    # beta [CHUNK] each. K, Q and T / P arrive TF32-rounded and are operands as loaded. Shared indices are unsigned
     # (numba adds negative-index arithmetic to signed ones) and built from per-thread bases plus literal offsets,
     # which fold into the load instructions once the k-step loops are written out.
     sh = cuda.shared.array(0, float32)
@@ -755,8 +754,8 @@ def _sizes(k_dim: int) -> dict:
 @functools.cache
 def prepare_kernel(k_dim: int, max_registers: int | None = None):
     """The prepare kernel for `k_dim`, compiled with at most `max_registers` registers a thread (None: as ptxas
-    chooses). The kernel holds 4 blocks an SM at its ~99 registers; a cap is the other way to more warps (the same
-    arithmetic, so the same bits)."""
+    chooses: 111 with K and Q staged, 4 blocks an SM); a cap is the way to more blocks (the same arithmetic, so the
+    same bits)."""
     options = {} if max_registers is None else {"max_registers": int(max_registers)}
     return instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(),
                        _sizes(k_dim), options=options)
@@ -780,6 +779,7 @@ def _make_kernels(k_dim: int):
     return scans
 
 
+# both kernels registered at import (CI compiles every registered kernel to PTX); other caps only where asked for
 _SCANS = {dk: _make_kernels(dk) for dk in K_DIMS}
 for _k_dim in K_DIMS:
     prepare_kernel(_k_dim, PREPARE_MAX_REGISTERS)
