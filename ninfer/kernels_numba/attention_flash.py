@@ -30,7 +30,8 @@ variant (8 warps, one block an SM, half the tile copies) gave the same bits and 
 
 from __future__ import annotations
 
-import math  # noqa: F401 (templates)
+import functools
+import math
 
 import numpy as np
 from numba import float32, int32, int64, uint16, uint32, uint64  # noqa: F401 (templates)
@@ -39,14 +40,15 @@ from numba.cuda import libdevice  # noqa: F401 (templates)
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
-                                             copy_async_wait_prior, shared_address)
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, load_matrix_x4, pack_bf16x2,  # noqa: F401
-                                         sigmoid_f32)  # (templates)
+                                             copy_async_wait_all, copy_async_wait_prior, shared_address)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, exp2_approx, load_matrix_x4,  # noqa: F401
+                                         pack_bf16x2, sigmoid_f32)  # (templates)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda  # noqa: F401 (cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
 from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16  # noqa: F401 (templates)
 
 F32 = np.float32
+LOG2E = np.float32(math.log2(math.e))
 
 BR = 64  # queries per block: 4 warps x 16 rows
 BC = 64  # keys per tile
@@ -63,9 +65,11 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
     o = cuda.local.array({o_regs}, float32)  # O rows gq, gq + 8 of the warp's 16, mma C layout over D / 8 n-tiles
     s = cuda.local.array(32, float32)  # scores, then P, of the key tile: 8 n-tiles
 
-    tile = cuda.blockIdx.x
-    g = cuda.blockIdx.y
-    b = cuda.blockIdx.z
+    # heaviest first: the blocks launch in index order, x fastest, so every head's last query tile (the most keys)
+    # starts in the first wave and the grid ends on the short first tiles, not on a tail of long ones
+    g = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    tile = cuda.gridDim.z - 1 - cuda.blockIdx.z
     kv_heads = keys.shape[0]
     heads = kv_heads * group
     h = b * group + g
@@ -124,9 +128,8 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
     pos_lo = first_position + i0 + r_lo
     pos_hi = first_position + i0 + r_hi
 
-    # K and V of a tile arrive one copy group each, a stage apart: K(t + 1) loads during tile t's softmax and P V,
-    # V(t + 1) during tile t + 1's scores. Groups in commit order: Q, K(0), V(0), then K(t + 1) and V(t + 1) in tile t
-    # (empty past the last tile), so "all but the newest group landed" is always the operand about to be read.
+    # K and V of a tile arrive one copy group each, a stage apart. Groups in commit order: Q, K(0), V(0), then
+    # K(t + 1) and V(t + 1) in tile t (empty past the last tile); see _V_WAIT_THREE for which wait finds which.
 {k_first}    copy_async_commit()
 {v_first}    copy_async_commit()
     for kt in range(tiles):
@@ -146,10 +149,7 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
                 s[8 * pn + 4], s[8 * pn + 5], s[8 * pn + 6], s[8 * pn + 7] = mma_bf16_m16n8k16(
                     a0, a1, a2, a3, c0, c1, s[8 * pn + 4], s[8 * pn + 5], s[8 * pn + 6], s[8 * pn + 7])
 
-        cuda.syncthreads()  # every warp has read K(kt): its buffer takes K(kt + 1)
-        if kt + 1 < tiles:
-{k_next}        copy_async_commit()
-
+{k_after_scores}
         # mask (only a tile that reaches past the block's first query or the keys' end), then the online softmax
         # of rows lo and hi (a row's 4 lanes meet by shuffles)
         if j0 + BC - 1 > first_position + i0 or j0 + BC > length:
@@ -169,20 +169,21 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
         top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 2))
         new_lo = max(m_lo, top_lo)
         new_hi = max(m_hi, top_hi)
-        # a row with no visible key yet keeps m = -inf: nothing to rescale, and its P is all zeros
-        keep_lo = math.exp(m_lo - new_lo) if new_lo != float32(-math.inf) else float32(1.0)
-        keep_hi = math.exp(m_hi - new_hi) if new_hi != float32(-math.inf) else float32(1.0)
-        base_lo = new_lo if new_lo != float32(-math.inf) else float32(0.0)
-        base_hi = new_hi if new_hi != float32(-math.inf) else float32(0.0)
+        # a row with no visible key yet keeps m = -inf: nothing to rescale, and its P is all zeros. e^x = 2^(x log2 e):
+        # one fma and one ex2 a weight
+        keep_lo = exp2_approx((m_lo - new_lo) * LOG2E) if new_lo != float32(-math.inf) else float32(1.0)
+        keep_hi = exp2_approx((m_hi - new_hi) * LOG2E) if new_hi != float32(-math.inf) else float32(1.0)
+        base_lo = new_lo * LOG2E if new_lo != float32(-math.inf) else float32(0.0)
+        base_hi = new_hi * LOG2E if new_hi != float32(-math.inf) else float32(0.0)
         sum_lo = float32(0.0)
         sum_hi = float32(0.0)
         for nt in unrolled(8):
             for e in unrolled(4):
                 if e < 2:
-                    s[4 * nt + e] = math.exp(s[4 * nt + e] - base_lo)
+                    s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_lo)
                     sum_lo += s[4 * nt + e]
                 else:
-                    s[4 * nt + e] = math.exp(s[4 * nt + e] - base_hi)
+                    s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_hi)
                     sum_hi += s[4 * nt + e]
         sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 1)
         sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 2)
@@ -200,9 +201,7 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
                 o[4 * nt + 3] *= keep_hi
 
         # O += P V: P from the score registers (two key n-tiles make one k-step), V^T pairs from shared
-        copy_async_wait_prior()  # V(kt) landed; K(kt + 1) may be in flight
-        cuda.syncthreads()
-        for kk in unrolled(4):
+{v_wait}        for kk in unrolled(4):
             a0 = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
             a1 = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
             a2 = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
@@ -270,36 +269,62 @@ def _layout(d: int) -> dict[str, int]:
     return dict(QW=qw, VW=vw, OW=d + 2, Q_OFF=0, K_OFF=BR * qw, V_OFF=(BR + BC) * qw, SHARED_BYTES=4 * words)
 
 
-def _make_kernel(d: int):
+# Where K(t + 1) is issued. Four barriers a tile: after a barrier of its own once every warp has read K(t), so it
+# loads during tile t's softmax and P V, and "all but the newest group landed" is always the operand about to be
+# read. Three: behind the barrier that makes V(t) visible, so it loads during P V only; at the loop's top K(t) is
+# the older of the two groups in flight, and before P V, V(t) is the only one.
+_K_AFTER_SCORES = """
+        cuda.syncthreads()  # every warp has read K(kt): its buffer takes K(kt + 1)
+        if kt + 1 < tiles:
+{k_next}        copy_async_commit()
+"""
+_V_WAIT_FOUR = """
+        copy_async_wait_prior()  # V(kt) landed; K(kt + 1) may be in flight
+        cuda.syncthreads()
+"""
+_V_WAIT_THREE = """
+        copy_async_wait_all()  # V(kt) landed (nothing newer is in flight)
+        cuda.syncthreads()  # and every warp has read K(kt): its buffer takes K(kt + 1)
+        if kt + 1 < tiles:
+{k_next}        copy_async_commit()
+"""
+
+
+@functools.cache
+def flash_kernel(d: int, three_barriers: bool = True):
+    """(kernel, dynamic shared bytes) for head dim d."""
     row_pieces = d // 8  # 16-byte pieces of a K row
     sizes = dict(d=d, o_regs=d // 2, n_tiles=d // 8, n_pairs=d // 16, row_pieces=row_pieces,
                  k_rows_per_pass=FLASH_THREADS // row_pieces, k_passes=BC * row_pieces // FLASH_THREADS,
                  v_dims_per_pass=FLASH_THREADS // (BC // 8), v_passes=d * (BC // 8) // FLASH_THREADS)
     sizes.update(k_first=_tile_loads(_K_TILE, "0", 4, sizes), v_first=_tile_loads(_V_TILE, "0", 4, sizes),
                  k_next=_tile_loads(_K_TILE, "j0 + BC", 12, sizes), v_next=_tile_loads(_V_TILE, "j0 + BC", 12, sizes))
+    sizes.update(k_after_scores="" if three_barriers else _K_AFTER_SCORES.lstrip("\n").format(**sizes),
+                 v_wait=(_V_WAIT_THREE if three_barriers else _V_WAIT_FOUR).lstrip("\n").format(**sizes))
     layout = _layout(d)
     return instantiate(_SOURCE, f"flash_prefill_kernel_d{d}", _SIG, globals(), sizes, layout), layout["SHARED_BYTES"]
 
 
-_KERNELS = {d: _make_kernel(d) for d in HEAD_DIMS}
+for _d in HEAD_DIMS:
+    flash_kernel(_d)
 
 
 def flash_prefill(packed, keys, values_t, qkgv, out, *, rows: int, first_position: int, length: int, group: int,
-                  stream) -> None:
+                  stream, three_barriers: bool = True) -> None:
     """Gated causal attention of `rows` queries (positions first_position..) over keys 0..length-1, into out fp32
     [>= rows, Hq * D] (rows 0..rows-1 written). packed: uint16 [Hkv, group * rows', D] from `pack_queries` (query i of
     head g at row g * rows + i); keys: uint16 [Hkv, >= length, D]; values_t: uint16 [Hkv, D, stride >= length]
     (`gather_kv(..., transposed=True)`; stride a multiple of 8); qkgv: the attention projection (gate columns)."""
     kv_heads, _, d = keys.shape
-    if d not in _KERNELS:
+    if d not in HEAD_DIMS:
         raise ValueError(f"flash_prefill has no variant for head_dim={d}")
     if values_t.shape[2] % 8:
         raise ValueError(f"values_t rows must be a multiple of 8 keys long (16-byte copies), got {values_t.shape[2]}")
     if rows == 0:
         return
-    function, shared_bytes = _KERNELS[d]
+    function, shared_bytes = flash_kernel(d, three_barriers)
     allow_dynamic_shared(function, _SIG, shared_bytes)
-    function[((rows + BR - 1) // BR, group, kv_heads), FLASH_THREADS, stream, shared_bytes](
+    function[(group, kv_heads, (rows + BR - 1) // BR), FLASH_THREADS, stream, shared_bytes](
         packed, keys, values_t, qkgv, out, np.int32(rows), np.int32(first_position), np.int32(length),
         np.int32(group))
 

@@ -156,6 +156,18 @@ def half_pair_to_f32(typingctx, word):
 
 
 @intrinsic
+def exp2_approx(typingctx, x):
+    """2**x by `ex2.approx.ftz.f32` (2 ulp; -inf gives 0, subnormal results flush to 0): one instruction where
+    `math.exp` calls libdevice's range-reduced expf (~8). For softmax weights, with log2(e) folded into one fma."""
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        return builder.asm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f", list(args),
+                           side_effect=False)
+
+    return float32(float32), codegen
+
+
+@intrinsic
 def pack_bf16x2(typingctx, low, high):
     """`bf16_pair` in one instruction (`cvt.rn.bf16x2.f32`: round to nearest even, the same bits for every non-NaN
     value; a NaN becomes the canonical one), for hot loops whose values are never NaN (softmax weights)."""

@@ -147,6 +147,11 @@ def fma_bf16x2(a, b, c):
     return f32_to_bf16_bits(np.array([a0 * b0 + c0, a1 * b1 + c1], np.float32)).view(np.uint32)[0]
 
 
+def exp2_approx(x):
+    """`ex2.approx.ftz.f32`: 2**x in float32 (the hardware's approximation is within 2 ulp of this)."""
+    return np.exp2(np.float32(x), dtype=np.float32)
+
+
 def pack_bf16x2(low, high):
     """`cvt.rn.bf16x2.f32`: low into bits 0..15, high into 16..31, each rounded to nearest even."""
     return f32_to_bf16_bits(np.array([low, high], np.float32)).view(np.uint32)[0]
@@ -394,6 +399,7 @@ STAND_INS = {
     "and_or": and_or,
     "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,
     "half_pair_to_f32": half_pair_to_f32, "pack_bf16x2": pack_bf16x2, "load_matrix_x4": load_matrix_x4,
+    "exp2_approx": exp2_approx,
 }
 
 
