@@ -173,15 +173,14 @@ def bench_flash(rows_out, stream, count=8192):
         qkgv = cuda.to_device(rng.standard_normal((count, 2 * (heads + kv_heads) * d), dtype=np.float32))
         out = cuda.device_array((count, heads * d), np.float32)
 
-        for barriers in (3, 4):  # a tile's barriers (`attention_flash._V_WAIT_THREE`)
-            def launch(_):
-                F.flash_prefill(packed, keys, values_t, qkgv, out, rows=count, first_position=0, length=count,
-                                group=group, stream=stream, three_barriers=barriers == 3)
+        def launch(_):
+            F.flash_prefill(packed, keys, values_t, qkgv, out, rows=count, first_position=0, length=count,
+                            group=group, stream=stream)
 
-            us = timed(launch, [None], stream, warm=1, runs=RUNS)
-            flops = 4 * heads * d * count * count / 2
-            rows_out.append(dict(kernel=f"flash_prefill/{barriers}", model=model, kv="bf16", ctx=count, rows=count,
-                                 us=us, tflops=flops / (us * 1e-6) / 1e12))
+        us = timed(launch, [None], stream, warm=1, runs=RUNS)
+        flops = 4 * heads * d * count * count / 2
+        rows_out.append(dict(kernel="flash_prefill", model=model, kv="bf16", ctx=count, rows=count, us=us,
+                             tflops=flops / (us * 1e-6) / 1e12))
 
 
 def bench_prepare(rows_out, stream):

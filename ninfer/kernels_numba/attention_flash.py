@@ -30,7 +30,6 @@ variant (8 warps, one block an SM, half the tile copies) gave the same bits and 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -40,9 +39,10 @@ from numba.cuda import libdevice  # noqa: F401 (templates)
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
-                                             copy_async_wait_all, copy_async_wait_prior, shared_address)
+                                             copy_async_wait_prior, shared_address)
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, exp2_approx, load_matrix_x4,  # noqa: F401
                                          pack_bf16x2, sigmoid_f32)  # (templates)
+from ninfer.kernels_numba.linear import load4, store4  # noqa: F401 (templates)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda  # noqa: F401 (cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
 from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16  # noqa: F401 (templates)
@@ -53,6 +53,7 @@ LOG2E = np.float32(math.log2(math.e))
 BR = 64  # queries per block: 4 warps x 16 rows
 BC = 64  # keys per tile
 FLASH_THREADS = 128
+GATE_BATCH = 8  # the epilogue's 16-byte gate loads in flight a thread
 WORD_PAD = 4
 HEAD_DIMS = (64, 128, 256)  # head dims with a compiled variant (Qwen3.6: 256)
 
@@ -128,8 +129,10 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
     pos_lo = first_position + i0 + r_lo
     pos_hi = first_position + i0 + r_hi
 
-    # K and V of a tile arrive one copy group each, a stage apart. Groups in commit order: Q, K(0), V(0), then
-    # K(t + 1) and V(t + 1) in tile t (empty past the last tile); see _V_WAIT_THREE for which wait finds which.
+    # K and V of a tile arrive one copy group each, a stage apart: K(t + 1) loads during tile t's softmax and P V,
+    # V(t + 1) during tile t + 1's scores. Groups in commit order: Q, K(0), V(0), then K(t + 1) and V(t + 1) in tile t
+    # (empty past the last tile), so "all but the newest group landed" is always the operand about to be read.
+    # (Issuing K(t + 1) behind the barrier before P V instead, three barriers a tile, ran 5% slower: session 23.)
 {k_first}    copy_async_commit()
 {v_first}    copy_async_commit()
     for kt in range(tiles):
@@ -149,7 +152,10 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
                 s[8 * pn + 4], s[8 * pn + 5], s[8 * pn + 6], s[8 * pn + 7] = mma_bf16_m16n8k16(
                     a0, a1, a2, a3, c0, c1, s[8 * pn + 4], s[8 * pn + 5], s[8 * pn + 6], s[8 * pn + 7])
 
-{k_after_scores}
+        cuda.syncthreads()  # every warp has read K(kt): its buffer takes K(kt + 1)
+        if kt + 1 < tiles:
+{k_next}        copy_async_commit()
+
         # mask (only a tile that reaches past the block's first query or the keys' end), then the online softmax
         # of rows lo and hi (a row's 4 lanes meet by shuffles)
         if j0 + BC - 1 > first_position + i0 or j0 + BC > length:
@@ -201,7 +207,9 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
                 o[4 * nt + 3] *= keep_hi
 
         # O += P V: P from the score registers (two key n-tiles make one k-step), V^T pairs from shared
-{v_wait}        for kk in unrolled(4):
+        copy_async_wait_prior()  # V(kt) landed; K(kt + 1) may be in flight
+        cuda.syncthreads()
+        for kk in unrolled(4):
             a0 = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
             a1 = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
             a2 = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
@@ -216,7 +224,9 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
         if kt + 1 < tiles:
 {v_next}        copy_async_commit()
 
-    # O / l through shared memory (the tiles are read), then gated and written row by row, coalesced
+    # O / l through shared memory (the tiles are read), then gated and written 16 bytes a thread, coalesced. The
+    # gate loads go out GATE_BATCH at a time before any is used: one at a time, each waited out its global latency
+    # (a fifth of the kernel's stall samples, session 23's ncu). Rows past `rows` load row rows - 1, unused.
     inverse_lo = float32(1.0) / l_lo
     inverse_hi = float32(1.0) / l_hi
     cuda.syncthreads()
@@ -228,13 +238,28 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
         sh[o_hi + uint64(nt * 8)] = uint32(libdevice.float_as_int(o[4 * nt + 2] * inverse_hi))
         sh[o_hi + uint64(nt * 8 + 1)] = uint32(libdevice.float_as_int(o[4 * nt + 3] * inverse_hi))
     cuda.syncthreads()
-    gate_at = (heads + kv_heads) * {d} + h * {d}
-    for idx in range(tid, min(BR, rows - i0) * {d}, FLASH_THREADS):
-        r = idx // {d}
-        dim = idx - r * {d}
-        value = libdevice.int_as_float(int32(sh[uint64(r * OW + dim)]))
-        gate = qkgv[uint64(i0 + r), uint64(gate_at + dim)]
-        out[uint64(i0 + r), uint64(h * {d} + dim)] = value * sigmoid_f32(gate)
+    gates = cuda.local.array({gate_words}, float32)
+    gate_at = int64((heads + kv_heads) * {d} + h * {d})
+    gate_stride = int64(qkgv.shape[1])
+    out_stride = int64(out.shape[1])
+    valid = min(BR, rows - i0)
+    for batch in range({gate_passes}):
+        for e in unrolled({gate_batch}):
+            idx = tid + FLASH_THREADS * (batch * GATE_BATCH + e)
+            r = idx // ({d} // 4)
+            gates[4 * e], gates[4 * e + 1], gates[4 * e + 2], gates[4 * e + 3] = load4(
+                qkgv, int64(i0 + min(r, valid - 1)) * gate_stride + gate_at + 4 * (idx - r * ({d} // 4)))
+        for e in unrolled({gate_batch}):
+            idx = tid + FLASH_THREADS * (batch * GATE_BATCH + e)
+            r = idx // ({d} // 4)
+            dim = 4 * (idx - r * ({d} // 4))
+            if r < valid:
+                w0, w1, w2, w3 = load4(sh, r * OW + dim)
+                store4(out, int64(i0 + r) * out_stride + h * {d} + dim,
+                       libdevice.int_as_float(int32(w0)) * sigmoid_f32(gates[4 * e]),
+                       libdevice.int_as_float(int32(w1)) * sigmoid_f32(gates[4 * e + 1]),
+                       libdevice.int_as_float(int32(w2)) * sigmoid_f32(gates[4 * e + 2]),
+                       libdevice.int_as_float(int32(w3)) * sigmoid_f32(gates[4 * e + 3]))
 """
 
 
@@ -264,65 +289,42 @@ def _tile_loads(template: str, first: str, indent: int, sizes: dict[str, int]) -
 def _layout(d: int) -> dict[str, int]:
     qw, vw = d // 2 + WORD_PAD, BC // 2 + WORD_PAD
     words = (BR + BC) * qw + d * vw
-    # the epilogue's O rows [BR, OW] (fp32 bits) reuse the tiles' space; OW = D + 2 keeps its stores 2-way at most
-    assert BR * (d + 2) <= words
-    return dict(QW=qw, VW=vw, OW=d + 2, Q_OFF=0, K_OFF=BR * qw, V_OFF=(BR + BC) * qw, SHARED_BYTES=4 * words)
+    # the epilogue's O rows [BR, OW] (fp32 bits) reuse the tiles' space; OW = D + 4 keeps its rows 16-byte aligned
+    # for the vector reads
+    assert BR * (d + 4) <= words
+    return dict(QW=qw, VW=vw, OW=d + 4, Q_OFF=0, K_OFF=BR * qw, V_OFF=(BR + BC) * qw, SHARED_BYTES=4 * words)
 
 
-# Where K(t + 1) is issued. Four barriers a tile: after a barrier of its own once every warp has read K(t), so it
-# loads during tile t's softmax and P V, and "all but the newest group landed" is always the operand about to be
-# read. Three: behind the barrier that makes V(t) visible, so it loads during P V only; at the loop's top K(t) is
-# the older of the two groups in flight, and before P V, V(t) is the only one.
-_K_AFTER_SCORES = """
-        cuda.syncthreads()  # every warp has read K(kt): its buffer takes K(kt + 1)
-        if kt + 1 < tiles:
-{k_next}        copy_async_commit()
-"""
-_V_WAIT_FOUR = """
-        copy_async_wait_prior()  # V(kt) landed; K(kt + 1) may be in flight
-        cuda.syncthreads()
-"""
-_V_WAIT_THREE = """
-        copy_async_wait_all()  # V(kt) landed (nothing newer is in flight)
-        cuda.syncthreads()  # and every warp has read K(kt): its buffer takes K(kt + 1)
-        if kt + 1 < tiles:
-{k_next}        copy_async_commit()
-"""
-
-
-@functools.cache
-def flash_kernel(d: int, three_barriers: bool = True):
-    """(kernel, dynamic shared bytes) for head dim d."""
+def _make_kernel(d: int):
     row_pieces = d // 8  # 16-byte pieces of a K row
     sizes = dict(d=d, o_regs=d // 2, n_tiles=d // 8, n_pairs=d // 16, row_pieces=row_pieces,
+                 gate_passes=BR * d // (4 * FLASH_THREADS * GATE_BATCH), gate_batch=GATE_BATCH,
+                 gate_words=4 * GATE_BATCH,
                  k_rows_per_pass=FLASH_THREADS // row_pieces, k_passes=BC * row_pieces // FLASH_THREADS,
                  v_dims_per_pass=FLASH_THREADS // (BC // 8), v_passes=d * (BC // 8) // FLASH_THREADS)
     sizes.update(k_first=_tile_loads(_K_TILE, "0", 4, sizes), v_first=_tile_loads(_V_TILE, "0", 4, sizes),
                  k_next=_tile_loads(_K_TILE, "j0 + BC", 12, sizes), v_next=_tile_loads(_V_TILE, "j0 + BC", 12, sizes))
-    sizes.update(k_after_scores="" if three_barriers else _K_AFTER_SCORES.lstrip("\n").format(**sizes),
-                 v_wait=(_V_WAIT_THREE if three_barriers else _V_WAIT_FOUR).lstrip("\n").format(**sizes))
     layout = _layout(d)
     return instantiate(_SOURCE, f"flash_prefill_kernel_d{d}", _SIG, globals(), sizes, layout), layout["SHARED_BYTES"]
 
 
-for _d in HEAD_DIMS:
-    flash_kernel(_d)
+_KERNELS = {d: _make_kernel(d) for d in HEAD_DIMS}
 
 
 def flash_prefill(packed, keys, values_t, qkgv, out, *, rows: int, first_position: int, length: int, group: int,
-                  stream, three_barriers: bool = True) -> None:
+                  stream) -> None:
     """Gated causal attention of `rows` queries (positions first_position..) over keys 0..length-1, into out fp32
     [>= rows, Hq * D] (rows 0..rows-1 written). packed: uint16 [Hkv, group * rows', D] from `pack_queries` (query i of
     head g at row g * rows + i); keys: uint16 [Hkv, >= length, D]; values_t: uint16 [Hkv, D, stride >= length]
     (`gather_kv(..., transposed=True)`; stride a multiple of 8); qkgv: the attention projection (gate columns)."""
     kv_heads, _, d = keys.shape
-    if d not in HEAD_DIMS:
+    if d not in _KERNELS:
         raise ValueError(f"flash_prefill has no variant for head_dim={d}")
     if values_t.shape[2] % 8:
         raise ValueError(f"values_t rows must be a multiple of 8 keys long (16-byte copies), got {values_t.shape[2]}")
     if rows == 0:
         return
-    function, shared_bytes = flash_kernel(d, three_barriers)
+    function, shared_bytes = _KERNELS[d]
     allow_dynamic_shared(function, _SIG, shared_bytes)
     function[(group, kv_heads, (rows + BR - 1) // BR), FLASH_THREADS, stream, shared_bytes](
         packed, keys, values_t, qkgv, out, np.int32(rows), np.int32(first_position), np.int32(length),
