@@ -697,11 +697,14 @@ def moe_route() -> None:
 def moe_padded() -> None:
     """moe_pad_positions and the scatter through its positions (8 columns a thread for widths of 8k, column pairs,
     single columns for an odd width) equal their twins; padding rows keep their contents; the combine back (8
-    columns a thread, or a column kernel) bitwise the column kernel, within fp32 rounding of its twin."""
+    columns a thread, or a column kernel) bitwise the column kernel, within fp32 rounding of its twin; with the
+    shared expert's gated output, bitwise the combine and then sigmoid_gate_add."""
+    from ninfer.kernels_numba import elementwise as ew
     from ninfer.kernels_numba import moe
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(moe))
+    cuda_simulator.install(vars(ew))
     rng = np.random.default_rng(1)
     for rows, experts, k, hidden in [(7, 8, 2, 6), (5, 16, 4, 5), (6, 8, 2, 16)]:  # the last: 16-byte kernels
         ids = np.sort(np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
@@ -725,6 +728,14 @@ def moe_padded() -> None:
         np.testing.assert_array_equal(combined, columns)
         want = moe.moe_scatter_combine_reference(out, padded, weights, k, residual)
         assert _rel(combined, want) < 1e-6, _rel(combined, want)
+        # with the shared expert's gated output in the same pass: bitwise the combine, then sigmoid_gate_add
+        shared = rng.standard_normal((rows, hidden)).astype(np.float32)
+        gate_logit = rng.standard_normal((rows, 1)).astype(np.float32)  # (the simulator copies contiguous arrays)
+        gated = residual.copy()
+        moe.moe_scatter_combine(out, None, weights, k, gated, position_of=padded, stream=0, shared_out=shared,
+                                gate_logit=gate_logit)
+        ew.sigmoid_gate_add(combined, shared, gate_logit, stream=0)
+        np.testing.assert_array_equal(gated, combined)
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 

@@ -307,8 +307,10 @@ def moe_pad_positions(expert_ids, position_of, offsets, starts, placed, *, strea
     placed[...] = _moe.moe_pad_positions_reference(expert_ids, position_of, offsets, starts)
 
 
-def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream):
-    residual[...] = _moe.moe_scatter_combine_reference(permuted_out, position_of, weights, top_k, residual)
+def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, position_of, stream, shared_out=None,
+                        gate_logit=None):
+    residual[...] = _moe.moe_scatter_combine_reference(permuted_out, position_of, weights, top_k, residual, shared_out,
+                                                       gate_logit)
 
 
 def linear_bf16(x, w, y, *, stream, accumulate=False):

@@ -1386,10 +1386,16 @@ class CudaQwen:
         inter = d.moe_intermediate
         fused_swiglu = _fused_swiglu(w.routed_gate_up, rows)
         grouped = not fused_swiglu and rows > SKINNY_ROWS
+        shared_out = ws.shared_out[:rows]
+        gate_logit = router_logits[:, e:e + 1]
+        # the grouped path's routed combine also adds the gated shared expert when this stream computed it (in the
+        # same pass over the residual), not when a side stream did (it joins after the combine)
+        gated_in_combine = grouped and side is None
         if grouped:  # the shared expert (when no side stream takes it) runs while the group sizes travel
             shared = None if side is not None else (
                 lambda: self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag))
-            self._moe_grouped(w, rows, beside_the_read=shared)
+            self._moe_grouped(w, rows, beside_the_read=shared,
+                              shared_gate=(shared_out, gate_logit) if gated_in_combine else None)
         elif fused_swiglu:
             self._swiglu_experts(w, rows, h_frag)
         else:
@@ -1404,8 +1410,6 @@ class CudaQwen:
             side.join()
         elif not grouped:
             self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag)
-        shared_out = ws.shared_out[:rows]
-        gate_logit = router_logits[:, e:e + 1]
         if rows <= SKINNY_ROWS and d.moe_top_k <= COMBINE_NORM_SLOTS:
             # the routed experts' weighted sum and the gated shared expert, in the launch of the norm that reads x
             # next (`_norm`)
@@ -1413,7 +1417,7 @@ class CudaQwen:
         elif rows <= SKINNY_ROWS:  # the same in one launch of its own
             self.k.moe_combine(ws.slot_out[:rows], weights, x, stream=stream, shared_out=shared_out,
                                gate_logit=gate_logit)
-        else:
+        elif not gated_in_combine:
             self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
 
     def _norm(self, x: Any, weight: Any, out: Any, *, out_bf16: Any = None, out_fragments: Any = None) -> None:
@@ -1517,7 +1521,8 @@ class CudaQwen:
             k.linear_bf16_gathered(x, w.data, ids, y, rows_per_expert=rows_per_expert, x_per_slot=x_per_slot,
                                    stream=stream)
 
-    def _moe_grouped(self, w: MoeFfn, rows: int, *, beside_the_read: Callable[[], None] | None) -> None:
+    def _moe_grouped(self, w: MoeFfn, rows: int, *, beside_the_read: Callable[[], None] | None,
+                     shared_gate: tuple[Any, Any] | None = None) -> None:
         """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS call per projection,
         bf16 outputs (not captured: cuBLAS takes the group sizes from the host). The call is the grouped GEMM on the
         contiguous groups, a strided-batched GEMM over the experts padded to the largest count, or a pointer-array
@@ -1526,7 +1531,8 @@ class CudaQwen:
         group size: the shared expert) and a quantized gate_up's dequantization queue after the sizes' copy and
         before the host waits for it. The GPU runs them while the sizes travel and the host sets up the GEMMs,
         instead of idling through both (~24 ms of the 35B-A3B's 212 ms 8K prefill idled so, most of it here).
-        With `moe_sync_free` the host reads nothing: the chunked layout at its most chunks for the rows."""
+        With `moe_sync_free` the host reads nothing: the chunked layout at its most chunks for the rows.
+        `shared_gate` (the shared expert's output rows and gate logits) joins the routed combine's pass."""
         ws, stream = self.workspace, self.device.stream
         s, e = self.dims.moe_top_k, self.dims.moe_experts
         if self.moe_prefill_gemm not in LAYOUT_CODES:
@@ -1581,7 +1587,9 @@ class CudaQwen:
         gate_up, act_bf16, out = ws.perm_gate_up[:gemm_rows], ws.perm_act_bf16[:gemm_rows], ws.perm_out[:gemm_rows]
         self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
         expert_gemm(ws.perm_act_bf16, self.linear.bf16_weight(w.routed_down), ws.perm_out)
-        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream)
+        shared_out, gate_logit = shared_gate or (None, None)
+        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream,
+                                   shared_out=shared_out, gate_logit=gate_logit)
 
     # ---- state operations ----
 
