@@ -129,6 +129,25 @@ def test_prompt_logits_match_the_cpu_model(device_kind, artifacts, kind, recipe)
         assert error < (1e-4 if length <= 64 else 2e-2), (length, error)
 
 
+def test_prefill_with_the_real_key_dim_normalises_q_and_k_in_the_conv(device_kind, tmp_path, monkeypatch):
+    """At key dim 128 (a warp a head) a chunked prefill's conv normalises q and k itself (`gdn_conv_normed`, the
+    gates then write only decays and betas): the CPU model's logits; shorter prompts keep the conv and the gated
+    recurrence."""
+    path = write_tiny_qwen_artifact(tmp_path / "k128.ninfer", moe=False, recipe="bf16", gdn_k_dim=128)
+    build = cuda_build(device_kind, path)
+    model, cpu = build.model, load_model(path)
+    calls = []
+    for name in ("gdn_conv", "gdn_conv_normed"):
+        launcher = getattr(model.k, name)
+        monkeypatch.setattr(model.k, name, lambda *a, name=name, launcher=launcher, **kw: (calls.append(name),
+                                                                                          launcher(*a, **kw))[1])
+    for length, conv in ((64, "gdn_conv"), (128, "gdn_conv_normed")):
+        del calls[:]
+        got, want = prompt_logits(model, cpu, prompt(length, length))
+        assert set(calls) == {conv}, (length, calls)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, length
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_cublas_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
     """decode_linear="cublas" (the serving default): bf16 activations into cuBLAS at every row count, so logits

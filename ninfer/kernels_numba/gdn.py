@@ -285,6 +285,141 @@ def gdn_conv_reference(projected, conv_weight, conv_state, conv_columns, seg_lan
         out[start:start + count] = silu(y)
 
 
+# The chunked prefill's conv with the q/k L2 norm of `gdn_gates` in the same pass (`gdn_conv_normed`): a warp of the
+# 4-channel kernel holds one 128-dim q or k head of a row (lane l: dims 4l..4l+3, as a gates warp holds it), so the
+# head's sum of squares is the gates kernel's warp sum, and the normalised, TF32-rounded q and k go straight to their
+# arrays instead of through `mixed` and back (two passes of 2 x [R, Hqk * Dk] fp32: ~90 us a layer of the 35B-A3B's
+# 8K prefill). The decays and betas stay with `gdn_gates(..., norms=False)`.
+
+_CONV_NORMED_SIG = _CONV_SIG + (float32[:, :, ::1], float32[:, :, ::1], int32)
+
+
+@device_function
+def _store_normed(y0, y1, y2, y3, row, c, q_out, k_out, qk_width):
+    """Channels c..c+3 of a conv output row, lanes of a warp holding one q or k head: `_gdn_gates_kernel`'s norm
+    (sum of squares in its order, its warp sum; q also scaled by 1/sqrt(Dk)), TF32-rounded, into q_out or k_out."""
+    total = warp_sum(((y0 * y0 + y1 * y1) + y2 * y2) + y3 * y3)
+    denom = math.sqrt(total + float32(L2_EPS))
+    if c < qk_width:
+        scale = float32(1.0) / math.sqrt(float32(MAX_HEAD_DIM))
+        store4(q_out, row * qk_width + c, tf32_round((y0 / denom) * scale), tf32_round((y1 / denom) * scale),
+               tf32_round((y2 / denom) * scale), tf32_round((y3 / denom) * scale))
+    else:
+        store4(k_out, row * qk_width + c - qk_width, tf32_round(y0 / denom), tf32_round(y1 / denom),
+               tf32_round(y2 / denom), tf32_round(y3 / denom))
+
+
+@device_function
+def _store_normed_row(out, row, c, q_out, k_out, qk_width):
+    """`_store_normed` of the conv output row this thread wrote to `out`."""
+    y0, y1, y2, y3 = load4(out, int64(row) * out.shape[1] + c)
+    _store_normed(y0, y1, y2, y3, int64(row), c, q_out, k_out, qk_width)
+
+
+@kernel(_CONV_NORMED_SIG)
+def _gdn_conv_normed_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
+                            out, channels, rows_per_thread, q_out, k_out, qk_width):
+    """`_gdn_conv_quads_kernel`; in the warps of q and k channels (c < 2 qk_width) each row then normalised into
+    q_out / k_out. Fast-path rows skip `out` there; other rows write it as the conv does and normalise what this
+    thread wrote: row r for t >= 3, rows 0..2 of a segment from its row 0 (their thread, as `_conv_one_row` computes
+    them). Every branch around a warp sum is warp-uniform: a warp shares its rows, and its 128 channels one head."""
+    c = (cuda.blockIdx.x * CONV_THREADS + cuda.threadIdx.x) * 4
+    r0 = (cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y) * rows_per_thread
+    rows = projected.shape[0]
+    if c >= channels or r0 >= rows:
+        return
+    normed = c < 2 * qk_width
+    width = channels
+    w00, w01, w02, w03 = load4(weight, c)
+    w10, w11, w12, w13 = load4(weight, width + c)
+    w20, w21, w22, w23 = load4(weight, 2 * width + c)
+    w30, w31, w32, w33 = load4(weight, 3 * width + c)
+    s = _fast_segment(seg_row, seg_count, r0, rows_per_thread, rows)
+    if s >= 0:
+        stride = int64(projected.shape[1])
+        out_stride = int64(out.shape[1])
+        e0 = cuda.local.array(CONV_FAST_LOADS, float32)
+        e1 = cuda.local.array(CONV_FAST_LOADS, float32)
+        e2 = cuda.local.array(CONV_FAST_LOADS, float32)
+        e3 = cuda.local.array(CONV_FAST_LOADS, float32)
+        for j in range(CONV_FAST_LOADS):
+            e0[j], e1[j], e2[j], e3[j] = load4(projected, (int64(r0 - 3) + j) * stride + c)
+        for j in range(CONV_FAST_ROWS):
+            y0 = _conv_silu(w00, w10, w20, w30, e0[j], e0[j + 1], e0[j + 2], e0[j + 3])
+            y1 = _conv_silu(w01, w11, w21, w31, e1[j], e1[j + 1], e1[j + 2], e1[j + 3])
+            y2 = _conv_silu(w02, w12, w22, w32, e2[j], e2[j + 1], e2[j + 2], e2[j + 3])
+            y3 = _conv_silu(w03, w13, w23, w33, e3[j], e3[j + 1], e3[j + 2], e3[j + 3])
+            if normed:
+                _store_normed(y0, y1, y2, y3, int64(r0) + j, c, q_out, k_out, qk_width)
+            else:
+                store4(out, (int64(r0) + j) * out_stride + c, y0, y1, y2, y3)
+        if seg_record[s] != 0:
+            lane = int64(seg_lane[s])
+            t0 = int64(r0 - seg_row[s])
+            steps = int64(conv_columns.shape[1])
+            for j in range(CONV_FAST_ROWS):
+                at = ((lane * steps + t0 + j) * 3) * width + c
+                store4(conv_columns, at, e0[j + 1], e1[j + 1], e2[j + 1], e3[j + 1])
+                store4(conv_columns, at + width, e0[j + 2], e1[j + 2], e2[j + 2], e3[j + 2])
+                store4(conv_columns, at + 2 * width, e0[j + 3], e1[j + 3], e2[j + 3], e3[j + 3])
+        return
+    for r in range(r0, min(r0 + rows_per_thread, rows)):
+        _conv_one_row(projected, w00, w10, w20, w30, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c)
+        _conv_one_row(projected, w01, w11, w21, w31, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c + 1)
+        _conv_one_row(projected, w02, w12, w22, w32, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c + 2)
+        _conv_one_row(projected, w03, w13, w23, w33, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                      seg_record, out, r, c + 3)
+        if normed:
+            seg = -1
+            for i in range(seg_lane.shape[0]):
+                if seg_row[i] <= r and r < seg_row[i] + seg_count[i]:
+                    seg = i
+            if seg >= 0:
+                t = r - seg_row[seg]
+                if t >= 3:
+                    _store_normed_row(out, r, c, q_out, k_out, qk_width)
+                elif t == 0:
+                    for j in range(min(seg_count[seg], 3)):
+                        _store_normed_row(out, r + j, c, q_out, k_out, qk_width)
+
+
+def gdn_conv_normed(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,
+                    q_out, k_out, *, channels, qk_heads, k_dim, stream):
+    """`gdn_conv`, then `gdn_gates(..., tf32=True)`'s q_out / k_out ([R, Hqk, Dk]) from its output in the same pass;
+    `out`'s q and k columns are then left unspecified (the v columns are the conv's). The decays and betas come
+    from `gdn_gates(..., norms=False)`. Takes Dk = MAX_HEAD_DIM (a warp a head) and the 4-channel kernel's widths
+    with channels a multiple of it (`conv_normed_fits`)."""
+    if not conv_normed_fits(projected, conv_weight, conv_columns, out, channels=channels, k_dim=k_dim):
+        raise ValueError(f"gdn_conv_normed takes k_dim {MAX_HEAD_DIM}, channels a multiple of it, and the 4-channel "
+                         f"conv's widths; got k_dim {k_dim}, channels {channels}")
+    rows = projected.shape[0]
+    per_thread = CONV_FAST_ROWS if rows >= CONV_FAST_MIN_ROWS else 1
+    grid = (blocks_for(channels // 4, CONV_THREADS), blocks_for(rows, CONV_ROWS * per_thread))
+    _gdn_conv_normed_kernel[grid, (CONV_THREADS, CONV_ROWS), stream](
+        projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,
+        np.int32(channels), np.int32(per_thread), q_out, k_out, np.int32(qk_heads * k_dim))
+
+
+def conv_normed_fits(projected, conv_weight, conv_columns, out, *, channels: int, k_dim: int) -> bool:
+    """Whether `gdn_conv_normed` takes these shapes."""
+    return (k_dim == MAX_HEAD_DIM and channels % MAX_HEAD_DIM == 0 and projected.shape[1] % 4 == 0
+            and out.shape[1] % 4 == 0 and conv_weight.shape[1] == channels and conv_columns.shape[3] == channels)
+
+
+def gdn_conv_normed_reference(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                              seg_record, out, q_out, k_out, *, channels, qk_heads, k_dim):
+    gdn_conv_reference(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
+                       out, channels=channels)
+    width = qk_heads * k_dim
+    rows = out.shape[0]
+    q_out[:] = tf32_round_host(l2_normalize(out[:, :width].reshape(rows, qk_heads, k_dim), L2_EPS)
+                               * F32(1.0 / np.sqrt(k_dim)))
+    k_out[:] = tf32_round_host(l2_normalize(out[:, width:2 * width].reshape(rows, qk_heads, k_dim), L2_EPS))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. q/k L2 norm (q scaled by 1/sqrt(Dk)) and the gates
 
@@ -293,19 +428,20 @@ PER_LANE = 4  # head dims up to 4 * 32 = 128: a lane holds 4 consecutive dims (o
 MAX_HEAD_DIM = PER_LANE * WARP
 
 _GATES_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[:, :, ::1], float32[:, :, ::1],
-              float32[:, ::1], float32[:, ::1], int32, int32, int32, int32)
+              float32[:, ::1], float32[:, ::1], int32, int32, int32, int32, int32)
 
 
 @kernel(_GATES_SIG)
-def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, qk_heads, v_heads, k_dim, tf32):
+def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, qk_heads, v_heads, k_dim, tf32,
+                      norms):
     """A warp a (row, task) of a flat grid: tasks 0 .. 2 Hqk - 1 normalise a q or k head (a lane's 4 consecutive
     dims by one 16-byte load and store; 4-byte accesses a lane and a block a row ran at ~0.5 of copy on the 35B-A3B's
-    8K prefill), task 2 Hqk writes the row's decays and betas."""
-    tasks = 2 * qk_heads + 1
+    8K prefill), task 2 Hqk writes the row's decays and betas (the only task without `norms`)."""
+    tasks = 2 * qk_heads + 1 if norms else 1
     item = cuda.blockIdx.x * GATES_WARPS + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
     row = item // tasks
-    w = item - row * tasks
+    w = item - row * tasks + (0 if norms else 2 * qk_heads)
     if row >= mixed.shape[0]:
         return
     if w < 2 * qk_heads:  # warp-uniform branch
@@ -337,30 +473,32 @@ def _gdn_gates_kernel(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, 
 
 
 def gdn_gates(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim, stream,
-              tf32=False):
+              tf32=False, norms=True):
     """q_out/k_out [R, Hqk, Dk] = l2norm(q|k head) (q * 1/sqrt(Dk)); log_decay = neg_a * softplus(a + dt_bias),
     beta = sigmoid(b), each [R, Hv], from ab [R, 2*Hv] = a | b. Dk a multiple of 4, at most MAX_HEAD_DIM; mixed's
     rows a multiple of 4 long (16-byte loads). `tf32`: q and k rounded to TF32 (`common.tf32_round`), the operands
-    `gdn_chunked` takes; without it they are the fp32 values `gdn_recurrent` (and the gated recurrence) use."""
+    `gdn_chunked` takes; without it they are the fp32 values `gdn_recurrent` (and the gated recurrence) use.
+    `norms=False`: only the decays and betas (q and k came from `gdn_conv_normed`)."""
     if k_dim > MAX_HEAD_DIM or k_dim % PER_LANE or mixed.shape[1] % PER_LANE:
         raise ValueError(f"gdn_gates takes k_dim <= {MAX_HEAD_DIM}, a multiple of {PER_LANE}, and rows of a "
                          f"multiple of {PER_LANE}; got k_dim {k_dim}, rows of {mixed.shape[1]}")
     rows = mixed.shape[0]
     if rows:
-        warps = rows * (2 * qk_heads + 1)
+        warps = rows * (2 * qk_heads + 1 if norms else 1)
         _gdn_gates_kernel[blocks_for(warps, GATES_WARPS), GATES_WARPS * WARP, stream](
             mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, np.int32(qk_heads), np.int32(v_heads),
-            np.int32(k_dim), np.int32(bool(tf32)))
+            np.int32(k_dim), np.int32(bool(tf32)), np.int32(bool(norms)))
 
 
 def gdn_gates_reference(mixed, ab, neg_a, dt_bias, q_out, k_out, log_decay, beta, *, qk_heads, v_heads, k_dim,
-                        tf32=False):
+                        tf32=False, norms=True):
     rows = mixed.shape[0]
     width = qk_heads * k_dim
     rounded = tf32_round_host if tf32 else np.asarray
-    q_out[:] = rounded(l2_normalize(mixed[:, :width].reshape(rows, qk_heads, k_dim), L2_EPS)
-                       * F32(1.0 / np.sqrt(k_dim)))
-    k_out[:] = rounded(l2_normalize(mixed[:, width:2 * width].reshape(rows, qk_heads, k_dim), L2_EPS))
+    if norms:
+        q_out[:] = rounded(l2_normalize(mixed[:, :width].reshape(rows, qk_heads, k_dim), L2_EPS)
+                           * F32(1.0 / np.sqrt(k_dim)))
+        k_out[:] = rounded(l2_normalize(mixed[:, width:2 * width].reshape(rows, qk_heads, k_dim), L2_EPS))
     log_decay[:] = neg_a * softplus(ab[:, :v_heads] + dt_bias)
     beta[:] = sigmoid(ab[:, v_heads:2 * v_heads])
 

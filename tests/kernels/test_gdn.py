@@ -566,3 +566,100 @@ def test_conv_quads_kernel_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     assert "ok gdn_conv_quads" in run("gdn_conv_quads")
+
+
+def test_conv_normed_kernel_in_cuda_simulator():
+    """The conv with q and k normalised in its pass, thread by thread against the 4-channel conv and then the gates
+    (TF32), bit for bit on the 8-row fast path and the row path (`simulated_kernels.gdn_conv_normed`, ~20 s)."""
+    from tests.support.simulated_kernels import run
+
+    assert "ok gdn_conv_normed" in run("gdn_conv_normed")
+
+
+def _conv_normed_case(rng, rows, qk_heads=2, v_channels=256):
+    k_dim = gdn.MAX_HEAD_DIM
+    channels = 2 * qk_heads * k_dim + v_channels
+    return dict(projected=rng.standard_normal((rows, channels + 4), dtype=F32),
+                weight=(rng.standard_normal((gdn.CONV_TAPS, channels)) * 0.5).astype(F32),
+                state=rng.standard_normal((2, gdn.CONV_TAPS - 1, channels), dtype=F32),
+                columns=np.zeros((2, 1, gdn.CONV_TAPS - 1, channels), F32),
+                seg=(np.array([1], np.int32), np.array([0], np.int32), np.array([rows], np.int32),
+                     np.array([0], np.int32)),
+                channels=channels, qk_heads=qk_heads, k_dim=k_dim)
+
+
+def test_conv_normed_twin_is_the_conv_then_the_tf32_gates():
+    """The twin: the conv's v columns and state, and the gates' TF32 q and k of the conv's output; the decays and
+    betas left to `gdn_gates(norms=False)`, which writes nothing else."""
+    case = _conv_normed_case(np.random.default_rng(21), rows=11)
+    rows, c, hq, dk = 11, case["channels"], case["qk_heads"], case["k_dim"]
+    state, out = case["state"].copy(), np.full((rows, c), np.nan, F32)
+    q, k = (np.full((rows, hq, dk), np.nan, F32) for _ in range(2))
+    gdn.gdn_conv_normed_reference(case["projected"], case["weight"], state, case["columns"], *case["seg"], out, q, k,
+                                  channels=c, qk_heads=hq, k_dim=dk)
+    want_state, want_out = case["state"].copy(), np.full((rows, c), np.nan, F32)
+    gdn.gdn_conv_reference(case["projected"], case["weight"], want_state, case["columns"], *case["seg"], want_out,
+                           channels=c)
+    ab, vh = np.random.default_rng(2).standard_normal((rows, 4), dtype=F32), 2
+    gates = [np.full((rows, hq, dk), np.nan, F32) for _ in range(2)] + [np.full((rows, vh), np.nan, F32)
+                                                                          for _ in range(2)]
+    gdn.gdn_gates_reference(want_out, ab, -np.ones(vh, F32), np.zeros(vh, F32), *gates, qk_heads=hq, v_heads=vh,
+                            k_dim=dk, tf32=True)
+    np.testing.assert_array_equal(out[:, 2 * hq * dk:], want_out[:, 2 * hq * dk:])
+    np.testing.assert_array_equal(state, want_state)
+    np.testing.assert_array_equal(q, gates[0])
+    np.testing.assert_array_equal(k, gates[1])
+    decays_only = [np.full((rows, hq, dk), np.nan, F32) for _ in range(2)] + [np.full((rows, vh), np.nan, F32)
+                                                                                for _ in range(2)]
+    gdn.gdn_gates_reference(want_out, ab, -np.ones(vh, F32), np.zeros(vh, F32), *decays_only, qk_heads=hq,
+                            v_heads=vh, k_dim=dk, tf32=True, norms=False)
+    assert np.isnan(decays_only[0]).all() and np.isnan(decays_only[1]).all()
+    np.testing.assert_array_equal(decays_only[2], gates[2])
+    np.testing.assert_array_equal(decays_only[3], gates[3])
+
+
+def test_conv_normed_takes_only_a_warp_a_head():
+    case = _conv_normed_case(np.random.default_rng(3), rows=4)
+    out, q = np.zeros((4, case["channels"]), F32), np.zeros((4, 2, 64), F32)
+    with pytest.raises(ValueError, match="k_dim 128"):
+        gdn.gdn_conv_normed(case["projected"], case["weight"], case["state"], case["columns"], *case["seg"], out, q,
+                            q, channels=case["channels"], qk_heads=4, k_dim=64, stream=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [37, gdn.CONV_FAST_MIN_ROWS + 13])
+def test_gpu_conv_normed_is_the_conv_then_the_gates(rows):
+    """On the GPU, the row path and the 8-row fast path: the v columns and the carried state bit for bit the 4-channel
+    conv's; q and k those of the TF32 gates on its output (within TF32 rounding: the two kernels' sums of squares
+    may contract differently), and the decays and betas of gates(norms=False) the same bits as gates'."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    case = _conv_normed_case(np.random.default_rng(rows), rows)
+    c, hq, dk, vh = case["channels"], case["qk_heads"], case["k_dim"], 4
+    stream = cuda.stream()
+    ab = cuda.to_device(np.random.default_rng(1).standard_normal((rows, 2 * vh), dtype=F32), stream=stream)
+    neg_a, dt_bias = cuda.to_device(-np.ones(vh, F32), stream=stream), cuda.to_device(np.zeros(vh, F32), stream=stream)
+    results = []
+    for fused in (False, True):
+        dev = {n: cuda.to_device(np.ascontiguousarray(case[n]), stream=stream)
+               for n in ("projected", "weight", "state", "columns")}
+        seg = [cuda.to_device(a, stream=stream) for a in case["seg"]]
+        out = cuda.to_device(np.full((rows, c), np.nan, F32), stream=stream)
+        outs = [cuda.to_device(np.full(shape, np.nan, F32), stream=stream)
+                for shape in ((rows, hq, dk), (rows, hq, dk), (rows, vh), (rows, vh))]
+        if fused:
+            gdn.gdn_conv_normed(dev["projected"], dev["weight"], dev["state"], dev["columns"], *seg, out, outs[0],
+                                outs[1], channels=c, qk_heads=hq, k_dim=dk, stream=stream)
+        else:
+            gdn.gdn_conv(dev["projected"], dev["weight"], dev["state"], dev["columns"], *seg, out, channels=c,
+                         stream=stream, quads=True)
+        gdn.gdn_gates(out, ab, neg_a, dt_bias, *outs, qk_heads=hq, v_heads=vh, k_dim=dk, stream=stream, tf32=True,
+                      norms=not fused)
+        results.append([a.copy_to_host(stream=stream) for a in (out, dev["state"], *outs)])
+    stream.synchronize()
+    (out0, state0, q0, k0, d0, b0), (out1, state1, q1, k1, d1, b1) = results
+    np.testing.assert_array_equal(out1[:, 2 * hq * dk:], out0[:, 2 * hq * dk:])
+    np.testing.assert_array_equal(state1, state0)
+    assert _rel(q1, q0) < 1e-4 and _rel(k1, k0) < 1e-4
+    np.testing.assert_array_equal(d1, d0)
+    np.testing.assert_array_equal(b1, b0)

@@ -812,6 +812,43 @@ def gdn_conv_quads() -> None:
     print("ok gdn_conv_quads", flush=True)
 
 
+def gdn_conv_normed() -> None:
+    """The conv with q and k normalised in its pass against the 4-channel conv and then the gates (TF32), bit for
+    bit (q, k, the v columns, carried state, recorded histories): fast-path rows, a recording segment's first rows
+    and a short segment after it, as in gdn_conv_quads; one q, one k and one v head of 128 dims."""
+    from ninfer.kernels_numba import gdn
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(gdn))
+    rng = np.random.default_rng(9)
+    k_dim, lanes = gdn.MAX_HEAD_DIM, 3
+    channels, rows = 3 * k_dim, gdn.CONV_FAST_MIN_ROWS + 14
+    seg = (np.array([2, 0], np.int32), np.array([0, rows - 9], np.int32), np.array([rows - 9, 9], np.int32),
+           np.array([1, 0], np.int32))
+    projected = rng.standard_normal((rows, channels + 4)).astype(np.float32)
+    weight = (rng.standard_normal((gdn.CONV_TAPS, channels)) * 0.5).astype(np.float32)
+    state0 = rng.standard_normal((lanes, gdn.CONV_TAPS - 1, channels)).astype(np.float32)
+    results = []
+    for fused in (False, True):
+        state = state0.copy()
+        columns = np.full((lanes, rows, gdn.CONV_TAPS - 1, channels), np.nan, np.float32)
+        out = np.full((rows, channels), np.nan, np.float32)
+        q, k = (np.full((rows, 1, k_dim), np.nan, np.float32) for _ in range(2))
+        if fused:
+            gdn.gdn_conv_normed(projected, weight, state, columns, *seg, out, q, k, channels=channels, qk_heads=1,
+                                k_dim=k_dim, stream=0)
+        else:
+            gdn.gdn_conv(projected, weight, state, columns, *seg, out, channels=channels, stream=0, quads=True)
+            ab = np.zeros((rows, 2), np.float32)
+            one = np.zeros(1, np.float32)
+            gdn.gdn_gates(out, ab, one, one, q, k, np.zeros((rows, 1), np.float32), np.zeros((rows, 1), np.float32),
+                          qk_heads=1, v_heads=1, k_dim=k_dim, stream=0, tf32=True)
+        results.append((q, k, out[:, 2 * k_dim:], state, columns))
+    for separate, fused in zip(*results):
+        np.testing.assert_array_equal(fused, separate)
+    print("ok gdn_conv_normed", flush=True)
+
+
 def moe_group() -> None:
     """moe_group's block histogram and stable placement against the twin: rows over two blocks (a partial second),
     a crowded expert, and more experts than a block has threads (two passes of the offsets' scan)."""
@@ -839,7 +876,7 @@ CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": fla
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
-          "gdn_conv_quads": gdn_conv_quads}
+          "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

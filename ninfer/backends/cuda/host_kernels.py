@@ -239,6 +239,10 @@ def gdn_conv(*args, stream, **kwargs):
     _gdn.gdn_conv_reference(*args, **kwargs)
 
 
+def gdn_conv_normed(*args, stream, **kwargs):
+    _gdn.gdn_conv_normed_reference(*args, **kwargs)
+
+
 def gdn_gates(*args, stream, **kwargs):
     _gdn.gdn_gates_reference(*args, **kwargs)
 

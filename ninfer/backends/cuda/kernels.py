@@ -10,7 +10,8 @@ from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid
                                               SILU_QUADS, silu_mul_rows, silu_mul_slots, silu_mul_to_bf16_rows,
                                               to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
-from ninfer.kernels_numba.gdn import gdn_conv, gdn_gates, gdn_output, gdn_recurrent, gdn_recurrent_gated
+from ninfer.kernels_numba.gdn import (gdn_conv, gdn_conv_normed, gdn_gates, gdn_output, gdn_recurrent,
+                                      gdn_recurrent_gated)
 from ninfer.kernels_numba.gdn_chunked import gdn_chunked
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered
@@ -53,6 +54,7 @@ __all__ = [
     "gather_rows",
     "gdn_chunked",
     "gdn_conv",
+    "gdn_conv_normed",
     "gdn_gates",
     "gdn_output",
     "gdn_recurrent",

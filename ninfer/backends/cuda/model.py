@@ -35,6 +35,7 @@ from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.attention import check_min_split_keys, check_splits, row_splits
+from ninfer.kernels_numba.gdn import conv_normed_fits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
 from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_INFO, LAYOUT_PADDED,
@@ -1340,17 +1341,27 @@ class CudaQwen:
             self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         seg = (inputs.seg_lane[:segments], inputs.seg_row[:segments], inputs.seg_count[:segments],
                inputs.seg_record[:segments])
-        self.k.gdn_conv(projected, w.conv, state.conv, state.conv_columns, *seg, mixed,
-                     channels=d.gdn_conv_channels, stream=stream)
+        in_chunks = chunked and rows > SKINNY_ROWS
+        # in chunks, the conv normalises q and k itself where a warp holds a head (`gdn_conv_normed`)
+        normed_conv = in_chunks and conv_normed_fits(projected, w.conv, state.conv_columns, mixed,
+                                                     channels=d.gdn_conv_channels, k_dim=d.gdn_k_dim)
+        if normed_conv:
+            self.k.gdn_conv_normed(projected, w.conv, state.conv, state.conv_columns, *seg, mixed, ws.gdn_q[:rows],
+                                   ws.gdn_k[:rows], channels=d.gdn_conv_channels, qk_heads=d.gdn_qk_heads,
+                                   k_dim=d.gdn_k_dim, stream=stream)
+        else:
+            self.k.gdn_conv(projected, w.conv, state.conv, state.conv_columns, *seg, mixed,
+                            channels=d.gdn_conv_channels, stream=stream)
         if side is not None:
             side.join()
         out = ws.gdn_out[:rows]
         heads = dict(qk_heads=d.gdn_qk_heads, v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, v_dim=d.gdn_v_dim,
                      channels_qk=2 * d.gdn_qk_width, stream=stream)
-        if chunked and rows > SKINNY_ROWS:
+        if in_chunks:
             q, k, log_decay, beta = ws.gdn_q[:rows], ws.gdn_k[:rows], ws.log_decay[:rows], ws.beta[:rows]
             self.k.gdn_gates(mixed, ab, w.neg_a, w.dt_bias, q, k, log_decay, beta, qk_heads=d.gdn_qk_heads,
-                             v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream, tf32=True)
+                             v_heads=d.gdn_v_heads, k_dim=d.gdn_k_dim, stream=stream, tf32=True,
+                             norms=not normed_conv)
             self.k.gdn_chunked(q, k, mixed, log_decay, beta, state.ssm, *seg[:3], out, ws.gdn_cum, ws.gdn_mats,
                                rows=rows, multiprocessors=self.multiprocessors, **heads)
         else:  # the gates computed inside the recurrence (one launch fewer, the same bits)
