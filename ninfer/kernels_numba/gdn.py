@@ -194,60 +194,6 @@ def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_
                       out, r, c)
 
 
-@kernel(_CONV_SIG)
-def _gdn_conv_quads_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
-                           out, channels, rows_per_thread):
-    """`_gdn_conv_kernel` with 4 consecutive channels a thread: the fast path's rows, weights, outputs and recorded
-    histories move as 16-byte vectors (the scalar kernel is issue-bound at ~0.73 of copy on the 35B-A3B's 8K
-    prefill); every value is the same arithmetic, so the same bits. Other rows take the scalar path a channel at a
-    time. Channels and every row length a multiple of 4 (`gdn_conv` checks)."""
-    c = (cuda.blockIdx.x * CONV_THREADS + cuda.threadIdx.x) * 4
-    r0 = (cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y) * rows_per_thread
-    rows = projected.shape[0]
-    if c >= channels or r0 >= rows:
-        return
-    width = channels  # weight [K, C] rows
-    w00, w01, w02, w03 = load4(weight, c)
-    w10, w11, w12, w13 = load4(weight, width + c)
-    w20, w21, w22, w23 = load4(weight, 2 * width + c)
-    w30, w31, w32, w33 = load4(weight, 3 * width + c)
-    s = _fast_segment(seg_row, seg_count, r0, rows_per_thread, rows)
-    if s >= 0:
-        stride = int64(projected.shape[1])
-        out_stride = int64(out.shape[1])
-        e0 = cuda.local.array(CONV_FAST_LOADS, float32)
-        e1 = cuda.local.array(CONV_FAST_LOADS, float32)
-        e2 = cuda.local.array(CONV_FAST_LOADS, float32)
-        e3 = cuda.local.array(CONV_FAST_LOADS, float32)
-        for j in range(CONV_FAST_LOADS):
-            e0[j], e1[j], e2[j], e3[j] = load4(projected, (int64(r0 - 3) + j) * stride + c)
-        for j in range(CONV_FAST_ROWS):
-            store4(out, (int64(r0) + j) * out_stride + c,
-                   _conv_silu(w00, w10, w20, w30, e0[j], e0[j + 1], e0[j + 2], e0[j + 3]),
-                   _conv_silu(w01, w11, w21, w31, e1[j], e1[j + 1], e1[j + 2], e1[j + 3]),
-                   _conv_silu(w02, w12, w22, w32, e2[j], e2[j + 1], e2[j + 2], e2[j + 3]),
-                   _conv_silu(w03, w13, w23, w33, e3[j], e3[j + 1], e3[j + 2], e3[j + 3]))
-        if seg_record[s] != 0:
-            lane = int64(seg_lane[s])
-            t0 = int64(r0 - seg_row[s])
-            steps = int64(conv_columns.shape[1])
-            for j in range(CONV_FAST_ROWS):
-                at = ((lane * steps + t0 + j) * 3) * width + c
-                store4(conv_columns, at, e0[j + 1], e1[j + 1], e2[j + 1], e3[j + 1])
-                store4(conv_columns, at + width, e0[j + 2], e1[j + 2], e2[j + 2], e3[j + 2])
-                store4(conv_columns, at + 2 * width, e0[j + 3], e1[j + 3], e2[j + 3], e3[j + 3])
-        return
-    for r in range(r0, min(r0 + rows_per_thread, rows)):
-        _conv_one_row(projected, w00, w10, w20, w30, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c)
-        _conv_one_row(projected, w01, w11, w21, w31, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c + 1)
-        _conv_one_row(projected, w02, w12, w22, w32, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c + 2)
-        _conv_one_row(projected, w03, w13, w23, w33, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c + 3)
-
-
 def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, *,
              channels, stream, row_threads=CONV_ROWS, quads=None):
     """out[r, :C] = silu(causal depthwise conv of projected[:, :C] with carried state); updates conv_state in place;
@@ -291,7 +237,7 @@ def gdn_conv_reference(projected, conv_weight, conv_state, conv_columns, seg_lan
 # arrays instead of through `mixed` and back (two passes of 2 x [R, Hqk * Dk] fp32: ~90 us a layer of the 35B-A3B's
 # 8K prefill). The decays and betas stay with `gdn_gates(..., norms=False)`.
 
-_CONV_NORMED_SIG = _CONV_SIG + (float32[:, :, ::1], float32[:, :, ::1], int32)
+_CONV_QUADS_SIG = _CONV_SIG + (float32[:, :, ::1], float32[:, :, ::1], int32)
 
 
 @device_function
@@ -316,13 +262,14 @@ def _store_normed_row(out, row, c, q_out, k_out, qk_width):
     _store_normed(y0, y1, y2, y3, int64(row), c, q_out, k_out, qk_width)
 
 
-@kernel(_CONV_NORMED_SIG)
-def _gdn_conv_normed_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
-                            out, channels, rows_per_thread, q_out, k_out, qk_width):
-    """`_gdn_conv_quads_kernel`; in the warps of q and k channels (c < 2 qk_width) each row then normalised into
-    q_out / k_out. Fast-path rows skip `out` there; other rows write it as the conv does and normalise what this
-    thread wrote: row r for t >= 3, rows 0..2 of a segment from its row 0 (their thread, as `_conv_one_row` computes
-    them). Every branch around a warp sum is warp-uniform: a warp shares its rows, and its 128 channels one head."""
+@device_function
+def _conv_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, channels,
+                rows_per_thread, q_out, k_out, qk_width):
+    """A thread of the 4-channel conv (`_gdn_conv_quads_kernel`). With qk_width > 0 (`_gdn_conv_normed_kernel`; 0:
+    q_out / k_out unused), in the warps of q and k channels (c < 2 qk_width) each row is then normalised into q_out /
+    k_out. Fast-path rows skip `out` there; other rows write it as the conv does and normalise what this thread
+    wrote: row r for t >= 3, rows 0..2 of a segment from its row 0 (their thread, as `_conv_one_row` computes them).
+    Every branch around a warp sum is warp-uniform: a warp shares its rows, and its 128 channels one head."""
     c = (cuda.blockIdx.x * CONV_THREADS + cuda.threadIdx.x) * 4
     r0 = (cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y) * rows_per_thread
     rows = projected.shape[0]
@@ -384,6 +331,26 @@ def _gdn_conv_normed_kernel(projected, weight, conv_state, conv_columns, seg_lan
                 elif t == 0:
                     for j in range(min(seg_count[seg], 3)):
                         _store_normed_row(out, r + j, c, q_out, k_out, qk_width)
+
+
+@kernel(_CONV_SIG)
+def _gdn_conv_quads_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
+                           out, channels, rows_per_thread):
+    """`_gdn_conv_kernel` with 4 consecutive channels a thread: the fast path's rows, weights, outputs and recorded
+    histories move as 16-byte vectors (the scalar kernel is issue-bound at ~0.73 of copy on the 35B-A3B's 8K
+    prefill); every value is the same arithmetic, so the same bits. Other rows take the scalar path a channel at a
+    time. Channels and every row length a multiple of 4 (`gdn_conv` checks). (conv_state stands in for the q / k
+    arrays `_conv_quads` never writes without norms.)"""
+    _conv_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, channels,
+                rows_per_thread, conv_state, conv_state, int32(0))
+
+
+@kernel(_CONV_QUADS_SIG)
+def _gdn_conv_normed_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
+                            out, channels, rows_per_thread, q_out, k_out, qk_width):
+    """`_gdn_conv_quads_kernel` with q and k normalised in its pass (`gdn_conv_normed`)."""
+    _conv_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, channels,
+                rows_per_thread, q_out, k_out, qk_width)
 
 
 def gdn_conv_normed(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,

@@ -417,8 +417,11 @@ def test_scatter_combine_takes_the_shared_output_and_its_gate_together():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slots,hidden", [(1, 8, 2048), (37, 8, 2048), (5, 4, 100), (3, 2, 7)])
-def test_gpu_scatter_combine_of_bf16_outputs_is_the_decode_combine_bitwise(rows, slots, hidden):
-    """bf16 permuted expert outputs (the grouped GEMM's): the same bits as moe_combine of their fp32 values."""
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_gpu_scatter_combine_of_bf16_outputs_is_the_decode_combine_bitwise(rows, slots, hidden, with_shared):
+    """bf16 permuted expert outputs (the grouped GEMM's): the same bits as moe_combine of their fp32 values; with the
+    gated shared expert in the same pass (16-byte kernel, or the column kernel and sigmoid_gate_add) the same bits as
+    the decode combine that takes it, gate logits a column of the router's."""
     cuda = _cuda()
     stream = cuda.stream()
     rng = np.random.default_rng(22 + rows)
@@ -426,44 +429,20 @@ def test_gpu_scatter_combine_of_bf16_outputs_is_the_decode_combine_bitwise(rows,
     ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
     eo = f32_to_bf16_bits(rand(rng, rows, slots, hidden))
     w, res = rand(rng, rows, slots), rand(rng, rows, hidden)
+    gated = {}
+    if with_shared:
+        logits = cuda.to_device(rand(rng, rows, experts + 1), stream=stream)
+        gated = dict(shared_out=cuda.to_device(rand(rng, rows, hidden), stream=stream),
+                     gate_logit=logits[:, experts:experts + 1])
     d_res = cuda.to_device(res, stream=stream)
     moe.moe_combine(cuda.to_device(bf16_bits_to_f32(eo), stream=stream), cuda.to_device(w, stream=stream), d_res,
-                    stream=stream)
+                    stream=stream, **gated)
     want = d_res.copy_to_host(stream=stream)
     _, _, slot_of, position_of = moe.moe_group_reference(ids, experts)
     d_res2 = cuda.to_device(res, stream=stream)
     moe.moe_scatter_combine(cuda.to_device(eo.reshape(rows * slots, hidden)[slot_of].copy(), stream=stream),
                             cuda.to_device(slot_of, stream=stream), cuda.to_device(w, stream=stream), slots, d_res2,
-                            position_of=cuda.to_device(position_of, stream=stream), stream=stream)
-    got = d_res2.copy_to_host(stream=stream)
-    stream.synchronize()
-    np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,slots,hidden", [(37, 8, 2048), (5, 4, 100), (3, 2, 7)])
-def test_gpu_scatter_combine_with_the_shared_expert_is_the_decode_combine_bitwise(rows, slots, hidden):
-    """The prefill combine with the gated shared expert in its pass (16-byte kernel, or the column kernel and
-    sigmoid_gate_add): the same bits as the decode combine that takes them, gate logits a column of the router's."""
-    cuda = _cuda()
-    stream = cuda.stream()
-    rng = np.random.default_rng(40 + rows)
-    experts = 64
-    ids = np.sort(np.stack([rng.choice(experts, slots, replace=False) for _ in range(rows)]), axis=1).astype(np.int32)
-    eo = f32_to_bf16_bits(rand(rng, rows, slots, hidden))
-    w, res, shared = rand(rng, rows, slots), rand(rng, rows, hidden), rand(rng, rows, hidden)
-    logits = cuda.to_device(rand(rng, rows, experts + 1), stream=stream)
-    gate_logit = logits[:, experts:experts + 1]
-    d_res = cuda.to_device(res, stream=stream)
-    moe.moe_combine(cuda.to_device(bf16_bits_to_f32(eo), stream=stream), cuda.to_device(w, stream=stream), d_res,
-                    stream=stream, shared_out=cuda.to_device(shared, stream=stream), gate_logit=gate_logit)
-    want = d_res.copy_to_host(stream=stream)
-    _, _, slot_of, position_of = moe.moe_group_reference(ids, experts)
-    d_res2 = cuda.to_device(res, stream=stream)
-    moe.moe_scatter_combine(cuda.to_device(eo.reshape(rows * slots, hidden)[slot_of].copy(), stream=stream),
-                            cuda.to_device(slot_of, stream=stream), cuda.to_device(w, stream=stream), slots, d_res2,
-                            position_of=cuda.to_device(position_of, stream=stream), stream=stream,
-                            shared_out=cuda.to_device(shared, stream=stream), gate_logit=gate_logit)
+                            position_of=cuda.to_device(position_of, stream=stream), stream=stream, **gated)
     got = d_res2.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(got, want)

@@ -782,6 +782,20 @@ def moe_layout() -> None:
     print("ok moe_layout", cases, flush=True)
 
 
+def _conv_case(rng, channels: int, lanes: int = 3):
+    """The conv checks' inputs: a recording segment long enough for the 8-row fast path, a short one after it."""
+    from ninfer.kernels_numba import gdn
+
+    rows = gdn.CONV_FAST_MIN_ROWS + 14
+    seg = (np.array([2, 0], np.int32), np.array([0, rows - 9], np.int32), np.array([rows - 9, 9], np.int32),
+           np.array([1, 0], np.int32))
+    projected = rng.standard_normal((rows, channels + 4)).astype(np.float32)
+    weight = (rng.standard_normal((gdn.CONV_TAPS, channels)) * 0.5).astype(np.float32)
+    state0 = rng.standard_normal((lanes, gdn.CONV_TAPS - 1, channels)).astype(np.float32)
+    return rows, seg, projected, weight, state0, np.full((lanes, rows, gdn.CONV_TAPS - 1, channels), np.nan,
+                                                        np.float32)
+
+
 def gdn_conv_quads() -> None:
     """The conv with 4 channels a thread against the scalar kernel, bit for bit (outputs, carried state, recorded
     histories), and the twin: a recording segment long enough for the 8-row fast path, a short one after it."""
@@ -789,23 +803,17 @@ def gdn_conv_quads() -> None:
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(gdn))
-    rng = np.random.default_rng(8)
-    channels, rows, lanes = 8, gdn.CONV_FAST_MIN_ROWS + 14, 3
-    seg = (np.array([2, 0], np.int32), np.array([0, rows - 9], np.int32), np.array([rows - 9, 9], np.int32),
-           np.array([1, 0], np.int32))
-    projected = rng.standard_normal((rows, channels + 4)).astype(np.float32)
-    weight = (rng.standard_normal((gdn.CONV_TAPS, channels)) * 0.5).astype(np.float32)
-    state0 = rng.standard_normal((lanes, gdn.CONV_TAPS - 1, channels)).astype(np.float32)
+    channels = 8
+    rows, seg, projected, weight, state0, blank = _conv_case(np.random.default_rng(8), channels)
     results = []
     for quads in (False, True):
-        state = state0.copy()
-        columns = np.full((lanes, rows, gdn.CONV_TAPS - 1, channels), np.nan, np.float32)
+        state, columns = state0.copy(), blank.copy()
         out = np.full((rows, channels), np.nan, np.float32)
         gdn.gdn_conv(projected, weight, state, columns, *seg, out, channels=channels, stream=0, quads=quads)
         results.append((out, state, columns))
     for scalar, quads in zip(*results):
         np.testing.assert_array_equal(quads, scalar)
-    state, columns = state0.copy(), np.full((lanes, rows, gdn.CONV_TAPS - 1, channels), np.nan, np.float32)
+    state, columns = state0.copy(), blank.copy()
     want = np.full((rows, channels), np.nan, np.float32)
     gdn.gdn_conv_reference(projected, weight, state, columns, *seg, want, channels=channels)
     assert _rel(results[1][0], want) < 1e-6 and np.array_equal(results[1][1], state), _rel(results[1][0], want)
@@ -820,18 +828,12 @@ def gdn_conv_normed() -> None:
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(gdn))
-    rng = np.random.default_rng(9)
-    k_dim, lanes = gdn.MAX_HEAD_DIM, 3
-    channels, rows = 3 * k_dim, gdn.CONV_FAST_MIN_ROWS + 14
-    seg = (np.array([2, 0], np.int32), np.array([0, rows - 9], np.int32), np.array([rows - 9, 9], np.int32),
-           np.array([1, 0], np.int32))
-    projected = rng.standard_normal((rows, channels + 4)).astype(np.float32)
-    weight = (rng.standard_normal((gdn.CONV_TAPS, channels)) * 0.5).astype(np.float32)
-    state0 = rng.standard_normal((lanes, gdn.CONV_TAPS - 1, channels)).astype(np.float32)
+    k_dim = gdn.MAX_HEAD_DIM
+    channels = 3 * k_dim
+    rows, seg, projected, weight, state0, blank = _conv_case(np.random.default_rng(9), channels)
     results = []
     for fused in (False, True):
-        state = state0.copy()
-        columns = np.full((lanes, rows, gdn.CONV_TAPS - 1, channels), np.nan, np.float32)
+        state, columns = state0.copy(), blank.copy()
         out = np.full((rows, channels), np.nan, np.float32)
         q, k = (np.full((rows, 1, k_dim), np.nan, np.float32) for _ in range(2))
         if fused:
