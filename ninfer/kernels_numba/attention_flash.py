@@ -166,11 +166,12 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
                     j = j0 + nt * 8 + 2 * t + (e & 1)
                     if j > (pos_lo if e < 2 else pos_hi) or j >= length:
                         s[4 * nt + e] = float32(-math.inf)
-        top_lo = float32(-math.inf)
-        top_hi = float32(-math.inf)
-        for nt in unrolled(8):
-            top_lo = max(top_lo, max(s[4 * nt], s[4 * nt + 1]))
-            top_hi = max(top_hi, max(s[4 * nt + 2], s[4 * nt + 3]))
+        # each row's maximum as a tree (depth 4, not a chain of 16: the chain's FMNMX were the top stalls after the
+        # epilogue's, session 23); max is exact, so the order changes no bit
+        top_lo = max(max(max(s[0], s[1]), max(s[4], s[5])), max(max(s[8], s[9]), max(s[12], s[13])))
+        top_lo = max(top_lo, max(max(max(s[16], s[17]), max(s[20], s[21])), max(max(s[24], s[25]), max(s[28], s[29]))))
+        top_hi = max(max(max(s[2], s[3]), max(s[6], s[7])), max(max(s[10], s[11]), max(s[14], s[15])))
+        top_hi = max(top_hi, max(max(max(s[18], s[19]), max(s[22], s[23])), max(max(s[26], s[27]), max(s[30], s[31]))))
         top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 1))
         top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 2))
         top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 1))
