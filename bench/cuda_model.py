@@ -333,7 +333,7 @@ def trace_moe_host(model: CudaQwen, run) -> dict:
     """The host's own time through each MoE layer of one unprofiled `run()` (bench/host_trace.py): the wait for the
     group sizes, then each call until the first expert GEMM is queued. The GPU idles wherever that takes longer
     than the work queued before the wait (the rows' gather, the shared expert)."""
-    from bench.host_trace import HostTrace, moe_waits, print_moe_waits
+    from bench.host_trace import HostTrace, host_gap_us, moe_waits, print_moe_waits
     from ninfer.backends.cuda.staging import PendingRead, StagingSlots
 
     trace = HostTrace()
@@ -344,9 +344,12 @@ def trace_moe_host(model: CudaQwen, run) -> dict:
     trace.wrap(StagingSlots, "write", "staging write")
     trace.wrap(model.linear, "bf16_weight")
     for name in ("moe_group", "moe_layout", "moe_pad_positions", "moe_gather", "silu_mul_bf16_rows",
-                 "silu_mul_to_bf16_rows", "moe_scatter_combine", "sigmoid_gate_add", "route_top_k", "rms_norm_rows"):
+                 "silu_mul_to_bf16_rows", "moe_scatter_combine", "sigmoid_gate_add", "route_top_k", "rms_norm_rows",
+                 "embed_rows"):
         trace.wrap(model.k, name)
-    report = moe_waits(trace.run(run), wait="sizes wait", gemms=gemms)
+    events = trace.run(run)
+    report = moe_waits(events, wait="sizes wait", gemms=gemms)
+    report["embed_to_first_norm_us"] = host_gap_us(events, after="embed_rows", before="rms_norm_rows")
     print_moe_waits(report)
     return report
 

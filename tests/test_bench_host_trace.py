@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from bench.host_trace import GcPauses, HostTrace, moe_waits
+from bench.host_trace import GcPauses, HostTrace, host_gap_us, moe_waits
 
 
 class Gemms:
@@ -41,6 +41,15 @@ def test_moe_waits_reads_each_layer_from_its_wait_to_its_first_expert_gemm():
     assert round(report["median_to_first_gemm_us"]) == 95
     assert report["call_us"]["chunked_gemm_bf16"]["calls"] == 2
     assert round(report["call_us"]["chunked_gemm_bf16"]["total"]) == 100
+
+
+def test_host_gap_is_from_the_first_call_to_the_next_of_the_other():
+    us = 1e-6
+    events = [("rms_norm_rows", 0 * us, 2 * us), ("embed_rows", 5 * us, 9 * us), ("gemm", 10 * us, 20 * us),
+              ("rms_norm_rows", 2709 * us, 2712 * us), ("rms_norm_rows", 3000 * us, 3003 * us)]
+    assert round(host_gap_us(events, after="embed_rows", before="rms_norm_rows")) == 2700
+    assert host_gap_us(events, after="embed_rows", before="moe_gather") is None
+    assert host_gap_us(events, after="head", before="rms_norm_rows") is None
 
 
 def test_gc_pauses_records_each_collection_while_open_and_none_after():
