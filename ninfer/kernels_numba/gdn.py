@@ -203,21 +203,31 @@ def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row
     0.85 of copy against the scalar kernel's 0.73 at both models' 8K prefill (bench/kernel_gdn.py, session 21)."""
     if conv_weight.shape[0] != CONV_TAPS:
         raise ValueError(f"gdn_conv supports a {CONV_TAPS}-tap conv, got {conv_weight.shape[0]}")
-    quads_fit = not (channels % 4 or projected.shape[1] % 4 or out.shape[1] % 4 or conv_weight.shape[1] != channels
-                     or conv_columns.shape[3] != channels)
+    quads_fit = _quads_fit(projected, conv_weight, conv_columns, out, channels)
     if quads is None:
         quads = quads_fit
     if quads and not quads_fit:
         raise ValueError(f"gdn_conv's 4-channel variant needs channels, row lengths and the weight's and histories' "
                          f"widths multiples of 4 and equal to the channels ({channels}, {projected.shape[1]}, "
                          f"{out.shape[1]}, {conv_weight.shape[1]}, {conv_columns.shape[3]})")
-    rows = projected.shape[0]
-    per_thread = CONV_FAST_ROWS if rows >= CONV_FAST_MIN_ROWS else 1
-    grid = (blocks_for(channels // 4 if quads else channels, CONV_THREADS), blocks_for(rows, row_threads * per_thread))
+    grid, per_thread = _conv_grid(projected.shape[0], channels // 4 if quads else channels, row_threads)
     function = _gdn_conv_quads_kernel if quads else _gdn_conv_kernel
     function[grid, (CONV_THREADS, row_threads), stream](projected, conv_weight, conv_state, conv_columns, seg_lane,
                                                         seg_row, seg_count, seg_record, out, np.int32(channels),
                                                         np.int32(per_thread))
+
+
+def _quads_fit(projected, conv_weight, conv_columns, out, channels: int) -> bool:
+    """Whether the 4-channel kernel takes these widths: channels, row lengths and the weight's and histories' widths
+    multiples of 4 and equal to the channels."""
+    return not (channels % 4 or projected.shape[1] % 4 or out.shape[1] % 4 or conv_weight.shape[1] != channels
+                or conv_columns.shape[3] != channels)
+
+
+def _conv_grid(rows: int, threads_across: int, row_threads: int) -> tuple[tuple[int, int], int]:
+    """(grid, rows a thread) of a conv launch over `threads_across` channel threads (a channel or 4 each)."""
+    per_thread = CONV_FAST_ROWS if rows >= CONV_FAST_MIN_ROWS else 1
+    return (blocks_for(threads_across, CONV_THREADS), blocks_for(rows, row_threads * per_thread)), per_thread
 
 
 def gdn_conv_reference(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record,
@@ -362,9 +372,7 @@ def gdn_conv_normed(projected, conv_weight, conv_state, conv_columns, seg_lane, 
     if not conv_normed_fits(projected, conv_weight, conv_columns, out, channels=channels, k_dim=k_dim):
         raise ValueError(f"gdn_conv_normed takes k_dim {MAX_HEAD_DIM}, channels a multiple of it, and the 4-channel "
                          f"conv's widths; got k_dim {k_dim}, channels {channels}")
-    rows = projected.shape[0]
-    per_thread = CONV_FAST_ROWS if rows >= CONV_FAST_MIN_ROWS else 1
-    grid = (blocks_for(channels // 4, CONV_THREADS), blocks_for(rows, CONV_ROWS * per_thread))
+    grid, per_thread = _conv_grid(projected.shape[0], channels // 4, CONV_ROWS)
     _gdn_conv_normed_kernel[grid, (CONV_THREADS, CONV_ROWS), stream](
         projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,
         np.int32(channels), np.int32(per_thread), q_out, k_out, np.int32(qk_heads * k_dim))
@@ -372,8 +380,8 @@ def gdn_conv_normed(projected, conv_weight, conv_state, conv_columns, seg_lane, 
 
 def conv_normed_fits(projected, conv_weight, conv_columns, out, *, channels: int, k_dim: int) -> bool:
     """Whether `gdn_conv_normed` takes these shapes."""
-    return (k_dim == MAX_HEAD_DIM and channels % MAX_HEAD_DIM == 0 and projected.shape[1] % 4 == 0
-            and out.shape[1] % 4 == 0 and conv_weight.shape[1] == channels and conv_columns.shape[3] == channels)
+    return (k_dim == MAX_HEAD_DIM and channels % MAX_HEAD_DIM == 0
+            and _quads_fit(projected, conv_weight, conv_columns, out, channels))
 
 
 def gdn_conv_normed_reference(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count,

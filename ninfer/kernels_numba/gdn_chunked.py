@@ -12,8 +12,8 @@ E = exp(G), S the state before the chunk):
 which equals the recurrence (S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q) row for row in exact
 arithmetic. Every exponent is <= 0 (log decays are <= 0), so nothing overflows.
 
-Two launches (8K rows at the 27B head shapes on the H200, session 22: ~0.43 + ~0.93 ms a layer, against 4.96 ms
-recurrent; measured before the block rows went to 3xTF32 products, K and Q were staged and S held transposed):
+Two launches (8K rows at the 27B head shapes on the H200, session 23: 0.27 + 0.89 ms a layer, against 4.96 ms
+recurrent):
 1. `gdn_chunk_prepare_kernel` (segments x chunks x v heads, all in parallel): G (written to `cum`), then K K^T and
    Q K^T on the tensor cores (K and Q staged in shared memory 64 key dims at a time), T by 16-row blocks (each warp
    inverts its diagonal block in registers, then three block rows of 3xTF32 products), and T and P packed into one
@@ -62,9 +62,9 @@ F32 = np.float32
 CHUNK = 64  # rows per chunk: 4 warps x one 16-row mma tile
 THREADS = 128  # prepare: one 16-row tile per warp
 PREPARE_PART = 64  # prepare: key dims of K and Q staged in shared memory at a time (two [CHUNK, 68] tiles, 34 KiB)
-# the prepare kernel's register cap (`prepare_kernel`): at 96, 5 blocks an SM instead of 4 (session 22, 8K rows:
-# 35B-A3B 316 -> 299 us a layer, 27B 465 -> 432; 80, 6 blocks, spilled: 380 and 534). Measured before K and Q
-# were staged in shared memory; under 96 the staging spills 36 bytes (ptxas, sm_90), around its copies only
+# the prepare kernel's register cap (`prepare_kernel`): at 96, 5 blocks an SM instead of 4. With K and Q staged
+# (session 23, 8K rows, 35B-A3B / 27B): 96 190 / 272 us a layer, 128 200 / 290, 80 (6 blocks) 209 / 284; under 96
+# the staging spills 36 bytes (ptxas, sm_90), around its copies only
 PREPARE_MAX_REGISTERS = 96
 SCAN_THREADS = 256  # scan: 8 warps, (16-row tile, half the slice's columns) each
 SLICES = (32, 64)  # value columns per scan block, a compiled variant each (`scan_slice` picks one)
