@@ -100,7 +100,7 @@ def _make_set(rng, m, sc, stream):
         seg_row=dev((np.arange(s) * each).astype(np.int32)),
         seg_count=dev(np.full(s, each, np.int32)),
         seg_record=dev(np.full(s, sc["record"], np.int32)),
-        mixed=empty(rows, c), q=empty(rows, hq, dk), k=empty(rows, hq, dk), log_decay=empty(rows, hv),
+        result_bf16=cuda.device_array((rows, hv * dv), np.uint16, stream=stream), mixed=empty(rows, c), q=empty(rows, hq, dk), k=empty(rows, hq, dk), log_decay=empty(rows, hv),
         beta=empty(rows, hv), out=empty(rows, hv, dv), result=empty(rows, hv * dv),
         cum=empty(rows, hv), mats=empty(rows, hv, gdn_chunked.CHUNK),
     )
@@ -157,13 +157,24 @@ def _launchers(m, stream, scenario):
             d["q"], d["k"], d["log_decay"], d["beta"], d["seg_row"], d["seg_count"], d["cum"], d["mats"],
             rows=d["rows"], qk_heads=hq, v_heads=hv, k_dim=dk, stream=stream, max_registers=max_registers)
 
+    # the model's prefill form of the conv and the gates: q and k normalised in the conv's pass (at k_dim 128), the
+    # gates then only the decays and betas; the output's bf16 copy alone (its reader is a cuBLAS GEMM)
+    launchers["conv_normed"] = lambda d: gdn.gdn_conv_normed(
+        d["projected"], d["conv_weight"], d["conv_state"], d["conv_columns"], *seg(d), d["mixed"], d["q"], d["k"],
+        channels=d["c"], qk_heads=hq, k_dim=dk, stream=stream)
+    launchers["gates_decays"] = lambda d: gdn.gdn_gates(
+        d["mixed"], d["ab"], d["neg_a"], d["dt_bias"], d["q"], d["k"], d["log_decay"], d["beta"], qk_heads=hq,
+        v_heads=hv, k_dim=dk, stream=stream, tf32=True, norms=False)
+    launchers["output_bf16"] = lambda d: gdn.gdn_output(d["out"], d["projected"], d["norm"], None, v_heads=hv,
+                                                        v_dim=dv, z_offset=d["c"], eps=1e-6, stream=stream,
+                                                        result_bf16=d["result_bf16"])
     launchers["chunked"] = chunked(cuda.get_current_device().MULTIPROCESSOR_COUNT)
     launchers["chunked_64"] = chunked(0)  # no SMs to fill: `scan_slice` keeps 64 columns
     launchers["prepare"] = prepare(gdn_chunked.PREPARE_MAX_REGISTERS)  # the chunked rule's first launch alone
     for cap in PREPARE_CAPS:  # the same kernel under register caps (more blocks an SM; the same bits)
         launchers[f"prepare_r{cap}"] = prepare(cap)
     return launchers, {"recurrent", "recurrent_g8", "conv_r2", "conv_r4", "conv_quads", "chunked_64", "prepare",
-                       *(f"prepare_r{cap}" for cap in PREPARE_CAPS)}
+                       "conv", "gates", "output", *(f"prepare_r{cap}" for cap in PREPARE_CAPS)}
 
 
 def _bytes_and_flops(name, m, sc, d):
@@ -174,6 +185,8 @@ def _bytes_and_flops(name, m, sc, d):
         return 4 * (2 * rows * c + K * c + 2 * lanes * (K - 1) * c + rec * rows * (K - 1) * c), 2 * K * rows * c
     if name == "gates":
         return 4 * (2 * rows * 2 * hq * dk + 2 * rows * 2 * hv), 0
+    if name == "gates_decays":
+        return 4 * (2 * rows * 2 * hv), 0
     if name.startswith("prepare"):  # q and k read, G and the packed T / P written
         return 4 * (2 * rows * hq * dk + 2 * rows * hv + rows * hv * (1 + 64)), 0
     if name.startswith(("recurrent", "chunked")):  # the recurrence's FLOPs for both forms
@@ -182,6 +195,8 @@ def _bytes_and_flops(name, m, sc, d):
                 8 * rows * state)
     if name == "output":
         return 4 * (3 * rows * vw + dv), 0
+    if name == "output_bf16":  # o and z read in fp32, the result written in bf16
+        return 4 * (2 * rows * vw + dv) + 2 * rows * vw, 0
     raise KeyError(name)
 
 

@@ -70,3 +70,17 @@ def test_host_chunked_gemm_multiplies_each_chunk_by_its_groups_weights_and_check
             HostBlas().chunked_gemm_bf16(x, w, y_bad, groups_bad, chunk)
     with pytest.raises(ValueError, match="chunked gemm shapes"):  # more chunks than the map has entries
         HostBlas().chunked_gemm_bf16(x, w, y, chunk_groups, chunk, chunks=6)
+
+
+def test_host_norm_writes_the_bf16_copy_alone_when_asked_and_refuses_no_output():
+    """rms_norm_rows with out None (a prefill norm read only by cuBLAS GEMMs) writes the bf16 bits of the rows the
+    fp32 call writes; with neither output it raises."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((4, 16)).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    out, both, alone = np.empty((4, 16), np.float32), np.empty((4, 16), np.uint16), np.empty((4, 16), np.uint16)
+    host_kernels.rms_norm_rows(x, w, out, eps=1e-6, offset=True, stream=None, out_bf16=both)
+    host_kernels.rms_norm_rows(x, w, None, eps=1e-6, offset=True, stream=None, out_bf16=alone)
+    np.testing.assert_array_equal(both, f32_to_bf16_bits(out))
+    np.testing.assert_array_equal(alone, both)
+    with pytest.raises(ValueError, match="needs an fp32 out"):
+        host_kernels.rms_norm_rows(x, w, None, eps=1e-6, offset=True, stream=None)

@@ -129,9 +129,11 @@ def load_row(x, weight, values, weights, r, offset):
 
 
 @device_function
-def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragments, r, total, width, eps):
-    """out[r, 4 (t + j * threads) + e] = values[4 j + e] * rsqrt(total / width + eps) * weights[4 j + e] (and the
-    bf16 copy, and the bf16 x fragments of row r: a vector's columns 4v, 4v + 1 and 4v + 2, 4v + 3 are two words)."""
+def scale_row(values, weights, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, total, width,
+              eps):
+    """out[r, 4 (t + j * threads) + e] = values[4 j + e] * rsqrt(total / width + eps) * weights[4 j + e] (unless
+    write_f32 is 0), the bf16 copy, and the bf16 x fragments of row r (a vector's columns 4v, 4v + 1 and 4v + 2,
+    4v + 3 are two words)."""
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     inv = float32(1.0) / math.sqrt(total / float32(width) + eps)
@@ -145,9 +147,10 @@ def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragm
             y1 = (values[4 * j + 1] * inv) * weights[4 * j + 1]
             y2 = (values[4 * j + 2] * inv) * weights[4 * j + 2]
             y3 = (values[4 * j + 3] * inv) * weights[4 * j + 3]
-            store_words4_at(out_row + int64(v) * 16, uint32(libdevice.float_as_int(y0)),
-                            uint32(libdevice.float_as_int(y1)), uint32(libdevice.float_as_int(y2)),
-                            uint32(libdevice.float_as_int(y3)))
+            if write_f32 != 0:
+                store_words4_at(out_row + int64(v) * 16, uint32(libdevice.float_as_int(y0)),
+                                uint32(libdevice.float_as_int(y1)), uint32(libdevice.float_as_int(y2)),
+                                uint32(libdevice.float_as_int(y3)))
             if write_bf16 != 0 or write_fragments != 0:
                 low = bf16_pair(y0, y1)
                 high = bf16_pair(y2, y3)
@@ -160,7 +163,7 @@ def scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragm
 
 
 @device_function
-def norm_row(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset):
+def norm_row(x, weight, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset):
     """Row r of `rms_norm_rows` (one block a row): out[r] (and its bf16 copy and x fragments) = rms_norm(x[r]).
     load_row reads the thread's own vectors of x, so a kernel may write them just before (the residual adds)."""
     buf = cuda.shared.array(32, float32)
@@ -168,13 +171,15 @@ def norm_row(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, r
     weights = cuda.local.array(NORM_ITEMS, float32)
     acc = load_row(x, weight, values, weights, r, offset)
     total = block_sum(acc, buf)  # its barrier also orders the reads of x before writes to an aliased out
-    scale_row(values, weights, out, out_bf16, write_bf16, fragments, write_fragments, r, total, x.shape[1], eps)
+    scale_row(values, weights, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, total,
+              x.shape[1], eps)
 
 
-@kernel((F32_2D, F32_1D, F32_2D, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
-def _rms_norm_kernel(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, eps, offset):
+@kernel((F32_2D, F32_1D, F32_2D, int32, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
+def _rms_norm_kernel(x, weight, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, eps, offset):
     allow_dependents()  # a projection of the normed rows may start loading its weights (`programmatic`)
-    norm_row(x, weight, out, out_bf16, write_bf16, fragments, write_fragments, cuda.blockIdx.x, eps, offset)
+    norm_row(x, weight, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, cuda.blockIdx.x, eps,
+             offset)
 
 
 @kernel((F32_2D, F32_2D, F32_1D, F32_2D, uint16[:, ::1], float32, int32), fastmath=False)
@@ -189,22 +194,26 @@ def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset)
             i = 4 * v + e
             if i < width:
                 residual[r, i] = residual[r, i] + delta[r, i]
-    norm_row(residual, weight, out, unused_bf16, int32(0), unused_bf16[0], int32(0), r, eps, offset)
+    norm_row(residual, weight, out, int32(1), unused_bf16, int32(0), unused_bf16[0], int32(0), r, eps, offset)
 
 
 def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):
     """out = ops.rms_norm(x, weight, eps, offset=offset). x, out fp32 [R, H] (may alias); weight fp32 [H].
     With `out_bf16` (uint16 [R, H]) the same values rounded to bf16 bits are written there too: the input of the
-    cuBLAS linear layers that follow, without a separate conversion launch. With `out_fragments` (uint32, R <= 8)
+    cuBLAS linear layers that follow, without a separate conversion launch; `out` None then writes that copy alone
+    (every consumer a cuBLAS GEMM: at the 35B-A3B's 8K prefill 2/5 of the norm's bytes, ~16 us a launch). With `out_fragments` (uint32, R <= 8)
     they are written as the tensor-core x fragments (`quant_mma.x_fragments` of out; rows R..7 left as they were:
     the mma keeps each x row's column apart, so no output reads them)."""
     rows = x.shape[0]
+    if out is None and out_bf16 is None:
+        raise ValueError("rms_norm_rows needs an fp32 out, a bf16 out or both")
     if out_fragments is not None:
         check_fragment_output(rows, x.shape[1], out_fragments)
+    written = x if out is None else out  # x stands in for an fp32 out not asked for (never written)
     if rows:
         _rms_norm_kernel[rows, norm_threads(x.shape[1]), stream](
-            x, weight, out, *bf16_target(out, out_bf16), *fragment_target(out, out_fragments), np.float32(eps),
-            np.int32(bool(offset)))
+            x, weight, written, np.int32(out is not None), *bf16_target(written, out_bf16),
+            *fragment_target(written, out_fragments), np.float32(eps), np.int32(bool(offset)))
 
 
 def rms_norm_rows_reference(x, weight, *, eps, offset):

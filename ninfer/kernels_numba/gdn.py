@@ -22,9 +22,9 @@ from numba import float32, int32, int64, uint16, uint64  # noqa: F401 (uint64: t
 
 from ninfer.backends.cpu.gdn import causal_conv, conv_histories, gated_delta_rule
 from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softplus
-from ninfer.kernels_numba.common import (FULL_MASK, WARP, bf16_target, blocks_for, f32_to_bf16,  # noqa: F401
-                                         fragment_target, sigmoid_f32, tf32_round, tf32_round_host,
-                                         warp_sum)  # (FULL_MASK: templates)
+from ninfer.kernels_numba.common import (FULL_MASK, WARP, address_of, bf16_pair, bf16_target,  # noqa: F401
+                                         blocks_for, f32_to_bf16, fragment_target, sigmoid_f32, store_words2_at,
+                                         tf32_round, tf32_round_host, warp_sum)  # (FULL_MASK: templates)
 from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.programmatic import allow_dependents
@@ -257,7 +257,7 @@ def _store_normed(y0, y1, y2, y3, row, c, q_out, k_out, qk_width):
     total = warp_sum(((y0 * y0 + y1 * y1) + y2 * y2) + y3 * y3)
     denom = math.sqrt(total + float32(L2_EPS))
     if c < qk_width:
-        scale = float32(1.0) / math.sqrt(float32(MAX_HEAD_DIM))
+        scale = float32(NORMED_Q_SCALE)
         store4(q_out, row * qk_width + c, tf32_round((y0 / denom) * scale), tf32_round((y1 / denom) * scale),
                tf32_round((y2 / denom) * scale), tf32_round((y3 / denom) * scale))
     else:
@@ -401,6 +401,9 @@ def gdn_conv_normed_reference(projected, conv_weight, conv_state, conv_columns, 
 GATES_WARPS = 8
 PER_LANE = 4  # head dims up to 4 * 32 = 128: a lane holds 4 consecutive dims (one 16-byte load), a warp a head
 MAX_HEAD_DIM = PER_LANE * WARP
+# q's 1/sqrt(Dk) at Dk = MAX_HEAD_DIM as the gates kernel computes it (fp32 sqrt, then fp32 divide: the same bits):
+# `gdn_conv_normed` takes it as a constant instead of a sqrt and a divide each row of each thread
+NORMED_Q_SCALE = float(F32(1.0) / np.sqrt(F32(MAX_HEAD_DIM)))
 
 _GATES_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[:, :, ::1], float32[:, :, ::1],
               float32[:, ::1], float32[:, ::1], int32, int32, int32, int32, int32)
@@ -831,11 +834,9 @@ def _gdn_output_vec_kernel(o, z_source, weight, result, write_f32, result_bf16, 
     v3 = ((x3 * inv) * weight[4 * lane + 3]) * (z3 * sigmoid_f32(z3))
     if write_f32 != 0:
         store4(result, row * result.shape[1] + column, v0, v1, v2, v3)
-    if write_bf16 != 0:
-        result_bf16[row, column] = uint16(f32_to_bf16(v0))
-        result_bf16[row, column + 1] = uint16(f32_to_bf16(v1))
-        result_bf16[row, column + 2] = uint16(f32_to_bf16(v2))
-        result_bf16[row, column + 3] = uint16(f32_to_bf16(v3))
+    if write_bf16 != 0:  # one 8-byte store (4 two-byte ones left the 8K prefill at ~0.7 of copy bandwidth)
+        store_words2_at(address_of(result_bf16) + (int64(row) * result_bf16.shape[1] + column) * 2,
+                        bf16_pair(v0, v1), bf16_pair(v2, v3))
     if write_fragments != 0:
         fragments[fragment_half(int32(row), int32(column))] = uint16(f32_to_bf16(v0))
         fragments[fragment_half(int32(row), int32(column + 1))] = uint16(f32_to_bf16(v1))

@@ -271,8 +271,8 @@ def _combine_rms_norm_kernel(expert_out, weights, residual, shared_out, gate_log
                 for e in range(4):
                     acc += row_copy[4 * v + e] * row_copy[4 * v + e]
     # the outputs as rms_norm_rows writes them, each thread its own vectors (values and weights in its layout)
-    scale_row(values, norm_weights, out, out_bf16, write_bf16, fragments, write_fragments, r, block_sum(acc, buf),
-              width, eps)
+    scale_row(values, norm_weights, out, int32(1), out_bf16, write_bf16, fragments, write_fragments, r,
+              block_sum(acc, buf), width, eps)
 
 
 def check_combine_slots(slots: int) -> None:
@@ -517,13 +517,49 @@ def _moe_scatter_rows_octets(x, position_of, top_k, out_words):
             store4(out_words, position_of[r * top_k + s] * (width // 2) + 4 * o, w0, w1, w2, w3)
 
 
+@kernel((uint32[:, ::1], int32[::1], int32, uint32[:, ::1]), fastmath=False)
+def _moe_scatter_bf16_rows_octets(x_words, position_of, top_k, out_words):
+    # `_moe_scatter_rows_octets` from rows already in bf16: one 16-byte load, top_k 16-byte stores
+    words = x_words.shape[1]
+    r, o = flat_row_piece(words // 4)
+    if r < x_words.shape[0]:
+        w0, w1, w2, w3 = load4(x_words, r * words + 4 * o)
+        for s in range(top_k):
+            store4(out_words, position_of[r * top_k + s] * words + 4 * o, w0, w1, w2, w3)
+
+
+@kernel((uint16[:, ::1], int32[::1], int32, uint16[:, ::1]), fastmath=False)
+def _moe_scatter_bf16_rows_single(x, position_of, top_k, out):
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    r = cuda.blockIdx.x
+    if j < out.shape[1]:
+        value = x[r, j]
+        for s in range(top_k):
+            out[position_of[r * top_k + s], j] = value
+
+
 def moe_gather(x, slot_of, top_k, out, *, stream, position_of=None):
     """The bf16 GEMM input of the prefill's expert GEMMs from x fp32 [R, H] into out uint16 [., H].
 
     Without `position_of`: out[p] = bf16 bits of x[slot_of[p] // top_k] for every row p of out. With it (moe_group's
     inverse map, or the padded one of moe_pad_positions; int32 [R*top_k]): out[position_of[r*top_k + s]] = bf16
     bits of x[r] for every row r of x and slot s, each x row read once (fewer bytes: the prefill's form); rows of
-    out that no position names keep their contents. Over moe_group's maps the two forms write the same."""
+    out that no position names keep their contents. Over moe_group's maps the two forms write the same. The
+    position form also takes x as bf16 bits (uint16 [R, H]: the norm's copy for the GEMMs, half the bytes to read)
+    and copies them."""
+    if x.dtype == np.uint16:
+        if position_of is None:
+            raise ValueError("moe_gather takes bf16 rows only with position_of")
+        rows, width = x.shape[0], out.shape[1]
+        if not rows or not width:
+            return
+        if width % 8 == 0:
+            _moe_scatter_bf16_rows_octets[blocks_for(rows * width // 8, TILE), TILE, stream](
+                x.view(np.uint32), position_of, np.int32(top_k), out.view(np.uint32))
+        else:
+            _moe_scatter_bf16_rows_single[(rows, blocks_for(width, TILE)), TILE, stream](
+                x, position_of, np.int32(top_k), out)
+        return
     if position_of is not None:
         rows, width = x.shape[0], out.shape[1]
         if not rows or not width:
@@ -553,9 +589,11 @@ def moe_gather_reference(x, slot_of, top_k):
 
 
 def moe_scatter_rows_reference(x, position_of, top_k, out):
-    """moe_gather with position_of: a copy of out with row position_of[r*top_k + s] = bf16 bits of x[r]."""
+    """moe_gather with position_of: a copy of out with row position_of[r*top_k + s] = bf16 bits of x[r] (x fp32, or
+    those bits already)."""
     result = np.array(out, dtype=np.uint16, copy=True)
-    result[np.asarray(position_of)] = np.repeat(f32_to_bf16_bits(np.asarray(x, dtype=np.float32)), top_k, axis=0)
+    bits = np.asarray(x) if np.asarray(x).dtype == np.uint16 else f32_to_bf16_bits(np.asarray(x, dtype=np.float32))
+    result[np.asarray(position_of)] = np.repeat(bits, top_k, axis=0)
     return result
 
 

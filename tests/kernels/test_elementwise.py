@@ -170,6 +170,35 @@ def test_gpu_rms_norm_rows(rows, width, offset):
         np.testing.assert_array_equal(one[0], out[r])
 
 
+def test_rms_norm_rows_needs_an_output():
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="needs an fp32 out"):
+        ew.rms_norm_rows(x, np.zeros(8, np.float32), None, eps=1e-6, offset=True, stream=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", [(70, 2048), (3, 5120)])
+def test_gpu_rms_norm_rows_bf16_alone_writes_the_same_bits(rows, width):
+    """With out None (a prefill norm whose readers are all cuBLAS GEMMs) the bf16 copy is the bits the fp32 run
+    writes beside its fp32 rows, and x is left as it was."""
+    stream = _cuda().stream()
+    rng = np.random.default_rng(5)
+    x, w = rand(rng, rows, width, scale=3.0), rand(rng, width, scale=0.2)
+    poison = np.full((rows, width), 0xFFFF, np.uint16)
+
+    def both(x, w, o, b, stream):
+        ew.rms_norm_rows(x, w, o, eps=1e-6, offset=True, stream=stream, out_bf16=b)
+
+    def alone(x, w, b, stream):
+        ew.rms_norm_rows(x, w, None, eps=1e-6, offset=True, stream=stream, out_bf16=b)
+
+    _, _, out, want = _run(both, [x, w], [_nan((rows, width)), poison], stream)
+    np.testing.assert_array_equal(want, f32_to_bf16_bits(out))
+    x_after, _, got = _run(alone, [x, w], [poison], stream)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(x_after, x)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,width", SHAPES + [(48, 5120)])
 @pytest.mark.parametrize("offset", [False, True])

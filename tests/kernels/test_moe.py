@@ -324,6 +324,20 @@ def test_placed_positions_give_each_expert_its_rows_from_its_start(layout, rows,
                                   moe.moe_scatter_combine_reference(contiguous, position_of, w, k, res))
 
 
+def test_scatter_of_bf16_rows_copies_their_bits_and_needs_the_positions():
+    """moe_gather from rows already in bf16 (the norm's copy) writes what it writes from their fp32 values; the
+    slot-order form (no positions) takes fp32 rows only."""
+    rng = np.random.default_rng(8)
+    rows, k = 6, 2
+    x = rand(rng, rows, 10)
+    position_of = rng.permutation(rows * k).astype(np.int32)
+    blank = np.full((rows * k, 10), 0x7FC1, np.uint16)
+    np.testing.assert_array_equal(moe.moe_scatter_rows_reference(f32_to_bf16_bits(x), position_of, k, blank),
+                                  moe.moe_scatter_rows_reference(x, position_of, k, blank))
+    with pytest.raises(ValueError, match="position_of"):
+        moe.moe_gather(f32_to_bf16_bits(x), np.zeros(rows * k, np.int32), k, blank, stream=0)
+
+
 def test_pad_positions_checks_its_shapes():
     with pytest.raises(ValueError, match="R\\*S positions"):
         moe.moe_pad_positions(np.zeros((3, 2), np.int32), np.zeros(5, np.int32), np.zeros(9, np.int32),
@@ -354,6 +368,13 @@ def test_gpu_pad_positions_and_padded_gather(rows, experts, k, hidden):
     out = d_out.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(out, moe.moe_scatter_rows_reference(x, placed, k, blank))
+    # from the rows' bf16 bits (the prefill norm's copy): the same rows, the rest untouched
+    d_from_bits = cuda.to_device(blank, stream=stream)
+    moe.moe_gather(cuda.to_device(f32_to_bf16_bits(x), stream=stream), slot_of, k, d_from_bits, position_of=d_placed,
+                   stream=stream)
+    from_bits = d_from_bits.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(from_bits, out)
 
 
 @pytest.mark.gpu

@@ -187,9 +187,13 @@ def _fragment_rows(values, fragments, slots: int = 1) -> None:
 
 
 def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):
-    out[...] = _elementwise.rms_norm_rows_reference(x, weight, eps=eps, offset=offset)
-    _bf16_copy(out, out_bf16)
-    _fragment_rows(out, out_fragments)
+    if out is None and out_bf16 is None:
+        raise ValueError("rms_norm_rows needs an fp32 out, a bf16 out or both")
+    normed = _elementwise.rms_norm_rows_reference(x, weight, eps=eps, offset=offset)
+    if out is not None:
+        out[...] = normed
+    _bf16_copy(normed, out_bf16)
+    _fragment_rows(normed, out_fragments)
 
 
 def silu_mul_rows(gate_up, out, *, stream, out_bf16=None, out_fragments=None):

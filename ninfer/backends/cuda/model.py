@@ -651,6 +651,13 @@ class SideScratch:
     w_bf16: None = None
 
 
+def _fp32_read(h: Any, rows: int, h_bf16: Any, h_fragments: Any) -> Any:
+    """A layer's normed rows h for its norm to write, or None where nothing reads them in fp32: past SKINNY_ROWS
+    rows every reader of h is a cuBLAS GEMM or the MoE gather, and all read the bf16 copy (the side streams that
+    convert h themselves run only up to SKINNY_ROWS)."""
+    return None if rows > SKINNY_ROWS and reads_bf16_alone(h_bf16, h_fragments) else h
+
+
 def reads_bf16_alone(x_bf16: Any, x_fragments: Any) -> bool:
     """Whether the consumer of an activation reads only its bf16 copy: `Linear.bf16_input` asked for one (a cuBLAS
     GEMM, which reads nothing else) and `fragment_input` for no fragments. Its producer can then skip the fp32."""
@@ -1223,7 +1230,7 @@ class CudaQwen:
         mixer = (layer.attention.in_proj,) if layer.attention is not None else (layer.gdn.in_proj, layer.gdn.ab_proj)
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *mixer)
         h_frag = self.linear.fragment_input(rows, *mixer)
-        self._norm(x, layer.input_norm, h, out_bf16=h_bf16, out_fragments=h_frag)
+        self._norm(x, layer.input_norm, _fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16, out_fragments=h_frag)
         if layer.attention is not None:
             self._attention(layer.attention, rows, prefill, kv, h_bf16, h_frag)
         else:
@@ -1233,8 +1240,8 @@ class CudaQwen:
                      else (ffn.router_shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers)
         h_frag = self.linear.fragment_input(rows, *consumers)
-        self.k.rms_norm_rows(x, layer.post_attention_norm, h, eps=d.rms_eps, offset=True, stream=stream,
-                             out_bf16=h_bf16, out_fragments=h_frag)
+        self.k.rms_norm_rows(x, layer.post_attention_norm, _fp32_read(h, rows, h_bf16, h_frag), eps=d.rms_eps,
+                             offset=True, stream=stream, out_bf16=h_bf16, out_fragments=h_frag)
         if isinstance(ffn, DenseFfn) and _fused_swiglu(ffn.gate_up, rows):
             self._swiglu_ffn(ffn.gate_up, ffn.down, rows, self.linear, h_frag, ws.gate_up, ws.x, accumulate=True)
         elif isinstance(ffn, DenseFfn):
@@ -1405,7 +1412,7 @@ class CudaQwen:
         if grouped:  # the shared expert (when no side stream takes it) runs while the group sizes travel
             shared = None if side is not None else (
                 lambda: self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag))
-            self._moe_grouped(w, rows, beside_the_read=shared,
+            self._moe_grouped(w, rows, h_bf16, beside_the_read=shared,
                               shared_gate=(shared_out, gate_logit) if gated_in_combine else None)
         elif fused_swiglu:
             self._swiglu_experts(w, rows, h_frag)
@@ -1532,7 +1539,7 @@ class CudaQwen:
             k.linear_bf16_gathered(x, w.data, ids, y, rows_per_expert=rows_per_expert, x_per_slot=x_per_slot,
                                    stream=stream)
 
-    def _moe_grouped(self, w: MoeFfn, rows: int, *, beside_the_read: Callable[[], None] | None,
+    def _moe_grouped(self, w: MoeFfn, rows: int, h_bf16: Any, *, beside_the_read: Callable[[], None] | None,
                      shared_gate: tuple[Any, Any] | None = None) -> None:
         """Prefill MoE: tokens grouped by expert, every expert that has tokens in one cuBLAS call per projection,
         bf16 outputs (not captured: cuBLAS takes the group sizes from the host). The call is the grouped GEMM on the
@@ -1543,7 +1550,8 @@ class CudaQwen:
         before the host waits for it. The GPU runs them while the sizes travel and the host sets up the GEMMs,
         instead of idling through both (~24 ms of the 35B-A3B's 212 ms 8K prefill idled so, most of it here).
         With `moe_sync_free` the host reads nothing: the chunked layout at its most chunks for the rows.
-        `shared_gate` (the shared expert's output rows and gate logits) joins the routed combine's pass."""
+        `shared_gate` (the shared expert's output rows and gate logits) joins the routed combine's pass. The rows'
+        gather reads the norm's bf16 copy `h_bf16` where there is one (the norm then skips the fp32 rows)."""
         ws, stream = self.workspace, self.device.stream
         s, e = self.dims.moe_top_k, self.dims.moe_experts
         if self.moe_prefill_gemm not in LAYOUT_CODES:
@@ -1567,7 +1575,8 @@ class CudaQwen:
                                 room=bound * chunk if sync_free else room, stream=stream)
         pending = None if sync_free else self.device.start_read(ws.moe_sizes)
         self.k.moe_pad_positions(ids, position_of, ws.moe_offsets, ws.moe_starts, placed, stream=stream)
-        self.k.moe_gather(ws.h[:rows], slot_of, s, ws.perm_in, stream=stream, position_of=placed)
+        self.k.moe_gather(ws.h[:rows] if h_bf16 is None else h_bf16, slot_of, s, ws.perm_in, stream=stream,
+                          position_of=placed)
         if beside_the_read is not None:
             beside_the_read()
         # (a quantized gate_up dequantizes into the scratch the shared expert's GEMMs read: after them, in order)
