@@ -42,8 +42,9 @@ from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_prior, shared_address)
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, exp2_approx, load_matrix_x4,  # noqa: F401
-                                         pack_bf16x2, sigmoid_f32)  # (templates)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, bf16_target,  # noqa: F401
+                                         exp2_approx, load_matrix_x4, pack_bf16x2, sigmoid_f32,
+                                         store_words2_at)  # (templates)
 from ninfer.kernels_numba.linear import load4, store4  # noqa: F401 (templates)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda  # noqa: F401 (cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
@@ -59,11 +60,12 @@ GATE_BATCH = 8  # the epilogue's 16-byte gate loads in flight a thread
 WORD_PAD = 4
 HEAD_DIMS = (64, 128, 256)  # head dims with a compiled variant (Qwen3.6: 256)
 
-_SIG = (uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, ::1], float32[:, ::1], int32, int32,
-        int32, int32)
+_SIG = (uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, ::1], float32[:, ::1], int32,
+        uint16[:, ::1], int32, int32, int32, int32, int32)
 
 _SOURCE = """
-def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_position, length, group):
+def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, write_f32, out_bf16, write_bf16, rows,
+                              first_position, length, group):
     sh = cuda.shared.array(0, uint32)
     o = cuda.local.array({o_regs}, float32)  # O rows gq, gq + 8 of the warp's 16, mma C layout over D / 8 n-tiles
     s = cuda.local.array(32, float32)  # scores, then P, of the key tile: 8 n-tiles
@@ -245,6 +247,8 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
     gate_at = int64((heads + kv_heads) * {d} + h * {d})
     gate_stride = int64(qkgv.shape[1])
     out_stride = int64(out.shape[1])
+    bf16_base = address_of(out_bf16)
+    bf16_stride = int64(out_bf16.shape[1])
     valid = min(BR, rows - i0)
     for batch in range({gate_passes}):
         for e in unrolled({gate_batch}):
@@ -258,11 +262,15 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, rows, first_pos
             dim = 4 * (idx - r * ({d} // 4))
             if r < valid:
                 w0, w1, w2, w3 = load4(sh, r * OW + dim)
-                store4(out, int64(i0 + r) * out_stride + h * {d} + dim,
-                       libdevice.int_as_float(int32(w0)) * sigmoid_f32(gates[4 * e]),
-                       libdevice.int_as_float(int32(w1)) * sigmoid_f32(gates[4 * e + 1]),
-                       libdevice.int_as_float(int32(w2)) * sigmoid_f32(gates[4 * e + 2]),
-                       libdevice.int_as_float(int32(w3)) * sigmoid_f32(gates[4 * e + 3]))
+                y0 = libdevice.int_as_float(int32(w0)) * sigmoid_f32(gates[4 * e])
+                y1 = libdevice.int_as_float(int32(w1)) * sigmoid_f32(gates[4 * e + 1])
+                y2 = libdevice.int_as_float(int32(w2)) * sigmoid_f32(gates[4 * e + 2])
+                y3 = libdevice.int_as_float(int32(w3)) * sigmoid_f32(gates[4 * e + 3])
+                if write_f32 != 0:
+                    store4(out, int64(i0 + r) * out_stride + h * {d} + dim, y0, y1, y2, y3)
+                if write_bf16 != 0:
+                    store_words2_at(bf16_base + (int64(i0 + r) * bf16_stride + h * {d} + dim) * 2,
+                                    bf16_pair(y0, y1), bf16_pair(y2, y3))
 """
 
 
@@ -315,23 +323,28 @@ _KERNELS = {d: _make_kernel(d) for d in HEAD_DIMS}
 
 
 def flash_prefill(packed, keys, values_t, qkgv, out, *, rows: int, first_position: int, length: int, group: int,
-                  stream) -> None:
+                  stream, out_bf16=None) -> None:
     """Gated causal attention of `rows` queries (positions first_position..) over keys 0..length-1, into out fp32
     [>= rows, Hq * D] (rows 0..rows-1 written). packed: uint16 [Hkv, group * rows', D] from `pack_queries` (query i of
     head g at row g * rows + i); keys: uint16 [Hkv, >= length, D]; values_t: uint16 [Hkv, D, stride >= length]
-    (`gather_kv(..., transposed=True)`; stride a multiple of 8); qkgv: the attention projection (gate columns)."""
+    (`gather_kv(..., transposed=True)`; stride a multiple of 8); qkgv: the attention projection (gate columns).
+    With `out_bf16` (uint16 [>= rows, Hq * D]) also the bf16 bits of the same values; `out` None then writes those
+    alone (the output projection's cuBLAS input: no fp32 rows and no conversion launch)."""
     kv_heads, _, d = keys.shape
     if d not in _KERNELS:
         raise ValueError(f"flash_prefill has no variant for head_dim={d}")
+    if out is None and out_bf16 is None:
+        raise ValueError("flash_prefill needs an fp32 out, a bf16 out or both")
     if values_t.shape[2] % 8:
         raise ValueError(f"values_t rows must be a multiple of 8 keys long (16-byte copies), got {values_t.shape[2]}")
     if rows == 0:
         return
     function, shared_bytes = _KERNELS[d]
     allow_dynamic_shared(function, _SIG, shared_bytes)
+    written = qkgv if out is None else out  # the projection stands in for an fp32 out not asked for (never written)
     function[(group, kv_heads, (rows + BR - 1) // BR), FLASH_THREADS, stream, shared_bytes](
-        packed, keys, values_t, qkgv, out, np.int32(rows), np.int32(first_position), np.int32(length),
-        np.int32(group))
+        packed, keys, values_t, qkgv, written, np.int32(out is not None), *bf16_target(written, out_bf16),
+        np.int32(rows), np.int32(first_position), np.int32(length), np.int32(group))
 
 
 def flash_prefill_reference(packed, keys, values_t, qkgv, out, *, rows: int, first_position: int, length: int,
@@ -372,3 +385,12 @@ def flash_prefill_reference(packed, keys, values_t, qkgv, out, *, rows: int, fir
                     m = new
                 out[i0:i0 + n, h * d:(h + 1) * d] = o / total[:, None] * ops.sigmoid(gate[i0:i0 + n])
     return out
+
+
+def flash_prefill_bf16_reference(packed, keys, values_t, qkgv, out_bf16, **kwargs) -> np.ndarray:
+    """The twin of `flash_prefill(out=None, out_bf16=...)`: the fp32 twin's rows as bf16 bits."""
+    rows = kwargs["rows"]
+    values = flash_prefill_reference(packed, keys, values_t, qkgv, np.zeros((rows, out_bf16.shape[1]), F32),
+                                     **kwargs)
+    out_bf16[:rows] = f32_to_bf16_bits(values)
+    return out_bf16

@@ -94,6 +94,46 @@ def test_kernel_matches_the_twin(heads, kv_heads, head_dim, start, rows):
     assert _rel(got[:rows], _exact(case)) < 1e-2
 
 
+@pytest.mark.gpu
+def test_kernel_bf16_output_is_the_fp32_output_rounded():
+    """out None with out_bf16 (the prefill's form, read by the output projection's cuBLAS GEMM): the bf16 bits of
+    what the fp32 launch writes, rows past `rows` untouched, and the projection (the fp32 stand-in) unchanged."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    heads, kv_heads, head_dim, rows = 4, 2, 256, 70
+    case = _case(np.random.default_rng(11), heads, kv_heads, head_dim, 0, rows)
+    stream = cuda.stream()
+    inputs = [cuda.to_device(case[n]) for n in ("packed", "k", "v_t", "qkgv")]
+    args = dict(rows=rows, first_position=0, length=case["length"], group=case["group"], stream=stream)
+    out = cuda.to_device(np.full((rows, heads * head_dim), np.nan, np.float32))
+    flash.flash_prefill(*inputs, out, **args)
+    blank = np.full((rows + 2, heads * head_dim), 0x7FC1, np.uint16)
+    out_bf16 = cuda.to_device(blank)
+    flash.flash_prefill(*inputs, None, out_bf16=out_bf16, **args)
+    stream.synchronize()
+    got = out_bf16.copy_to_host()
+    np.testing.assert_array_equal(got[:rows], f32_to_bf16_bits(out.copy_to_host()))
+    np.testing.assert_array_equal(got[rows:], blank[rows:])
+    np.testing.assert_array_equal(inputs[3].copy_to_host(), case["qkgv"])
+
+
+def test_needs_an_output():
+    case = _case(np.random.default_rng(0), 4, 2, 64, 0, 8)
+    with pytest.raises(ValueError, match="needs an fp32 out"):
+        flash.flash_prefill(case["packed"], case["k"], case["v_t"], case["qkgv"], None, rows=8, first_position=0,
+                            length=8, group=2, stream=0)
+
+
+def test_bf16_twin_is_the_fp32_twin_rounded():
+    case = _case(np.random.default_rng(5), 4, 2, 64, 0, 9)
+    args = dict(rows=9, first_position=0, length=case["length"], group=case["group"])
+    want = flash.flash_prefill_reference(case["packed"], case["k"], case["v_t"], case["qkgv"],
+                                         np.zeros((9, 256), np.float32), **args)
+    got = flash.flash_prefill_bf16_reference(case["packed"], case["k"], case["v_t"], case["qkgv"],
+                                             np.zeros((9, 256), np.uint16), **args)
+    np.testing.assert_array_equal(got, f32_to_bf16_bits(want))
+
+
 def test_rejects_value_rows_that_break_the_16_byte_copies():
     case = _case(np.random.default_rng(0), 4, 2, 64, 0, 8)
     with pytest.raises(ValueError, match="multiple of 8"):

@@ -130,7 +130,10 @@ def linear_narrow() -> None:
 
 def flash_prefill() -> None:
     """Every head dim, a prefix (first position > 0), partial query and key tiles, one row; rows past `rows` of the
-    output untouched. Small head counts: a block's key tile takes the simulator about a second."""
+    output untouched; the bf16 copy the fp32 rows' bits, also written alone (one row). Small head counts: a block's
+    key tile takes the simulator about a second. (Both outputs are passed: the simulator copies each host argument
+    on its own, so an unwritten stand-in viewing `out` would copy its stale bytes back over it.)"""
+    from ninfer.artifact.codec import f32_to_bf16_bits
     from ninfer.kernels_numba import attention_flash as flash
     from tests.kernels.test_attention_flash import _case, _exact, _twin
     from tests.support import cuda_simulator
@@ -141,9 +144,15 @@ def flash_prefill() -> None:
     for heads, kv_heads, head_dim, start, rows in [(1, 1, 64, 0, 70), (2, 1, 128, 70, 9), (1, 1, 256, 5, 1)]:
         case = _case(np.random.default_rng(heads + rows), heads, kv_heads, head_dim, start, rows)
         out = np.full((rows + 2, heads * head_dim), np.nan, np.float32)
-        flash.flash_prefill(case["packed"], case["k"], case["v_t"], case["qkgv"], out, rows=rows,
-                            first_position=start, length=case["length"], group=case["group"], stream=0)
-        assert np.isnan(out[rows:]).all(), "rows past `rows` were written"
+        out_bf16 = np.full((rows + 2, heads * head_dim), 0x7FC1, np.uint16)
+        args = dict(rows=rows, first_position=start, length=case["length"], group=case["group"], stream=0)
+        flash.flash_prefill(case["packed"], case["k"], case["v_t"], case["qkgv"], out, out_bf16=out_bf16, **args)
+        assert np.isnan(out[rows:]).all() and (out_bf16[rows:] == 0x7FC1).all(), "rows past `rows` were written"
+        np.testing.assert_array_equal(out_bf16[:rows], f32_to_bf16_bits(out[:rows]))
+        if rows == 1:
+            alone = np.full((rows, heads * head_dim), 0x7FC1, np.uint16)
+            flash.flash_prefill(case["packed"], case["k"], case["v_t"], case["qkgv"], None, out_bf16=alone, **args)
+            np.testing.assert_array_equal(alone, out_bf16[:rows])
         err_twin, err_exact = _rel(out[:rows], _twin(case)), _rel(out[:rows], _exact(case))
         assert err_twin < 1e-4 and err_exact < 1e-2, (heads, kv_heads, head_dim, start, rows, err_twin, err_exact)
         print("ok flash_prefill", heads, kv_heads, head_dim, start, rows, err_twin, flush=True)

@@ -383,8 +383,13 @@ def gather_kv(page_tables, lane, length, pool, scales, out, *, stream, transpose
         out[:, :length] = values
 
 
-def flash_prefill(packed, keys, values_t, qkgv, out, *, stream, **kwargs):
-    _attention_flash.flash_prefill_reference(packed, keys, values_t, qkgv, out, **kwargs)
+def flash_prefill(packed, keys, values_t, qkgv, out, *, stream, out_bf16=None, **kwargs):
+    if out is None and out_bf16 is None:
+        raise ValueError("flash_prefill needs an fp32 out, a bf16 out or both")
+    if out is not None:
+        _attention_flash.flash_prefill_reference(packed, keys, values_t, qkgv, out, **kwargs)
+    if out_bf16 is not None:
+        _attention_flash.flash_prefill_bf16_reference(packed, keys, values_t, qkgv, out_bf16, **kwargs)
 
 
 def causal_softmax(scores, probs, *, rows, first_position, stream):

@@ -652,9 +652,9 @@ class SideScratch:
 
 
 def _fp32_read(h: Any, rows: int, h_bf16: Any, h_fragments: Any) -> Any:
-    """A layer's normed rows h for its norm to write, or None where nothing reads them in fp32: past SKINNY_ROWS
-    rows every reader of h is a cuBLAS GEMM or the MoE gather, and all read the bf16 copy (the side streams that
-    convert h themselves run only up to SKINNY_ROWS)."""
+    """Rows h (a layer's normed rows, the attention's output) for their producer to write, or None where nothing
+    reads them in fp32: past SKINNY_ROWS rows every reader is a cuBLAS GEMM or the MoE gather, and all read the
+    bf16 copy (the side streams that convert h themselves run only up to SKINNY_ROWS)."""
     return None if rows > SKINNY_ROWS and reads_bf16_alone(h_bf16, h_fragments) else h
 
 
@@ -1275,8 +1275,9 @@ class CudaQwen:
                                   out_fragments=out_frag)
         elif self.prefill_attention == "gemm":
             self._prefill_attention_gemm(kv, prefill, rows)
-        elif self.prefill_attention == "flash":
-            self._prefill_attention_flash(kv, prefill, rows)
+        elif self.prefill_attention == "flash":  # writes the output projection's bf16 input itself
+            out_bf16 = self.linear.bf16_input(rows, out.shape[1], w.output)
+            self._prefill_attention_flash(kv, prefill, rows, out_bf16)
         else:
             self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
                                    kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
@@ -1312,9 +1313,10 @@ class CudaQwen:
             blas.batched_values(probs, values_bf16, keys, attended)
             k.unpack_gated(attended, qkgv, out, first=first, rows=count, group=group, stream=stream)
 
-    def _prefill_attention_flash(self, kv: KvPool, prefill: PrefillSpan, rows: int) -> None:
+    def _prefill_attention_flash(self, kv: KvPool, prefill: PrefillSpan, rows: int, out_bf16: Any) -> None:
         """Prefill attention in one tensor-core kernel (`attention_flash`): K and V^T of the lane gathered once into
-        contiguous bf16, every query packed, then scores, softmax, P V and the gate on chip."""
+        contiguous bf16, every query packed, then scores, softmax, P V and the gate on chip; the output in bf16 into
+        `out_bf16` where the projection reads that (then alone past SKINNY_ROWS), else in fp32."""
         ws, stream, d, k = self.workspace, self.device.stream, self.dims, self.k
         if ws.gemm_keys is None:
             raise ValueError("flash prefill attention needs the model built with Capacity.tensor_core_attention")
@@ -1329,8 +1331,9 @@ class CudaQwen:
         packed = ws.gemm_queries[: kv_heads * group * rows * head_dim].reshape(kv_heads, group * rows, head_dim)
         k.pack_queries(ws.q[:rows], packed, first=0, rows=rows, group=group, scale=1.0 / np.sqrt(head_dim),
                        stream=stream)
-        k.flash_prefill(packed, keys_bf16, values_t, ws.qkgv[:rows], ws.attended[:rows], rows=rows,
-                        first_position=prefill.kv_start, length=length, group=group, stream=stream)
+        out = _fp32_read(ws.attended[:rows], rows, out_bf16, None)
+        k.flash_prefill(packed, keys_bf16, values_t, ws.qkgv[:rows], out, rows=rows, first_position=prefill.kv_start,
+                        length=length, group=group, stream=stream, out_bf16=out_bf16)
 
     def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int, h_bf16: Any,
              h_frag: Any, *, chunked: bool) -> None:
