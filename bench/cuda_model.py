@@ -169,6 +169,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
                  moe_chunks: tuple[int | None, ...] = (None,), moe_chunk_steps: tuple[int | None, ...] = (None,),
                  moe_sync_frees: tuple[bool | None, ...] = (None,),
+                 dequant_aheads: tuple[int | None, ...] = (None,),
                  attention_splits: tuple[int | None, ...] = (None,),
                  split_floors: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
@@ -276,13 +277,20 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     serving_chunk, serving_step, serving_sync_free = model.moe_chunk_rows, model.moe_chunk_step, model.moe_sync_free
     moe_settings = [(m, c, t, f) for m in moe_gemms for c in moe_chunks for t in moe_chunk_steps
                     for f in moe_sync_frees] if dims.is_moe else [("auto", None, None, None)]
-    for attention, (moe_gemm, chunk, step, sync_free) in ((a, m) for a in prefill_attentions for m in moe_settings):
+    dequantizer = model.linear.dequantizer  # None: nothing to dequantize (bf16), and so nothing to time ahead
+    serving_ahead = dequantizer.ahead if dequantizer is not None else 0
+    aheads = dequant_aheads if dequantizer is not None else (None,)
+    for attention, (moe_gemm, chunk, step, sync_free), ahead in ((a, m, d) for a in prefill_attentions
+                                                                 for m in moe_settings for d in aheads):
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
         model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
         model.moe_sync_free = serving_sync_free if sync_free is None else sync_free
+        model.set_dequant_ahead(serving_ahead if ahead is None else ahead)
         label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
             "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}") + (
-            "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}")
+            "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}") + (
+            "" if ahead is None else f" dequant ahead {ahead}")
+        hits_before = dequantizer.hits if dequantizer is not None else 0
         for _ in range(PREFILL_WARMUPS):
             prefill()
         device.synchronize()
@@ -294,6 +302,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
                                   "moe_chunk_rows": model.moe_chunk_rows, "moe_chunk_step": model.moe_chunk_step,
                                   "moe_sync_free": model.moe_sync_free,
+                                  "dequant_ahead": serving_ahead if ahead is None else ahead,
+                                  "dequant_hits": (dequantizer.hits - hits_before) if dequantizer is not None else 0,
                                   "tokens": prefill_tokens,
                                   "seconds": seconds, "all_seconds": [float(t) for t in times],
                                   "tok_s": prefill_tokens / seconds, "flops": flops,
@@ -320,6 +330,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                 result["prefill"][-1]["moe_host"] = trace_moe_host(model, lambda: (prefill(), device.synchronize()))
     model.prefill_attention, model.moe_prefill_gemm, model.moe_chunk_rows = "kernel", "auto", serving_chunk
     model.moe_chunk_step, model.moe_sync_free = serving_step, serving_sync_free
+    model.set_dequant_ahead(serving_ahead)
     if prefill_only:
         return result
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
@@ -508,6 +519,9 @@ def main() -> None:
     parser.add_argument("--moe-gemm", default="auto",
                         help="MoE models' 8K prefill with these expert GEMM layouts (auto, grouped, padded, chunked; "
                              "a list times each)")
+    parser.add_argument("--dequant-ahead", default="default",
+                        help="quantized recipes' 8K prefill with these many matrices dequantized ahead of their GEMMs "
+                             "(e.g. 0,1,2,4; default: the serving default)")
     parser.add_argument("--moe-chunk", default="default",
                         help="MoE models' 8K prefill with these chunked-layout chunk rows (e.g. 64,128; default: the "
                              "serving default)")
@@ -567,6 +581,7 @@ def main() -> None:
                                                           moe_chunk_steps=counts_or_default(args.moe_chunk_step),
                                                           moe_sync_frees=on_off_or_default(parser, "--moe-sync-free",
                                                                                            args.moe_sync_free),
+                                                          dequant_aheads=counts_or_default(args.dequant_ahead),
                                                           context=args.context,
                                                           attention_splits=counts_or_default(args.attention_splits),
                                                           split_floors=counts_or_default(args.split_floor)))

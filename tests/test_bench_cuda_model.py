@@ -115,3 +115,16 @@ def test_prefill_only_times_the_prefill_and_nothing_else(bench):
     assert [(row["attention"], row["tokens"]) for row in result["prefill"]] == [("gemm", 128)]
     assert result["prefill"][0]["seconds"] > 0
     assert "suffix_prefill" not in result and "mtp_round" not in result
+
+
+def test_quantized_prefill_times_each_dequant_ahead_and_bf16_ignores_it(bench):
+    from ninfer.backends.cuda.host import HostDevice
+
+    for recipe, aheads in (("ninfer-v2", [0, 2]), ("bf16", [0])):
+        result = bench.bench_config("tiny", recipe, "bf16", 1e12, 1e14, device=HostDevice(),
+                                    dims=cuda_tiny_dims(moe=True), context=70, prefill_tokens=128, repeats=4,
+                                    prefill_attentions=("gemm",), prefill_only=True, dequant_aheads=(0, 2))
+        rows = result["prefill"]
+        assert [row["dequant_ahead"] for row in rows] == aheads, recipe
+        if recipe == "ninfer-v2":  # the warm-up chunks taught the order: the timed ones run ahead
+            assert rows[0]["dequant_hits"] == 0 and rows[1]["dequant_hits"] > 0

@@ -414,6 +414,31 @@ def test_side_stream_branches_change_no_token(device_kind, artifacts, kind, reci
         assert run_lanes(speculative.runner, prompts, 16) == want_mtp, last
 
 
+@pytest.mark.parametrize("kind,quant", [("moe", "mma"), ("dense", "mma"), ("moe", "simt")])
+def test_dequantizing_ahead_changes_no_logit(device_kind, artifacts, kind, quant):
+    """Capacity.dequant_ahead: a long prefill chunk's quantized matrices dequantized ahead of their GEMMs on a stream
+    of their own, into spare buffers. The first chunk teaches the dequantizer the order, the next ones run ahead:
+    the logits are those of dequantizing each matrix right before its GEMM, bit for bit (on the GPU: no GEMM read a
+    buffer before or while its matrix was written, and none was overwritten under a GEMM)."""
+    from ninfer.backends.cuda.model import SKINNY_ROWS
+
+    path = artifacts[(kind, "ninfer-v2")]
+    model = cuda_build(device_kind, path, decode_linear="cublas", decode_quant=quant).model
+    cpu = load_model(path)
+    ids = prompt(22, SKINNY_ROWS + 50)
+    model.set_dequant_ahead(0)
+    want, _ = prompt_logits(model, cpu, ids)
+    for ahead in (1, 3):
+        model.set_dequant_ahead(ahead)
+        for _ in range(2):
+            got, _ = prompt_logits(model, cpu, ids)
+            assert np.array_equal(got, want), ahead
+    dequantizer = model.linear.dequantizer
+    assert dequantizer.hits > dequantizer.misses > 0
+    model.set_dequant_ahead(0)
+    assert np.array_equal(prompt_logits(model, cpu, ids)[0], want)
+
+
 def test_split_projections_decode_in_one_pair_launch(artifacts, monkeypatch):
     """The dense ninfer-v2 recipe stores query|key (Q4) apart from gate|value and value|z (Q5): on the tensor-core
     decode path each such projection is one `linear_quant_mma_pair` launch, and the tokens stay the CPU runner's up to

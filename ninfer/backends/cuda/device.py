@@ -54,6 +54,8 @@ class Device(Protocol):
 
     def side_stream(self) -> Any: ...
 
+    def ahead_stream(self) -> Any: ...
+
     def capture(self, record: Any) -> Any: ...
 
 
@@ -92,6 +94,7 @@ class CudaDevice:
         self.stream = cuda.external_stream(self.stream_handle)
         self.ledger: collections.Counter[str] = collections.Counter()
         self._side: SideStream | None = None
+        self._ahead: AheadStream | None = None
         self._staging = StagingSlots(driver, self.stream_handle, _event, check)
 
     @property
@@ -173,6 +176,12 @@ class CudaDevice:
             self._side = SideStream(self)
         return self._side
 
+    def ahead_stream(self) -> "AheadStream":
+        """The device's stream for work queued ahead of the serving stream's need (created on first use)."""
+        if self._ahead is None:
+            self._ahead = AheadStream(self)
+        return self._ahead
+
     def capture(self, record: Any) -> Any:
         from ninfer.backends.cuda.graphs import capture
         from ninfer.kernels_numba.numba_setup import cuda
@@ -213,6 +222,38 @@ class SideStream:
     def join(self) -> None:
         check(self._driver.cuEventRecord(self._joined, self.stream_handle), "cuEventRecord")
         check(self._driver.cuStreamWaitEvent(self._serving, self._joined, 0), "cuStreamWaitEvent")
+
+
+class AheadStream:
+    """A stream for work the serving stream needs later (`dequant_ahead.WeightDequantizer`): `after_serving()` makes
+    it wait for everything queued on the serving stream so far, `mark(slot)` records that its work so far is done
+    under a numbered mark, and `serving_waits(slot)` makes the serving stream wait for the last such mark. Never
+    captured: it runs beside eager prefill chunks only. Same priority as the serving stream: the serving stream at
+    the context's greatest priority (this one at its least) changed nothing measurable (results/
+    cuda_model_v2_dequant_ahead_priority_session25.json)."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        from cuda.bindings import driver
+
+        self._driver, self._serving = driver, device.stream_handle
+        err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        check(err, "cuStreamCreate")
+        self._handle_object, self.stream_handle = handle, int(handle)
+        self.stream = cuda.external_stream(self.stream_handle)
+        self._after = _event(driver)
+        self._marks: dict[int, Any] = {}
+
+    def after_serving(self) -> None:
+        check(self._driver.cuEventRecord(self._after, self._serving), "cuEventRecord")
+        check(self._driver.cuStreamWaitEvent(self.stream_handle, self._after, 0), "cuStreamWaitEvent")
+
+    def mark(self, slot: int) -> None:
+        if slot not in self._marks:
+            self._marks[slot] = _event(self._driver)
+        check(self._driver.cuEventRecord(self._marks[slot], self.stream_handle), "cuEventRecord")
+
+    def serving_waits(self, slot: int) -> None:
+        check(self._driver.cuStreamWaitEvent(self._serving, self._marks[slot], 0), "cuStreamWaitEvent")
 
 
 def _event(driver: Any) -> Any:

@@ -43,6 +43,7 @@ from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT
 from ninfer.kernels_numba.moe import GROUP_ROWS as MOE_GROUP_ROWS
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
+from ninfer.backends.cuda.dequant_ahead import WeightDequantizer
 from ninfer.backends.cuda.device import CudaDevice, Device
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
 from ninfer.models.dflash import DFlashMismatchError
@@ -134,6 +135,14 @@ class Capacity:
     # B=1 8.25 -> 8.15 ms, B=8 12.21 -> 11.97; 35B-A3B B=1 3.55 -> 3.62, B=8 7.34 -> 7.52 (its 40 fused routers at
     # ~9 us a launch against ~7 for cuBLAS's GEMV, and slower beside the shared expert on the side stream).
     narrow_decode: bool | None = None
+    # Quantized matrices a long prefill chunk dequantizes to bf16 ahead of their cuBLAS GEMMs, on a stream of their
+    # own (`dequant_ahead`), each in a buffer as large as the largest quantized matrix (27B: 356 MB; the 35B-A3B's
+    # stacked expert gate|up: 1 GiB). 0: each right before its GEMM, on the serving stream. None: 2 for dense models,
+    # 0 for MoE, as measured on the H200 (8K prefill, ahead 0 / 1 / 2 / 3, ms; results/
+    # cuda_model_v2_dequant_ahead_session25.json): 27B ninfer-v2 722.3 / 714.6 / 699.5 / 706.4, 35B-A3B ninfer-v2
+    # 185.6 / 185.7 / 183.4 / 184.8 (within its run-to-run spread, for 3 GiB). The dequantizations barely overlap:
+    # the GEMMs and flash attention leave no SM room for their blocks.
+    dequant_ahead: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -145,6 +154,8 @@ class Capacity:
             raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
         if self.spec not in SPEC_BACKENDS:
             raise ValueError(f"spec must be one of {', '.join(SPEC_BACKENDS)}, got {self.spec!r}")
+        if self.dequant_ahead is not None and self.dequant_ahead < 0:
+            raise ValueError(f"dequant_ahead must be 0 or more, got {self.dequant_ahead}")
 
     @property
     def mtp(self) -> bool:
@@ -680,12 +691,16 @@ class Linear:
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
         self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
         self.narrow = False  # Capacity.narrow_decode (CudaQwen.set_narrow)
+        # the bf16 copies of quantized matrices past SKINNY_ROWS (CudaQwen.set_dequant_ahead adds buffers)
+        self.dequantizer = (WeightDequantizer([workspace.w_bf16], self._dequantize, device.stream)
+                            if workspace.w_bf16 is not None else None)
 
     def beside(self, side: Any, scratch: "SideScratch") -> Linear:
         """A Linear with this one's settings that launches on the side stream `side`, with its cuBLAS handle and
         its own conversion scratch (an x_bf16 or x_fragments passed in is read, never written)."""
         sibling = copy.copy(self)
         sibling._stream, sibling.blas, sibling._ws = side.stream, side.blas, scratch
+        sibling.dequantizer = None
         return sibling
 
     def with_pad_rows(self, pad_rows: int) -> Linear:
@@ -818,14 +833,17 @@ class Linear:
         self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._stream)
 
     def bf16_weight(self, w: Matrix) -> Any:
-        """A bf16 [N, K] view of the weight: itself, or its dequantization into the shared scratch."""
+        """A bf16 [N, K] view of the weight: itself, or its dequantization (`WeightDequantizer.weight`: valid for
+        the readers queued before the next call)."""
         if not is_quantized(w):
             return w.data
-        n, k = w.shape
-        scratch = self._ws.w_bf16[: n * k].reshape(n, k)
+        if self.dequantizer is None:
+            raise RuntimeError("this Linear has no dequantization scratch (a side stream's, or no long prefill rows)")
+        return self.dequantizer.weight(w)
+
+    def _dequantize(self, w: Matrix, out: Any, stream: Any) -> None:
         dequantize = self._k.dequantize_mma_bf16 if _tensor_core(w) else self._k.dequantize_bf16
-        dequantize(w, scratch, stream=self._stream)
-        return scratch
+        dequantize(w, out, stream=stream)
 
 
 class CudaQwen:
@@ -951,6 +969,9 @@ class CudaQwen:
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self.set_programmatic(capacity.programmatic_launch)
         self.set_narrow(not dims.is_moe if capacity.narrow_decode is None else capacity.narrow_decode)
+        if self.linear.dequantizer is not None:  # (nothing to dequantize otherwise)
+            default_ahead = 0 if dims.is_moe else 2
+            self.set_dequant_ahead(default_ahead if capacity.dequant_ahead is None else capacity.dequant_ahead)
         self.attention_min_split_keys = capacity.attention_min_split_keys
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
@@ -971,6 +992,20 @@ class CudaQwen:
         for linear in (self.linear, self.dflash_linear):
             if linear is not None:
                 linear.narrow = on
+
+    def set_dequant_ahead(self, ahead: int) -> None:
+        """Capacity.dequant_ahead, switchable between prefill chunks (buffers once added stay)."""
+        dequantizer = self.linear.dequantizer
+        if dequantizer is None:
+            if ahead:
+                raise ValueError("dequant_ahead needs quantized matrices and prefill rows past SKINNY_ROWS")
+            return
+        missing = ahead - dequantizer.spare_buffers
+        if missing > 0:
+            size = self.workspace.w_bf16.shape[0]
+            dequantizer.add_buffers([self.device.empty(size, np.uint16, "workspace") for _ in range(missing)],
+                                    self.device.ahead_stream())
+        dequantizer.set_ahead(ahead)
 
     def set_attention_min_split_keys(self, keys: int) -> None:
         """Capacity.attention_min_split_keys, switchable between steps for benchmarks (graphs captured before keep
@@ -1582,7 +1617,6 @@ class CudaQwen:
                           position_of=placed)
         if beside_the_read is not None:
             beside_the_read()
-        # (a quantized gate_up dequantizes into the scratch the shared expert's GEMMs read: after them, in order)
         gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
         if sync_free:
             offsets, layout, stepped = None, LAYOUT_CHUNKED, bound
