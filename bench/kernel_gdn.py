@@ -100,7 +100,8 @@ def _make_set(rng, m, sc, stream):
         seg_row=dev((np.arange(s) * each).astype(np.int32)),
         seg_count=dev(np.full(s, each, np.int32)),
         seg_record=dev(np.full(s, sc["record"], np.int32)),
-        result_bf16=cuda.device_array((rows, hv * dv), np.uint16, stream=stream), mixed=empty(rows, c), q=empty(rows, hq, dk), k=empty(rows, hq, dk), log_decay=empty(rows, hv),
+        result_bf16=cuda.device_array((rows, hv * dv), np.uint16, stream=stream), mixed=empty(rows, c),
+        q=empty(rows, hq, dk), k=empty(rows, hq, dk), log_decay=empty(rows, hv),
         beta=empty(rows, hv), out=empty(rows, hv, dv), result=empty(rows, hv * dv),
         cum=empty(rows, hv), mats=empty(rows, hv, gdn_chunked.CHUNK),
     )

@@ -35,7 +35,8 @@ def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     # None: the model's own splits, the capacity's floor
     assert [(row["attention_splits"], row["min_split_keys"], row["branches"], row["programmatic"], row["narrow"],
              row["batch"]) for row in result["decode"]] == [
-        (splits, floor, side, pdl, thin, batch) for splits in (row_splits(dims.kv_heads), 96) for floor in (default_floor, 128)
+        (splits, floor, side, pdl, thin, batch) for splits in (row_splits(dims.kv_heads), 96)
+        for floor in (default_floor, 128)
         for side in (False, True) for pdl in (False, True) for thin in (False, True) for batch in (1, 8)]
     assert all(row["context"] == 70 for row in result["decode"])
     assert result["branches_after_decode"] is True and result["programmatic_after_decode"] is True
