@@ -87,11 +87,7 @@ class CudaDevice:
         from cuda.bindings import driver
 
         self._driver = driver
-        err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        check(err, "cuStreamCreate")
-        self.stream_handle = int(handle)
-        self._stream_object = handle
-        self.stream = cuda.external_stream(self.stream_handle)
+        self._stream_object, self.stream_handle, self.stream = _new_stream(driver)
         self.ledger: collections.Counter[str] = collections.Counter()
         self._side: SideStream | None = None
         self._ahead: AheadStream | None = None
@@ -205,23 +201,18 @@ class SideStream:
         from ninfer.backends.cuda.blas import Blas
 
         self._driver, self._serving = driver, device.stream_handle
-        err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        check(err, "cuStreamCreate")
-        self._handle_object, self.stream_handle = handle, int(handle)
-        self.stream = cuda.external_stream(self.stream_handle)
+        self._handle_object, self.stream_handle, self.stream = _new_stream(driver)
         self._forked, self._joined = (_event(driver), _event(driver))
         self.blas = Blas(device, stream_handle=self.stream_handle)
 
     def fork(self) -> None:
-        check(self._driver.cuEventRecord(self._forked, self._serving), "cuEventRecord")
-        check(self._driver.cuStreamWaitEvent(self.stream_handle, self._forked, 0), "cuStreamWaitEvent")
+        _record_and_wait(self._driver, self._forked, self._serving, self.stream_handle)
 
     def run(self, work: Any) -> None:
         work()
 
     def join(self) -> None:
-        check(self._driver.cuEventRecord(self._joined, self.stream_handle), "cuEventRecord")
-        check(self._driver.cuStreamWaitEvent(self._serving, self._joined, 0), "cuStreamWaitEvent")
+        _record_and_wait(self._driver, self._joined, self.stream_handle, self._serving)
 
 
 class AheadStream:
@@ -236,16 +227,12 @@ class AheadStream:
         from cuda.bindings import driver
 
         self._driver, self._serving = driver, device.stream_handle
-        err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        check(err, "cuStreamCreate")
-        self._handle_object, self.stream_handle = handle, int(handle)
-        self.stream = cuda.external_stream(self.stream_handle)
+        self._handle_object, self.stream_handle, self.stream = _new_stream(driver)
         self._after = _event(driver)
         self._marks: dict[int, Any] = {}
 
     def after_serving(self) -> None:
-        check(self._driver.cuEventRecord(self._after, self._serving), "cuEventRecord")
-        check(self._driver.cuStreamWaitEvent(self.stream_handle, self._after, 0), "cuStreamWaitEvent")
+        _record_and_wait(self._driver, self._after, self._serving, self.stream_handle)
 
     def mark(self, slot: int) -> None:
         if slot not in self._marks:
@@ -254,6 +241,19 @@ class AheadStream:
 
     def serving_waits(self, slot: int) -> None:
         check(self._driver.cuStreamWaitEvent(self._serving, self._marks[slot], 0), "cuStreamWaitEvent")
+
+
+def _new_stream(driver: Any) -> tuple[Any, int, Any]:
+    """A non-blocking stream: the driver's handle object, its integer handle, and numba's view of it."""
+    err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+    check(err, "cuStreamCreate")
+    return handle, int(handle), cuda.external_stream(int(handle))
+
+
+def _record_and_wait(driver: Any, event: Any, recorded_on: int, waiting: int) -> None:
+    """Stream `waiting` waits for everything queued on stream `recorded_on` so far."""
+    check(driver.cuEventRecord(event, recorded_on), "cuEventRecord")
+    check(driver.cuStreamWaitEvent(waiting, event, 0), "cuStreamWaitEvent")
 
 
 def _event(driver: Any) -> Any:
