@@ -945,6 +945,7 @@ def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act,
 
 
 DEQUANTIZE_THREADS = 256
+MIN_DEQUANTIZE_WARPS = 4096  # about a wave of the H200 (132 SMs, 32 resident warps an SM at this kernel's registers)
 STAGE_ROW_WORDS = 33  # one staged tile row: 32 words (64 bf16) + 1 word of padding that spreads the writes' banks
 STAGE_WORDS = (DEQUANTIZE_THREADS // 32) * TILE_ROWS * STAGE_ROW_WORDS
 
@@ -976,10 +977,11 @@ def make_dequantize_mma_kernel(bits: int):
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
     MINUS_LOW = _minus_pair(0)
 
-    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32, int32), fastmath=False)
-    def dequantize_mma_kernel(base, high, scales, out, blocks, swiglu_rows):
-        """out (bf16 pairs [N, K / 2]) = bf16(code * scale). A warp per 16-row tile walks the tile's blocks of 64
-        columns: each lane decodes its 16 pairs of the block into the warp's staged 16 x 64 tile in shared memory,
+    @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32, int32, int32), fastmath=False)
+    def dequantize_mma_kernel(base, high, scales, out, blocks, swiglu_rows, parts):
+        """out (bf16 pairs [N, K / 2]) = bf16(code * scale). A warp per 16-row tile and part (`parts` runs of
+        ceil(blocks / parts) consecutive blocks of 64 columns: `dequantize_parts`) walks its run of the tile's blocks:
+        each lane decodes its 16 pairs of the block into the warp's staged 16 x 64 tile in shared memory,
         then the warp stores the tile's rows as 16-byte vectors (8 lanes a 128-byte row) instead of 16 scattered
         words a lane. The 4 rows a lane stores, their targets (swiglu_rows > 0: back to their original rows,
         `swiglu_order`) and addresses are worked out once a tile, not once a block (a warp a (tile, block) spent
@@ -987,10 +989,15 @@ def make_dequantize_mma_kernel(bits: int):
         stage = cuda.shared.array(STAGE_WORDS, uint32)
         i = int32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
         N = int32(out.shape[0])
-        if i >= ((N + 15) >> 4) * 32:  # whole warps: the thread count is a multiple of 32
+        if i >= ((N + 15) >> 4) * parts * 32:  # whole warps: the thread count is a multiple of 32
             return
         lane = i & 31
-        tile = i >> 5
+        tile = (i >> 5) // parts
+        run = (blocks + parts - 1) // parts
+        first_block = ((i >> 5) - tile * parts) * run
+        end_block = min(blocks, first_block + run)
+        if first_block >= end_block:  # (a whole warp: no syncwarp waits for it)
+            return
         g = lane >> 2
         t = lane & 3
         staged = (int32(cuda.threadIdx.x) >> 5) * (TILE_ROWS * STAGE_ROW_WORDS)
@@ -1013,12 +1020,12 @@ def make_dequantize_mma_kernel(bits: int):
         # so without them in flight each block waited out a whole load latency (the last block reloads itself
         # rather than branch). Two blocks in flight (80 registers) gave the same bits and ran 4-14% slower (H200,
         # session 21).
-        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(base, high, scales, first_slot, lane, g, bits,
-                                                                    SW)
-        for q in range(blocks):
+        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(base, high, scales, first_slot + first_block,
+                                                                    lane, g, bits, SW)
+        for q in range(first_block, end_block):
             w0, w1, w2, w3, hw0, hw1, hw2, hw3, sc0, sc1 = n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1
             n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(
-                base, high, scales, first_slot + min(q + 1, blocks - 1), lane, g, bits, SW)
+                base, high, scales, first_slot + min(q + 1, end_block - 1), lane, g, bits, SW)
             cuda.syncwarp()  # the previous block's rows are stored before the stage is written again
             for j in range(4):
                 w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
@@ -1058,16 +1065,33 @@ def make_dequantize_mma_kernel(bits: int):
 DEQUANTIZE_MMA_KERNELS = {bits: make_dequantize_mma_kernel(bits) for bits in (4, 5, 6, 8)}
 
 
-def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream) -> None:
+def dequantize_parts(tiles: int, blocks: int) -> int:
+    """Runs a tile's blocks are split into, one warp each, so that a launch has at least MIN_DEQUANTIZE_WARPS warps:
+    a warp walks its blocks one load latency at a time, and with a warp a tile the projections' dequantizations
+    (tiles in the hundreds, up to 272 blocks a tile) ran latency-bound on a few warps an SM: on the H200 the
+    35B-A3B's GDN out projection (128 tiles of 64 blocks) took 87 us for 25 MB, the 27B's down projection (320
+    tiles of 272 blocks) 362 us for 228 MB, against ~2.3 TB/s for the stacked experts (results/
+    cuda_model_prefill_session25.json). The parts never change a value: a block is decoded the same way by any
+    warp."""
+    wanted = min(blocks, max(1, -(-MIN_DEQUANTIZE_WARPS // tiles)))
+    return -(-blocks // -(-blocks // wanted))  # whole runs of equal length: no warp without a block
+
+
+def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream, parts: int | None = None) -> None:
     """out[N, K] (uint16 bf16 bits, C-contiguous) = bf16(code * scale): what `quant_linear.dequantize_bf16` gives for
-    the artifact layout (the prefill path's cuBLAS operand), rows in their original order whatever the storage's."""
+    the artifact layout (the prefill path's cuBLAS operand), rows in their original order whatever the storage's.
+    `parts`: the runs each tile's blocks are split into (None: `dequantize_parts`; tests choose their own)."""
     N, K = qw.shape
     if tuple(out.shape) != (N, K):
         raise ValueError(f"dequantize into {tuple(out.shape)}, the weight is {qw.shape}")
-    threads = -(-N // TILE_ROWS) * 32
+    tiles = -(-N // TILE_ROWS)
+    parts = dequantize_parts(tiles, qw.blocks) if parts is None else parts
+    if not 1 <= parts <= qw.blocks:
+        raise ValueError(f"a tile of {qw.blocks} blocks splits into 1 to {qw.blocks} parts, not {parts}")
+    threads = tiles * parts * 32
     function = DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]]
     function[math.ceil(threads / DEQUANTIZE_THREADS), DEQUANTIZE_THREADS, stream](
-        qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks), int32(qw.swiglu_rows))
+        qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks), int32(qw.swiglu_rows), int32(parts))
 
 
 # ---- NumPy twins ---------------------------------------------------------------------------------------------------

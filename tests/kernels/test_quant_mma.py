@@ -241,17 +241,35 @@ def test_quant_mma_gpu_matches_the_twin(fmt, m, n, k):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(16, 64), (33, 192), (70, 1024), (5, 5120)])
 def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
+    """Whatever runs a tile's blocks are split into (`dequantize_parts`): a warp a tile, the default, runs of 7
+    blocks (5120 columns, 80 blocks: the last run is 3), a warp a block."""
     from ninfer.kernels_numba.numba_setup import cuda
     from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
 
     payload = _payload(np.random.default_rng(shape[0]), shape, fmt)
     qw = QM.upload_quant_mma(fmt, shape, payload)
+    want = dequantize_bf16_reference(fmt, shape, payload)
+    blocks = shape[1] // 64
     stream = cuda.stream()
-    out = cuda.to_device(np.full(shape, 0xFFFF, np.uint16), stream=stream)
-    QM.dequantize_mma_bf16(qw, out, stream=stream)
-    got = out.copy_to_host(stream=stream)
-    stream.synchronize()
-    np.testing.assert_array_equal(got, dequantize_bf16_reference(fmt, shape, payload))
+    for parts in dict.fromkeys((None, 1, -(-blocks // 7), blocks)):
+        out = cuda.to_device(np.full(shape, 0xFFFF, np.uint16), stream=stream)
+        QM.dequantize_mma_bf16(qw, out, stream=stream, parts=parts)
+        got = out.copy_to_host(stream=stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(got, want, err_msg=f"parts {parts}")
+
+
+def test_dequantize_parts_split_only_launches_short_of_a_wave():
+    assert QM.dequantize_parts(16384, 32) == 1  # the 35B-A3B's stacked expert gate|up: a warp a tile, as before
+    assert QM.dequantize_parts(128, 64) == 32  # its GDN out projection: runs of 2 blocks
+    assert QM.dequantize_parts(320, 272) == 13  # the 27B's down projection: 13 runs of 21 blocks
+    assert QM.dequantize_parts(1, 5) == 5 and QM.dequantize_parts(4096, 80) == 1
+    for tiles in (1, 3, 100, 4095):
+        for blocks in (1, 2, 5, 64, 97, 272):
+            parts = QM.dequantize_parts(tiles, blocks)
+            run = -(-blocks // parts)
+            assert 1 <= parts <= blocks and (parts - 1) * run < blocks  # every warp has a block
+            assert tiles * parts >= min(QM.MIN_DEQUANTIZE_WARPS, tiles * blocks) // 2
 
 
 def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None, **geometry):

@@ -337,10 +337,13 @@ def quant_mma() -> None:
         for columns in (64, 128, 320):  # one block (a warp reloads it past the end), two and five blocks
             part = (shape[0], columns)
             part_payload = codec.encode_buffer(rng.standard_normal(part).astype(np.float32) * 0.05, fmt)
-            out = np.zeros(part, np.uint16)
-            qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0)
-            assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
-                fmt, columns)
+            blocks = columns // 64
+            # a warp a tile, the default split, and runs of 2 (five blocks: 2, 2, 1) or 1
+            for parts in dict.fromkeys((1, None, min(blocks, 3), blocks)):
+                out = np.zeros(part, np.uint16)
+                qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0, parts=parts)
+                assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
+                    fmt, columns, parts)
         experts, rpe, slots, rows = 3, 16, 2, 2
         stacked = (experts * rpe, 128)
         payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
