@@ -995,8 +995,8 @@ def make_dequantize_mma_kernel(bits: int):
         tile = (i >> 5) // parts
         run = (blocks + parts - 1) // parts
         first_block = ((i >> 5) - tile * parts) * run
-        end_block = min(blocks, first_block + run)
-        if first_block >= end_block:  # (a whole warp: no syncwarp waits for it)
+        steps = min(blocks - first_block, run)  # this warp's blocks: first_block onwards
+        if steps <= 0:  # (a whole warp: no syncwarp waits for it)
             return
         g = lane >> 2
         t = lane & 3
@@ -1005,7 +1005,7 @@ def make_dequantize_mma_kernel(bits: int):
         minus_low = uint32(MINUS_LOW)
         column = (lane & 7) * 4
         row_bytes = int64(out.strides[0])
-        out_at = address_of(out) + int64(column) * 4
+        out_at = address_of(out) + int64(column) * 4 + int64(first_block) * 128  # 64 bf16 columns a block
         target0 = _stored_target(tile, lane >> 3, N, swiglu_rows)
         target1 = _stored_target(tile, 4 + (lane >> 3), N, swiglu_rows)
         target2 = _stored_target(tile, 8 + (lane >> 3), N, swiglu_rows)
@@ -1015,17 +1015,17 @@ def make_dequantize_mma_kernel(bits: int):
         at2 = out_at + int64(target2) * row_bytes
         at3 = out_at + int64(target3) * row_bytes
         from0 = staged + (lane >> 3) * STAGE_ROW_WORDS + column
-        first_slot = tile * blocks  # the tile's first (tile, block) slot of the codes, high words and scales
+        first_slot = tile * blocks + first_block  # the warp's first (tile, block) slot of codes, high words, scales
         # The next block's words load while this one decodes and stores: a warp walks its tile's blocks in order,
         # so without them in flight each block waited out a whole load latency (the last block reloads itself
         # rather than branch). Two blocks in flight (80 registers) gave the same bits and ran 4-14% slower (H200,
         # session 21).
-        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(base, high, scales, first_slot + first_block,
-                                                                    lane, g, bits, SW)
-        for q in range(first_block, end_block):
+        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(base, high, scales, first_slot, lane, g, bits,
+                                                                    SW)
+        for q in range(steps):
             w0, w1, w2, w3, hw0, hw1, hw2, hw3, sc0, sc1 = n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1
             n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(
-                base, high, scales, first_slot + min(q + 1, end_block - 1), lane, g, bits, SW)
+                base, high, scales, first_slot + min(q + 1, steps - 1), lane, g, bits, SW)
             cuda.syncwarp()  # the previous block's rows are stored before the stage is written again
             for j in range(4):
                 w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
