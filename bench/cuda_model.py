@@ -286,6 +286,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
         model.moe_sync_free = serving_sync_free if sync_free is None else sync_free
         model.set_dequant_ahead(serving_ahead if ahead is None else ahead)
+        ahead_timed = dequantizer.ahead if dequantizer is not None else 0
         label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
             "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}") + (
             "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}") + (
@@ -302,7 +303,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
                                   "moe_chunk_rows": model.moe_chunk_rows, "moe_chunk_step": model.moe_chunk_step,
                                   "moe_sync_free": model.moe_sync_free,
-                                  "dequant_ahead": serving_ahead if ahead is None else ahead,
+                                  "dequant_ahead": ahead_timed,
                                   "dequant_hits": (dequantizer.hits - hits_before) if dequantizer is not None else 0,
                                   "tokens": prefill_tokens,
                                   "seconds": seconds, "all_seconds": [float(t) for t in times],

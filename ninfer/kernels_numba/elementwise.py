@@ -202,8 +202,8 @@ def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fra
     With `out_bf16` (uint16 [R, H]) the same values rounded to bf16 bits are written there too: the input of the
     cuBLAS linear layers that follow, without a separate conversion launch; `out` None then writes that copy alone
     (every consumer a cuBLAS GEMM: at the 35B-A3B's 8K prefill 2/5 of the norm's bytes, ~16 us a launch). With
-    `out_fragments` (uint32, R <= 8) they are written as the tensor-core x fragments (`quant_mma.x_fragments` of out; rows R..7 left as they were:
-    the mma keeps each x row's column apart, so no output reads them)."""
+    `out_fragments` (uint32, R <= 8) they are written as the tensor-core x fragments (`quant_mma.x_fragments` of
+    out; rows R..7 left as they were: the mma keeps each x row's column apart, so no output reads them)."""
     rows = x.shape[0]
     if out is None and out_bf16 is None:
         raise ValueError("rms_norm_rows needs an fp32 out, a bf16 out or both")
