@@ -292,41 +292,52 @@ def small_sweep(device, bandwidth, rng) -> list[dict]:
     return rows
 
 
-DEQUANTIZE_EXPERTS = 256  # the 35B-A3B's routed experts: the prefill dequantizes each stacked matrix whole
-DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (1024, 2048), "down 256 x 2048x512": (2048, 512)}
+# (matrices stacked, rows each, K): the 35B-A3B's 256 routed experts (the prefill dequantizes each stacked matrix
+# whole), then single projections, where `dequantize_parts` splits a tile's blocks across warps
+DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (256, 1024, 2048), "down 256 x 2048x512": (256, 2048, 512),
+                     "35B gdn out 2048x4096": (1, 2048, 4096), "27B down 5120x17408": (1, 5120, 17408),
+                     "27B gate_up 34816x5120": (1, 34816, 5120)}
 
 
 def dequantize_rates(device, bandwidth, rng) -> list[dict]:
-    """The v2 prefill's expert dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes, each
-    format: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One expert's planes are repacked
-    on the host and repeated (tile-major planes stack by concatenation); the first and last experts' rows are checked
-    against the codec's values."""
+    """The v2 prefill's dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes and at single
+    projections, each format, with the parts `dequantize_parts` picks and with a warp a tile (parts 1) where those
+    differ: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One matrix's planes are repacked
+    on the host and repeated (tile-major planes stack by concatenation); the first and last matrices' rows are
+    checked against the codec's values."""
     from ninfer.kernels_numba import quant_mma as QM
     from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
 
     rows = []
-    for name, (rpe, k) in DEQUANTIZE_SHAPES.items():
+    for name, (stacked, rpe, k) in DEQUANTIZE_SHAPES.items():
         for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
             payload = random_payload(fmt, (rpe, k), rng)
             one = QM.repack_quant_mma(fmt, (rpe, k), payload)
-            planes = {n: v if n == "high" and fmt == Q4G64 else np.tile(v, DEQUANTIZE_EXPERTS) for n, v in one.items()}
-            shape = (DEQUANTIZE_EXPERTS * rpe, k)
+            planes = {n: v if n == "high" and fmt == Q4G64 else np.tile(v, stacked) for n, v in one.items()}
+            shape = (stacked * rpe, k)
             weight = QM.upload_quant_mma_planes(fmt, shape, planes, stream=device.stream)
             out = device.empty(shape, np.uint16, "bench")
             want = dequantize_bf16_reference(fmt, (rpe, k), payload)
             moved = sum(v.nbytes for v in planes.values()) + out.nbytes
+            chosen = QM.dequantize_parts(-(-shape[0] // QM.TILE_ROWS), weight.blocks)
+            for parts in sorted({chosen, 1}, reverse=True):
+                def launch():
+                    QM.dequantize_mma_bf16(weight, out, stream=device.stream, parts=parts)
 
-            def launch():
-                QM.dequantize_mma_bf16(weight, out, stream=device.stream)
-
-            seconds = timed(device, launch)
-            device.synchronize()
-            ends = (out[:rpe].copy_to_host(), out[shape[0] - rpe:].copy_to_host())
-            exact = all(np.array_equal(end, want) for end in ends)
-            rows.append({"kernel": "dequantize_mma", "shape": name, "fmt": fmt, "us": seconds * 1e6,
-                         "gb_s": moved / seconds / 1e9, "of_copy": moved / seconds / bandwidth, "exact": exact})
-            print(f"dequantize_mma {name:24s} {fmt:10s}: {seconds * 1e6:8.1f} us {moved / seconds / 1e9:7.0f} GB/s  "
-                  f"{moved / seconds / bandwidth:.2f} of copy  exact {exact}", flush=True)
+                device.synchronize()
+                blank = np.zeros((rpe, k), np.uint16)  # the checked rows cleared, so each parts' bits are its own
+                out[:rpe].copy_to_device(blank)
+                out[shape[0] - rpe:].copy_to_device(blank)
+                seconds = timed(device, launch)
+                device.synchronize()
+                ends = (out[:rpe].copy_to_host(), out[shape[0] - rpe:].copy_to_host())
+                exact = all(np.array_equal(end, want) for end in ends)
+                rows.append({"kernel": "dequantize_mma", "shape": name, "fmt": fmt, "parts": parts,
+                             "us": seconds * 1e6, "gb_s": moved / seconds / 1e9, "of_copy": moved / seconds / bandwidth,
+                             "exact": exact})
+                print(f"dequantize_mma {name:24s} {fmt:10s} parts {parts:3d}: {seconds * 1e6:8.1f} us "
+                      f"{moved / seconds / 1e9:7.0f} GB/s  {moved / seconds / bandwidth:.2f} of copy  exact {exact}",
+                      flush=True)
             weight = out = None
     return rows
 

@@ -49,8 +49,8 @@ from numba.cuda.extending import intrinsic
 from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32,
-                                         half_pair_to_f32, load_word_at, load_words2_at, load_words4_at, sigmoid_f32,
-                                         store_words4_at)
+                                         half_pair_to_f32, load_word_at, load_words2_at, load_words4_at, pack_bf16x2,
+                                         sigmoid_f32, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -972,6 +972,27 @@ def _block_words(base, high, scales, slot, lane, g, bits, scale_words):
             scales[(slot * scale_words + scale_words - 1) * 8 + g])
 
 
+@device_function
+def _stage_k_step(stage, into, w, h, hw0, hw1, j, sc0, sc1, bits, minus, minus_low):
+    """A lane's 4 pairs of k-step j of a (tile, block) as bf16(code * scale) into the staged tile (`into`: the lane's
+    row g, column t of the step). The pairs are converted by `pack_bf16x2`, one instruction for the two roundings
+    `bf16_pair` spells in integer steps (~20 instructions a pair): the same bits for every value a codec writes
+    (finite fp16 scales times small codes are never NaN)."""
+    s_lo, s_hi = half_pair_to_f32(sc1 if bits == 8 and j >= 2 else sc0)
+    for s in range(4):
+        if bits == 8:
+            hi = nibble_pair(h, s, minus)
+            lo = nibble_pair(w, s, minus_low)
+            first = float32(16.0) * bf16_to_f32(hi) + bf16_to_f32(lo)
+            second = float32(16.0) * bf16_hi_to_f32(hi) + bf16_hi_to_f32(lo)
+        else:
+            pair = code_pair(w, hw0, hw1, j, s, bits, minus)
+            first = bf16_to_f32(pair)
+            second = bf16_hi_to_f32(pair)
+        scale = s_hi if s & 1 else s_lo
+        stage[into + 8 * (s & 1) * STAGE_ROW_WORDS + 4 * (s >> 1)] = pack_bf16x2(first * scale, second * scale)
+
+
 def make_dequantize_mma_kernel(bits: int):
     SW = SCALE_WORDS[bits]
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
@@ -1027,24 +1048,13 @@ def make_dequantize_mma_kernel(bits: int):
             n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(
                 base, high, scales, first_slot + min(q + 1, steps - 1), lane, g, bits, SW)
             cuda.syncwarp()  # the previous block's rows are stored before the stage is written again
-            for j in range(4):
-                w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
-                h = hw0 if j == 0 else (hw1 if j == 1 else (hw2 if j == 2 else hw3))
-                s_lo, s_hi = half_pair_to_f32(sc1 if bits == 8 and j >= 2 else sc0)
-                for s in range(4):
-                    if bits == 8:
-                        hi = nibble_pair(h, s, minus)
-                        lo = nibble_pair(w, s, minus_low)
-                        first = float32(16.0) * bf16_to_f32(hi) + bf16_to_f32(lo)
-                        second = float32(16.0) * bf16_hi_to_f32(hi) + bf16_hi_to_f32(lo)
-                    else:
-                        pair = code_pair(w, hw0, hw1, j, s, bits, minus)
-                        first = bf16_to_f32(pair)
-                        second = bf16_hi_to_f32(pair)
-                    scale = s_hi if s & 1 else s_lo
-                    row = g + 8 * (s & 1)
-                    stage[staged + row * STAGE_ROW_WORDS + 8 * j + t + 4 * (s >> 1)] = bf16_pair(first * scale,
-                                                                                                second * scale)
+            # one call a k-step with its word as a constant: in a loop over j the selects of w and h and a 64-bit
+            # counter stayed in the SASS (ptxas did not unroll it)
+            into = staged + g * STAGE_ROW_WORDS + t
+            _stage_k_step(stage, into, w0, hw0, hw0, hw1, 0, sc0, sc1, bits, minus, minus_low)
+            _stage_k_step(stage, into + 8, w1, hw1, hw0, hw1, 1, sc0, sc1, bits, minus, minus_low)
+            _stage_k_step(stage, into + 16, w2, hw2, hw0, hw1, 2, sc0, sc1, bits, minus, minus_low)
+            _stage_k_step(stage, into + 24, w3, hw3, hw0, hw1, 3, sc0, sc1, bits, minus, minus_low)
             cuda.syncwarp()
             step = int64(q) * 128  # the block's 64 bf16 columns of a row
             if target0 >= 0:
