@@ -10,9 +10,7 @@ quant_gemv_small.json. `--strides`: the Q4 kernel at M = 1 as K steps a block at
 shapes (does bandwidth follow the row tiles' stride?), JSON to quant_gemv_strides.json. `--tiles`: the Q4 kernel at M
 = 1, K = 17408, over row-tile counts around multiples of the SM count, then on the 27B shapes, JSON to
 quant_gemv_tiles.json. `--dequantize`: the v2 prefill's expert dequantization (`dequantize_mma_bf16`) at the
-35B-A3B's stacked expert shapes and single projections, JSON to dequantize_mma.json. `--prefetch`: the decode GEMVs
-at M = 1 with and without the L2 prefetch of a warp's share (`make_tile_sums(l2_prefetch=)`), weights cycled over
-cold copies, JSON to quant_gemv_l2_prefetch.json. (Session 14 timed the kernels with each step's codes
+35B-A3B's stacked expert shapes, JSON to dequantize_mma.json. (Session 14 timed the kernels with each step's codes
 loaded during the step before against the former ones, matrix copies cycled:
 results/quant_gemv_prefetch_session14.json.)
 """
@@ -344,89 +342,6 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
     return rows
 
 
-# (format, rows, K): the 27B ninfer-v2 decode's Q4 projections, the 35B-A3B's W8 GDN in- and out-projections
-PREFETCH_SHAPES = {"27B gate_up": (Q4G64, 34816, 5120), "27B down": (Q4G64, 5120, 17408),
-                   "27B query_key": (Q4G64, 7168, 5120), "27B gdn out": (Q4G64, 5120, 6144),
-                   "35B in_proj": (W8G32, 12288, 2048), "35B gdn out": (W8G32, 2048, 4096)}
-PREFETCH_CYCLE_BYTES = 256 << 20  # copies enough to exceed the 50 MB L2 many times: each launch reads cold weights
-PREFETCH_EXPERTS = (256, 1024, 2048)  # the 35B-A3B's stacked routed gate|up (experts, rows each, K), Q4
-
-
-def prefetch_rates(device, bandwidth, rng) -> list[dict]:
-    """The decode GEMVs at M = 1 with and without `l2_prefetch` (a warp's whole share of the weights asked of L2
-    before its first step), each launch on a cold copy of the weights (copies cycled), and the gathered Q4 experts
-    with the 8 expert ids cycled over 16 sets. Microseconds, the ratio to copy, and whether the bits are equal."""
-    from ninfer.kernels_numba import quant_mma as QM
-
-    stream = device.stream
-    rows = []
-
-    def time_cycled(launches) -> float:
-        turn = [0]
-
-        def launch():
-            launches[turn[0] % len(launches)]()
-            turn[0] += 1
-        return timed(device, launch)
-
-    for name, (fmt, n, k) in PREFETCH_SHAPES.items():
-        bits = QM.FORMAT_BITS[fmt]
-        planes = QM.repack_quant_mma(fmt, (n, k), random_payload(fmt, (n, k), rng))
-        nbytes = sum(v.nbytes for v in planes.values())
-        copies = [QM.upload_quant_mma_planes(fmt, (n, k), planes, stream=stream)
-                  for _ in range(max(2, -(-PREFETCH_CYCLE_BYTES // nbytes)))]
-        x = device.upload(rng.standard_normal((1, k)).astype(np.float32), "bench")
-        xf = device.empty(QM.x_fragment_words(k), np.uint32, "bench")
-        QM.x_fragments(x, xf, stream=stream)
-        y = device.empty((1, n), np.float32, "bench")
-        row = {"shape": name, "fmt": fmt, "bytes": nbytes, "copies": len(copies)}
-        outputs = {}
-        for label, prefetch in (("plain", False), ("l2_prefetch", True)):
-            fn = QM.make_quant_mma_kernel(bits, l2_prefetch=prefetch)
-            seconds = time_cycled([lambda w=w, fn=fn: QM.linear_quant_mma(xf, w, y, stream=stream, _kernel=fn)
-                                   for w in copies])
-            QM.linear_quant_mma(xf, copies[0], y, stream=stream, _kernel=fn)
-            outputs[label] = device.read(y)
-            row[f"{label}_us"] = seconds * 1e6
-            row[f"{label}_of_copy"] = nbytes / seconds / bandwidth
-        row["bitwise"] = bool(np.array_equal(outputs["plain"], outputs["l2_prefetch"]))
-        rows.append(row)
-        print(f"prefetch {name:14s} {fmt:10s} {nbytes / 1e6:7.1f} MB: plain {row['plain_us']:7.1f} us "
-              f"({row['plain_of_copy']:.2f})  l2_prefetch {row['l2_prefetch_us']:7.1f} us "
-              f"({row['l2_prefetch_of_copy']:.2f})  bitwise {row['bitwise']}", flush=True)
-        copies = None
-
-    experts, rpe, k = PREFETCH_EXPERTS
-    payload = random_payload(Q4G64, (rpe, k), rng)
-    one = QM.repack_quant_mma(Q4G64, (rpe, k), payload)
-    planes = {n: v if n == "high" else np.tile(v, experts) for n, v in one.items()}
-    stacked = QM.upload_quant_mma_planes(Q4G64, (experts * rpe, k), planes, stream=stream)
-    id_sets = [device.upload(rng.permutation(experts)[:8].astype(np.int32).reshape(1, 8), "bench")
-               for _ in range(16)]
-    x = device.upload(rng.standard_normal((1, k)).astype(np.float32), "bench")
-    xf = device.empty(QM.x_fragment_words(k), np.uint32, "bench")
-    QM.x_fragments(x, xf, stream=stream)
-    y = device.empty((1, 8, rpe), np.float32, "bench")
-    read = 8 * sum(v.nbytes for v in one.values())
-    row = {"shape": "35B experts gate_up (8 of 256)", "fmt": Q4G64, "bytes": read, "copies": len(id_sets)}
-    outputs = {}
-    for label, prefetch in (("plain", False), ("l2_prefetch", True)):
-        fn = QM.make_quant_mma_gathered_kernel(4, l2_prefetch=prefetch)
-        seconds = time_cycled([lambda ids=ids, fn=fn: QM.linear_quant_mma_gathered(
-            xf, stacked, ids, y, rows_per_expert=rpe, x_per_slot=False, stream=stream, _kernel=fn) for ids in id_sets])
-        QM.linear_quant_mma_gathered(xf, stacked, id_sets[0], y, rows_per_expert=rpe, x_per_slot=False,
-                                     stream=stream, _kernel=fn)
-        outputs[label] = device.read(y)
-        row[f"{label}_us"] = seconds * 1e6
-        row[f"{label}_of_copy"] = read / seconds / bandwidth
-    row["bitwise"] = bool(np.array_equal(outputs["plain"], outputs["l2_prefetch"]))
-    rows.append(row)
-    print(f"prefetch gathered experts  {read / 1e6:7.1f} MB: plain {row['plain_us']:7.1f} us "
-          f"({row['plain_of_copy']:.2f})  l2_prefetch {row['l2_prefetch_us']:7.1f} us "
-          f"({row['l2_prefetch_of_copy']:.2f})  bitwise {row['bitwise']}", flush=True)
-    return rows
-
-
 def main() -> None:
     if "--ncu" in sys.argv:
         eager_launches()
@@ -446,10 +361,6 @@ def main() -> None:
     if "--tiles" in sys.argv:  # does the Q4 GEMV's time step with the most blocks an SM holds?
         report["rows"] = tile_sweep(device, bandwidth, rng)
         write_report("quant_gemv_tiles", report)
-        return
-    if "--prefetch" in sys.argv:  # the decode GEMVs with and without the L2 prefetch of a warp's share
-        report["rows"] = prefetch_rates(device, bandwidth, rng)
-        write_report("quant_gemv_l2_prefetch", report)
         return
     if "--dequantize" in sys.argv:  # the prefill's expert dequantization, not the GEMV
         report["rows"] = dequantize_rates(device, bandwidth, rng)

@@ -257,18 +257,6 @@ def store_words4_at(typingctx, address, w0, w1, w2, w3):
     return types.void(int64, uint32, uint32, uint32, uint32), _store_codegen(4)
 
 
-@intrinsic
-def prefetch_l2(typingctx, address):
-    """`prefetch.global.L2` of the line holding a global byte address: the line is brought into L2 while the thread
-    goes on (no register waits for it), so many of a warp's later loads can be in flight at once."""
-    def codegen(context, builder, sig, args):
-        builder.asm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), "prefetch.global.L2 [$0];", "l", list(args),
-                    side_effect=True)
-        return context.get_dummy_value()
-
-    return types.void(int64), codegen
-
-
 def blocks_for(items: int, per_block: int) -> int:
     return max(1, math.ceil(items / per_block))
 

@@ -50,7 +50,7 @@ from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32,
                                          half_pair_to_f32, load_word_at, load_words2_at, load_words4_at, pack_bf16x2,
-                                         prefetch_l2, sigmoid_f32, store_words4_at)
+                                         sigmoid_f32, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -66,9 +66,6 @@ ROW_SETS = 4
 WARPS = 8
 TILES = 1
 UNROLL = 2
-# The decode GEMVs ask L2 for a warp's whole share of the weights before their first step (`make_tile_sums`): off
-# until bench/quant_gemv.py --prefetch has timed it on the GPU.
-L2_PREFETCH = False
 FORMAT_BITS = {Q4G64: 4, Q5G64: 5, Q6G64: 6, W8G32: 8}
 HIGH_WORDS = {4: 1, 5: 1, 6: 2, 8: 4}  # high-plane words per lane per (tile, block); Q4 keeps a 1-word dummy
 SCALE_WORDS = {4: 1, 5: 1, 6: 1, 8: 2}  # scale pairs per lane per (tile, block)
@@ -398,7 +395,7 @@ def x_slot_fragments(x, out, *, stream) -> None:
     _x_slot_fragments_kernel[(math.ceil(words / 256), S), 256, stream](x, out[: S * words])
 
 
-def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1, l2_prefetch: bool = False):
+def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1):
     """The work of one block that the plain and the gathered kernels share: `tiles` row tiles from `first_tile` times
     `sets` x-fragment sets (8 x rows each, one after another) from word `x_base`, summed into warp 0's `acc`
     (acc[4 (s tiles + r) + i]: C register i of tile r for set s; the other warps' acc are their own partial sums).
@@ -411,11 +408,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     Loads go through raw addresses (`address_of`): a block q of the weight planes, of the scales and of the x
     fragments sits q times a fixed stride past the warp's first, so a step costs one add per stream and the unrolled
     blocks are constant offsets. A step's codes and scales load during the step before it; a block past the last
-    (a warp's partial last step, the step after it) is clamped onto the last one: loaded, never summed.
-
-    `l2_prefetch`: before its first step a warp asks L2 for the lines of all its later blocks (`prefetch_l2`, no
-    register waits), so the whole of its share is in flight at once instead of one step's, and, launched
-    programmatically, while the kernel before still runs. The same loads and sums follow: the same bits."""
+    (a warp's partial last step, the step after it) is clamped onto the last one: loaded, never summed."""
     ACC = 4 * tiles * sets
     HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
@@ -575,14 +568,6 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
         # placed by ptxas after the step's first mma, a second round trip a step.
         next_words = cuda.local.array(WORDS, uint32)
         next_highs = cuda.local.array(HIGHS, uint32)
-        if l2_prefetch:
-            for q in range(q0 + stride, blocks, warps):  # the blocks after the first step's
-                q64 = int64(q)
-                for r in range(tiles):
-                    prefetch_l2(tile_base[r] + q64 * BASE_BLOCK)
-                    if bits != 4:
-                        prefetch_l2(tile_high[r] + q64 * HIGH_BLOCK)
-                    prefetch_l2(tile_scale[r] + q64 * SCALE_BLOCK)
         if q0 < blocks:  # the first step's weights stream in while the kernels before this one finish
             load_scales(scale_pairs, tile_scale, q0, blocks)
             load_step(words, highs, xs, tile_base, tile_high, x_lane, set_bytes, q0, blocks, True, WEIGHTS)
@@ -679,13 +664,13 @@ def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
 
 
 def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                          sets: int = 1, l2_prefetch: bool = L2_PREFETCH):
+                          sets: int = 1):
     """The kernel for one format: `tiles` row tiles per block, `warps` warps splitting the K blocks, `unroll` K
     blocks per warp step whose loads are all issued before the first mma of the step, for up to 8 `sets` x rows
-    (x row m: column m % 8 of set m // 8); `l2_prefetch`: see `make_tile_sums`."""
+    (x row m: column m % 8 of set m // 8)."""
     TILE_ACC = 4 * tiles
     ACC = TILE_ACC * sets
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets, l2_prefetch)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll, sets)
     store_sums = make_store_sums(tiles, sets)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], float32[:, ::1], int32, int32, uint32[::1], int32),
@@ -716,12 +701,11 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     return quant_mma_kernel
 
 
-def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
-                                   l2_prefetch: bool = L2_PREFETCH):
+def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
     """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
     `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
     ACC = 4 * tiles
-    tile_sums = make_tile_sums(bits, tiles, warps, unroll, l2_prefetch=l2_prefetch)
+    tile_sums = make_tile_sums(bits, tiles, warps, unroll)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32,
              uint32[::1], int32), fastmath=False)
@@ -768,8 +752,8 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
     y. Every output is the same code and order as `linear_quant_mma` of its part (the same bits), without the second
     launch, its scratch and the join."""
     ACC = 4 * sets
-    sums_a = make_tile_sums(bits_a, 1, WARPS, UNROLL, sets, L2_PREFETCH)
-    sums_b = make_tile_sums(bits_b, 1, WARPS, UNROLL, sets, L2_PREFETCH)
+    sums_a = make_tile_sums(bits_a, 1, WARPS, UNROLL, sets)
+    sums_b = make_tile_sums(bits_b, 1, WARPS, UNROLL, sets)
     store_sums = make_store_sums(1, sets)
 
     @kernel((uint32[::1],) * 7 + (float32[:, ::1], int32, int32), fastmath=False)

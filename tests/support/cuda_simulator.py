@@ -383,11 +383,6 @@ def copy_async_wait_prior() -> None:
     """Copies land at issue in the simulator: nothing to wait for."""
 
 
-def prefetch_l2(address) -> None:
-    """A prefetch changes no value: the simulator only checks that the address is a real one."""
-    _bytes_at(address, 1)
-
-
 def allow_dynamic_shared(dispatcher, signature, nbytes) -> None:
     """The simulator gives a launch whatever dynamic shared memory it asks for."""
 
@@ -404,7 +399,7 @@ STAND_INS = {
     "and_or": and_or,
     "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,
     "half_pair_to_f32": half_pair_to_f32, "pack_bf16x2": pack_bf16x2, "load_matrix_x4": load_matrix_x4,
-    "exp2_approx": exp2_approx, "prefetch_l2": prefetch_l2,
+    "exp2_approx": exp2_approx,
 }
 
 
