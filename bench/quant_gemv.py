@@ -301,10 +301,10 @@ DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (256, 1024, 2048), "down 256 x 2
 
 def dequantize_rates(device, bandwidth, rng) -> list[dict]:
     """The v2 prefill's dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes and at single
-    projections, each format, with the parts `dequantize_parts` picks and with a warp a tile (parts 1) where those
-    differ: microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One matrix's planes are repacked
-    on the host and repeated (tile-major planes stack by concatenation); the first and last matrices' rows are
-    checked against the codec's values."""
+    projections, each format, with the parts `dequantize_parts` picks and with 1, 2 and 4 parts: microseconds, GB/s
+    of planes read plus bf16 written, the ratio to copy. One matrix's planes are repacked on the host and repeated
+    (tile-major planes stack by concatenation); the first and last matrices' rows are checked against the codec's
+    values."""
     from ninfer.kernels_numba import quant_mma as QM
     from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
 
@@ -320,7 +320,7 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
             want = dequantize_bf16_reference(fmt, (rpe, k), payload)
             moved = sum(v.nbytes for v in planes.values()) + out.nbytes
             chosen = QM.dequantize_parts(-(-shape[0] // QM.TILE_ROWS), weight.blocks)
-            for parts in sorted({chosen, 1}, reverse=True):
+            for parts in sorted({chosen, 1, 2, 4} & set(range(1, weight.blocks + 1)), reverse=True):
                 def launch():
                     QM.dequantize_mma_bf16(weight, out, stream=device.stream, parts=parts)
 
