@@ -299,9 +299,24 @@ DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (256, 1024, 2048), "down 256 x 2
                      "27B gate_up 34816x5120": (1, 34816, 5120)}
 
 
+DEQUANTIZE_BLOCK_THREADS = (128, 64)  # block sizes timed beside the default (more blocks, more warps an SM)
+
+
+def dequantize_variant(bits: int, threads: int):
+    from ninfer.kernels_numba import quant_mma as QM
+
+    if threads == QM.DEQUANTIZE_THREADS:
+        return QM.DEQUANTIZE_MMA_KERNELS[bits]
+    key = "dequantize", bits, threads
+    if key not in _VARIANT_KERNELS:
+        _VARIANT_KERNELS[key] = QM.make_dequantize_mma_kernel(bits, threads)
+    return _VARIANT_KERNELS[key]
+
+
 def dequantize_rates(device, bandwidth, rng) -> list[dict]:
     """The v2 prefill's dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes and at single
-    projections, each format, with the parts `dequantize_parts` picks and with 1, 2 and 4 parts: microseconds, GB/s
+    projections, each format, with the parts `dequantize_parts` picks and with 1, 2 and 4 parts, then at the chosen
+    parts with smaller blocks (`DEQUANTIZE_BLOCK_THREADS`): microseconds, GB/s
     of planes read plus bf16 written, the ratio to copy. One matrix's planes are repacked on the host and repeated
     (tile-major planes stack by concatenation); the first and last matrices' rows are checked against the codec's
     values."""
@@ -320,12 +335,15 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
             want = dequantize_bf16_reference(fmt, (rpe, k), payload)
             moved = sum(v.nbytes for v in planes.values()) + out.nbytes
             chosen = QM.dequantize_parts(-(-shape[0] // QM.TILE_ROWS), weight.blocks)
-            for parts in sorted({chosen, 1, 2, 4} & set(range(1, weight.blocks + 1)), reverse=True):
-                def launch():
-                    QM.dequantize_mma_bf16(weight, out, stream=device.stream, parts=parts)
+            settings = [(parts, QM.DEQUANTIZE_THREADS) for parts in
+                        sorted({chosen, 1, 2, 4} & set(range(1, weight.blocks + 1)), reverse=True)]
+            for parts, threads in settings + [(chosen, t) for t in DEQUANTIZE_BLOCK_THREADS]:
+                def launch(parts=parts, threads=threads):
+                    QM.dequantize_mma_bf16(weight, out, stream=device.stream, parts=parts, threads=threads,
+                                           _kernel=dequantize_variant(QM.FORMAT_BITS[fmt], threads))
 
                 device.synchronize()
-                blank = np.zeros((rpe, k), np.uint16)  # the checked rows cleared, so each parts' bits are its own
+                blank = np.zeros((rpe, k), np.uint16)  # the checked rows cleared, so each setting's bits are its own
                 out[:rpe].copy_to_device(blank)
                 out[shape[0] - rpe:].copy_to_device(blank)
                 seconds = timed(device, launch)
@@ -333,11 +351,11 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
                 ends = (out[:rpe].copy_to_host(), out[shape[0] - rpe:].copy_to_host())
                 exact = all(np.array_equal(end, want) for end in ends)
                 rows.append({"kernel": "dequantize_mma", "shape": name, "fmt": fmt, "parts": parts,
-                             "us": seconds * 1e6, "gb_s": moved / seconds / 1e9, "of_copy": moved / seconds / bandwidth,
-                             "exact": exact})
-                print(f"dequantize_mma {name:24s} {fmt:10s} parts {parts:3d}: {seconds * 1e6:8.1f} us "
-                      f"{moved / seconds / 1e9:7.0f} GB/s  {moved / seconds / bandwidth:.2f} of copy  exact {exact}",
-                      flush=True)
+                             "threads": threads, "us": seconds * 1e6, "gb_s": moved / seconds / 1e9,
+                             "of_copy": moved / seconds / bandwidth, "exact": exact})
+                print(f"dequantize_mma {name:24s} {fmt:10s} parts {parts:3d} threads {threads:3d}: "
+                      f"{seconds * 1e6:8.1f} us {moved / seconds / 1e9:7.0f} GB/s  {moved / seconds / bandwidth:.2f} "
+                      f"of copy  exact {exact}", flush=True)
             weight = out = None
     return rows
 

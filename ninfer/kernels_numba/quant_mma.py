@@ -947,7 +947,6 @@ def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act,
 DEQUANTIZE_THREADS = 256
 MIN_DEQUANTIZE_WARPS = 4096  # about a wave of the H200 (132 SMs, 32 resident warps an SM at this kernel's registers)
 STAGE_ROW_WORDS = 33  # one staged tile row: 32 words (64 bf16) + 1 word of padding that spreads the writes' banks
-STAGE_WORDS = (DEQUANTIZE_THREADS // 32) * TILE_ROWS * STAGE_ROW_WORDS
 
 
 @device_function
@@ -993,8 +992,10 @@ def _stage_k_step(stage, into, w, h, hw0, hw1, j, sc0, sc1, bits, minus, minus_l
         stage[into + 8 * (s & 1) * STAGE_ROW_WORDS + 4 * (s >> 1)] = pack_bf16x2(first * scale, second * scale)
 
 
-def make_dequantize_mma_kernel(bits: int):
+def make_dequantize_mma_kernel(bits: int, threads: int = DEQUANTIZE_THREADS):
+    """The dequantization kernel of one format for blocks of `threads` threads (each warp its own staged tile)."""
     SW = SCALE_WORDS[bits]
+    STAGE = (threads // 32) * TILE_ROWS * STAGE_ROW_WORDS
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
     MINUS_LOW = _minus_pair(0)
 
@@ -1007,7 +1008,7 @@ def make_dequantize_mma_kernel(bits: int):
         words a lane. The 4 rows a lane stores, their targets (swiglu_rows > 0: back to their original rows,
         `swiglu_order`) and addresses are worked out once a tile, not once a block (a warp a (tile, block) spent
         about half its ~600 instructions there)."""
-        stage = cuda.shared.array(STAGE_WORDS, uint32)
+        stage = cuda.shared.array(STAGE, uint32)
         i = int32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
         N = int32(out.shape[0])
         if i >= ((N + 15) >> 4) * parts * 32:  # whole warps: the thread count is a multiple of 32
@@ -1087,10 +1088,12 @@ def dequantize_parts(tiles: int, blocks: int) -> int:
     return -(-blocks // -(-blocks // wanted))  # whole runs of equal length: no warp without a block
 
 
-def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream, parts: int | None = None) -> None:
+def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream, parts: int | None = None, _kernel=None,
+                        threads: int = DEQUANTIZE_THREADS) -> None:
     """out[N, K] (uint16 bf16 bits, C-contiguous) = bf16(code * scale): what `quant_linear.dequantize_bf16` gives for
     the artifact layout (the prefill path's cuBLAS operand), rows in their original order whatever the storage's.
-    `parts`: the runs each tile's blocks are split into (None: `dequantize_parts`; tests choose their own)."""
+    `parts`: the runs each tile's blocks are split into (None: `dequantize_parts`; tests choose their own).
+    (`_kernel` with its `threads`: a variant from `make_dequantize_mma_kernel`, for benchmarks.)"""
     N, K = qw.shape
     if tuple(out.shape) != (N, K):
         raise ValueError(f"dequantize into {tuple(out.shape)}, the weight is {qw.shape}")
@@ -1098,9 +1101,8 @@ def dequantize_mma_bf16(qw: QuantMmaWeight, out, *, stream, parts: int | None = 
     parts = dequantize_parts(tiles, qw.blocks) if parts is None else parts
     if not 1 <= parts <= qw.blocks:
         raise ValueError(f"a tile of {qw.blocks} blocks splits into 1 to {qw.blocks} parts, not {parts}")
-    threads = tiles * parts * 32
-    function = DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]]
-    function[math.ceil(threads / DEQUANTIZE_THREADS), DEQUANTIZE_THREADS, stream](
+    function = _kernel if _kernel is not None else DEQUANTIZE_MMA_KERNELS[FORMAT_BITS[qw.fmt]]
+    function[math.ceil(tiles * parts * 32 / threads), threads, stream](
         qw.base, qw.high, qw.scales, out.view(np.uint32), int32(qw.blocks), int32(qw.swiglu_rows), int32(parts))
 
 
