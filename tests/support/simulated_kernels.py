@@ -344,6 +344,11 @@ def quant_mma() -> None:
                 qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0, parts=parts)
                 assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
                     fmt, columns, parts)
+            out = np.zeros(part, np.uint16)  # 64-thread blocks (a block past the tiles' warps)
+            qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0, threads=64,
+                                   _kernel=qm.make_dequantize_mma_kernel(qm.FORMAT_BITS[fmt], 64))
+            assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
+                fmt, columns, "64 threads")
         experts, rpe, slots, rows = 3, 16, 2, 2
         stacked = (experts * rpe, 128)
         payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
