@@ -295,8 +295,8 @@ def small_sweep(device, bandwidth, rng) -> list[dict]:
 # (matrices stacked, rows each, K): the 35B-A3B's 256 routed experts (the prefill dequantizes each stacked matrix
 # whole), then single projections, where `dequantize_parts` splits a tile's blocks across warps
 DEQUANTIZE_SHAPES = {"gate_up 256 x 1024x2048": (256, 1024, 2048), "down 256 x 2048x512": (256, 2048, 512),
-                     "35B gdn out 2048x4096": (1, 2048, 4096), "27B down 5120x17408": (1, 5120, 17408),
-                     "27B gate_up 34816x5120": (1, 34816, 5120)}
+                     "35B gdn out 2048x4096": (1, 2048, 4096), "27B down 5120x17408": (5, 1024, 17408),
+                     "27B gate_up 34816x5120": (34, 1024, 5120)}
 
 
 DEQUANTIZE_BLOCK_THREADS = (128, 64)  # block sizes timed beside the default (more blocks, more warps an SM)
@@ -315,17 +315,22 @@ def dequantize_variant(bits: int, threads: int):
 
 def dequantize_rates(device, bandwidth, rng) -> list[dict]:
     """The v2 prefill's dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes and at single
-    projections, each format, with the parts `dequantize_parts` picks and with 1, 2 and 4 parts, then at the chosen
-    parts with smaller blocks (`DEQUANTIZE_BLOCK_THREADS`): microseconds, GB/s
+    projections, each format (`--formats=A,B`), with the parts `dequantize_parts` picks and with 1, 2 and 4 parts
+    (`--parts=1,2,4`), and with `--block-threads` at the chosen parts in smaller blocks (`DEQUANTIZE_BLOCK_THREADS`,
+    no gain on the H200, session 26): microseconds, GB/s
     of planes read plus bf16 written, the ratio to copy. One matrix's planes are repacked on the host and repeated
     (tile-major planes stack by concatenation); the first and last matrices' rows are checked against the codec's
     values."""
     from ninfer.kernels_numba import quant_mma as QM
     from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
 
+    options = dict(a.split("=", 1) for a in sys.argv if a.startswith("--") and "=" in a)
+    parts_timed = [int(p) for p in options.get("--parts", "1,2,4").split(",")]
+    formats = options.get("--formats", ",".join((Q4G64, Q5G64, Q6G64, W8G32))).split(",")
+    block_threads = DEQUANTIZE_BLOCK_THREADS if "--block-threads" in sys.argv else ()
     rows = []
     for name, (stacked, rpe, k) in DEQUANTIZE_SHAPES.items():
-        for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
+        for fmt in formats:
             payload = random_payload(fmt, (rpe, k), rng)
             one = QM.repack_quant_mma(fmt, (rpe, k), payload)
             planes = {n: v if n == "high" and fmt == Q4G64 else np.tile(v, stacked) for n, v in one.items()}
@@ -336,8 +341,8 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
             moved = sum(v.nbytes for v in planes.values()) + out.nbytes
             chosen = QM.dequantize_parts(-(-shape[0] // QM.TILE_ROWS), weight.blocks)
             settings = [(parts, QM.DEQUANTIZE_THREADS) for parts in
-                        sorted({chosen, 1, 2, 4} & set(range(1, weight.blocks + 1)), reverse=True)]
-            for parts, threads in settings + [(chosen, t) for t in DEQUANTIZE_BLOCK_THREADS]:
+                        sorted(({chosen} | set(parts_timed)) & set(range(1, weight.blocks + 1)), reverse=True)]
+            for parts, threads in settings + [(chosen, t) for t in block_threads]:
                 def launch(parts=parts, threads=threads):
                     QM.dequantize_mma_bf16(weight, out, stream=device.stream, parts=parts, threads=threads,
                                            _kernel=dequantize_variant(QM.FORMAT_BITS[fmt], threads))
