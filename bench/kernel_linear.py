@@ -4,7 +4,8 @@ Run on the GPU box: `python bench/kernel_linear.py [--sweep]`. Each case capture
 sets) into one CUDA graph through cuda-python, replays it (warm-up, then >= 20 timed replays with CUDA events) and
 reports the median per launch: us, GB/s of compulsory bytes (weights + x + y) and the ratio to 4.3 TB/s (the measured
 device copy bandwidth). Writes $OUT/kernel_linear.json when OUT is set. `--sweep` also times other rows-per-warp
-variants of the kernels (for tuning).
+variants of the kernels (for tuning); the bf16 gathered MoE GEMV (gate|up and down) is always timed at the
+`GATHERED_BF16_VARIANTS` geometries too.
 """
 
 from __future__ import annotations
@@ -154,17 +155,38 @@ def bench_dense(timer, rows, rng, sweep: bool):
             qw = out = None
 
 
+# (rows a warp, warps a block) of the bf16 gathered GEMV timed beside the default (2, 8): the 35B-A3B bf16 decode's
+# largest kernel (13 us a launch, ~0.45 of copy, session 19's profile)
+GATHERED_BF16_VARIANTS = ((1, 8), (4, 8), (2, 4), (4, 4))
+
+
+@functools.lru_cache(maxsize=None)
+def gathered_bf16_variant(rows_per_warp: int):
+    return L.make_linear_bf16_gathered_kernel(rows_per_warp)
+
+
 def bench_gathered(timer, rows, rng):
-    E, rpe, K, M, S = 256, 1024, 2048, 1, 8
+    E, M, S = 256, 1, 8
+    # 8 expert sets cycled: 8 x 8 experts' down projections (128 MB) outgrow the 50 MB L2 as gate|up's do
+    id_sets = [cuda.to_device(rng.choice(E, S, replace=False).astype(np.int32).reshape(M, S)) for _ in range(8)]
+    for name, rpe, K, per_slot in (("gate_up", 1024, 2048, False), ("down", 2048, 512, True)):
+        shape = (E * rpe, K)
+        x = cuda.to_device(rng.standard_normal((M, S, K) if per_slot else (M, K)).astype(np.float32))
+        dy = cuda.device_array((M, S, rpe), np.float32)
+        dw = cuda.to_device(np.full(shape, 0x3C80, np.uint16))
+        for r, warps in ((L.BF16_ROWS_PER_WARP, L.WARPS),) + GATHERED_BF16_VARIANTS:
+            kern = None if (r, warps) == (L.BF16_ROWS_PER_WARP, L.WARPS) else gathered_bf16_variant(r)
+            t = timer.time(lambda i, s: L.linear_bf16_gathered(
+                x, dw, id_sets[i], dy, rows_per_expert=rpe, x_per_slot=per_slot, stream=s, rows_per_warp=r,
+                warps=warps, _kernel=kern), len(id_sets))
+            tag = "" if kern is None else f"_r{r}_w{warps}"
+            report(rows, f"linear_bf16_gathered({name}){tag}", M, shape, t, S * rpe * K * 2 + S * rpe * 4,
+                   2 * S * rpe * K)
+        dw = None
+    E, rpe, K = 256, 1024, 2048
     shape = (E * rpe, K)
-    id_sets = [cuda.to_device(rng.choice(E, S, replace=False).astype(np.int32).reshape(M, S)) for _ in range(3)]
     x = cuda.to_device(rng.standard_normal((M, K)).astype(np.float32))
     dy = cuda.device_array((M, S, rpe), np.float32)
-    dw = cuda.to_device(np.full(shape, 0x3C80, np.uint16))
-    t = timer.time(lambda i, s: L.linear_bf16_gathered(x, dw, id_sets[i], dy, rows_per_expert=rpe, x_per_slot=False,
-                                                       stream=s), 3)
-    report(rows, "linear_bf16_gathered(gate_up)", M, shape, t, S * rpe * K * 2 + S * rpe * 4, 2 * S * rpe * K)
-    dw = None
     for fmt in FORMATS:
         payload = random_payload(fmt, shape, rng)
         qw = Q.upload_quant_weight(fmt, shape, payload)
