@@ -4,8 +4,9 @@ kernel (`quant_linear.linear_quant_gathered`, fp32 x) against the tensor-core ke
 (`quant_mma.linear_quant_mma_gathered`, x fragments prepared once per x and timed apart), at 1 and 8 rows (decode
 batch sizes), each launch captured 20 times in one graph. Reported: microseconds per launch, the bytes of the distinct
 experts read per second as a ratio to the measured copy bandwidth, and each kernel's relative difference to its NumPy
-twin. `--sweep` adds tensor-core geometries (tiles, warps, unroll): the down projection's K = 512 is only 8 blocks of
-64 columns for the default 8 warps x unroll 2.
+twin. `--sweep` adds tensor-core geometries (tiles, warps, unroll, register cap), each timed with the expert ids
+cycled over 16 sets (cold weights: one set's 8 experts stay in the L2 replay after replay): the down projection's K =
+512 is only 8 blocks of 64 columns for the default 8 warps x unroll 2.
 
 Run on the GPU machine: `python bench/moe_gathered.py [--sweep]`; JSON to $OUT/moe_gathered.json (bench/results
 without OUT).
@@ -29,17 +30,31 @@ from ninfer.artifact.formats import Q4G64  # noqa: E402
 
 EXPERTS, SLOTS = 256, 8
 PROJECTIONS = {"gate_up": (1024, 2048, False), "down": (2048, 512, True)}  # rows per expert, K, x per slot
-VARIANTS = [(1, 8, 2), (1, 4, 2), (1, 4, 1), (2, 4, 1), (1, 2, 2), (2, 2, 1)]
+# (tiles, warps, unroll, register cap): the default geometry capped at 64 registers holds 4 blocks an SM instead of
+# 3 (Q4: 68 registers, no spill at 64 by ptxas sm_90), so the 35B-A3B's 512 gate|up blocks run in one wave
+VARIANTS = [(1, 8, 2, None), (1, 8, 2, 64), (1, 4, 2, None), (1, 4, 1, None), (2, 4, 1, None), (1, 2, 2, None),
+            (2, 2, 1, None)]
+COLD_ID_SETS = 16  # expert sets the variants cycle through: 16 x 8 experts' weights outgrow the 50 MB L2
 _VARIANT_KERNELS: dict = {}
 
 
-def variant(bits: int, tiles: int, warps: int, unroll: int):
+def variant(bits: int, tiles: int, warps: int, unroll: int, max_registers: int | None):
     from ninfer.kernels_numba import quant_mma as QM
 
-    key = (bits, tiles, warps, unroll)
+    key = (bits, tiles, warps, unroll, max_registers)
     if key not in _VARIANT_KERNELS:
-        _VARIANT_KERNELS[key] = QM.make_quant_mma_gathered_kernel(bits, tiles, warps, unroll)
+        _VARIANT_KERNELS[key] = QM.make_quant_mma_gathered_kernel(bits, tiles, warps, unroll, max_registers)
     return _VARIANT_KERNELS[key]
+
+
+def timed_cycled(device, launches) -> float:
+    """`timed` over launches taken in turn (one a captured launch): each reads other experts than the one before."""
+    turn = [0]
+
+    def launch():
+        launches[turn[0] % len(launches)]()
+        turn[0] += 1
+    return timed(device, launch)
 
 
 def measure(device, bandwidth: float, fmt: str, name: str, rows_per_expert: int, K: int, x_per_slot: bool, rng, *,
@@ -83,12 +98,15 @@ def measure(device, bandwidth: float, fmt: str, name: str, rows_per_expert: int,
             launch()
             got, want = device.read(y).astype(np.float64), twins[kernel]().astype(np.float64)
             row[f"{kernel}_rel_to_twin"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        for tiles, warps, unroll in variants:
-            fn = variant(QM.FORMAT_BITS[fmt], tiles, warps, unroll)
-            seconds = timed(device, lambda fn=fn, tiles=tiles, warps=warps: QM.linear_quant_mma_gathered(
-                dxf, mma, dids, y, rows_per_expert=rpe, x_per_slot=x_per_slot, stream=stream, _kernel=fn,
-                tiles=tiles, warps=warps))
-            row[f"mma_t{tiles}_w{warps}_u{unroll}_us"] = seconds * 1e6
+        cold_ids = [device.upload(np.stack([rng.choice(experts, slots, replace=False) for _ in range(m)]).astype(
+            np.int32), "bench") for _ in range(COLD_ID_SETS if variants else 0)]
+        for tiles, warps, unroll, cap in variants:  # each on cold experts (id sets cycled)
+            fn = variant(QM.FORMAT_BITS[fmt], tiles, warps, unroll, cap)
+            seconds = timed_cycled(device, [lambda fn=fn, tiles=tiles, warps=warps, ids=ids: (
+                QM.linear_quant_mma_gathered(dxf, mma, ids, y, rows_per_expert=rpe, x_per_slot=x_per_slot,
+                                             stream=stream, _kernel=fn, tiles=tiles, warps=warps))
+                for ids in cold_ids])
+            row[f"mma_t{tiles}_w{warps}_u{unroll}{'' if cap is None else f'_r{cap}'}_us"] = seconds * 1e6
         out.append(row)
         print(f"{fmt} {name:8s} M={m} ({row['distinct_experts']} experts): simt {row['simt_us']:7.1f} us "
               f"({row['simt_ratio_to_copy']:.2f})  mma {row['mma_us']:7.1f} us ({row['mma_ratio_to_copy']:.2f})  "

@@ -701,14 +701,16 @@ def make_quant_mma_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unr
     return quant_mma_kernel
 
 
-def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL):
+def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = WARPS, unroll: int = UNROLL,
+                                   max_registers: int | None = None):
     """The MoE decode kernel for one format (`linear_quant_mma_gathered`): block (tile group, slot, row) runs
-    `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`."""
+    `make_tile_sums` over the tiles of expert ids[row, slot] and keeps the mma column of x row `row`.
+    `max_registers`: a register cap (at 64 an SM holds 4 blocks of 8 warps instead of 3)."""
     ACC = 4 * tiles
     tile_sums = make_tile_sums(bits, tiles, warps, unroll)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32,
-             uint32[::1], int32), fastmath=False)
+             uint32[::1], int32), fastmath=False, **({} if max_registers is None else {"max_registers": max_registers}))
     def quant_mma_gathered_kernel(xf, base, high, scales, ids, y, blocks, x_set_words, act, act_words):
         """y[row, slot, n] = x(row, slot) . W[ids[row, slot] * rpe + n] (rpe = y.shape[2], a multiple of 16: an
         expert's rows are whole tiles of the stacked layout); x(row, slot) is column `row` of fragment set
