@@ -10,6 +10,7 @@
 #   bash tools/device_check.sh quant [BENCH ARGS]   bench/quant_gemv.py (SIMT vs tensor-core quantized GEMV)
 #   bash tools/device_check.sh dflash [BENCH ARGS]  bench/dflash_round.py (the DFlash round at the real 35B shape)
 #   bash tools/device_check.sh moe [--sweep]        bench/moe_gathered.py (SIMT vs tensor-core gathered MoE experts)
+#   bash tools/device_check.sh linear [--sweep]     bench/kernel_linear.py (the decode GEMVs, bf16 gathered geometries)
 #   bash tools/device_check.sh probes               the MoE prefill's cuBLAS probes: bench/cublas_host_cost.py (host
 #                                                   time of the chunked call) and bench/grouped_lt_probe.py
 #                                                   (cuBLASLt's grouped matmul with device-side sizes)
@@ -64,6 +65,8 @@ case "$what" in
     python3 bench/dflash_round.py "$@" 2>&1 | quiet | tee "$OUT/dflash_round.log" | tail -20 ;;
   moe)
     python3 bench/moe_gathered.py "$@" 2>&1 | quiet | tee "$OUT/moe_gathered.log" | tail -20 ;;
+  linear)
+    python3 bench/kernel_linear.py "$@" 2>&1 | quiet | tee "$OUT/kernel_linear.log" | tail -60 ;;
   probes)
     python3 bench/cublas_host_cost.py 2>&1 | quiet | tee "$OUT/cublas_host_cost.log" | tail -12
     python3 bench/grouped_lt_probe.py 2>&1 | quiet | tee "$OUT/grouped_lt_probe.log" | tail -12 ;;
@@ -116,6 +119,6 @@ for r in rows: print(r[0], r[4].split("(")[0][-48:], r[12], r[13], r[14])' "$OUT
     grep -E "^  [a-zA-Z_]|Duration|Throughput|Registers Per|Occupancy|Warp Cycles Per Issued|Issued Warp|Eligible" \
       "$OUT/ncu_script_details.txt" | cut -c1-160 | head -60
     head -50 "$OUT/ncu_script_summary.txt" ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|ncu|ncu-source|ncu-script|ncu-dram [args]" >&2
+  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|linear|ncu|ncu-source|ncu-script|ncu-dram [args]" >&2
      exit 2 ;;
 esac
