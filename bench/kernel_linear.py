@@ -183,7 +183,7 @@ def bench_gathered(timer, rows, rng):
             report(rows, f"linear_bf16_gathered({name}){tag}", M, shape, t, S * rpe * K * 2 + S * rpe * 4,
                    2 * S * rpe * K)
         dw = None
-    E, rpe, K = 256, 1024, 2048
+    rpe, K = 1024, 2048  # the quantized gathered kernels at the gate|up shape
     shape = (E * rpe, K)
     x = cuda.to_device(rng.standard_normal((M, K)).astype(np.float32))
     dy = cuda.device_array((M, S, rpe), np.float32)

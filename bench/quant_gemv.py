@@ -317,10 +317,9 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
     """The v2 prefill's dequantization (`dequantize_mma_bf16`) at the 35B-A3B's stacked expert shapes and at single
     projections, each format (`--formats=A,B`), with the parts `dequantize_parts` picks and with 1, 2 and 4 parts
     (`--parts=1,2,4`), and with `--block-threads` at the chosen parts in smaller blocks (`DEQUANTIZE_BLOCK_THREADS`,
-    no gain on the H200, session 26): microseconds, GB/s
-    of planes read plus bf16 written, the ratio to copy. One matrix's planes are repacked on the host and repeated
-    (tile-major planes stack by concatenation); the first and last matrices' rows are checked against the codec's
-    values."""
+    no gain on the H200, session 26): microseconds, GB/s of planes read plus bf16 written, the ratio to copy. One
+    matrix's planes are repacked on the host and repeated (tile-major planes stack by concatenation); the first and
+    last matrices' rows are checked against the codec's values."""
     from ninfer.kernels_numba import quant_mma as QM
     from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
 
@@ -339,6 +338,7 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
             out = device.empty(shape, np.uint16, "bench")
             want = dequantize_bf16_reference(fmt, (rpe, k), payload)
             moved = sum(v.nbytes for v in planes.values()) + out.nbytes
+            blank = np.zeros((rpe, k), np.uint16)  # the checked rows cleared, so each setting's bits are its own
             chosen = QM.dequantize_parts(-(-shape[0] // QM.TILE_ROWS), weight.blocks)
             settings = [(parts, QM.DEQUANTIZE_THREADS) for parts in
                         sorted(({chosen} | set(parts_timed)) & set(range(1, weight.blocks + 1)), reverse=True)]
@@ -348,7 +348,6 @@ def dequantize_rates(device, bandwidth, rng) -> list[dict]:
                                            _kernel=dequantize_variant(QM.FORMAT_BITS[fmt], threads))
 
                 device.synchronize()
-                blank = np.zeros((rpe, k), np.uint16)  # the checked rows cleared, so each setting's bits are its own
                 out[:rpe].copy_to_device(blank)
                 out[shape[0] - rpe:].copy_to_device(blank)
                 seconds = timed(device, launch)

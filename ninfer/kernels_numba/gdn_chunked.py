@@ -54,7 +54,7 @@ from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  
 from ninfer.kernels_numba.common import (address_of, load_matrix_x4, tf32_round,  # noqa: F401 (templates)
                                          tf32_round_host)
 from ninfer.kernels_numba.numba_setup import (COPY_ALIGNMENT, allow_dynamic_shared, cuda,  # noqa: F401
-                                             device_function)  # (COPY_ALIGNMENT, cuda: templates)
+                                             device_function, register_options)  # (COPY_ALIGNMENT, cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
 
 F32 = np.float32
@@ -756,9 +756,8 @@ def prepare_kernel(k_dim: int, max_registers: int | None = None):
     """The prepare kernel for `k_dim`, compiled with at most `max_registers` registers a thread (None: as ptxas
     chooses: 111 with K and Q staged, 4 blocks an SM); a cap is the way to more blocks (the same arithmetic, so the
     same bits)."""
-    options = {} if max_registers is None else {"max_registers": int(max_registers)}
     return instantiate(_PREPARE_SOURCE, f"gdn_chunk_prepare_kernel_dk{k_dim}", _PREPARE_SIG, globals(),
-                       _sizes(k_dim), options=options)
+                       _sizes(k_dim), options=register_options(max_registers))
 
 
 def _make_kernels(k_dim: int):

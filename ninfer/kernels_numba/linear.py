@@ -27,7 +27,7 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.backends.cpu.ops import linear as cpu_linear
 from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_to_f32, warp_sum
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, register_options
 
 WARPS = 8  # warps per block
 THREADS = 32 * WARPS
@@ -154,11 +154,6 @@ def fma_bf16x8(s, a, b, x0, x1, x2, x3, x4, x5, x6, x7):
     s += bf16_hi_to_f32(u3) * x7
     return s
 
-def _register_options(max_registers: int | None) -> dict:
-    """cuda.jit options for a register cap (a tuning knob: more resident warps, maybe spills)."""
-    return {} if max_registers is None else {"max_registers": int(max_registers)}
-
-
 def make_linear_bf16_kernel(R: int, MT: int = ROW_TILE, max_registers: int | None = None):
     """The bf16 GEMV kernel with R output rows per warp and x-row tiles of MT (compile-time constants; MT=1 is the
     M == 1 fast path). Weight loads are software-pipelined one warp step ahead (the first step's loads are issued
@@ -166,7 +161,7 @@ def make_linear_bf16_kernel(R: int, MT: int = ROW_TILE, max_registers: int | Non
     ACC = MT * R
 
     @kernel((float32[:, ::1], uint64[:, ::1], float32[:, ::1], int32, int32), fastmath=False,
-            **_register_options(max_registers))
+            **register_options(max_registers))
     def linear_bf16_kernel(x, w, y, accumulate, kc):
         xs = cuda.shared.array(0, float32)
         M = x.shape[0]

@@ -38,6 +38,11 @@ REGISTRY: list[RegisteredKernel] = []
 _REGISTERED_PER_MODULE: dict[str, int] = {}
 
 
+def register_options(max_registers: int | None) -> dict:
+    """`kernel` options for a register cap (a tuning knob: more resident warps, maybe spills); None: no cap."""
+    return {} if max_registers is None else {"max_registers": int(max_registers)}
+
+
 def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`cuda.jit(**options)` that also records the kernel with the signatures its launchers use, so CI can compile
     each one to PTX. Signatures are those of real launches: a kernel launched with other argument types recompiles.

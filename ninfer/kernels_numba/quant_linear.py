@@ -33,9 +33,9 @@ from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geomet
 from ninfer.backends.cpu.ops import linear as cpu_linear
 from ninfer.kernels_numba.common import bf16_pair, code_float, warp_sum
 from ninfer.kernels_numba.linear import (
-    ROW_TILE, WARPS, _register_options, chunk_columns, gathered_reference, load2, load4, stage_x, store4,
+    ROW_TILE, WARPS, chunk_columns, gathered_reference, load2, load4, stage_x, store4,
 )
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function, register_options
 
 QUANT_SPAN = 1024  # columns one warp covers per step (32 lanes x 32-column segments)
 QUANT_ROWS_PER_WARP = 2
@@ -257,7 +257,7 @@ def make_linear_quant_kernel(bits: int, R: int, MT: int = ROW_TILE, max_register
     OFFSET = _offset(bits)
 
     @kernel((float32[:, ::1], uint64[:, ::1], uint32[:, ::1], uint16[:, ::1], float32[:, ::1], int32, int32),
-            fastmath=False, **_register_options(max_registers))
+            fastmath=False, **register_options(max_registers))
     def linear_quant_kernel(x, base, high, scales, y, accumulate, kc):
         xs = cuda.shared.array(0, float32)
         M = x.shape[0]

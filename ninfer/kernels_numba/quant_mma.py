@@ -52,7 +52,7 @@ from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, 
                                          half_pair_to_f32, load_word_at, load_words2_at, load_words4_at, pack_bf16x2,
                                          sigmoid_f32, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
-from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function, register_options
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
 
 TILE_ROWS = 16
@@ -710,7 +710,7 @@ def make_quant_mma_gathered_kernel(bits: int, tiles: int = TILES, warps: int = W
     tile_sums = make_tile_sums(bits, tiles, warps, unroll)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[::1], int32[:, ::1], float32[:, :, ::1], int32, int32,
-             uint32[::1], int32), fastmath=False, **({} if max_registers is None else {"max_registers": max_registers}))
+             uint32[::1], int32), fastmath=False, **register_options(max_registers))
     def quant_mma_gathered_kernel(xf, base, high, scales, ids, y, blocks, x_set_words, act, act_words):
         """y[row, slot, n] = x(row, slot) . W[ids[row, slot] * rpe + n] (rpe = y.shape[2], a multiple of 16: an
         expert's rows are whole tiles of the stacked layout); x(row, slot) is column `row` of fragment set
@@ -947,7 +947,7 @@ def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act,
 
 
 DEQUANTIZE_THREADS = 256
-MIN_DEQUANTIZE_WARPS = 4096  # about a wave of the H200 (132 SMs, 32 resident warps an SM at this kernel's registers)
+MIN_DEQUANTIZE_WARPS = 4096  # ~1.3 waves of the H200 (132 SMs x 24 resident warps: 3 blocks of 8 at 72 registers)
 STAGE_ROW_WORDS = 33  # one staged tile row: 32 words (64 bf16) + 1 word of padding that spreads the writes' banks
 
 
