@@ -155,9 +155,9 @@ def bench_dense(timer, rows, rng, sweep: bool):
             qw = out = None
 
 
-# (rows a warp, warps a block) of the bf16 gathered GEMV timed beside the default (2, 8): the 35B-A3B bf16 decode's
-# largest kernel (13 us a launch, ~0.45 of copy, session 19's profile)
-GATHERED_BF16_VARIANTS = ((1, 8), (4, 8), (2, 4), (4, 4))
+# (rows a warp, warps a block) of the bf16 gathered GEMV timed beside the default (4, 4; (2, 8) until session 27):
+# the 35B-A3B bf16 decode's largest kernel (13 us a launch, ~0.45 of copy, session 19's profile)
+GATHERED_BF16_VARIANTS = ((2, 8), (1, 8), (4, 8), (2, 4))
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,8 +174,9 @@ def bench_gathered(timer, rows, rng):
         x = cuda.to_device(rng.standard_normal((M, S, K) if per_slot else (M, K)).astype(np.float32))
         dy = cuda.device_array((M, S, rpe), np.float32)
         dw = cuda.to_device(np.full(shape, 0x3C80, np.uint16))
-        for r, warps in ((L.BF16_ROWS_PER_WARP, L.WARPS),) + GATHERED_BF16_VARIANTS:
-            kern = None if (r, warps) == (L.BF16_ROWS_PER_WARP, L.WARPS) else gathered_bf16_variant(r)
+        default = (L.GATHERED_ROWS_PER_WARP, L.GATHERED_WARPS)
+        for r, warps in (default,) + GATHERED_BF16_VARIANTS:
+            kern = None if (r, warps) == default else gathered_bf16_variant(r)
             t = timer.time(lambda i, s: L.linear_bf16_gathered(
                 x, dw, id_sets[i], dy, rows_per_expert=rpe, x_per_slot=per_slot, stream=s, rows_per_warp=r,
                 warps=warps, _kernel=kern), len(id_sets))

@@ -30,8 +30,9 @@ from ninfer.artifact.formats import Q4G64  # noqa: E402
 
 EXPERTS, SLOTS = 256, 8
 PROJECTIONS = {"gate_up": (1024, 2048, False), "down": (2048, 512, True)}  # rows per expert, K, x per slot
-# (tiles, warps, unroll, register cap): the default geometry capped at 64 registers holds 4 blocks an SM instead of
-# 3 (Q4: 68 registers, no spill at 64 by ptxas sm_90), so the 35B-A3B's 512 gate|up blocks run in one wave
+# (tiles, warps, unroll, register cap), timed beside the default (4 warps, `gathered_unroll`; 1 x 8 x 2 until session
+# 27): 8 warps capped at 64 registers hold 4 blocks an SM instead of 3 (Q4: 68 registers, no spill at 64 by ptxas
+# sm_90), so the 35B-A3B's 512 gate|up blocks run in one wave
 VARIANTS = [(1, 8, 2, None), (1, 8, 2, 64), (1, 4, 2, None), (1, 4, 1, None), (2, 4, 1, None), (1, 2, 2, None),
             (2, 2, 1, None)]
 COLD_ID_SETS = 16  # expert sets the variants cycle through: 16 x 8 experts' weights outgrow the 50 MB L2

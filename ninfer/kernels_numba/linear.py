@@ -35,6 +35,12 @@ ROW_TILE = 8  # x rows per register tile
 BF16_SPAN = 256  # columns one warp covers per iteration (32 lanes x 8 bf16)
 SHARED_BUDGET = 32 * 1024  # bytes of dynamic shared memory per block for the x chunk (< 48 KiB: no opt-in needed)
 BF16_ROWS_PER_WARP = 2
+# The MoE decode's bf16 gathered GEMV: 4 rows a warp (121 registers, 2 blocks an SM: the 35B-A3B's gate|up in one
+# wave, twice the loads in flight a warp) in blocks of 4 warps. H200, 8 experts cycled past the L2 (results/
+# kernel_linear_session27.json), us (2 rows x 8 warps before): gate|up 14.7 -> 11.5, down 9.2 -> 8.0. A row's sum
+# is the same lanes' in the same order at any geometry: the same bits.
+GATHERED_ROWS_PER_WARP = 4
+GATHERED_WARPS = 4
 
 
 def _make_vector_load(count: int):
@@ -285,7 +291,7 @@ def make_linear_bf16_gathered_kernel(R: int):
 
 linear_bf16_kernel = make_linear_bf16_kernel(BF16_ROWS_PER_WARP)
 linear_bf16_kernel_m1 = make_linear_bf16_kernel(BF16_ROWS_PER_WARP, 1)
-linear_bf16_gathered_kernel = make_linear_bf16_gathered_kernel(BF16_ROWS_PER_WARP)
+linear_bf16_gathered_kernel = make_linear_bf16_gathered_kernel(GATHERED_ROWS_PER_WARP)
 
 
 def chunk_columns(rows: int, K: int, span: int, budget: int = SHARED_BUDGET) -> int:
@@ -316,7 +322,7 @@ def linear_bf16(x, w, y, *, stream, accumulate: bool = False, rows_per_warp: int
 
 
 def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool, stream,
-                         rows_per_warp: int = BF16_ROWS_PER_WARP, warps: int = WARPS,
+                         rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
                          _kernel=None) -> None:
     """y[m, s, :] = X(m, s) @ W_{expert_ids[m, s]}^T, W_e = w[e*rpe:(e+1)*rpe]; X(m, s) = x[m] ([M, K]) or x[m, s]
     ([M, S, K]) when x_per_slot. expert_ids int32 [M, S] on the device, y float32 [M, S, rpe]."""

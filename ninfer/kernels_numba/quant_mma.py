@@ -784,7 +784,21 @@ def make_quant_mma_pair_kernel(bits_a: int, bits_b: int, sets: int = 1):
 
 QUANT_MMA_KERNELS = {(bits, sets): make_quant_mma_kernel(bits, sets=sets)
                      for bits in (4, 5, 6, 8) for sets in range(1, ROW_SETS + 1)}
-QUANT_MMA_GATHERED_KERNELS = {bits: make_quant_mma_gathered_kernel(bits) for bits in (4, 5, 6, 8)}
+# The MoE decode's gathered expert GEMV: blocks of 4 warps (8 before), a step of 2 K blocks where each warp walks
+# at least 4, else 1. H200, Q4, experts cycled past the L2 (results/moe_gathered_sweep_session27.json), us against
+# 8 warps x 2: the 35B-A3B's gate|up (32 blocks) 7.9 -> 6.2 at one row, 35.6 -> 26.6 at 8; its down (8 blocks)
+# 7.2 -> 4.4 and 39.1 -> 19.4. Half the warps a block, twice the blocks an SM: the 512 / 1024 blocks of one row
+# find more SMs and each warp has more loads in flight.
+GATHERED_WARPS = 4
+
+
+def gathered_unroll(blocks: int) -> int:
+    """K blocks a gathered warp step loads ahead of its first mma (`make_tile_sums`' unroll)."""
+    return 2 if blocks >= 4 * GATHERED_WARPS else 1
+
+
+QUANT_MMA_GATHERED_KERNELS = {(bits, unroll): make_quant_mma_gathered_kernel(bits, TILES, GATHERED_WARPS, unroll)
+                              for bits in (4, 5, 6, 8) for unroll in (1, 2)}
 # The format pairs the recipes split projections into (convert/qwen_hf.py: Q4 query|key beside Q5 gate|value and
 # value|z); other pairs run as two launches.
 QUANT_MMA_PAIR_KERNELS = {(4, 5, sets): make_quant_mma_pair_kernel(4, 5, sets) for sets in range(1, ROW_SETS + 1)}
@@ -904,12 +918,12 @@ def check_gathered_shapes(x_words: int, weight_shape: tuple[int, int], ids_shape
 
 def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool,
                               stream, programmatic: bool = False, _kernel=None, tiles: int = TILES,
-                              warps: int = WARPS) -> None:
+                              warps: int = GATHERED_WARPS) -> None:
     """MoE decode: y[m, s, :] = X(m, s) @ W_e^T, e = expert_ids[m, s] (int32 [M <= 8, S]), W_e = rows e * rpe ..
     (e + 1) * rpe - 1 of the stacked matrix qw [E * rpe, K] (rpe % 16 == 0); y float32 [M, S, rpe]. X(m, s) comes
     as fragments: of x [M, K] (`x_fragments`, every slot of a row reads that row) or, x_per_slot, of x [M, S, K]
     (`x_slot_fragments`, one set per slot). Each (m, s) equals bitwise row m of `linear_quant_mma` on expert e's
-    rows, whatever M. Capture-safe. `programmatic`: a programmatic dependent launch (its blocks wait for the router's
+    rows at the same geometry (GATHERED_WARPS, `gathered_unroll`), whatever M. Capture-safe. `programmatic`: a programmatic dependent launch (its blocks wait for the router's
     ids, but start while the kernel before finishes)."""
     check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape, rows_per_expert=rows_per_expert,
                           x_per_slot=x_per_slot)
@@ -920,7 +934,7 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     if qw.swiglu_rows:
         raise ValueError("experts stored in swiglu_order multiply through linear_quant_mma_gathered_swiglu")
     bits = FORMAT_BITS[qw.fmt]
-    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits]
+    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits, gathered_unroll(qw.blocks)]
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
     launch(fn, (groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps), xf, qw.base, qw.high, qw.scales,
@@ -941,13 +955,19 @@ def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act,
     rpe = int(rows_per_expert)
     if M * S == 0:
         return
-    launch(QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt]], (rpe // TILE_ROWS, S, M), 32 * WARPS, stream,
-           _partials_bytes(TILES, WARPS), xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks), int32(0),
-           act, int32(x_fragment_words(rpe // 2)), programmatic=programmatic)
+    launch(QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt], gathered_unroll(qw.blocks)], (rpe // TILE_ROWS, S, M),
+           32 * GATHERED_WARPS, stream, _partials_bytes(TILES, GATHERED_WARPS), xf, qw.base, qw.high, qw.scales,
+           expert_ids, y, int32(qw.blocks), int32(0), act, int32(x_fragment_words(rpe // 2)), programmatic=programmatic)
 
 
 DEQUANTIZE_THREADS = 256
-MIN_DEQUANTIZE_WARPS = 4096  # ~1.3 waves of the H200 (132 SMs x 24 resident warps: 3 blocks of 8 at 72 registers)
+# Warps a dequantization launch wants (`dequantize_parts`): ~41 waves of the H200's 132 SMs x 24 resident warps.
+# Far more than a wave, because a warp's run is short and a warp ends after it: the H200 sweep over parts
+# (results/dequantize_mma_parts_sweep_session27.json, Q4, us) found every best at 40k-260k warps in runs of 2-4
+# blocks: stacked 35B-A3B experts gate|up 413 (a warp a tile) / 388 (4 parts) / 365 (8), down 198 / 185 (4), the
+# 27B's down 80 (13) / 64 (136), gate|up 159 (2) / 121 (32)
+MIN_DEQUANTIZE_WARPS = 131072
+MIN_DEQUANTIZE_RUN = 2  # blocks a warp walks at least: runs of one were slower on every shape timed
 STAGE_ROW_WORDS = 33  # one staged tile row: 32 words (64 bf16) + 1 word of padding that spreads the writes' banks
 
 
@@ -1084,9 +1104,9 @@ def dequantize_parts(tiles: int, blocks: int) -> int:
     (tiles in the hundreds, up to 272 blocks a tile) ran latency-bound on a few warps an SM: on the H200 the
     35B-A3B's GDN out projection (128 tiles of 64 blocks) took 87 us for 25 MB, the 27B's down projection (320
     tiles of 272 blocks) 362 us for 228 MB, against ~2.3 TB/s for the stacked experts (results/
-    cuda_model_prefill_session25.json). The parts never change a value: a block is decoded the same way by any
-    warp."""
-    wanted = min(blocks, max(1, -(-MIN_DEQUANTIZE_WARPS // tiles)))
+    cuda_model_prefill_session25.json). Each run keeps at least MIN_DEQUANTIZE_RUN blocks. The parts never change a
+    value: a block is decoded the same way by any warp."""
+    wanted = min(max(1, blocks // MIN_DEQUANTIZE_RUN), max(1, -(-MIN_DEQUANTIZE_WARPS // tiles)))
     return -(-blocks // -(-blocks // wanted))  # whole runs of equal length: no warp without a block
 
 

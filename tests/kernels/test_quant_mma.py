@@ -241,7 +241,7 @@ def test_quant_mma_gpu_matches_the_twin(fmt, m, n, k):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(16, 64), (33, 192), (70, 1024), (5, 5120)])
 def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
-    """Whatever runs a tile's blocks are split into (`dequantize_parts`): a warp a tile, the default, runs of 7
+    """Whatever runs a tile's blocks are split into: the default (`dequantize_parts`), a warp a tile, runs of 7
     blocks (5120 columns, 80 blocks: the last run is 3), a warp a block."""
     from ninfer.kernels_numba.numba_setup import cuda
     from ninfer.kernels_numba.quant_linear import dequantize_bf16_reference
@@ -259,17 +259,20 @@ def test_dequantize_mma_gpu_equals_the_codec_rounded_to_bf16(fmt, shape):
         np.testing.assert_array_equal(got, want, err_msg=f"parts {parts}")
 
 
-def test_dequantize_parts_split_only_launches_short_of_a_wave():
-    assert QM.dequantize_parts(16384, 32) == 1  # the 35B-A3B's stacked expert gate|up: a warp a tile, as before
-    assert QM.dequantize_parts(128, 64) == 32  # its GDN out projection: runs of 2 blocks
-    assert QM.dequantize_parts(320, 272) == 13  # the 27B's down projection: 13 runs of 21 blocks
-    assert QM.dequantize_parts(1, 5) == 5 and QM.dequantize_parts(4096, 80) == 1
-    for tiles in (1, 3, 100, 4095):
-        for blocks in (1, 2, 5, 64, 97, 272):
+def test_dequantize_parts_give_every_launch_many_warps_in_runs_of_at_least_two_blocks():
+    assert QM.dequantize_parts(16384, 32) == 8  # the 35B-A3B's stacked expert gate|up: runs of 4 blocks
+    assert QM.dequantize_parts(32768, 8) == 4  # its stacked expert down: runs of 2
+    assert QM.dequantize_parts(128, 64) == 32  # its GDN out projection: runs of 2
+    assert QM.dequantize_parts(320, 272) == 136  # the 27B's down projection: runs of 2
+    assert QM.dequantize_parts(2176, 80) == 40  # the 27B's gate|up: runs of 2
+    assert QM.dequantize_parts(1, 5) == 2 and QM.dequantize_parts(7, 1) == 1 and QM.dequantize_parts(1 << 20, 80) == 1
+    for tiles in (1, 3, 100, 4095, 40000):
+        for blocks in (1, 2, 3, 5, 64, 97, 272):
             parts = QM.dequantize_parts(tiles, blocks)
             run = -(-blocks // parts)
             assert 1 <= parts <= blocks and (parts - 1) * run < blocks  # every warp has a block
-            assert tiles * parts >= min(QM.MIN_DEQUANTIZE_WARPS, tiles * blocks) // 2
+            assert run >= min(QM.MIN_DEQUANTIZE_RUN, blocks)
+            assert tiles * parts >= min(QM.MIN_DEQUANTIZE_WARPS, tiles * blocks // QM.MIN_DEQUANTIZE_RUN) // 2
 
 
 def _run_gathered(x, qw, ids, rpe, x_per_slot, kernel=None, **geometry):
@@ -309,8 +312,11 @@ def test_quant_mma_gathered_gpu_matches_the_twin_and_the_plain_kernel(fmt, m, x_
     want = QM.linear_quant_mma_gathered_reference(x, fmt, shape, payload, ids, rows_per_expert=rpe,
                                                   x_per_slot=x_per_slot)
     assert _rel(got, want) < 1e-5
-    # bitwise the plain kernel on the whole stacked matrix, at the slot's expert rows: same tiles, same order
-    plains = [_run(np.ascontiguousarray(x[:, slot]), qw) for slot in range(s)] if x_per_slot else [_run(x, qw)] * s
+    # bitwise the plain kernel at the gathered geometry on the whole stacked matrix, at the slot's expert rows: same
+    # tiles, same order
+    plain = functools.partial(_run, qw=qw, kernel=_gathered_geometry_kernel(QM.FORMAT_BITS[fmt], qw.blocks),
+                              warps=QM.GATHERED_WARPS)
+    plains = [plain(np.ascontiguousarray(x[:, slot])) for slot in range(s)] if x_per_slot else [plain(x)] * s
     for slot, plain in enumerate(plains):
         for row in range(m):
             e = ids[row, slot]
@@ -338,6 +344,12 @@ def test_the_host_twin_takes_at_most_one_launchs_rows():
     xf = QM.x_fragments_reference(np.ones((rows, 64), np.float32))
     with pytest.raises(ValueError, match="tensor-core linear"):
         hk.linear_quant_mma(xf, qw, np.zeros((rows, 16), np.float32), stream=None)
+
+
+@functools.lru_cache(maxsize=None)
+def _gathered_geometry_kernel(bits, blocks):
+    """The plain GEMV at the gathered kernel's geometry (its warps and unroll for `blocks`)."""
+    return QM.make_quant_mma_kernel(bits, QM.TILES, QM.GATHERED_WARPS, QM.gathered_unroll(blocks))
 
 
 @functools.lru_cache(maxsize=None)
