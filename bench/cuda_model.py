@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (numpy shim first)
 
 from bench.host_trace import GcPauses  # noqa: E402
-from bench.kernel_profile import wall_seconds  # noqa: E402
+from ninfer.backends.cuda.timing import wall_seconds  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
 from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
@@ -206,10 +206,21 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.set_branches(side)
         model.set_programmatic(pdl)
         model.set_narrow(thin)
-        # "kernels", "cublas" (padded to the capacity's decode rows, the serving default) or "cublas:N" (padded to N
-        # rows; 0: no padding). The Linear reads both settings at every call: no rebuild needed.
-        model.linear.cublas_decode = linear.startswith("cublas")
+        # "kernels", "cublas" (padded to the capacity's decode rows, the serving default), "cublas:N" (padded to N
+        # rows; 0: no padding) or "auto" (each shape's path timed on the GPU, cuBLAS padded to the decode rows where
+        # it wins: `linear_tuning`). The Linear reads these settings at every call: no rebuild needed.
+        model.linear.cublas_decode = linear.startswith("cublas") or linear == "auto"
         model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else capacity.decode_rows
+        model.linear.decode_paths.clear()
+        if linear == "auto":
+            began = time.perf_counter()
+            timings = model.tune_decode_linears()
+            result["decode_paths"] = [{"shape": list(shape), "path": model.linear.decode_paths[shape],
+                                       "us": {path: t * 1e6 for path, t in by_path.items()}}
+                                      for shape, by_path in timings.items()]
+            print(f"  decode paths tuned in {time.perf_counter() - began:.1f}s: " + "  ".join(
+                f"{n}x{k} {entry['path']} (" + " / ".join(f"{p} {t:.1f}" for p, t in entry["us"].items()) + " us)"
+                for entry in result["decode_paths"] for n, k in [entry["shape"]]), flush=True)
         for batch in batches:
             setup_lanes(model, batch, context)
 
@@ -240,7 +251,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB", flush=True)
-            if profile and batch in (1, 8) and linear in ("cublas", "kernels"):
+            if profile and batch in (1, 8) and linear in ("cublas", "kernels", "auto"):
                 from bench.kernel_profile import print_profile, profile_replays
 
                 kernels = profile_replays(lambda: graph.replay(device.stream_handle), device.synchronize)
@@ -248,6 +259,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                 decode[-1]["profile"] = kernels
             graph.close()
     model.linear.cublas_decode = capacity.decode_linear == "cublas"
+    model.linear.decode_paths.clear()
     model.linear.pad_rows = capacity.decode_rows
     model.set_attention_splits(attention_splits[-1])
     model.set_attention_min_split_keys(split_floors[-1])
@@ -496,9 +508,10 @@ def main() -> None:
     parser.add_argument("--models", default="27b,35b")
     parser.add_argument("--recipes", default="bf16,ninfer-v2")
     parser.add_argument("--kv", default="bf16")
-    parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas",
+    parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas,auto",
                         help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
-                             "(the default), or cuBLAS padded to N rows (cublas:N, 0 = unpadded)")
+                             "(the default), cuBLAS padded to N rows (cublas:N, 0 = unpadded), or each shape's "
+                             "fastest path as timed on the GPU (auto)")
     parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes to time (at most 8)")
     parser.add_argument("--prefill-attention", default="kernel,gemm",
                         help="8K prefill attention paths to time: kernel (the numba kernel), gemm (the tensor cores "

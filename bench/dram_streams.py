@@ -213,7 +213,7 @@ def gemv_rows(device, record, tiles: int, rng) -> None:
 
 def main() -> None:
     from bench.cuda_model import copy_bandwidth
-    from bench.kernel_profile import captured_repeats
+    from ninfer.backends.cuda.timing import captured_repeats
     from ninfer.backends.cuda.device import CudaDevice
     from ninfer.kernels_numba.fill import fill_uniform
 

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernel_profile import wall_seconds  # noqa: E402
+from ninfer.backends.cuda.timing import wall_seconds  # noqa: E402
 from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402
 
 PHASES = 400

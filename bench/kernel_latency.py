@@ -56,7 +56,7 @@ def cases(device, blas, k) -> dict:
 
 
 def measure(device, body, launches_per_step: int, profile: bool) -> dict:
-    from bench.kernel_profile import captured_repeats
+    from ninfer.backends.cuda.timing import captured_repeats
 
     graph, seconds = captured_repeats(device, body, LAUNCHES)
     row = {"wall_us_per_step": seconds * 1e6, "launches_per_step": launches_per_step}

@@ -17,7 +17,6 @@ import json
 import os
 import pstats
 import tempfile
-import time
 from collections import defaultdict
 from typing import Callable
 
@@ -39,35 +38,6 @@ def short_name(name: str) -> str:
         i = j + length
     parts = [p.split("$")[0] for p in parts if p and not p.startswith("cudapy")]
     return ".".join(parts[-2:]) if parts else name[:60]
-
-
-def wall_seconds(run: Callable[[], object], synchronize: Callable[[], None], *, repeats: int,
-                 warmup: int = 1) -> float:
-    """Median wall seconds of `run()` and a `synchronize()` (host work included), after `warmup` untimed runs."""
-    for _ in range(warmup):
-        run()
-        synchronize()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        synchronize()
-        times.append(time.perf_counter() - began)
-    return float(np.median(times))
-
-
-def captured_repeats(device, launch: Callable[[], None], repeats: int, replays: int = 20):
-    """`launch` issued `repeats` times back to back, captured as one graph (after one eager run, which compiles),
-    then replayed: (the graph, median wall seconds per `launch`, device synchronised)."""
-    def body():
-        for _ in range(repeats):
-            launch()
-
-    body()
-    device.synchronize()
-    graph = device.capture(body)
-    seconds = wall_seconds(lambda: graph.replay(device.stream_handle), device.synchronize, repeats=replays, warmup=3)
-    return graph, seconds / repeats
 
 
 GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")  # Kineto trace categories of device work

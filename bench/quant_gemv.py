@@ -66,7 +66,7 @@ def random_payload(fmt: str, shape: tuple[int, int], rng) -> np.ndarray:
 
 
 def timed(device, launch) -> float:
-    from bench.kernel_profile import captured_repeats
+    from ninfer.backends.cuda.timing import captured_repeats
 
     graph, seconds = captured_repeats(device, launch, REPEAT, replays=10)
     graph.close()

@@ -54,11 +54,14 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     from ninfer.backends.cuda.host import HostDevice
 
     result = bench.bench_config("tiny", recipe, "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=moe),
-                                context=70, prefill_tokens=128, repeats=4, decode_linears=("kernels", "cublas"),
-                                decode_quant=decode_quant)
+                                context=70, prefill_tokens=128, repeats=4,
+                                decode_linears=("kernels", "cublas", "auto"), decode_quant=decode_quant)
     assert result["decode_quant"] == decode_quant
     assert [(row["linear"], row["batch"]) for row in result["decode"]] == [
-        (linear, batch) for linear in ("kernels", "cublas") for batch in (1, 2, 4, 8)]
+        (linear, batch) for linear in ("kernels", "cublas", "auto") for batch in (1, 2, 4, 8)]
+    tuned = result["decode_paths"]  # each bf16 shape the Linear multiplies at decode
+    assert tuned or recipe != "bf16"
+    assert all(row["path"] in row["us"] and row["us"][row["path"]] == min(row["us"].values()) for row in tuned)
     assert all(row["bytes"] > 0 and row["step_ms"] > 0 and row["graph_device_bytes"] >= 0 for row in result["decode"])
     assert [row["attention"] for row in result["prefill"]] == ["kernel", "gemm"]
     assert all(row["tokens"] == 128 and row["flops"] > 0 for row in result["prefill"])

@@ -166,6 +166,55 @@ def test_cublas_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_every_tuned_decode_path_matches_the_cpu_runner(device_kind, artifacts, kind):
+    """decode_linear="auto": each bf16 shape's decode path as the tuning chose it (timed on the GPU; on the host,
+    whose twins give no timings, each shape forced through each path in turn), greedy tokens equal the CPU runner's
+    up to ties, and greedy MTP (4 verify rows a lane) equals greedy under the same paths."""
+    from ninfer.backends.cuda.linear_tuning import DECODE_PATHS, candidate_paths
+
+    path = artifacts[(kind, "bf16")]
+    cpu = load_model(path)
+    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
+    want = run_lanes(cpu_runner(path), prompts, 16)
+    tuned = cuda_build(device_kind, path, decode_linear="auto")
+    shapes = sorted({tuple(m.shape) for m in tuned.model._linear_matrices()})
+    assert shapes
+    if device_kind == "cuda":  # the tuning ran at build: a timed path for every shape
+        assert sorted(tuned.model.linear.decode_paths) == shapes
+        assert all(set(tuned.model.decode_linear_timings[s]) == set(candidate_paths(s)) for s in shapes)
+        choices = [dict(tuned.model.linear.decode_paths)]
+    else:
+        assert tuned.model.linear.decode_paths == {}
+        choices = [{s: DECODE_PATHS[(i + turn) % len(DECODE_PATHS)] for i, s in enumerate(shapes)}
+                   for turn in range(len(DECODE_PATHS))]
+    for paths in choices:
+        runs = []
+        for draft_tokens in (0, 3):
+            build = cuda_build(device_kind, path, decode_linear="auto", draft_tokens=draft_tokens)
+            build.model.linear.decode_paths.clear()
+            build.model.linear.decode_paths.update(paths)
+            runs.append(run_lanes(build.runner, prompts, 16))
+        for g, w, p in zip(runs[0], want, prompts):
+            assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
+        assert runs[1] == runs[0], paths
+
+
+def test_the_host_tuning_times_every_candidate_path_of_every_shape(artifacts):
+    """The tuning itself run on the host twins (their times mean nothing; the plumbing is the GPU's): every
+    distinct shape, every candidate path, and the path kept is the fastest timed."""
+    from ninfer.backends.cuda.linear_tuning import candidate_paths
+
+    model = cuda_build("host", artifacts[("moe", "bf16")], decode_linear="auto").model
+    timings = model.tune_decode_linears()
+    shapes = {tuple(m.shape) for m in model._linear_matrices()}
+    assert set(timings) == shapes and set(model.linear.decode_paths) == shapes
+    for shape, by_path in timings.items():
+        assert set(by_path) == set(candidate_paths(shape)) and all(t > 0 for t in by_path.values())
+        assert by_path[model.linear.decode_paths[shape]] == min(by_path.values())
+    assert "tuning" not in model.device.ledger  # its buffers are given back
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
     """decode_quant="mma": ninfer-v2 matrices in the tensor-core layout (the stacked MoE experts too, read by the
     gathered tensor-core kernel), bf16 activations at decode (8-row launches; 9+ rows exercise the chunking, the

@@ -45,6 +45,7 @@ from ninfer.kernels_numba.programmatic import check_available as check_programma
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.dequant_ahead import WeightDequantizer
 from ninfer.backends.cuda.device import CudaDevice, Device
+from ninfer.backends.cuda.linear_tuning import DECODE_PATHS, tune_decode_paths
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
 from ninfer.models.dflash import DFlashMismatchError
 from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
@@ -95,8 +96,9 @@ class Capacity:
     tensor_core_attention: bool = True
     # bf16 linear layers of up to SKINNY_ROWS rows: "cublas" (activations rounded to bf16; cuBLAS may change its
     # algorithm with the row count, so bitwise batch invariance is not promised) or "kernels" (the batch-invariant
-    # skinny kernels, fp32 activations; 1.4x slower at 27B batch 1 on the H200). Quantized matrices always use
-    # their kernels.
+    # skinny kernels, fp32 activations; 1.4x slower at 27B batch 1 on the H200) or "auto" (per matrix shape the
+    # fastest of cuBLAS, the skinny and the narrow kernel, timed on the GPU when the model is built:
+    # `linear_tuning`). Quantized matrices always use their kernels.
     decode_linear: str = "cublas"
     # Quantized (ninfer-v2) linear layers of up to SKINNY_ROWS rows: "mma" (`quant_mma`: the tensor cores,
     # activations rounded to bf16, in launches of 8 rows; the stacked MoE experts through its gathered kernel) or
@@ -148,8 +150,8 @@ class Capacity:
         if self.attention_splits is not None:
             check_splits(self.attention_splits)
         check_min_split_keys(self.attention_min_split_keys)
-        if self.decode_linear not in ("cublas", "kernels"):
-            raise ValueError(f"decode_linear must be 'cublas' or 'kernels', got {self.decode_linear!r}")
+        if self.decode_linear not in ("cublas", "kernels", "auto"):
+            raise ValueError(f"decode_linear must be 'cublas', 'kernels' or 'auto', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
             raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
         if self.spec not in SPEC_BACKENDS:
@@ -691,6 +693,9 @@ class Linear:
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
         self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
         self.narrow = False  # Capacity.narrow_decode (CudaQwen.set_narrow)
+        # Capacity.decode_linear "auto": each bf16 shape's decode path as timed on this GPU (`linear_tuning`; (N, K) ->
+        # "cublas", "kernels" or "narrow"), ahead of the settings above; shared with `beside` and `with_pad_rows`
+        self.decode_paths: dict[tuple[int, int], str] = {}
         # the bf16 copies of quantized matrices past SKINNY_ROWS (CudaQwen.set_dequant_ahead adds buffers)
         self.dequantizer = (WeightDequantizer([workspace.w_bf16], self._dequantize, device.stream)
                             if workspace.w_bf16 is not None else None)
@@ -717,6 +722,10 @@ class Linear:
         if isinstance(w, SplitMatrix):
             self._split(x, w, y, rows, accumulate, x_bf16, x_fragments)
             return
+        path = self.decode_path(w, rows)
+        if path is not None:
+            self.bf16_decode(path, x, w, y, rows, accumulate=accumulate, x_bf16=x_bf16)
+            return
         if self.reads_narrow(w, rows):
             k.linear_bf16_narrow(x[:rows], w.data, y[:rows], stream=stream, accumulate=accumulate)
             return
@@ -736,10 +745,33 @@ class Linear:
             else:
                 k.linear_bf16(x[:rows], w.data, y[:rows], stream=stream, accumulate=accumulate)
             return
+        self._cublas(x, w, y, rows, accumulate, x_bf16)
+
+    def decode_path(self, w: Matrix, rows: int) -> str | None:
+        """The path `decode_paths` chose for a bf16 matrix at this row count, None where it chose none (the
+        settings decide)."""
+        if rows <= SKINNY_ROWS and isinstance(w, Bf16Matrix):
+            return self.decode_paths.get(tuple(w.shape))
+        return None
+
+    def bf16_decode(self, path: str, x: Any, w: Bf16Matrix, y: Any, rows: int, *, accumulate: bool = False,
+                    x_bf16: Any = None) -> None:
+        """y[:rows] (+)= x[:rows] @ W^T through one decode path (`DECODE_PATHS`): cuBLAS padded to `pad_rows` (bf16
+        input, `x_bf16` when its producer wrote it), the skinny kernel or the narrow one (fp32 input)."""
+        if path == "cublas":
+            self._cublas(x, w, y, rows, accumulate, x_bf16)
+        elif path == "kernels":
+            self._k.linear_bf16(x[:rows], w.data, y[:rows], stream=self._stream, accumulate=accumulate)
+        elif path == "narrow":
+            self._k.linear_bf16_narrow(x[:rows], w.data, y[:rows], stream=self._stream, accumulate=accumulate)
+        else:
+            raise ValueError(f"decode path must be one of {', '.join(DECODE_PATHS)}, got {path!r}")
+
+    def _cublas(self, x: Any, w: Matrix, y: Any, rows: int, accumulate: bool, x_bf16: Any) -> None:
         width = x.shape[1]
         gemm_rows = self._gemm_rows(rows, x, y)
         if x_bf16 is None:
-            k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=stream)
+            self._k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=self._stream)
         self.blas.gemm_bf16(self.bf16_input(gemm_rows, width), self.bf16_weight(w), y[:gemm_rows],
                             accumulate=accumulate)
 
@@ -783,6 +815,9 @@ class Linear:
 
     def reads_narrow(self, w: Matrix, rows: int) -> bool:
         """Whether `__call__` multiplies w through the narrow kernel (fp32 input) at this row count."""
+        path = self.decode_path(w, rows)
+        if path is not None:
+            return path == "narrow"
         return (self.narrow and isinstance(w, Bf16Matrix) and rows <= SKINNY_ROWS and w.shape[0] <= NARROW_MAX_ROWS
                 and w.shape[1] <= NARROW_MAX_K)
 
@@ -796,6 +831,9 @@ class Linear:
         its blocks, past the decode rows)."""
         if isinstance(w, SplitMatrix):
             return rows > SKINNY_ROWS
+        path = self.decode_path(w, rows)
+        if path is not None:
+            return path == "cublas"
         return rows > SKINNY_ROWS or (isinstance(w, Bf16Matrix) and self.cublas_decode
                                       and not self.reads_narrow(w, rows))
 
@@ -963,7 +1001,7 @@ class CudaQwen:
         self.count_lanes = device.zeros(decode_rows, np.int32, "inputs")
         self.count_ids = device.zeros(decode_rows, np.int32, "inputs")
         self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
-        cublas = capacity.decode_linear == "cublas"
+        cublas = capacity.decode_linear in ("cublas", "auto")  # "auto": cuBLAS where the tuning chose no path
         self.linear = Linear(device, self.workspace, cublas_decode=cublas,
                              pad_rows=capacity.decode_rows if cublas else 0)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
@@ -978,6 +1016,38 @@ class CudaQwen:
         # a decode MoE combine `_moe` left for the next norm to launch (`_norm`), or None
         self._pending_combine: tuple | None = None
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
+        # the decode paths timed on the GPU (a HostDevice's twins have no timing to go by: the settings decide there)
+        self.decode_linear_timings: dict = {}
+        if capacity.decode_linear == "auto" and isinstance(device, CudaDevice):
+            self.tune_decode_linears()
+
+    def tune_decode_linears(self) -> dict:
+        """Capacity.decode_linear "auto": time the decode paths of every bf16 shape `self.linear` multiplies on this
+        GPU and keep each shape's fastest (`linear_tuning`); {(N, K): {path: seconds}} (also kept as
+        `decode_linear_timings`). Rows timed: one and the padded decode rows."""
+        linear = self.linear
+        linear.decode_paths.clear()  # time every path, not the ones chosen before
+        rows = tuple(dict.fromkeys((1, min(max(linear.pad_rows, 1), SKINNY_ROWS))))
+        paths, self.decode_linear_timings = tune_decode_paths(linear, self.device, self._linear_matrices(), rows)
+        linear.decode_paths.update(paths)  # in place: the DFlash Linear shares the dict
+        return self.decode_linear_timings
+
+    def _linear_matrices(self) -> list[Matrix]:
+        """The bf16 matrices decode multiplies through `self.linear`: every layer's projections (the MTP layer's
+        too) and the MTP input projection; not the MoE's stacked experts (the gathered kernels read them) nor the
+        head (one cuBLAS GEMV at ~0.9 of copy)."""
+        found = []
+        for layer in self.layers + ([self.mtp.layer] if self.mtp else []):
+            if layer.attention is not None:
+                found += [layer.attention.in_proj, layer.attention.output]
+            if layer.gdn is not None:
+                found += [layer.gdn.in_proj, layer.gdn.ab_proj, layer.gdn_output]
+            ffn = layer.ffn
+            found += ([ffn.gate_up, ffn.down] if isinstance(ffn, DenseFfn)
+                      else [ffn.router_shared_gate, ffn.shared_gate_up, ffn.shared_down])
+        if self.mtp:
+            found.append(self.mtp.input_projection)
+        return [matrix for matrix in found if isinstance(matrix, Bf16Matrix)]
 
     def set_programmatic(self, on: bool) -> None:
         """Capacity.programmatic_launch, switchable between steps like the branches."""
