@@ -1,11 +1,11 @@
 """Capacity.decode_linear = "auto": the decode path of each bf16 matrix shape, timed on this GPU when the model is
 built, instead of one path for every shape.
 
-Why: at decode each bf16 projection is a GEMV of 1-8 rows, latency-bound below a few tens of MB, and which of the
-paths wins depends on the shape. On the H200 (35B-A3B bf16, B=1, results/cuda_model_35b_geometries_session27.json)
-cuBLAS took 14.2 us for the 16.8 MB GDN out projection (0.28 of copy), 7.6 us plus a 2.4 us split-K reduction for the
-2.1 MB shared-expert down projection and ~6 us for the 1 MB router, while its 50 MB in-projection ran at 0.72 of
-copy; the skinny and narrow kernels trade the other way (few blocks on a wide K; K split over a block's warps).
+Why: at decode each bf16 projection is a GEMV of 1-8 rows, latency-bound below a few tens of MB, and which path
+wins depends on the shape. On the H200 (35B-A3B bf16, B=1, results/cuda_model_35b_geometries_session27.json) cuBLAS
+ran the 50 MB GDN in-projection at 0.72 of copy, while its other decode GEMVs, 0.3-17 MB each, took 14.2 us (30
+launches a step), 7.6 us plus a 2.4 us split-K reduction (40), 6.0 (80) and 3.9 (40): a few us of bytes each. The
+skinny kernel (a warp a row or two, K whole) and the narrow one (K split over a block's warps) trade differently.
 
 Each shape gets the path with the least time summed over one row and the padded decode rows (the single-stream
 case and the batched one), each timed as REPEATS launches captured in one graph and replayed, as decode runs them.
