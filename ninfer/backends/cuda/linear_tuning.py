@@ -2,10 +2,11 @@
 built, instead of one path for every shape.
 
 Why: at decode each bf16 projection is a GEMV of 1-8 rows, latency-bound below a few tens of MB, and which path
-wins depends on the shape. On the H200 (35B-A3B bf16, B=1, results/cuda_model_35b_geometries_session27.json) cuBLAS
-ran the 50 MB GDN in-projection at 0.72 of copy, while its other decode GEMVs, 0.3-17 MB each, took 14.2 us (30
-launches a step), 7.6 us plus a 2.4 us split-K reduction (40), 6.0 (80) and 3.9 (40): a few us of bytes each. The
-skinny kernel (a warp a row or two, K whole) and the narrow one (K split over a block's warps) trade differently.
+wins depends on the shape. On the H200 (35B-A3B bf16, B=1, results/cuda_model_35b_geometries_session27.json) the
+GDN layers' two cuBLAS GEMVs of 30 launches a step took 16.2 and 14.2 us (one is the 50 MB in-projection, the other
+the 16.8 MB out projection or the 0.3 MB a/b one), the other cuBLAS decode GEMVs, 0.3-17 MB each, 7.6 us plus a 2.4
+us split-K reduction (40 launches), 6.0 (80) and 3.9 (40): a few us of bytes each. The skinny kernel (a warp a row
+or two, K whole) and the narrow one (K split over a block's warps) trade differently.
 
 Each shape gets the path with the least time summed over one row and the padded decode rows (the single-stream
 case and the batched one), each timed as REPEATS launches captured in one graph and replayed, as decode runs them.
