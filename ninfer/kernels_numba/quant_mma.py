@@ -799,6 +799,12 @@ def gathered_unroll(blocks: int) -> int:
 
 QUANT_MMA_GATHERED_KERNELS = {(bits, unroll): make_quant_mma_gathered_kernel(bits, TILES, GATHERED_WARPS, unroll)
                               for bits in (4, 5, 6, 8) for unroll in (1, 2)}
+
+
+def gathered_kernel(qw: QuantMmaWeight):
+    """The gathered kernel of a stacked expert matrix: its format's, at its K blocks' unroll (both gathered
+    launchers take it, so the SwiGLU epilogue keeps the plain gathered GEMV's bits)."""
+    return QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt], gathered_unroll(qw.blocks)]
 # The format pairs the recipes split projections into (convert/qwen_hf.py: Q4 query|key beside Q5 gate|value and
 # value|z); other pairs run as two launches.
 QUANT_MMA_PAIR_KERNELS = {(4, 5, sets): make_quant_mma_pair_kernel(4, 5, sets) for sets in range(1, ROW_SETS + 1)}
@@ -923,8 +929,9 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     (e + 1) * rpe - 1 of the stacked matrix qw [E * rpe, K] (rpe % 16 == 0); y float32 [M, S, rpe]. X(m, s) comes
     as fragments: of x [M, K] (`x_fragments`, every slot of a row reads that row) or, x_per_slot, of x [M, S, K]
     (`x_slot_fragments`, one set per slot). Each (m, s) equals bitwise row m of `linear_quant_mma` on expert e's
-    rows at the same geometry (GATHERED_WARPS, `gathered_unroll`), whatever M. Capture-safe. `programmatic`: a programmatic dependent launch (its blocks wait for the router's
-    ids, but start while the kernel before finishes)."""
+    rows at the same geometry (GATHERED_WARPS, `gathered_unroll`), whatever M. Capture-safe. `programmatic`: a
+    programmatic dependent launch (its blocks wait for the router's ids, but start while the kernel before
+    finishes)."""
     check_gathered_shapes(xf.shape[0], qw.shape, expert_ids.shape, y.shape, rows_per_expert=rows_per_expert,
                           x_per_slot=x_per_slot)
     M, S = expert_ids.shape
@@ -933,8 +940,7 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     rpe = int(rows_per_expert)
     if qw.swiglu_rows:
         raise ValueError("experts stored in swiglu_order multiply through linear_quant_mma_gathered_swiglu")
-    bits = FORMAT_BITS[qw.fmt]
-    fn = _kernel if _kernel is not None else QUANT_MMA_GATHERED_KERNELS[bits, gathered_unroll(qw.blocks)]
+    fn = _kernel if _kernel is not None else gathered_kernel(qw)
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
     launch(fn, (groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps), xf, qw.base, qw.high, qw.scales,
@@ -955,9 +961,9 @@ def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act,
     rpe = int(rows_per_expert)
     if M * S == 0:
         return
-    launch(QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt], gathered_unroll(qw.blocks)], (rpe // TILE_ROWS, S, M),
-           32 * GATHERED_WARPS, stream, _partials_bytes(TILES, GATHERED_WARPS), xf, qw.base, qw.high, qw.scales,
-           expert_ids, y, int32(qw.blocks), int32(0), act, int32(x_fragment_words(rpe // 2)), programmatic=programmatic)
+    launch(gathered_kernel(qw), (rpe // TILE_ROWS, S, M), 32 * GATHERED_WARPS, stream,
+           _partials_bytes(TILES, GATHERED_WARPS), xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks),
+           int32(0), act, int32(x_fragment_words(rpe // 2)), programmatic=programmatic)
 
 
 DEQUANTIZE_THREADS = 256
