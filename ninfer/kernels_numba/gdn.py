@@ -67,11 +67,13 @@ _CONV_SIG = (float32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :,
 
 @device_function
 def _conv_silu(w0, w1, w2, w3, e0, e1, e2, e3):
-    """`causal_conv`'s order (w0*e0, then + w_j*e_j), then SiLU."""
+    """`causal_conv`'s order (w0*e0, then + w_j*e_j, each a fused multiply-add), then SiLU. The FMAs are explicit:
+    left to NVVM's contraction, `w0*e0 + w1*e1` fused either product depending on the code around it, and the
+    conv's row path and 8-row path differed in the last bit (session 28)."""
     acc = w0 * e0
-    acc = acc + w1 * e1
-    acc = acc + w2 * e2
-    acc = acc + w3 * e3
+    acc = cuda.fma(w1, e1, acc)
+    acc = cuda.fma(w2, e2, acc)
+    acc = cuda.fma(w3, e3, acc)
     return acc * sigmoid_f32(acc)
 
 
@@ -203,13 +205,14 @@ def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row
     0.85 of copy against the scalar kernel's 0.73 at both models' 8K prefill (bench/kernel_gdn.py, session 21)."""
     if conv_weight.shape[0] != CONV_TAPS:
         raise ValueError(f"gdn_conv supports a {CONV_TAPS}-tap conv, got {conv_weight.shape[0]}")
-    quads_fit = _quads_fit(projected, conv_weight, conv_columns, out, channels)
+    quads_fit = _quads_fit(projected, conv_weight, conv_state, conv_columns, out, channels)
     if quads is None:
         quads = quads_fit
     if quads and not quads_fit:
-        raise ValueError(f"gdn_conv's 4-channel variant needs channels, row lengths and the weight's and histories' "
-                         f"widths multiples of 4 and equal to the channels ({channels}, {projected.shape[1]}, "
-                         f"{out.shape[1]}, {conv_weight.shape[1]}, {conv_columns.shape[3]})")
+        raise ValueError(f"gdn_conv's 4-channel variant needs channels, row lengths and the weight's, state's and "
+                         f"histories' widths multiples of 4 and equal to the channels ({channels}, "
+                         f"{projected.shape[1]}, {out.shape[1]}, {conv_weight.shape[1]}, {conv_state.shape[2]}, "
+                         f"{conv_columns.shape[3]})")
     grid, per_thread = _conv_grid(projected.shape[0], channels // 4 if quads else channels, row_threads)
     function = _gdn_conv_quads_kernel if quads else _gdn_conv_kernel
     function[grid, (CONV_THREADS, row_threads), stream](projected, conv_weight, conv_state, conv_columns, seg_lane,
@@ -217,11 +220,11 @@ def gdn_conv(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row
                                                         np.int32(per_thread))
 
 
-def _quads_fit(projected, conv_weight, conv_columns, out, channels: int) -> bool:
-    """Whether the 4-channel kernel takes these widths: channels, row lengths and the weight's and histories' widths
-    multiples of 4 and equal to the channels."""
+def _quads_fit(projected, conv_weight, conv_state, conv_columns, out, channels: int) -> bool:
+    """Whether the 4-channel kernel takes these widths: channels, row lengths and the weight's, state's and
+    histories' widths multiples of 4 and equal to the channels."""
     return not (channels % 4 or projected.shape[1] % 4 or out.shape[1] % 4 or conv_weight.shape[1] != channels
-                or conv_columns.shape[3] != channels)
+                or conv_state.shape[2] != channels or conv_columns.shape[3] != channels)
 
 
 def _conv_grid(rows: int, threads_across: int, row_threads: int) -> tuple[tuple[int, int], int]:
@@ -273,6 +276,105 @@ def _store_normed_row(out, row, c, q_out, k_out, qk_width):
 
 
 @device_function
+def _silu_quad(w0, w1, w2, w3, e0, e1, e2, e3):
+    """`_conv_silu` of 4 channels: wj and ej are 4-tuples (tap j's weights, input j's values, one a channel)."""
+    return (_conv_silu(w0[0], w1[0], w2[0], w3[0], e0[0], e1[0], e2[0], e3[0]),
+            _conv_silu(w0[1], w1[1], w2[1], w3[1], e0[1], e1[1], e2[1], e3[1]),
+            _conv_silu(w0[2], w1[2], w2[2], w3[2], e0[2], e1[2], e2[2], e3[2]),
+            _conv_silu(w0[3], w1[3], w2[3], w3[3], e0[3], e1[3], e2[3], e3[3]))
+
+
+@device_function
+def _store_quad(array, at, v):
+    store4(array, at, v[0], v[1], v[2], v[3])
+
+
+@device_function
+def _conv_row_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, r,
+                    c):
+    """`_conv_one_row` of channels c..c+3 at once: the same arithmetic a channel (the same bits), every load and
+    store a 16-byte vector. Decode runs this path (a segment's row 0): channel by channel it was four chains of
+    dependent loads in turn, ~7 us a 35B-A3B decode layer (session 27's profile)."""
+    s = -1
+    for i in range(seg_lane.shape[0]):
+        first = seg_row[i]
+        if first <= r and r < first + seg_count[i]:
+            s = i
+    if s < 0:
+        return
+    start = seg_row[s]
+    t = r - start
+    if t == 1 or t == 2:
+        return
+    width = int64(weight.shape[1])
+    w0 = load4(weight, c)
+    w1 = load4(weight, width + c)
+    w2 = load4(weight, 2 * width + c)
+    w3 = load4(weight, 3 * width + c)
+    lane = int64(seg_lane[s])
+    record = seg_record[s]
+    stride = int64(projected.shape[1])
+    out_stride = int64(out.shape[1])
+    history = int64(conv_columns.shape[1]) * 3  # conv_columns [lanes, steps, 3, C]: a lane's rows of C
+    if t >= 3:
+        at = int64(r) * stride + c
+        e1 = load4(projected, at - 2 * stride)
+        e2 = load4(projected, at - stride)
+        e3 = load4(projected, at)
+        _store_quad(out, int64(r) * out_stride + c, _silu_quad(w0, w1, w2, w3, load4(projected, at - 3 * stride),
+                                                               e1, e2, e3))
+        if record != 0:
+            at = (lane * history + int64(t) * 3) * width + c
+            _store_quad(conv_columns, at, e1)
+            _store_quad(conv_columns, at + width, e2)
+            _store_quad(conv_columns, at + 2 * width, e3)
+        return
+    # t == 0: extended = old state (3) ++ the first rows (up to 3) ++ (for the new state) the last 3 rows.
+    count = seg_count[s]
+    state = lane * 3 * width + c
+    x0 = load4(conv_state, state)
+    x1 = load4(conv_state, state + width)
+    x2 = load4(conv_state, state + 2 * width)
+    at = int64(start) * stride + c
+    zero = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+    x3 = load4(projected, at)
+    x4 = load4(projected, at + stride) if count > 1 else zero
+    x5 = load4(projected, at + 2 * stride) if count > 2 else zero
+    row = int64(start) * out_stride + c
+    _store_quad(out, row, _silu_quad(w0, w1, w2, w3, x0, x1, x2, x3))
+    if count > 1:
+        _store_quad(out, row + out_stride, _silu_quad(w0, w1, w2, w3, x1, x2, x3, x4))
+    if count > 2:
+        _store_quad(out, row + 2 * out_stride, _silu_quad(w0, w1, w2, w3, x2, x3, x4, x5))
+    if record != 0:
+        at = lane * history * width + c
+        _store_quad(conv_columns, at, x1)
+        _store_quad(conv_columns, at + width, x2)
+        _store_quad(conv_columns, at + 2 * width, x3)
+        if count > 1:
+            _store_quad(conv_columns, at + 3 * width, x2)
+            _store_quad(conv_columns, at + 4 * width, x3)
+            _store_quad(conv_columns, at + 5 * width, x4)
+        if count > 2:
+            _store_quad(conv_columns, at + 6 * width, x3)
+            _store_quad(conv_columns, at + 7 * width, x4)
+            _store_quad(conv_columns, at + 8 * width, x5)
+    if count == 1:
+        _store_quad(conv_state, state, x1)
+        _store_quad(conv_state, state + width, x2)
+        _store_quad(conv_state, state + 2 * width, x3)
+    elif count == 2:
+        _store_quad(conv_state, state, x2)
+        _store_quad(conv_state, state + width, x3)
+        _store_quad(conv_state, state + 2 * width, x4)
+    else:
+        end = int64(start + count) * stride + c
+        _store_quad(conv_state, state, load4(projected, end - 3 * stride))
+        _store_quad(conv_state, state + width, load4(projected, end - 2 * stride))
+        _store_quad(conv_state, state + 2 * width, load4(projected, end - stride))
+
+
+@device_function
 def _conv_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, channels,
                 rows_per_thread, q_out, k_out, qk_width):
     """A thread of the 4-channel conv (`_gdn_conv_quads_kernel`). With qk_width > 0 (`_gdn_conv_normed_kernel`; 0:
@@ -321,14 +423,8 @@ def _conv_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, 
                 store4(conv_columns, at + 2 * width, e0[j + 3], e1[j + 3], e2[j + 3], e3[j + 3])
         return
     for r in range(r0, min(r0 + rows_per_thread, rows)):
-        _conv_one_row(projected, w00, w10, w20, w30, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c)
-        _conv_one_row(projected, w01, w11, w21, w31, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c + 1)
-        _conv_one_row(projected, w02, w12, w22, w32, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c + 2)
-        _conv_one_row(projected, w03, w13, w23, w33, conv_state, conv_columns, seg_lane, seg_row, seg_count,
-                      seg_record, out, r, c + 3)
+        _conv_row_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, r,
+                        c)
         if normed:
             seg = -1
             for i in range(seg_lane.shape[0]):
@@ -369,7 +465,7 @@ def gdn_conv_normed(projected, conv_weight, conv_state, conv_columns, seg_lane, 
     `out`'s q and k columns are then left unspecified (the v columns are the conv's). The decays and betas come
     from `gdn_gates(..., norms=False)`. Takes Dk = MAX_HEAD_DIM (a warp a head) and the 4-channel kernel's widths
     with channels a multiple of it (`conv_normed_fits`)."""
-    if not conv_normed_fits(projected, conv_weight, conv_columns, out, channels=channels, k_dim=k_dim):
+    if not conv_normed_fits(projected, conv_weight, conv_state, conv_columns, out, channels=channels, k_dim=k_dim):
         raise ValueError(f"gdn_conv_normed takes k_dim {MAX_HEAD_DIM}, channels a multiple of it, and the 4-channel "
                          f"conv's widths; got k_dim {k_dim}, channels {channels}")
     grid, per_thread = _conv_grid(projected.shape[0], channels // 4, CONV_ROWS)
@@ -378,10 +474,10 @@ def gdn_conv_normed(projected, conv_weight, conv_state, conv_columns, seg_lane, 
         np.int32(channels), np.int32(per_thread), q_out, k_out, np.int32(qk_heads * k_dim))
 
 
-def conv_normed_fits(projected, conv_weight, conv_columns, out, *, channels: int, k_dim: int) -> bool:
+def conv_normed_fits(projected, conv_weight, conv_state, conv_columns, out, *, channels: int, k_dim: int) -> bool:
     """Whether `gdn_conv_normed` takes these shapes."""
     return (k_dim == MAX_HEAD_DIM and channels % MAX_HEAD_DIM == 0
-            and _quads_fit(projected, conv_weight, conv_columns, out, channels))
+            and _quads_fit(projected, conv_weight, conv_state, conv_columns, out, channels))
 
 
 def gdn_conv_normed_reference(projected, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count,

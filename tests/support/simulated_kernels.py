@@ -813,15 +813,37 @@ def _conv_case(rng, channels: int, lanes: int = 3):
                                                         np.float32)
 
 
+def _decode_conv_case(rng, channels: int):
+    """Decode-shaped conv inputs: one segment a lane of 1, 2, 3 and 1 rows (a step, MTP verify rows), the 2- and
+    3-row ones recording their histories."""
+    from ninfer.kernels_numba import gdn
+
+    counts = np.array([1, 2, 3, 1], np.int32)
+    rows, lanes = int(counts.sum()), len(counts)
+    seg = (np.array([3, 0, 2, 1], np.int32), np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32), counts,
+           np.array([0, 1, 1, 0], np.int32))
+    projected = rng.standard_normal((rows, channels + 4)).astype(np.float32)
+    weight = (rng.standard_normal((gdn.CONV_TAPS, channels)) * 0.5).astype(np.float32)
+    state0 = rng.standard_normal((lanes, gdn.CONV_TAPS - 1, channels)).astype(np.float32)
+    return rows, seg, projected, weight, state0, np.full((lanes, 3, gdn.CONV_TAPS - 1, channels), np.nan,
+                                                        np.float32)
+
+
 def gdn_conv_quads() -> None:
     """The conv with 4 channels a thread against the scalar kernel, bit for bit (outputs, carried state, recorded
-    histories), and the twin: a recording segment long enough for the 8-row fast path, a short one after it."""
+    histories), and the twin: a recording segment long enough for the 8-row fast path, a short one after it; then
+    decode-shaped segments (`_decode_conv_case`)."""
     from ninfer.kernels_numba import gdn
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(gdn))
     channels = 8
-    rows, seg, projected, weight, state0, blank = _conv_case(np.random.default_rng(8), channels)
+    for case in (_conv_case, _decode_conv_case):
+        _conv_quads_match(gdn, channels, *case(np.random.default_rng(8), channels))
+    print("ok gdn_conv_quads", flush=True)
+
+
+def _conv_quads_match(gdn, channels, rows, seg, projected, weight, state0, blank) -> None:
     results = []
     for quads in (False, True):
         state, columns = state0.copy(), blank.copy()
@@ -834,7 +856,9 @@ def gdn_conv_quads() -> None:
     want = np.full((rows, channels), np.nan, np.float32)
     gdn.gdn_conv_reference(projected, weight, state, columns, *seg, want, channels=channels)
     assert _rel(results[1][0], want) < 1e-6 and np.array_equal(results[1][1], state), _rel(results[1][0], want)
-    print("ok gdn_conv_quads", flush=True)
+    recorded = ~np.isnan(columns)
+    np.testing.assert_array_equal(np.isnan(results[1][2]), ~recorded)
+    np.testing.assert_allclose(results[1][2][recorded], columns[recorded], rtol=0, atol=0)
 
 
 def gdn_conv_normed() -> None:

@@ -1458,7 +1458,7 @@ class CudaQwen:
                inputs.seg_record[:segments])
         in_chunks = chunked and rows > SKINNY_ROWS
         # in chunks, the conv normalises q and k itself where a warp holds a head (`gdn_conv_normed`)
-        normed_conv = in_chunks and conv_normed_fits(projected, w.conv, state.conv_columns, mixed,
+        normed_conv = in_chunks and conv_normed_fits(projected, w.conv, state.conv, state.conv_columns, mixed,
                                                      channels=d.gdn_conv_channels, k_dim=d.gdn_k_dim)
         if normed_conv:
             self.k.gdn_conv_normed(projected, w.conv, state.conv, state.conv_columns, *seg, mixed, ws.gdn_q[:rows],
