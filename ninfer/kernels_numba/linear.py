@@ -26,7 +26,8 @@ from numba import float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
 from ninfer.backends.cpu.ops import linear as cpu_linear
-from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_to_f32, warp_sum
+from ninfer.backends.cpu.ops import silu as cpu_silu
+from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_to_f32, sigmoid_f32, warp_sum
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, register_options
 
 WARPS = 8  # warps per block
@@ -232,14 +233,36 @@ def make_linear_bf16_kernel(R: int, MT: int = ROW_TILE, max_registers: int | Non
     return linear_bf16_kernel
 
 
-def make_linear_bf16_gathered_kernel(R: int):
-    """MoE decode: blockIdx.y = slot j (flattened m*S+s); weight rows expert_ids[j] * rpe + n, x row x[j // xdiv]."""
+@device_function
+def stage_swiglu_bf16(xs, gate_up, row, c0, width):
+    """`stage_x_bf16` of one row of silu(gate) * up, from gate_up's row (its gate | up halves, K each: K = the half
+    width), computed as `elementwise._silu_mul_kernel` computes it (the same bits)."""
+    inter = gate_up.shape[1] >> 1
+    src = row * gate_up.shape[1] + c0
+    c = cuda.threadIdx.x * 8
+    while c < width:
+        g0, g1, g2, g3 = load4(gate_up, src + c)
+        g4, g5, g6, g7 = load4(gate_up, src + c + 4)
+        u0, u1, u2, u3 = load4(gate_up, src + inter + c)
+        u4, u5, u6, u7 = load4(gate_up, src + inter + c + 4)
+        d = ((c >> 8) << 8) + ((c & 255) >> 1)  # stage_x's layout 0
+        store4(xs, d, (g0 * sigmoid_f32(g0)) * u0, (g1 * sigmoid_f32(g1)) * u1, (g2 * sigmoid_f32(g2)) * u2,
+               (g3 * sigmoid_f32(g3)) * u3)
+        store4(xs, d + 128, (g4 * sigmoid_f32(g4)) * u4, (g5 * sigmoid_f32(g5)) * u5, (g6 * sigmoid_f32(g6)) * u6,
+               (g7 * sigmoid_f32(g7)) * u7)
+        c += cuda.blockDim.x * 8
+
+
+def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
+    """MoE decode: blockIdx.y = slot j (flattened m*S+s); weight rows expert_ids[j] * rpe + n, x row x[j // xdiv].
+    `swiglu`: x is the slots' gate | up rows ([M*S, 2K], xdiv 1), multiplied as silu(gate) * up
+    (`stage_swiglu_bf16`): the down projection without `silu_mul_slots`' launch before it."""
 
     @kernel((float32[:, ::1], uint64[:, ::1], int32[::1], float32[:, ::1], int32, int32, int32), fastmath=False)
     def linear_bf16_gathered_kernel(x, w, ids, y, rpe, xdiv, kc):
         xs = cuda.shared.array(0, float32)
-        K = x.shape[1]
         K4 = w.shape[1]
+        K = K4 * 4
         j = cuda.blockIdx.y
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
@@ -262,7 +285,10 @@ def make_linear_bf16_gathered_kernel(R: int):
                 for r in range(R):
                     wa[r], wb[r] = load2(w, rowoff[r] + ((c0 + c) >> 2))
             cuda.syncthreads()
-            stage_x_bf16(xs, x, xrow, 1, c0, width, kc)
+            if swiglu:
+                stage_swiglu_bf16(xs, x, xrow, c0, width)
+            else:
+                stage_x_bf16(xs, x, xrow, 1, c0, width, kc)
             cuda.syncthreads()
             if n0 < rpe:
                 while c < width:
@@ -292,6 +318,7 @@ def make_linear_bf16_gathered_kernel(R: int):
 linear_bf16_kernel = make_linear_bf16_kernel(BF16_ROWS_PER_WARP)
 linear_bf16_kernel_m1 = make_linear_bf16_kernel(BF16_ROWS_PER_WARP, 1)
 linear_bf16_gathered_kernel = make_linear_bf16_gathered_kernel(GATHERED_ROWS_PER_WARP)
+linear_bf16_gathered_swiglu_kernel = make_linear_bf16_gathered_kernel(GATHERED_ROWS_PER_WARP, swiglu=True)
 
 
 def chunk_columns(rows: int, K: int, span: int, budget: int = SHARED_BUDGET) -> int:
@@ -345,6 +372,26 @@ def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slo
                                                  int32(kc))
 
 
+def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: int, stream,
+                                rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
+                                _kernel=None) -> None:
+    """y[m, s, :] = (silu(g) * u) @ W_{expert_ids[m, s]}^T for gate_up[m, s] = g | u ([M, S, 2K] fp32): one launch
+    for `silu_mul_slots` then `linear_bf16_gathered(..., x_per_slot=True)`, the same bits."""
+    M, S = expert_ids.shape
+    K = gate_up.shape[2] // 2
+    rpe = int(rows_per_expert)
+    w64 = _as_u64(w)
+    assert gate_up.shape == (M, S, 2 * K) and K % 8 == 0 and w64.shape[1] == K // 4 and w64.shape[0] % rpe == 0
+    assert y.shape == (M, S, rpe)
+    if M * S == 0:
+        return
+    kc = chunk_columns(1, K, BF16_SPAN)
+    fn = _kernel if _kernel is not None else linear_bf16_gathered_swiglu_kernel
+    fn[(math.ceil(rpe / (warps * rows_per_warp)), M * S), 32 * warps, stream, kc * 4](
+        gate_up.reshape(M * S, 2 * K), w64, expert_ids.reshape(M * S), y.reshape(M * S, rpe), int32(rpe), int32(1),
+        int32(kc))
+
+
 # ---- NumPy twins --------------------------------------------------------------------------------------------------
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -378,3 +425,12 @@ def linear_bf16_gathered_reference(x: np.ndarray, w: np.ndarray, expert_ids: np.
                                    x_per_slot: bool) -> np.ndarray:
     return gathered_reference(x, bf16_bits_to_f32(w), expert_ids, rows_per_expert=rows_per_expert,
                               x_per_slot=x_per_slot)
+
+
+def linear_bf16_gathered_swiglu_reference(gate_up: np.ndarray, w: np.ndarray, expert_ids: np.ndarray, *,
+                                          rows_per_expert: int) -> np.ndarray:
+    """Twin of `linear_bf16_gathered_swiglu`: silu(gate) * up of each slot's gate | up halves, then the gathered
+    GEMV."""
+    half = gate_up.shape[-1] // 2
+    act = (cpu_silu(gate_up[..., :half]) * gate_up[..., half:]).astype(np.float32)
+    return linear_bf16_gathered_reference(act, w, expert_ids, rows_per_expert=rows_per_expert, x_per_slot=True)

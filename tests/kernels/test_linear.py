@@ -113,6 +113,31 @@ def test_linear_bf16_gathered_gpu(per_slot, M, S, E, rpe, K):
     assert np.array_equal(plain, got[0, 0])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,S,E,rpe,K", [(1, 8, 16, 2048, 512), (3, 2, 5, 40, 128), (2, 8, 32, 64, 2048)])
+def test_linear_bf16_gathered_swiglu_gpu(M, S, E, rpe, K):
+    """The down projection with silu(gate) * up staged in its launch equals, bitwise, `silu_mul_slots` and then the
+    plain gathered GEMV (the two launches it replaces), and the twin within fp32 rounding."""
+    from ninfer.kernels_numba.elementwise import silu_mul_slots
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    rng = np.random.default_rng(M * S + rpe + K)
+    w = _weights(rng, E * rpe, K)
+    ids = rng.integers(0, E, (M, S)).astype(np.int32)
+    gate_up = rng.standard_normal((M, S, 2 * K)).astype(np.float32)
+    stream = cuda.stream()
+    d_gate_up, dw, d_ids = (cuda.to_device(a, stream=stream) for a in (gate_up, w, ids))
+    fused, separate = (cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream) for _ in range(2))
+    L.linear_bf16_gathered_swiglu(d_gate_up, dw, d_ids, fused, rows_per_expert=rpe, stream=stream)
+    act = cuda.to_device(np.full((M, S, K), np.nan, np.float32), stream=stream)
+    silu_mul_slots(d_gate_up, act, stream=stream)
+    L.linear_bf16_gathered(act, dw, d_ids, separate, rows_per_expert=rpe, x_per_slot=True, stream=stream)
+    got, want = fused.copy_to_host(stream=stream), separate.copy_to_host(stream=stream)
+    stream.synchronize()
+    assert np.isfinite(got).all() and np.array_equal(got, want)
+    assert _rel(got, L.linear_bf16_gathered_swiglu_reference(gate_up, w, ids, rows_per_expert=rpe)) < 1e-5
+
+
 # ---- CPU: the real kernels run in numba's CUDA simulator -----------------------------------------------------------
 
 
@@ -125,4 +150,4 @@ def test_kernels_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     gathered = [line for line in run("linear").splitlines() if line.startswith("ok linear") and "gathered" in line]
-    assert len(gathered) == 5  # bf16 and the four quantized formats
+    assert len(gathered) == 6  # bf16, bf16 with SwiGLU staging and the four quantized formats

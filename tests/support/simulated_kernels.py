@@ -63,6 +63,11 @@ def linear() -> None:
         L.linear_bf16_gathered(x, w, ids, y, rows_per_expert=rpe, x_per_slot=True, stream=0)
         _check("bf16 gathered", y, L.linear_bf16_gathered_reference(x, w, ids, rows_per_expert=rpe,
                                                                      x_per_slot=True))
+        gate_up = rng.standard_normal((M, S, 2 * k)).astype(np.float32)
+        y = np.full((M, S, rpe), np.nan, np.float32)
+        L.linear_bf16_gathered_swiglu(gate_up, w, ids, y, rows_per_expert=rpe, stream=0)
+        _check("bf16 gathered swiglu", y, L.linear_bf16_gathered_swiglu_reference(gate_up, w, ids,
+                                                                                  rows_per_expert=rpe))
         for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
             for (m, n, k) in [(1, 18, 64), (2, 17, 192)]:
                 payload = codec.encode_buffer(rng.standard_normal((n, k)).astype(np.float32), fmt)

@@ -340,6 +340,10 @@ def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert, x_per_slot, st
                                                     x_per_slot=x_per_slot)
 
 
+def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert, stream):
+    y[...] = _linear.linear_bf16_gathered_swiglu_reference(gate_up, w, expert_ids, rows_per_expert=rows_per_expert)
+
+
 def linear_quant(x, qw, y, *, stream, accumulate=False):
     out = row_linear(np.asarray(x, np.float32), qw.decoded())
     y[...] = (y + out) if accumulate else out
