@@ -90,21 +90,36 @@ def _fast_segment(seg_row, seg_count, r0, rows_per_thread, rows):
 
 
 @device_function
+def _segment_of(seg_row, seg_count, r):
+    """The segment holding row r, or -1."""
+    s = -1
+    for i in range(seg_row.shape[0]):
+        first = seg_row[i]
+        if first <= r and r < first + seg_count[i]:
+            s = i
+    return s
+
+
+@device_function
+def _conv_row_segment(seg_row, seg_count, r):
+    """The segment whose conv row r computes, or -1: rows 1 and 2 of a segment are its row 0's (they read the old
+    state), and a row outside every segment is nobody's."""
+    s = _segment_of(seg_row, seg_count, r)
+    if s >= 0 and (r - seg_row[s] == 1 or r - seg_row[s] == 2):
+        s = -1
+    return s
+
+
+@device_function
 def _conv_one_row(projected, w0, w1, w2, w3, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out,
                   r, c):
     """Row r, channel c. Rows t >= 3 of a segment read their 4 inputs from `projected`; the thread of row 0 computes
     rows 0..2 (they read the old state) and then rewrites the state, so nothing else reads it."""
-    s = -1
-    for i in range(seg_lane.shape[0]):
-        first = seg_row[i]
-        if first <= r and r < first + seg_count[i]:
-            s = i
+    s = _conv_row_segment(seg_row, seg_count, r)
     if s < 0:
         return
     start = seg_row[s]
     t = r - start
-    if t == 1 or t == 2:
-        return
     lane = seg_lane[s]
     record = seg_record[s]
     if t >= 3:
@@ -295,17 +310,11 @@ def _conv_row_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_r
     """`_conv_one_row` of channels c..c+3 at once: the same arithmetic a channel (the same bits), every load and
     store a 16-byte vector. Decode runs this path (a segment's row 0): channel by channel it was four chains of
     dependent loads in turn, ~7 us a 35B-A3B decode layer (session 27's profile)."""
-    s = -1
-    for i in range(seg_lane.shape[0]):
-        first = seg_row[i]
-        if first <= r and r < first + seg_count[i]:
-            s = i
+    s = _conv_row_segment(seg_row, seg_count, r)
     if s < 0:
         return
     start = seg_row[s]
     t = r - start
-    if t == 1 or t == 2:
-        return
     width = int64(weight.shape[1])
     w0 = load4(weight, c)
     w1 = load4(weight, width + c)
@@ -426,10 +435,7 @@ def _conv_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, 
         _conv_row_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, out, r,
                         c)
         if normed:
-            seg = -1
-            for i in range(seg_lane.shape[0]):
-                if seg_row[i] <= r and r < seg_row[i] + seg_count[i]:
-                    seg = i
+            seg = _segment_of(seg_row, seg_count, r)
             if seg >= 0:
                 t = r - seg_row[seg]
                 if t >= 3:
