@@ -14,6 +14,8 @@
 #   bash tools/device_check.sh probes               the MoE prefill's cuBLAS probes: bench/cublas_host_cost.py (host
 #                                                   time of the chunked call) and bench/grouped_lt_probe.py
 #                                                   (cuBLASLt's grouped matmul with device-side sizes)
+#   bash tools/device_check.sh split-k              bench/split_k_probe.py (the decode out projection's split-K:
+#                                                   cuBLAS's, or sliced partials reduced in the norm after it)
 #   bash tools/device_check.sh ncu MODEL RECIPE REGEX [COUNT]  Nsight Compute on the decode kernels whose names match
 #                                                   REGEX (bench/ncu_decode.py: one eager step, 4 layers + head)
 #   bash tools/device_check.sh ncu-source MODEL RECIPE REGEX [COUNT]  the same kernels' warp stalls per SASS
@@ -70,6 +72,8 @@ case "$what" in
   probes)
     python3 bench/cublas_host_cost.py 2>&1 | quiet | tee "$OUT/cublas_host_cost.log" | tail -12
     python3 bench/grouped_lt_probe.py 2>&1 | quiet | tee "$OUT/grouped_lt_probe.log" | tail -12 ;;
+  split-k)
+    python3 bench/split_k_probe.py 2>&1 | quiet | tee "$OUT/split_k_probe.log" | tail -12 ;;
   ncu)
     # Counters with the clocks left alone (METHOD.md); the sections that say what bounds a kernel: throughput against
     # the peaks, memory traffic per level, occupancy and its limiter, registers, and where warps stall.
