@@ -180,6 +180,32 @@ def test_batched_gemm_multiplies_each_padded_group_by_its_own_weight_block(devic
     blas.close()
 
 
+def test_split_k_gemm_slices_sum_to_the_whole_product(device):
+    """The out projection's sliced GEMM (each K slice a batch entry): the slices' fp32 partials sum to gemm_bf16's
+    product within fp32 rounding, each slice is its own block of K; shapes that do not slice are refused."""
+    from ninfer.backends.cuda.blas import Blas
+
+    rng = np.random.default_rng(6)
+    m, n, k, slices = 8, 96, 512, 4
+    x = f32_to_bf16_bits(rng.standard_normal((m, k)))
+    w = f32_to_bf16_bits(rng.standard_normal((n, k)) * 0.1)
+    blas = Blas(device)
+    partials = device.upload(np.full((slices, m, n), np.nan, np.float32), "test")
+    whole = device.upload(np.zeros((m, n), np.float32), "test")
+    dx, dw = device.upload(x, "test"), device.upload(w, "test")
+    blas.split_k_gemm_bf16(dx, dw, partials, slices)
+    blas.gemm_bf16(dx, dw, whole)
+    device.synchronize()
+    got, want = partials.copy_to_host(), whole.copy_to_host()
+    assert np.abs(got.sum(axis=0) - want).max() < 1e-5 * np.abs(want).max()
+    part = k // slices
+    last = bf16_bits_to_f32(x[:, -part:]) @ bf16_bits_to_f32(w[:, -part:]).T
+    assert np.abs(got[-1] - last).max() < 1e-5 * np.abs(last).max()
+    with pytest.raises(ValueError, match="split-K gemm shapes"):
+        blas.split_k_gemm_bf16(dx, dw, partials, 3)
+    blas.close()
+
+
 def test_chunked_gemm_multiplies_each_chunk_by_its_groups_weight_block(device):
     """The chunked MoE prefill's pointer-array batched GEMM: chunks of one group or another in any order, bf16
     outputs within one bf16 step of the host twin, rows past the chunks untouched, the same bits with the groups on

@@ -197,6 +197,26 @@ def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset)
     norm_row(residual, weight, out, int32(1), unused_bf16, int32(0), unused_bf16[0], int32(0), r, eps, offset)
 
 
+@kernel((float32[:, :, ::1], F32_2D, F32_1D, F32_2D, int32, uint16[:, ::1], int32, uint16[::1], int32, float32, int32),
+        fastmath=False)
+def _add_slices_rms_norm_kernel(partials, residual, weight, out, write_f32, out_bf16, write_bf16, fragments,
+                                write_fragments, eps, offset):
+    r = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    step = cuda.blockDim.x
+    width = residual.shape[1]
+    for j in range(NORM_VECTORS):  # residual += the slices' sum over this thread's vectors; norm_row reads them back
+        v = t + j * step
+        for e in range(4):
+            i = 4 * v + e
+            if i < width:
+                total = partials[0, r, i]
+                for s in range(1, partials.shape[0]):
+                    total += partials[s, r, i]
+                residual[r, i] = residual[r, i] + total
+    norm_row(residual, weight, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset)
+
+
 def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):
     """out = ops.rms_norm(x, weight, eps, offset=offset). x, out fp32 [R, H] (may alias); weight fp32 [H].
     With `out_bf16` (uint16 [R, H]) the same values rounded to bf16 bits are written there too: the input of the
@@ -226,6 +246,36 @@ def add_rms_norm_rows(residual, delta, weight, out, *, eps, offset, stream):
     if rows:
         _add_rms_norm_kernel[rows, norm_threads(residual.shape[1]), stream](
             residual, delta, weight, out, bf16_target(out, None)[0], np.float32(eps), np.int32(bool(offset)))
+
+
+def add_slices_rms_norm_rows(partials, residual, weight, out, *, eps, offset, stream, out_bf16=None,
+                             out_fragments=None):
+    """residual[r] += partials[0, r] + partials[1, r] + ... (in slice order: the K slices of one projection,
+    `Blas.split_k_gemm_bf16`, of which only the first R = residual.shape[0] rows are read), then out = rms_norm of the
+    new residual as `rms_norm_rows` writes it (its bf16 copy and x fragments too; out None: the bf16 copy alone).
+    partials fp32 [S, >= R, H], residual and out fp32 [R, H], weight fp32 [H]."""
+    rows, width = residual.shape
+    if partials.ndim != 3 or partials.shape[0] < 1 or partials.shape[1] < rows or partials.shape[2] != width:
+        raise ValueError(f"add_slices_rms_norm_rows takes partials [S >= 1, >= {rows}, {width}], got "
+                         f"{tuple(partials.shape)}")
+    if out is None and out_bf16 is None:
+        raise ValueError("add_slices_rms_norm_rows needs an fp32 out, a bf16 out or both")
+    if out_fragments is not None:
+        check_fragment_output(rows, width, out_fragments)
+    written = residual if out is None else out  # (never written when out is None)
+    if rows:
+        _add_slices_rms_norm_kernel[rows, norm_threads(width), stream](
+            partials, residual, weight, written, np.int32(out is not None), *bf16_target(written, out_bf16),
+            *fragment_target(written, out_fragments), np.float32(eps), np.int32(bool(offset)))
+
+
+def add_slices_rms_norm_rows_reference(partials, residual, weight, *, eps, offset):
+    """Returns (new residual, normed) of `add_slices_rms_norm_rows`."""
+    rows = residual.shape[0]
+    total = partials[0, :rows].astype(np.float32)
+    for s in range(1, partials.shape[0]):
+        total = (total + partials[s, :rows]).astype(np.float32)
+    return add_rms_norm_rows_reference(residual, total, weight, eps=eps, offset=offset)
 
 
 def add_rms_norm_rows_reference(residual, delta, weight, *, eps, offset):
@@ -476,5 +526,5 @@ def sigmoid_gate_add_reference(residual, delta, gate_logit):
     return (residual.astype(np.float32) + g * delta.astype(np.float32)).astype(np.float32)
 
 
-__all__ = ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "silu_mul_rows", "silu_mul_slots", "to_bf16_rows",
-           "sigmoid_gate_add", "sigmoid_f32", "FULL_MASK"]
+__all__ = ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "add_slices_rms_norm_rows", "silu_mul_rows",
+           "silu_mul_slots", "to_bf16_rows", "sigmoid_gate_add", "sigmoid_f32", "FULL_MASK"]

@@ -52,6 +52,23 @@ def test_rms_norm_references(rows, width, offset):
     assert rel_l2(normed, want2) < 1e-6
 
 
+@pytest.mark.parametrize("slices", [1, 3])
+def test_add_slices_reference_is_add_rms_norm_of_the_slices_sum(slices):
+    rng = np.random.default_rng(slices)
+    rows, width = 3, 96
+    x, w = rand(rng, rows, width), rand(rng, width, scale=0.1)
+    partials = rand(rng, slices, rows + 2, width)  # rows past the residual's are not read
+    total = partials[0, :rows].copy()
+    for s in range(1, slices):
+        total = total + partials[s, :rows]
+    for got, want in zip(ew.add_slices_rms_norm_rows_reference(partials, x, w, eps=1e-6, offset=True),
+                         ew.add_rms_norm_rows_reference(x, total, w, eps=1e-6, offset=True)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="partials"):
+        ew.add_slices_rms_norm_rows(partials[:, :2], x, w, None, eps=1e-6, offset=True, stream=0,
+                                    out_bf16=np.zeros((rows, width), np.uint16))
+
+
 @pytest.mark.parametrize("rows,width", SHAPES)
 def test_silu_mul_reference(rows, width):
     rng = np.random.default_rng(rows)
@@ -85,13 +102,15 @@ def test_silu_mul_to_bf16_rejects_shapes_it_cannot_vectorize(gate_up, out):
 def test_kernels_in_cuda_simulator():
     """The vector-load kernels run thread by thread in numba's simulator (tests.support.cuda_simulator's address
     stand-ins check alignment and bounds): silu_mul_to_bf16_rows equals its twin bitwise, silu_mul_bf16_rows' 16-byte
-    kernel its word kernel, sigmoid_gate_add's 4-column kernel its column kernel (`simulated_kernels.elementwise`)."""
+    kernel its word kernel, sigmoid_gate_add's 4-column kernel its column kernel, add_slices_rms_norm_rows
+    add_rms_norm_rows of the slices' sum (`simulated_kernels.elementwise`)."""
     from tests.support.simulated_kernels import run
 
     lines = run("elementwise").splitlines()
     assert len([line for line in lines if line.startswith("ok elementwise")]) == 2
     assert len([line for line in lines if line.startswith("ok silu_mul_bf16")]) == 2
     assert len([line for line in lines if line.startswith("ok sigmoid_gate_add")]) == 2
+    assert len([line for line in lines if line.startswith("ok add_slices_rms_norm")]) == 2
 
 
 @pytest.mark.parametrize("gate_up,out", [((3, 10), (3, 4)), ((3, 6), (3, 3))])
@@ -197,6 +216,34 @@ def test_gpu_rms_norm_rows_bf16_alone_writes_the_same_bits(rows, width):
     x_after, _, got = _run(alone, [x, w], [poison], stream)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(x_after, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", [(1, 2048), (8, 2048), (5, 5120)])
+@pytest.mark.parametrize("slices", [1, 4])
+def test_gpu_add_slices_rms_norm_rows(rows, width, slices):
+    """residual += the slices in order, then the norm: bitwise add_rms_norm_rows of the slices' sum (taken in the
+    same order), its bf16 copy bitwise that of rms_norm_rows, from partials of more rows than the residual's."""
+    stream = _cuda().stream()
+    rng = np.random.default_rng(rows + slices)
+    res, w = rand(rng, rows, width), rand(rng, width, scale=0.2)
+    partials = rand(rng, slices, 8, width)
+    total = partials[0, :rows].copy()
+    for s in range(1, slices):
+        total = total + partials[s, :rows]
+
+    def fused(p, res, w, o, o16, stream):
+        ew.add_slices_rms_norm_rows(p, res, w, o, eps=1e-6, offset=True, stream=stream, out_bf16=o16)
+
+    def apart(res, d, w, o, stream):
+        ew.add_rms_norm_rows(res, d, w, o, eps=1e-6, offset=True, stream=stream)
+
+    _, new, _, out, out16 = _run(fused, [partials, res, w], [_nan((rows, width)), np.zeros((rows, width), np.uint16)],
+                                 stream)
+    want_new, _, _, want = _run(apart, [res, total, w], [_nan((rows, width))], stream)
+    np.testing.assert_array_equal(new, want_new)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(out16, f32_to_bf16_bits(want))
 
 
 @pytest.mark.gpu

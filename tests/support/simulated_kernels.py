@@ -589,7 +589,8 @@ def attention_decode_staged() -> None:
 def elementwise() -> None:
     """silu_mul_to_bf16_rows (16-byte loads by address, 8-byte stores): bitwise its twin, a partial column tile;
     silu_mul_bf16_rows' 16-byte kernel bitwise its word kernel (the same arithmetic), both within fp32 rounding of
-    the twin; sigmoid_gate_add's 4-column kernel bitwise its column kernel."""
+    the twin; sigmoid_gate_add's 4-column kernel bitwise its column kernel; add_slices_rms_norm_rows bitwise
+    add_rms_norm_rows of the slices' sum."""
     from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
     from ninfer.kernels_numba import elementwise as ew
     from ninfer.kernels_numba.numba_setup import cuda
@@ -624,6 +625,20 @@ def elementwise() -> None:
         np.testing.assert_array_equal(got, columns)
         assert _rel(got, ew.sigmoid_gate_add_reference(residual, delta, logits[:, 2:])) < 1e-6
         print("ok sigmoid_gate_add", rows, width, flush=True)
+    for slices in (1, 3):  # the split-K slices added to the residual in order, then the norm: add_rms_norm's bits
+        rng = np.random.default_rng(slices)
+        residual, weight = rng.standard_normal((2, 264)).astype(np.float32), rng.standard_normal(264).astype(np.float32)
+        partials = rng.standard_normal((slices, 4, 264)).astype(np.float32)
+        total = partials[0, :2].copy()
+        for s in range(1, slices):
+            total = total + partials[s, :2]
+        got_residual, want_residual = residual.copy(), residual.copy()
+        got, want = np.zeros((2, 264), np.float32), np.zeros((2, 264), np.float32)
+        ew.add_slices_rms_norm_rows(partials, got_residual, weight, got, eps=1e-6, offset=True, stream=0)
+        ew.add_rms_norm_rows(want_residual, total, weight, want, eps=1e-6, offset=True, stream=0)
+        np.testing.assert_array_equal(got_residual, want_residual)
+        np.testing.assert_array_equal(got, want)
+        print("ok add_slices_rms_norm", slices, flush=True)
 
 
 def gdn_output() -> None:

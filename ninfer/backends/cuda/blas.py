@@ -54,6 +54,15 @@ def check_chunked(x_shape: tuple, w_shape: tuple, y_shape: tuple, y_dtype: Any, 
     return n, k
 
 
+def check_split_k(x_shape: tuple, w_shape: tuple, partials_shape: tuple, slices: int) -> None:
+    """The shapes `split_k_gemm_bf16` takes: x [M, K], w [N, K], partials [S, M, N], K a multiple of 8 S (each
+    slice's rows start 16-byte aligned)."""
+    (m, k), (n, k2) = x_shape, w_shape
+    if k != k2 or slices < 1 or k % (8 * slices) or tuple(partials_shape) != (slices, m, n):
+        raise ValueError(f"split-K gemm shapes x{tuple(x_shape)} w{tuple(w_shape)} partials{tuple(partials_shape)} "
+                         f"in {slices} slices (K a multiple of 8 slices, partials [slices, M, N])")
+
+
 class Blas:
     def __init__(self, device: Any, *, stream_handle: int | None = None) -> None:
         """A handle bound to the device's serving stream, or to `stream_handle` (a side stream's)."""
@@ -96,6 +105,21 @@ class Blas:
                        device_pointer(w), CUDA_R_16BF, k, device_pointer(x), CUDA_R_16BF, k, beta.ctypes.data,
                        device_pointer(y) + 4 * first_column, CUDA_R_32F, y.shape[1], cublas.ComputeType.COMPUTE_32F,
                        cublas.GemmAlgo.DEFAULT)
+
+    def split_k_gemm_bf16(self, x: Any, w: Any, partials: Any, slices: int) -> None:
+        """partials[s] (fp32 [M, N]) = x[:, s K/S:(s+1) K/S] (bf16) @ w[:, s K/S:(s+1) K/S]^T for s < S = `slices`:
+        one strided-batched call, each batch entry a slice of K (A and B advance K/S columns along their rows, C a
+        whole partial), for a consumer that adds the slices itself (`elementwise.add_slices_rms_norm_rows`): split-K
+        without cuBLAS's own reduction launch, in a fixed summation order."""
+        check_split_k(x.shape, w.shape, partials.shape, slices)
+        (m, k), n = x.shape, w.shape[0]
+        part = k // slices
+        cublas = self._cublas
+        cublas.gemm_strided_batched_ex(
+            self._handle, cublas.Operation.T, cublas.Operation.N, n, m, part, self._one.ctypes.data,
+            device_pointer(w), CUDA_R_16BF, k, part, device_pointer(x), CUDA_R_16BF, k, part, self._zero.ctypes.data,
+            device_pointer(partials), CUDA_R_32F, n, m * n, slices, cublas.ComputeType.COMPUTE_32F,
+            cublas.GemmAlgo.DEFAULT)
 
     def grouped_gemm_bf16(self, x: Any, w: Any, y: Any, offsets: np.ndarray, rows_per_group: int) -> None:
         """For each group g with rows: y[offsets[g]:offsets[g+1]] (bf16 bits [., N]) = x[those rows] (bf16 [., K]) @
