@@ -19,7 +19,8 @@ from ninfer.backends.cpu import ops
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_target, bf16_to_f32,
                                          block_sum, blocks_for, f32_to_bf16, flat_row_piece, fragment_target,
-                                         load_words4_at, sigmoid_f32, store_word_at, store_words2_at, store_words4_at)
+                                         load_words4_at, sigmoid_f32, silu_times, store_word_at, store_words2_at,
+                                         store_words4_at)
 from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.quant_mma import FRAGMENT_HALVES_PER_COLUMN, check_fragment_output, fragment_half
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
@@ -182,21 +183,6 @@ def _rms_norm_kernel(x, weight, out, write_f32, out_bf16, write_bf16, fragments,
              offset)
 
 
-@kernel((F32_2D, F32_2D, F32_1D, F32_2D, uint16[:, ::1], float32, int32), fastmath=False)
-def _add_rms_norm_kernel(residual, delta, weight, out, unused_bf16, eps, offset):
-    r = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    step = cuda.blockDim.x
-    width = residual.shape[1]
-    for j in range(NORM_VECTORS):  # residual += delta over this thread's vectors; norm_row reads them back
-        v = t + j * step
-        for e in range(4):
-            i = 4 * v + e
-            if i < width:
-                residual[r, i] = residual[r, i] + delta[r, i]
-    norm_row(residual, weight, out, int32(1), unused_bf16, int32(0), unused_bf16[0], int32(0), r, eps, offset)
-
-
 @kernel((float32[:, :, ::1], F32_2D, F32_1D, F32_2D, int32, uint16[:, ::1], int32, uint16[::1], int32, float32, int32),
         fastmath=False)
 def _add_slices_rms_norm_kernel(partials, residual, weight, out, write_f32, out_bf16, write_bf16, fragments,
@@ -241,11 +227,10 @@ def rms_norm_rows_reference(x, weight, *, eps, offset):
 
 
 def add_rms_norm_rows(residual, delta, weight, out, *, eps, offset, stream):
-    """residual += delta (in place), then out = rms_norm(residual). All fp32 [R, H]; weight fp32 [H]."""
-    rows = residual.shape[0]
-    if rows:
-        _add_rms_norm_kernel[rows, norm_threads(residual.shape[1]), stream](
-            residual, delta, weight, out, bf16_target(out, None)[0], np.float32(eps), np.int32(bool(offset)))
+    """residual += delta (in place), then out = rms_norm(residual). All fp32 [R, H]; weight fp32 [H]. (One slice of
+    `add_slices_rms_norm_rows`.)"""
+    add_slices_rms_norm_rows(delta.reshape(1, *delta.shape), residual, weight, out, eps=eps, offset=offset,
+                             stream=stream)
 
 
 def add_slices_rms_norm_rows(partials, residual, weight, out, *, eps, offset, stream, out_bf16=None,
@@ -296,7 +281,7 @@ def _silu_mul_kernel(gate_up, out, out_bf16, write_bf16, fragments, write_fragme
     inter = out.shape[1]
     if c < inter:
         g = gate_up[r, c]
-        value = (g * sigmoid_f32(g)) * gate_up[r, inter + c]
+        value = silu_times(g, gate_up[r, inter + c])
         out[r, c] = value
         if write_bf16 != 0:
             out_bf16[r, c] = uint16(f32_to_bf16(value))
@@ -340,8 +325,7 @@ def _silu_mul_word(g, u):
     _silu_mul_kernel)."""
     g0 = bf16_to_f32(g & uint32(0xFFFF))
     g1 = bf16_hi_to_f32(g)
-    return bf16_pair((g0 * sigmoid_f32(g0)) * bf16_to_f32(u & uint32(0xFFFF)),
-                     (g1 * sigmoid_f32(g1)) * bf16_hi_to_f32(u))
+    return bf16_pair(silu_times(g0, bf16_to_f32(u & uint32(0xFFFF))), silu_times(g1, bf16_hi_to_f32(u)))
 
 
 @kernel((uint32[:, ::1], uint32[:, ::1]), fastmath=False)
@@ -395,7 +379,7 @@ SILU_QUADS = 4  # columns a thread of the fp32 -> bf16 silu-mul: one 16-byte loa
 def _silu_times(gate_bits, up_bits):
     """silu(gate) * up of two fp32 numbers given as their bits (words of a vector load)."""
     g = libdevice.int_as_float(int32(gate_bits))
-    return (g * sigmoid_f32(g)) * libdevice.int_as_float(int32(up_bits))
+    return silu_times(g, libdevice.int_as_float(int32(up_bits)))
 
 
 @kernel((F32_2D, uint16[:, ::1]), fastmath=False)

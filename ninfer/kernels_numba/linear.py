@@ -27,7 +27,7 @@ from numba.cuda.extending import intrinsic
 
 from ninfer.backends.cpu.ops import linear as cpu_linear
 from ninfer.backends.cpu.ops import silu as cpu_silu
-from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_to_f32, sigmoid_f32, warp_sum
+from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_to_f32, silu_times, warp_sum
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, register_options
 
 WARPS = 8  # warps per block
@@ -236,7 +236,7 @@ def make_linear_bf16_kernel(R: int, MT: int = ROW_TILE, max_registers: int | Non
 @device_function
 def stage_swiglu_bf16(xs, gate_up, row, c0, width):
     """`stage_x_bf16` of one row of silu(gate) * up, from gate_up's row (its gate | up halves, K each: K = the half
-    width), computed as `elementwise._silu_mul_kernel` computes it (the same bits)."""
+    width), by `silu_times` as `elementwise._silu_mul_kernel` computes it (the same bits)."""
     inter = gate_up.shape[1] >> 1
     src = row * gate_up.shape[1] + c0
     c = cuda.threadIdx.x * 8
@@ -246,10 +246,8 @@ def stage_swiglu_bf16(xs, gate_up, row, c0, width):
         u0, u1, u2, u3 = load4(gate_up, src + inter + c)
         u4, u5, u6, u7 = load4(gate_up, src + inter + c + 4)
         d = ((c >> 8) << 8) + ((c & 255) >> 1)  # stage_x's layout 0
-        store4(xs, d, (g0 * sigmoid_f32(g0)) * u0, (g1 * sigmoid_f32(g1)) * u1, (g2 * sigmoid_f32(g2)) * u2,
-               (g3 * sigmoid_f32(g3)) * u3)
-        store4(xs, d + 128, (g4 * sigmoid_f32(g4)) * u4, (g5 * sigmoid_f32(g5)) * u5, (g6 * sigmoid_f32(g6)) * u6,
-               (g7 * sigmoid_f32(g7)) * u7)
+        store4(xs, d, silu_times(g0, u0), silu_times(g1, u1), silu_times(g2, u2), silu_times(g3, u3))
+        store4(xs, d + 128, silu_times(g4, u4), silu_times(g5, u5), silu_times(g6, u6), silu_times(g7, u7))
         c += cuda.blockDim.x * 8
 
 
@@ -365,11 +363,17 @@ def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slo
     assert x2.shape[0] == (M * S if x_per_slot else M)
     y2 = y.reshape(M * S, rpe)
     ids = expert_ids.reshape(M * S)
+    _launch_gathered(_kernel or linear_bf16_gathered_kernel, x2, w64, ids, y2, rpe, 1 if x_per_slot else S, K,
+                     rows_per_warp, warps, stream)
+
+
+def _launch_gathered(fn, x2, w64, ids, y2, rpe: int, xdiv: int, K: int, rows_per_warp: int, warps: int,
+                     stream) -> None:
+    """A gathered kernel's launch: blocks of `warps` warps over the rpe rows, one grid row a slot, K staged in
+    shared chunks of a single row."""
     kc = chunk_columns(1, K, BF16_SPAN)
-    fn = _kernel if _kernel is not None else linear_bf16_gathered_kernel
-    blocks = math.ceil(rpe / (warps * rows_per_warp))
-    fn[(blocks, M * S), 32 * warps, stream, kc * 4](x2, w64, ids, y2, int32(rpe), int32(1 if x_per_slot else S),
-                                                 int32(kc))
+    fn[(math.ceil(rpe / (warps * rows_per_warp)), ids.shape[0]), 32 * warps, stream, kc * 4](
+        x2, w64, ids, y2, int32(rpe), int32(xdiv), int32(kc))
 
 
 def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: int, stream,
@@ -385,11 +389,8 @@ def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: i
     assert y.shape == (M, S, rpe)
     if M * S == 0:
         return
-    kc = chunk_columns(1, K, BF16_SPAN)
-    fn = _kernel if _kernel is not None else linear_bf16_gathered_swiglu_kernel
-    fn[(math.ceil(rpe / (warps * rows_per_warp)), M * S), 32 * warps, stream, kc * 4](
-        gate_up.reshape(M * S, 2 * K), w64, expert_ids.reshape(M * S), y.reshape(M * S, rpe), int32(rpe), int32(1),
-        int32(kc))
+    _launch_gathered(_kernel or linear_bf16_gathered_swiglu_kernel, gate_up.reshape(M * S, 2 * K), w64,
+                     expert_ids.reshape(M * S), y.reshape(M * S, rpe), rpe, 1, K, rows_per_warp, warps, stream)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32,
                                          half_pair_to_f32, load_word_at, load_words2_at, load_words4_at, pack_bf16x2,
-                                         sigmoid_f32, store_words4_at)
+                                         sigmoid_f32, silu_times, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function, register_options
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
@@ -644,12 +644,6 @@ def make_store_sums(tiles: int, sets: int):
 
 
 @device_function
-def silu_times(gate, up):
-    """silu(gate) * up, the arithmetic of `elementwise`'s silu-mul kernels."""
-    return (gate * sigmoid_f32(gate)) * up
-
-
-@device_function
 def store_swiglu_pair(act, word_base, g, m, unit, value):
     """Warp 0's SwiGLU epilogue: lanes of even g write the bf16 pair (unit, unit + 1) of x row m, the second value
     from lane + 4 (g + 1) by a shuffle every lane of the warp takes part in; `act` are x fragment words."""
@@ -805,6 +799,8 @@ def gathered_kernel(qw: QuantMmaWeight):
     """The gathered kernel of a stacked expert matrix: its format's, at its K blocks' unroll (both gathered
     launchers take it, so the SwiGLU epilogue keeps the plain gathered GEMV's bits)."""
     return QUANT_MMA_GATHERED_KERNELS[FORMAT_BITS[qw.fmt], gathered_unroll(qw.blocks)]
+
+
 # The format pairs the recipes split projections into (convert/qwen_hf.py: Q4 query|key beside Q5 gate|value and
 # value|z); other pairs run as two launches.
 QUANT_MMA_PAIR_KERNELS = {(4, 5, sets): make_quant_mma_pair_kernel(4, 5, sets) for sets in range(1, ROW_SETS + 1)}
