@@ -98,6 +98,18 @@ def norm_threads(width: int) -> int:
 
 
 @device_function
+def keep_vector(values, weights, j, x0, x1, x2, x3, w0, w1, w2, w3, offset, acc):
+    """values[4 j + e] = x_e, weights[4 j + e] = the (offset +) weight of word w_e; returns acc plus the squares."""
+    for e in range(4):
+        xv = x0 if e == 0 else (x1 if e == 1 else (x2 if e == 2 else x3))
+        wv = libdevice.int_as_float(int32(w0 if e == 0 else (w1 if e == 1 else (w2 if e == 2 else w3))))
+        values[4 * j + e] = xv
+        weights[4 * j + e] = wv + float32(1.0) if offset != 0 else wv
+        acc += xv * xv
+    return acc
+
+
+@device_function
 def load_row(x, weight, values, weights, r, offset):
     """values[4 j + e] = x[r, 4 (t + j * threads) + e] and weights the matching (offset +) weight, all loads issued
     together (the weights are not waited for after the reduction); returns this thread's sum of squares."""
@@ -120,12 +132,57 @@ def load_row(x, weight, values, weights, r, offset):
         if 4 * v < width:
             x0, x1, x2, x3 = load_words4_at(row + int64(v) * 16)
             w0, w1, w2, w3 = load_words4_at(weight_at + int64(v) * 16)
-        for e in range(4):
-            xv = libdevice.int_as_float(int32(x0 if e == 0 else (x1 if e == 1 else (x2 if e == 2 else x3))))
-            wv = libdevice.int_as_float(int32(w0 if e == 0 else (w1 if e == 1 else (w2 if e == 2 else w3))))
-            values[4 * j + e] = xv
-            weights[4 * j + e] = wv + float32(1.0) if offset != 0 else wv
-            acc += xv * xv
+        acc = keep_vector(values, weights, j, libdevice.int_as_float(int32(x0)), libdevice.int_as_float(int32(x1)),
+                          libdevice.int_as_float(int32(x2)), libdevice.int_as_float(int32(x3)), w0, w1, w2, w3,
+                          offset, acc)
+    return acc
+
+
+@device_function
+def load_row_adding_slices(partials, residual, weight, values, weights, r, offset, slices):
+    """`load_row` of residual[r] + (partials[0, r] + ... + partials[slices - 1, r]), the sum stored back into
+    residual[r] (each thread's own vectors, 16 bytes at a time). `slices` is a kernel's constant: the slices' loop
+    unrolls, so every slice's load is in flight before the adds."""
+    t = cuda.threadIdx.x
+    step = cuda.blockDim.x
+    width = residual.shape[1]
+    row = address_of(residual) + int64(r) * int64(width) * 4
+    slice_bytes = int64(partials.shape[1]) * int64(width) * 4
+    first_slice = address_of(partials) + int64(r) * int64(width) * 4
+    weight_at = address_of(weight)
+    acc = float32(0.0)
+    for j in range(NORM_VECTORS):
+        v = t + j * step
+        x0 = float32(0.0)
+        x1 = float32(0.0)
+        x2 = float32(0.0)
+        x3 = float32(0.0)
+        w0 = uint32(0)
+        w1 = uint32(0)
+        w2 = uint32(0)
+        w3 = uint32(0)
+        if 4 * v < width:
+            r0, r1, r2, r3 = load_words4_at(row + int64(v) * 16)
+            w0, w1, w2, w3 = load_words4_at(weight_at + int64(v) * 16)
+            p0, p1, p2, p3 = load_words4_at(first_slice + int64(v) * 16)
+            s0 = libdevice.int_as_float(int32(p0))
+            s1 = libdevice.int_as_float(int32(p1))
+            s2 = libdevice.int_as_float(int32(p2))
+            s3 = libdevice.int_as_float(int32(p3))
+            for s in range(1, slices):  # in slice order
+                p0, p1, p2, p3 = load_words4_at(first_slice + s * slice_bytes + int64(v) * 16)
+                s0 += libdevice.int_as_float(int32(p0))
+                s1 += libdevice.int_as_float(int32(p1))
+                s2 += libdevice.int_as_float(int32(p2))
+                s3 += libdevice.int_as_float(int32(p3))
+            x0 = libdevice.int_as_float(int32(r0)) + s0
+            x1 = libdevice.int_as_float(int32(r1)) + s1
+            x2 = libdevice.int_as_float(int32(r2)) + s2
+            x3 = libdevice.int_as_float(int32(r3)) + s3
+            store_words4_at(row + int64(v) * 16, uint32(libdevice.float_as_int(x0)),
+                            uint32(libdevice.float_as_int(x1)), uint32(libdevice.float_as_int(x2)),
+                            uint32(libdevice.float_as_int(x3)))
+        acc = keep_vector(values, weights, j, x0, x1, x2, x3, w0, w1, w2, w3, offset, acc)
     return acc
 
 
@@ -167,13 +224,21 @@ def scale_row(values, weights, out, write_f32, out_bf16, write_bf16, fragments, 
 def norm_row(x, weight, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset):
     """Row r of `rms_norm_rows` (one block a row): out[r] (and its bf16 copy and x fragments) = rms_norm(x[r]).
     load_row reads the thread's own vectors of x, so a kernel may write them just before (the residual adds)."""
-    buf = cuda.shared.array(32, float32)
     values = cuda.local.array(NORM_ITEMS, float32)
     weights = cuda.local.array(NORM_ITEMS, float32)
     acc = load_row(x, weight, values, weights, r, offset)
+    norm_loaded_row(values, weights, acc, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r,
+                    x.shape[1], eps)
+
+
+@device_function
+def norm_loaded_row(values, weights, acc, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, width,
+                    eps):
+    """The rest of `norm_row` once a row is loaded (`load_row`, `load_row_adding_slices`; acc: the thread's sum of
+    squares): the block's sum, then the scaled row written."""
+    buf = cuda.shared.array(32, float32)
     total = block_sum(acc, buf)  # its barrier also orders the reads of x before writes to an aliased out
-    scale_row(values, weights, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, total,
-              x.shape[1], eps)
+    scale_row(values, weights, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, total, width, eps)
 
 
 @kernel((F32_2D, F32_1D, F32_2D, int32, uint16[:, ::1], int32, uint16[::1], int32, float32, int32), fastmath=False)
@@ -183,24 +248,25 @@ def _rms_norm_kernel(x, weight, out, write_f32, out_bf16, write_bf16, fragments,
              offset)
 
 
-@kernel((float32[:, :, ::1], F32_2D, F32_1D, F32_2D, int32, uint16[:, ::1], int32, uint16[::1], int32, float32, int32),
-        fastmath=False)
-def _add_slices_rms_norm_kernel(partials, residual, weight, out, write_f32, out_bf16, write_bf16, fragments,
-                                write_fragments, eps, offset):
-    r = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    step = cuda.blockDim.x
-    width = residual.shape[1]
-    for j in range(NORM_VECTORS):  # residual += the slices' sum over this thread's vectors; norm_row reads them back
-        v = t + j * step
-        for e in range(4):
-            i = 4 * v + e
-            if i < width:
-                total = partials[0, r, i]
-                for s in range(1, partials.shape[0]):
-                    total += partials[s, r, i]
-                residual[r, i] = residual[r, i] + total
-    norm_row(residual, weight, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r, eps, offset)
+ADD_SLICES = (1, 2, 4, 8)  # the slice counts `add_slices_rms_norm_rows` takes (a kernel each)
+
+
+def _make_add_slices_rms_norm_kernel(slices: int):
+    @kernel((float32[:, :, ::1], F32_2D, F32_1D, F32_2D, int32, uint16[:, ::1], int32, uint16[::1], int32, float32,
+             int32), fastmath=False)
+    def add_slices_rms_norm_kernel(partials, residual, weight, out, write_f32, out_bf16, write_bf16, fragments,
+                                   write_fragments, eps, offset):
+        r = cuda.blockIdx.x
+        values = cuda.local.array(NORM_ITEMS, float32)
+        weights = cuda.local.array(NORM_ITEMS, float32)
+        acc = load_row_adding_slices(partials, residual, weight, values, weights, r, offset, slices)
+        norm_loaded_row(values, weights, acc, out, write_f32, out_bf16, write_bf16, fragments, write_fragments, r,
+                        residual.shape[1], eps)
+
+    return add_slices_rms_norm_kernel
+
+
+_ADD_SLICES_KERNELS = {slices: _make_add_slices_rms_norm_kernel(slices) for slices in ADD_SLICES}
 
 
 def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):
@@ -240,8 +306,9 @@ def add_slices_rms_norm_rows(partials, residual, weight, out, *, eps, offset, st
     new residual as `rms_norm_rows` writes it (its bf16 copy and x fragments too; out None: the bf16 copy alone).
     partials fp32 [S, >= R, H], residual and out fp32 [R, H], weight fp32 [H]."""
     rows, width = residual.shape
-    if partials.ndim != 3 or partials.shape[0] < 1 or partials.shape[1] < rows or partials.shape[2] != width:
-        raise ValueError(f"add_slices_rms_norm_rows takes partials [S >= 1, >= {rows}, {width}], got "
+    if partials.ndim != 3 or partials.shape[0] not in ADD_SLICES or partials.shape[1] < rows or \
+            partials.shape[2] != width:
+        raise ValueError(f"add_slices_rms_norm_rows takes partials [S in {ADD_SLICES}, >= {rows}, {width}], got "
                          f"{tuple(partials.shape)}")
     if out is None and out_bf16 is None:
         raise ValueError("add_slices_rms_norm_rows needs an fp32 out, a bf16 out or both")
@@ -249,7 +316,7 @@ def add_slices_rms_norm_rows(partials, residual, weight, out, *, eps, offset, st
         check_fragment_output(rows, width, out_fragments)
     written = residual if out is None else out  # (never written when out is None)
     if rows:
-        _add_slices_rms_norm_kernel[rows, norm_threads(width), stream](
+        _ADD_SLICES_KERNELS[partials.shape[0]][rows, norm_threads(width), stream](
             partials, residual, weight, written, np.int32(out is not None), *bf16_target(written, out_bf16),
             *fragment_target(written, out_fragments), np.float32(eps), np.int32(bool(offset)))
 

@@ -50,7 +50,7 @@ from ninfer.artifact import codec
 from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_hi_to_f32, bf16_pair, bf16_to_f32,
                                          half_pair_to_f32, load_word_at, load_words2_at, load_words4_at, pack_bf16x2,
-                                         sigmoid_f32, silu_times, store_words4_at)
+                                         silu_times, store_words4_at)
 from ninfer.kernels_numba.linear import gathered_reference, load2, load4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function, register_options
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids

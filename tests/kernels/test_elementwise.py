@@ -220,7 +220,7 @@ def test_gpu_rms_norm_rows_bf16_alone_writes_the_same_bits(rows, width):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,width", [(1, 2048), (8, 2048), (5, 5120)])
-@pytest.mark.parametrize("slices", [1, 4])
+@pytest.mark.parametrize("slices", [1, 2, 4, 8])
 def test_gpu_add_slices_rms_norm_rows(rows, width, slices):
     """residual += the slices in order, then the norm: bitwise add_rms_norm_rows of the slices' sum (taken in the
     same order), its bf16 copy bitwise that of rms_norm_rows, from partials of more rows than the residual's."""

@@ -625,7 +625,7 @@ def elementwise() -> None:
         np.testing.assert_array_equal(got, columns)
         assert _rel(got, ew.sigmoid_gate_add_reference(residual, delta, logits[:, 2:])) < 1e-6
         print("ok sigmoid_gate_add", rows, width, flush=True)
-    for slices in (1, 3):  # the split-K slices added to the residual in order, then the norm: add_rms_norm's bits
+    for slices in (1, 4):  # the split-K slices added to the residual in order, then the norm: add_rms_norm's bits
         rng = np.random.default_rng(slices)
         residual, weight = rng.standard_normal((2, 264)).astype(np.float32), rng.standard_normal(264).astype(np.float32)
         partials = rng.standard_normal((slices, 4, 264)).astype(np.float32)
