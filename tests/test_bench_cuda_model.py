@@ -55,10 +55,12 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
 
     result = bench.bench_config("tiny", recipe, "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=moe),
                                 context=70, prefill_tokens=128, repeats=4,
-                                decode_linears=("kernels", "cublas", "auto"), decode_quant=decode_quant)
+                                decode_linears=("kernels", "cublas", "auto"), decode_quant=decode_quant,
+                                split_k_norms=(0, 2))
     assert result["decode_quant"] == decode_quant
-    assert [(row["linear"], row["batch"]) for row in result["decode"]] == [
-        (linear, batch) for linear in ("kernels", "cublas", "auto") for batch in (1, 2, 4, 8)]
+    assert [(row["linear"], row["split_k_norm"], row["batch"]) for row in result["decode"]] == [
+        (linear, sliced, batch) for linear in ("kernels", "cublas", "auto") for sliced in (0, 2)
+        for batch in (1, 2, 4, 8)]
     tuned = result["decode_paths"]  # each bf16 shape the Linear multiplies at decode
     assert tuned or recipe != "bf16"
     assert all(row["path"] in row["us"] and row["us"][row["path"]] == min(row["us"].values()) for row in tuned)

@@ -57,7 +57,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               narrow_decode: bool | None = False):
+               narrow_decode: bool | None = False, split_k_norm: int = 0):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -67,7 +67,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                              device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
-                             narrow_decode=narrow_decode)
+                             narrow_decode=narrow_decode, split_k_norm=split_k_norm)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -163,6 +163,37 @@ def test_cublas_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
     want = run_lanes(cpu_runner(path), prompts, 24)
     for g, w, p in zip(got, want, prompts):
         assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_split_k_residual_projections_are_added_in_the_next_norm(device_kind, artifacts, kind, monkeypatch):
+    """Capacity.split_k_norm: at the padded decode rows the output projections (and the dense FFN's down) leave
+    their K slices for the norm after them to add (`add_slices_rms_norm_rows`, the slices of each call); greedy
+    tokens are the CPU runner's up to bf16 ties, plain and MTP (verify rows), and graphs replay the eager tokens.
+    Switched to 0 between steps the plain accumulating calls come back."""
+    path = artifacts[(kind, "bf16")]
+    cpu = load_model(path)
+    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
+    want = run_lanes(cpu_runner(path), prompts, 16)
+    for draft_tokens in (0, 3):
+        eager = cuda_build(device_kind, path, decode_linear="cublas", split_k_norm=2, graphs=False,
+                           draft_tokens=draft_tokens)
+        added = []
+        launcher = eager.model.k.add_slices_rms_norm_rows
+        monkeypatch.setattr(eager.model.k, "add_slices_rms_norm_rows",
+                            lambda partials, *a, **kw: (added.append(partials.shape[0]), launcher(partials, *a, **kw)))
+        got = run_lanes(eager.runner, prompts, 16)
+        monkeypatch.undo()
+        assert added and set(added) == {2}, draft_tokens
+        for g, w, p in zip(got, want, prompts):
+            assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
+        graphs = cuda_build(device_kind, path, decode_linear="cublas", split_k_norm=2, draft_tokens=draft_tokens)
+        assert run_lanes(graphs.runner, prompts, 16) == got, draft_tokens
+    eager.model.set_split_k_norm(0)
+    monkeypatch.setattr(eager.model.k, "add_slices_rms_norm_rows", lambda *a, **kw: pytest.fail("slices added"))
+    run_lanes(eager.runner, prompts[:1], 4)
+    with pytest.raises(ValueError, match="between 0 and the 2 slices built for, got 4"):
+        eager.model.set_split_k_norm(4)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -553,7 +584,7 @@ def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     assert run_lanes(speculative.runner, prompts, 16) == want_mtp
 
 
-def test_attention_split_settings_are_checked_where_they_are_given():
+def test_capacity_settings_are_checked_where_they_are_given():
     from ninfer.backends.cuda.model import Capacity
 
     sizes = dict(lanes=1, max_context=256, kv_dtype="bf16", prefill_rows=128, draft_tokens=0)
@@ -561,6 +592,9 @@ def test_attention_split_settings_are_checked_where_they_are_given():
         Capacity(**sizes, attention_min_split_keys=-1)
     with pytest.raises(ValueError, match="splits per row, got 0"):
         Capacity(**sizes, attention_splits=0)
+    for slices in (-1, 3, 16):
+        with pytest.raises(ValueError, match=f"split_k_norm must be 0 .off. or one of 1, 2, 4, 8 slices, got {slices}"):
+            Capacity(**sizes, split_k_norm=slices)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

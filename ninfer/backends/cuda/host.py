@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
-from ninfer.backends.cuda.blas import check_batched, check_chunked, check_column_block
+from ninfer.backends.cuda.blas import check_batched, check_chunked, check_column_block, check_split_k
 from ninfer.backends.cuda.device import DeviceInfo
 from ninfer.backends.cuda.staging import ReadValues
 
@@ -98,6 +98,12 @@ class HostBlas:
         product = (bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T).astype(np.float32)
         block = y[:, first_column:first_column + w.shape[0]]
         block[...] = (block + product) if accumulate else product
+
+    def split_k_gemm_bf16(self, x: np.ndarray, w: np.ndarray, partials: np.ndarray, slices: int) -> None:
+        check_split_k(x.shape, w.shape, partials.shape, slices)
+        part = x.shape[1] // slices
+        for s in range(slices):
+            self.gemm_bf16(x[:, s * part:(s + 1) * part], w[:, s * part:(s + 1) * part], partials[s])
 
     def grouped_gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, offsets: np.ndarray,
                           rows_per_group: int) -> None:

@@ -196,6 +196,18 @@ def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fra
     _fragment_rows(normed, out_fragments)
 
 
+def add_slices_rms_norm_rows(partials, residual, weight, out, *, eps, offset, stream, out_bf16=None,
+                             out_fragments=None):
+    if out is None and out_bf16 is None:
+        raise ValueError("add_slices_rms_norm_rows needs an fp32 out, a bf16 out or both")
+    residual[...], normed = _elementwise.add_slices_rms_norm_rows_reference(partials, residual, weight, eps=eps,
+                                                                           offset=offset)
+    if out is not None:
+        out[...] = normed
+    _bf16_copy(normed, out_bf16)
+    _fragment_rows(normed, out_fragments)
+
+
 def silu_mul_rows(gate_up, out, *, stream, out_bf16=None, out_fragments=None):
     out[...] = _elementwise.silu_mul_rows_reference(gate_up)
     _bf16_copy(out, out_bf16)

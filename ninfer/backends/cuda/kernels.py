@@ -6,9 +6,9 @@ from ninfer.kernels_numba.attention import (attention_decode, attention_prefill,
 from ninfer.kernels_numba.attention_flash import flash_prefill
 from ninfer.kernels_numba.attention_gemm import causal_softmax, gather_kv, pack_queries, unpack_gated
 from ninfer.kernels_numba.dflash import attention_partials_shape, copy_columns, dflash_attention, dflash_heads
-from ninfer.kernels_numba.elementwise import (embed_rows, rms_norm_rows, sigmoid_gate_add, silu_mul_bf16_rows,
-                                              SILU_QUADS, silu_mul_rows, silu_mul_slots, silu_mul_to_bf16_rows,
-                                              to_bf16_rows)
+from ninfer.kernels_numba.elementwise import (add_slices_rms_norm_rows, embed_rows, rms_norm_rows, sigmoid_gate_add,
+                                              silu_mul_bf16_rows, SILU_QUADS, silu_mul_rows, silu_mul_slots,
+                                              silu_mul_to_bf16_rows, to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
 from ninfer.kernels_numba.gdn import (gdn_conv, gdn_conv_normed, gdn_gates, gdn_output, gdn_recurrent,
                                       gdn_recurrent_gated)
@@ -76,6 +76,7 @@ __all__ = [
     "moe_scatter_combine",
     "repack_quant",
     "rms_norm_rows",
+    "add_slices_rms_norm_rows",
     "route_top_k",
     "scratch_columns",
     "sigmoid_gate_add",

@@ -35,6 +35,7 @@ from ninfer.backends.cpu.runner import SPEC_BACKENDS
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.attention import check_min_split_keys, check_splits, row_splits
+from ninfer.kernels_numba.elementwise import ADD_SLICES
 from ninfer.kernels_numba.gdn import conv_normed_fits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
@@ -145,6 +146,13 @@ class Capacity:
     # 185.6 / 185.7 / 183.4 / 184.8 (within its run-to-run spread, for 3 GiB). The dequantizations barely overlap:
     # the GEMMs and flash attention leave no SM room for their blocks.
     dequant_ahead: int | None = None
+    # Decode projections that add into the residual right before a norm (the attention and Gated DeltaNet output
+    # projections, the dense FFN's down) on the cuBLAS path, padded to the decode rows: their product in this many
+    # slices of K (one strided-batched cuBLAS call, `Blas.split_k_gemm_bf16`), the slices added to the residual in
+    # the launch of that norm (`add_slices_rms_norm_rows`) instead of cuBLAS's own split-K reduction launch and an
+    # accumulating write. 0: off. A matrix whose K is not a multiple of 8 slices keeps the plain call. The slices'
+    # sum is the same product to fp32 rounding in a fixed order: batch invariant like the padded call.
+    split_k_norm: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -158,6 +166,7 @@ class Capacity:
             raise ValueError(f"spec must be one of {', '.join(SPEC_BACKENDS)}, got {self.spec!r}")
         if self.dequant_ahead is not None and self.dequant_ahead < 0:
             raise ValueError(f"dequant_ahead must be 0 or more, got {self.dequant_ahead}")
+        check_split_k_norm(self.split_k_norm)
 
     @property
     def mtp(self) -> bool:
@@ -540,7 +549,8 @@ class Workspace:
     def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
                  decode_attention_rows: int, attention_splits: int, max_context: int,
                  tensor_core_attention: bool, fragment_words: int = 0,
-                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0) -> None:
+                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0,
+                 residual_slices: int = 0) -> None:
         d, f32 = dims, np.float32
 
         def buf(*shape: int, dtype: Any = f32) -> Any:
@@ -623,6 +633,8 @@ class Workspace:
         # GDN a/b projection, the shared expert's activation into its down projection
         side_rows = min(rows, max(SKINNY_ROWS, decode_rows))
         self.side_x_bf16 = buf(side_rows, max(h, d.shared_intermediate if d.is_moe else 0), dtype=np.uint16)
+        # Capacity.split_k_norm: a residual projection's K slices at the padded decode rows, for the norm after it
+        self.residual_partials = buf(residual_slices * decode_rows * h) if residual_slices and decode_rows else None
         # Tensor-core prefill attention (`prefill_attention="gemm"`), only when asked for (up to ~1.5 GiB): the
         # lane's K/V as contiguous bf16, a block of packed queries, and the score / probability scratch (at most
         # SCORE_BYTES of fp32 scores).
@@ -766,6 +778,23 @@ class Linear:
             self._k.linear_bf16_narrow(x[:rows], w.data, y[:rows], stream=self._stream, accumulate=accumulate)
         else:
             raise ValueError(f"decode path must be one of {', '.join(DECODE_PATHS)}, got {path!r}")
+
+    def splits_k(self, w: Matrix, rows: int, slices: int) -> bool:
+        """Whether `split_k` takes w at this row count: a bf16 matrix on the padded cuBLAS path whose K divides
+        into `slices` slices of whole 8-column vectors."""
+        return (slices > 0 and isinstance(w, Bf16Matrix) and 0 < rows <= self.pad_rows <= SKINNY_ROWS
+                and self._reads_bf16(w, rows) and w.shape[1] % (8 * slices) == 0)
+
+    def split_k(self, x: Any, w: Bf16Matrix, partials: Any, rows: int, x_bf16: Any, slices: int) -> Any:
+        """The K slices of x[:pad_rows] @ W^T into the flat fp32 `partials` (`Blas.split_k_gemm_bf16`; x rounded
+        to bf16 here unless its producer wrote `x_bf16`); returns them as [slices, pad_rows, N]. Check `splits_k`
+        first."""
+        width, n = x.shape[1], w.shape[0]
+        if x_bf16 is None:
+            self._k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=self._stream)
+        sliced = partials[: slices * self.pad_rows * n].reshape(slices, self.pad_rows, n)
+        self.blas.split_k_gemm_bf16(self.bf16_input(self.pad_rows, width), self.bf16_weight(w), sliced, slices)
+        return sliced
 
     def _cublas(self, x: Any, w: Matrix, y: Any, rows: int, accumulate: bool, x_bf16: Any) -> None:
         width = x.shape[1]
@@ -960,7 +989,7 @@ class CudaQwen:
                                    tensor_core_attention=capacity.tensor_core_attention,
                                    fragment_words=self._fragment_words(),
                                    slot_fragment_words=self._slot_fragment_words(), dflash=drafter,
-                                   decode_rows=capacity.decode_rows)
+                                   decode_rows=capacity.decode_rows, residual_slices=capacity.split_k_norm)
         # DFlash: the sliding layers' rings, each lane's committed columns not yet projected (their context
         # features, k+1 rows a lane), which target layer fills which column block of the features, the call buffers.
         self.dflash_rings: dict[int, DFlashRing] = {}
@@ -1015,6 +1044,10 @@ class CudaQwen:
         self.branches = False
         # a decode MoE combine `_moe` left for the next norm to launch (`_norm`), or None
         self._pending_combine: tuple | None = None
+        # Capacity.split_k_norm (switchable between steps up to it), and the K slices of a residual projection
+        # `_add_to_residual` left for the next norm to add (`_norm`), or None
+        self.split_k_norm = capacity.split_k_norm
+        self._pending_partials: Any = None
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
         # the decode paths timed on the GPU (a HostDevice's twins have no timing to go by: the settings decide there)
         self.decode_linear_timings: dict = {}
@@ -1178,7 +1211,8 @@ class CudaQwen:
         (eager calls only: the rows are written from the host). With DFlash, the rows' context features land in
         rows 0..rows-1 of `dflash_workspace.features`."""
         ws, stream, d = self.workspace, self.device.stream, self.dims
-        self._pending_combine = None  # x is written afresh (a pass that raised may have left one behind)
+        self._pending_combine = self._pending_partials = None  # x is written afresh (a pass that raised may have
+        # left one behind)
         x = ws.x[:rows]
         self._embed(self.inputs.token_ids[:rows], x)
         self._replace_rows(x, embeddings)
@@ -1198,7 +1232,7 @@ class CudaQwen:
         `inputs.next_ids`, at `inputs.positions` / `row_pos` (the MTP KV index of each row). Returns d [rows, H].
         `embeddings` replace next-token embeddings, as in `forward`."""
         ws, stream, d, mtp = self.workspace, self.device.stream, self.dims, self.mtp
-        self._pending_combine = None  # x is written afresh below
+        self._pending_combine = self._pending_partials = None  # x is written afresh below
         embedded, x = ws.mtp_embedded[:rows], ws.x[:rows]
         self._embed(self.inputs.next_ids[:rows], ws.h[:rows])
         self._replace_rows(ws.h[:rows], embeddings)
@@ -1345,8 +1379,8 @@ class CudaQwen:
                      else (ffn.router_shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers)
         h_frag = self.linear.fragment_input(rows, *consumers)
-        self.k.rms_norm_rows(x, layer.post_attention_norm, _fp32_read(h, rows, h_bf16, h_frag), eps=d.rms_eps,
-                             offset=True, stream=stream, out_bf16=h_bf16, out_fragments=h_frag)
+        self._norm(x, layer.post_attention_norm, _fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16,
+                   out_fragments=h_frag)
         if isinstance(ffn, DenseFfn) and _fused_swiglu(ffn.gate_up, rows):
             self._swiglu_ffn(ffn.gate_up, ffn.down, rows, self.linear, h_frag, ws.gate_up, ws.x, accumulate=True)
         elif isinstance(ffn, DenseFfn):
@@ -1355,7 +1389,9 @@ class CudaQwen:
             act_bf16 = self.linear.bf16_input(rows, act.shape[1], ffn.down)
             act_frag = self.linear.fragment_input(rows, ffn.down)
             self._silu_mul(gate_up, act, act_bf16, act_frag, stream)
-            self.linear(ws.act, ffn.down, ws.x, rows=rows, accumulate=True, x_bf16=act_bf16, x_fragments=act_frag)
+            # a DFlash feature block copies x before the next norm could add pending slices
+            self._add_to_residual(ws.act, ffn.down, rows, act_bf16, act_frag,
+                                  before_norm=index not in self.feature_blocks)
         else:
             self._moe(ffn, rows, h_bf16, h_frag)
 
@@ -1387,7 +1423,7 @@ class CudaQwen:
             self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
                                    kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
                                    head_dim=d.head_dim, stream=stream)
-        self.linear(ws.attended, w.output, ws.x, rows=rows, accumulate=True, x_bf16=out_bf16, x_fragments=out_frag)
+        self._add_to_residual(ws.attended, w.output, rows, out_bf16, out_frag)
 
     def _prefill_attention_gemm(self, kv: KvPool, prefill: PrefillSpan, rows: int) -> None:
         """Prefill attention on the tensor cores (`attention_gemm`): K/V of the lane gathered once into contiguous
@@ -1489,8 +1525,7 @@ class CudaQwen:
         self.k.gdn_output(out, projected, w.norm, result, v_heads=d.gdn_v_heads, v_dim=d.gdn_v_dim,
                           z_offset=d.gdn_conv_channels, eps=d.rms_eps, stream=stream, result_bf16=normed_bf16,
                           result_fragments=normed_frag)
-        self.linear(ws.gdn_normed, layer.gdn_output, ws.x, rows=rows, accumulate=True, x_bf16=normed_bf16,
-                    x_fragments=normed_frag)
+        self._add_to_residual(ws.gdn_normed, layer.gdn_output, rows, normed_bf16, normed_frag)
 
     def _moe(self, w: MoeFfn, rows: int, h_bf16: Any, h_frag: Any) -> None:
         ws, stream, d = self.workspace, self.device.stream, self.dims
@@ -1550,11 +1585,36 @@ class CudaQwen:
         elif not gated_in_combine:
             self.k.sigmoid_gate_add(x, shared_out, gate_logit, stream=stream)
 
+    def _add_to_residual(self, x_in: Any, w: Matrix, rows: int, x_bf16: Any, x_fragments: Any, *,
+                         before_norm: bool = True) -> None:
+        """ws.x[:rows] += x_in[:rows] @ W^T. Where Capacity.split_k_norm takes w (`Linear.splits_k`) and a norm
+        reads x next (`before_norm`), the product's K slices are left pending for that norm's launch (`_norm`);
+        otherwise one accumulating call."""
+        if before_norm and self.linear.splits_k(w, rows, self.split_k_norm):
+            self._pending_partials = self.linear.split_k(x_in, w, self.workspace.residual_partials, rows, x_bf16,
+                                                         self.split_k_norm)
+            return
+        self.linear(x_in, w, self.workspace.x, rows=rows, accumulate=True, x_bf16=x_bf16, x_fragments=x_fragments)
+
+    def set_split_k_norm(self, slices: int) -> None:
+        """Capacity.split_k_norm, switchable between steps from 0 up to the slices the model was built with (its
+        partials buffer)."""
+        built = self.capacity.split_k_norm
+        check_split_k_norm(slices)
+        if slices > built:
+            raise ValueError(f"split_k_norm switches between 0 and the {built} slices built for, got {slices}")
+        self.split_k_norm = slices
+
     def _norm(self, x: Any, weight: Any, out: Any, *, out_bf16: Any = None, out_fragments: Any = None) -> None:
         """out = rms_norm(x, weight) (offset), as `rms_norm_rows` writes it; a decode MoE combine left pending by
-        `_moe` runs in the same launch first (x is its residual)."""
-        d, stream, pending = self.dims, self.device.stream, self._pending_combine
-        self._pending_combine = None
+        `_moe`, or a residual projection's K slices left by `_add_to_residual`, go into x in the same launch first
+        (x is their residual)."""
+        d, stream, pending, partials = self.dims, self.device.stream, self._pending_combine, self._pending_partials
+        self._pending_combine = self._pending_partials = None
+        if partials is not None:
+            self.k.add_slices_rms_norm_rows(partials, x, weight, out, eps=d.rms_eps, offset=True, stream=stream,
+                                            out_bf16=out_bf16, out_fragments=out_fragments)
+            return
         if pending is None:
             self.k.rms_norm_rows(x, weight, out, eps=d.rms_eps, offset=True, stream=stream, out_bf16=out_bf16,
                                  out_fragments=out_fragments)
@@ -1833,6 +1893,13 @@ def _runs(values: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 CHECKPOINT_SLOTS = 2
+
+
+def check_split_k_norm(slices: int) -> None:
+    """The ValueError of a Capacity.split_k_norm `add_slices_rms_norm_rows` has no kernel for."""
+    if slices != 0 and slices not in ADD_SLICES:
+        raise ValueError(f"split_k_norm must be 0 (off) or one of {', '.join(map(str, ADD_SLICES))} slices, got "
+                         f"{slices}")
 
 
 def _fused_swiglu(gate_up: Any, rows: int) -> bool:
