@@ -15,7 +15,7 @@ import attrs
 from ninfer.artifact.reader import Artifact
 from ninfer.backends.cuda.device import GIB, CudaDevice, Device
 from ninfer.backends.cuda.graph_cache import SPARE_GRAPHS
-from ninfer.backends.cuda.model import PAGE_TOKENS, Capacity, CudaQwen
+from ninfer.backends.cuda.model import DEFAULT_SPLIT_K_NORM, PAGE_TOKENS, Capacity, CudaQwen
 from ninfer.backends.cuda.runner import CudaRunner
 from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.backends.cuda.weights import ArtifactDeviceWeights
@@ -52,7 +52,7 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                       decode_linear: str = "cublas", decode_quant: str = "mma", vision: bool = False,
                       vision_on_device: bool = True, branches: bool | None = None,
                       programmatic_launch: bool = False, narrow_decode: bool | None = None,
-                      split_k_norm: int = 0) -> CudaBuild:
+                      split_k_norm: int = DEFAULT_SPLIT_K_NORM) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`,
     `programmatic_launch`, `narrow_decode`, `split_k_norm`: see `Capacity`.

@@ -52,6 +52,7 @@ from ninfer.models.dflash import DFlashMismatchError
 from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
 
 SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
+DEFAULT_SPLIT_K_NORM = 2  # Capacity.split_k_norm's default (see there)
 MMA_ROWS = 8  # activation rows per x-fragment set (the mma's N); a plain launch takes k.ROW_SETS sets
 PAGE_TOKENS = 64
 # A prefill chunk of at most SKINNY_ROWS rows whose rows x keys stay within this bound runs the decode path (decode
@@ -151,8 +152,11 @@ class Capacity:
     # slices of K (one strided-batched cuBLAS call, `Blas.split_k_gemm_bf16`), the slices added to the residual in
     # the launch of that norm (`add_slices_rms_norm_rows`) instead of cuBLAS's own split-K reduction launch and an
     # accumulating write. 0: off. A matrix whose K is not a multiple of 8 slices keeps the plain call. The slices'
-    # sum is the same product to fp32 rounding in a fixed order: batch invariant like the padded call.
-    split_k_norm: int = 0
+    # sum is the same product to fp32 rounding in a fixed order: batch invariant like the padded call. 2, as measured
+    # on the H200 (bench/cuda_model.py --split-k-norm 0,2,4, cuBLAS padded to 32 decode rows; results/
+    # cuda_model_split_k_norm_session29.json, ms a step): 35B-A3B bf16 B=1 3.75 / 3.69 / 3.70, B=8 8.31 / 8.26 /
+    # 8.27; 27B bf16 B=1 15.55 / 15.48 / 15.79, B=8 18.38 / 18.30 / 18.55.
+    split_k_norm: int = DEFAULT_SPLIT_K_NORM
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
