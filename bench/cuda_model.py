@@ -165,7 +165,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  decode_only: bool = False, prefill_only: bool = False, decode_quant: str = "mma",
                  batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
-                 branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (False,),
+                 branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (True,),
                  narrow: tuple[bool | None, ...] = (None,), moe_gemms: tuple[str, ...] = ("auto",),
                  moe_chunks: tuple[int | None, ...] = (None,), moe_chunk_steps: tuple[int | None, ...] = (None,),
                  moe_sync_frees: tuple[bool | None, ...] = (None,),
@@ -529,9 +529,9 @@ def main() -> None:
     parser.add_argument("--branches", default="default",
                         help="decode with the side stream off and/or on (off,on; default: the serving default, on for "
                              "MoE models); the MTP rounds use the last")
-    parser.add_argument("--programmatic", default="off",
-                        help="decode with the quantized GEMVs launched programmatically off and/or on (off,on); the "
-                             "MTP rounds use the last")
+    parser.add_argument("--programmatic", default="on",
+                        help="decode with the quantized GEMVs launched programmatically off and/or on (off,on; "
+                             "default: on, the serving default); the MTP rounds use the last")
     parser.add_argument("--narrow", default="default",
                         help="decode with the narrow bf16 GEMVs (router + routing, GDN a/b) off and/or on (off,on; "
                              "default: the serving default, on for dense models); the MTP rounds use the last")

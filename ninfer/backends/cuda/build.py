@@ -51,7 +51,7 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                       device: Device | None = None, tensor_core_attention: bool = True,
                       decode_linear: str = "cublas", decode_quant: str = "mma", vision: bool = False,
                       vision_on_device: bool = True, branches: bool | None = None,
-                      programmatic_launch: bool = False, narrow_decode: bool | None = None,
+                      programmatic_launch: bool = True, narrow_decode: bool | None = None,
                       split_k_norm: int = DEFAULT_SPLIT_K_NORM) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`,

@@ -115,9 +115,11 @@ class Capacity:
     # (no shared expert, only the small a/b projection to overlap) bf16 15.58 -> 15.99, ninfer-v2 9.38 -> 9.20.
     branches: bool | None = None
     # Tensor-core quantized decode GEMVs launched programmatically (`kernels_numba.programmatic`): their blocks start
-    # while the kernel before finishes and load their first weights before waiting for it. Same kernels, same bits;
-    # off until bench/cuda_model.py --programmatic off,on has measured it on the GPU.
-    programmatic_launch: bool = False
+    # while the kernel before finishes and load their first weights before waiting for it. Same kernels, same bits.
+    # On, as measured on the H200 (bench/cuda_model.py --programmatic off,on; results/
+    # cuda_model_v2_programmatic_session29.json, ms a step): 27B ninfer-v2 B=1 7.94 -> 7.62, B=8 11.08 -> 10.74;
+    # 35B-A3B ninfer-v2 B=1 3.04 -> 3.00, B=8 5.51 -> 5.50. bf16 models have no such kernels on their decode path.
+    programmatic_launch: bool = True
     # The most key splits a decode attention row takes (`attention_decode`: ceil(length / S) keys each, one block a
     # kv head and split), at S x (head_dim + 2) fp32 of scratch a row and q head. None: `row_splits` (64 for the
     # 27B and the 35B-A3B), as measured on the H200. A row's bits depend on its keys and S only, so one S holds for
