@@ -189,6 +189,13 @@ def test_split_k_residual_projections_are_added_in_the_next_norm(device_kind, ar
             assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
         graphs = cuda_build(device_kind, path, decode_linear="cublas", split_k_norm=2, draft_tokens=draft_tokens)
         assert run_lanes(graphs.runner, prompts, 16) == got, draft_tokens
+    from ninfer.backends.cuda.weights import Bf16Matrix
+
+    # near-square matrices keep cuBLAS's call (as the 27B's 5120 x 6144 out projections), so does a K that is not
+    # whole 8-column vectors a slice
+    linear = eager.model.linear
+    assert [linear.splits_k(Bf16Matrix(np.zeros(shape, np.uint16)), 1, 2) for shape in ((8, 16), (8, 12), (8, 40))] \
+        == [True, False, False]
     eager.model.set_split_k_norm(0)
     monkeypatch.setattr(eager.model.k, "add_slices_rms_norm_rows", lambda *a, **kw: pytest.fail("slices added"))
     run_lanes(eager.runner, prompts[:1], 4)

@@ -786,10 +786,14 @@ class Linear:
             raise ValueError(f"decode path must be one of {', '.join(DECODE_PATHS)}, got {path!r}")
 
     def splits_k(self, w: Matrix, rows: int, slices: int) -> bool:
-        """Whether `split_k` takes w at this row count: a bf16 matrix on the padded cuBLAS path whose K divides
-        into `slices` slices of whole 8-column vectors."""
+        """Whether `split_k` takes w at this row count: a bf16 matrix on the padded cuBLAS path, at least twice as
+        wide as tall, whose K divides into `slices` slices of whole 8-column vectors. Why the width: on the H200
+        (results/split_k_probe_session29c.json) the sliced call and its add beat cuBLAS plus the norm on the 35B-A3B's
+        2048 x 4096 out projection (9.2 -> 7.8 us) and the 27B's 5120 x 17408 down (55.5 -> 50.0) but lost on the
+        27B's 5120 x 6144 out projections (21.3 -> 22.4): near-square, cuBLAS does not split K itself, and the
+        slices only add partials to write and read."""
         return (slices > 0 and isinstance(w, Bf16Matrix) and 0 < rows <= self.pad_rows <= SKINNY_ROWS
-                and self._reads_bf16(w, rows) and w.shape[1] % (8 * slices) == 0)
+                and self._reads_bf16(w, rows) and w.shape[1] >= 2 * w.shape[0] and w.shape[1] % (8 * slices) == 0)
 
     def split_k(self, x: Any, w: Bf16Matrix, partials: Any, rows: int, x_bf16: Any, slices: int) -> Any:
         """The K slices of x[:pad_rows] @ W^T into the flat fp32 `partials` (`Blas.split_k_gemm_bf16`; x rounded
