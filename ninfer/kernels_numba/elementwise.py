@@ -110,39 +110,26 @@ def keep_vector(values, weights, j, x0, x1, x2, x3, w0, w1, w2, w3, offset, acc)
 
 
 @device_function
+def load_floats4_at(address):
+    """The 4 fp32 of the 16 bytes at `address`."""
+    x0, x1, x2, x3 = load_words4_at(address)
+    return (libdevice.int_as_float(int32(x0)), libdevice.int_as_float(int32(x1)), libdevice.int_as_float(int32(x2)),
+            libdevice.int_as_float(int32(x3)))
+
+
+@device_function
 def load_row(x, weight, values, weights, r, offset):
     """values[4 j + e] = x[r, 4 (t + j * threads) + e] and weights the matching (offset +) weight, all loads issued
     together (the weights are not waited for after the reduction); returns this thread's sum of squares."""
-    t = cuda.threadIdx.x
-    step = cuda.blockDim.x
-    width = x.shape[1]
-    row = address_of(x) + int64(r) * int64(width) * 4
-    weight_at = address_of(weight)
-    acc = float32(0.0)
-    for j in range(NORM_VECTORS):
-        v = t + j * step
-        x0 = uint32(0)
-        x1 = uint32(0)
-        x2 = uint32(0)
-        x3 = uint32(0)
-        w0 = uint32(0)
-        w1 = uint32(0)
-        w2 = uint32(0)
-        w3 = uint32(0)
-        if 4 * v < width:
-            x0, x1, x2, x3 = load_words4_at(row + int64(v) * 16)
-            w0, w1, w2, w3 = load_words4_at(weight_at + int64(v) * 16)
-        acc = keep_vector(values, weights, j, libdevice.int_as_float(int32(x0)), libdevice.int_as_float(int32(x1)),
-                          libdevice.int_as_float(int32(x2)), libdevice.int_as_float(int32(x3)), w0, w1, w2, w3,
-                          offset, acc)
-    return acc
+    return load_row_adding_slices(x, x, weight, values, weights, r, offset, 0)
 
 
 @device_function
 def load_row_adding_slices(partials, residual, weight, values, weights, r, offset, slices):
     """`load_row` of residual[r] + (partials[0, r] + ... + partials[slices - 1, r]), the sum stored back into
     residual[r] (each thread's own vectors, 16 bytes at a time). `slices` is a kernel's constant: the slices' loop
-    unrolls, so every slice's load is in flight before the adds."""
+    unrolls, so every slice's load is in flight before the adds; 0 is `load_row` (partials unread, nothing
+    stored)."""
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
     width = residual.shape[1]
@@ -153,36 +140,32 @@ def load_row_adding_slices(partials, residual, weight, values, weights, r, offse
     acc = float32(0.0)
     for j in range(NORM_VECTORS):
         v = t + j * step
-        x0 = float32(0.0)
-        x1 = float32(0.0)
-        x2 = float32(0.0)
-        x3 = float32(0.0)
-        w0 = uint32(0)
-        w1 = uint32(0)
-        w2 = uint32(0)
-        w3 = uint32(0)
+        x0 = x1 = x2 = x3 = float32(0.0)
+        w0 = w1 = w2 = w3 = uint32(0)
         if 4 * v < width:
-            r0, r1, r2, r3 = load_words4_at(row + int64(v) * 16)
+            x0, x1, x2, x3 = load_floats4_at(row + int64(v) * 16)
             w0, w1, w2, w3 = load_words4_at(weight_at + int64(v) * 16)
-            p0, p1, p2, p3 = load_words4_at(first_slice + int64(v) * 16)
-            s0 = libdevice.int_as_float(int32(p0))
-            s1 = libdevice.int_as_float(int32(p1))
-            s2 = libdevice.int_as_float(int32(p2))
-            s3 = libdevice.int_as_float(int32(p3))
-            for s in range(1, slices):  # in slice order
-                p0, p1, p2, p3 = load_words4_at(first_slice + s * slice_bytes + int64(v) * 16)
-                s0 += libdevice.int_as_float(int32(p0))
-                s1 += libdevice.int_as_float(int32(p1))
-                s2 += libdevice.int_as_float(int32(p2))
-                s3 += libdevice.int_as_float(int32(p3))
-            x0 = libdevice.int_as_float(int32(r0)) + s0
-            x1 = libdevice.int_as_float(int32(r1)) + s1
-            x2 = libdevice.int_as_float(int32(r2)) + s2
-            x3 = libdevice.int_as_float(int32(r3)) + s3
-            store_words4_at(row + int64(v) * 16, uint32(libdevice.float_as_int(x0)),
-                            uint32(libdevice.float_as_int(x1)), uint32(libdevice.float_as_int(x2)),
-                            uint32(libdevice.float_as_int(x3)))
+            if slices > 0:
+                s0, s1, s2, s3 = load_floats4_at(first_slice + int64(v) * 16)
+                for s in range(1, slices):  # in slice order
+                    p0, p1, p2, p3 = load_floats4_at(first_slice + s * slice_bytes + int64(v) * 16)
+                    s0 += p0
+                    s1 += p1
+                    s2 += p2
+                    s3 += p3
+                x0 += s0
+                x1 += s1
+                x2 += s2
+                x3 += s3
         acc = keep_vector(values, weights, j, x0, x1, x2, x3, w0, w1, w2, w3, offset, acc)
+    if slices > 0:  # the sums stored once every vector is read: ptxas keeps no later load ahead of a store
+        for j in range(NORM_VECTORS):
+            v = t + j * step
+            if 4 * v < width:
+                store_words4_at(row + int64(v) * 16, uint32(libdevice.float_as_int(values[4 * j])),
+                                uint32(libdevice.float_as_int(values[4 * j + 1])),
+                                uint32(libdevice.float_as_int(values[4 * j + 2])),
+                                uint32(libdevice.float_as_int(values[4 * j + 3])))
     return acc
 
 
