@@ -87,16 +87,19 @@ def config() -> VideoPreprocessConfig:
 
 
 def _hf_self(config: VideoPreprocessConfig):
-    """Attributes the processor methods read (the fixture's values plus the class defaults)."""
+    """Attributes the processor methods read (the fixture's values plus the class defaults). transformers >= 5.25
+    reads them through `_merge_and_standardize_kwargs` (call kwargs over the instance's attributes), so the stand-in
+    has that too."""
     import json
 
     raw = json.loads(FIXTURE.read_text())
-    return SimpleNamespace(
+    attributes = dict(
         fps=2, min_frames=4, max_frames=768, patch_size=raw["patch_size"],
         size={"shortest_edge": config.min_pixels, "longest_edge": config.max_pixels},
         merge_size=raw["merge_size"], temporal_patch_size=raw["temporal_patch_size"], cap_pixels_per_frame=None,
         max_video_tokens=768,
     )
+    return SimpleNamespace(**attributes, _merge_and_standardize_kwargs=lambda **kwargs: {**attributes, **kwargs})
 
 
 def _make_video(n: int, h: int, w: int, fps: int | Fraction, codec: str = "libx264", seed: int = 0) -> bytes:
