@@ -124,12 +124,12 @@ def sigmoid_f32(x):
     return numerator / (float32(1.0) + e)
 
 
-
 @device_function
 def silu_times(gate, up):
     """silu(gate) * up: the arithmetic every silu-mul shares (elementwise's kernels, the SwiGLU epilogues of
     `quant_mma`, `linear`'s staging), so their bitwise equalities hold by construction."""
     return (gate * sigmoid_f32(gate)) * up
+
 
 # ---- raw global addresses ----------------------------------------------------------------------------------------
 # Array indexing makes numba compute each address from the index (sign extension, multiply, add: all 64-bit), and

@@ -189,7 +189,12 @@ def _fragment_rows(values, fragments, slots: int = 1) -> None:
 def rms_norm_rows(x, weight, out, *, eps, offset, stream, out_bf16=None, out_fragments=None):
     if out is None and out_bf16 is None:
         raise ValueError("rms_norm_rows needs an fp32 out, a bf16 out or both")
-    normed = _elementwise.rms_norm_rows_reference(x, weight, eps=eps, offset=offset)
+    _write_normed(_elementwise.rms_norm_rows_reference(x, weight, eps=eps, offset=offset), out, out_bf16,
+                  out_fragments)
+
+
+def _write_normed(normed, out, out_bf16, out_fragments):
+    """A row norm's outputs as the kernels write them: fp32 (unless out is None), the bf16 copy, the x fragments."""
     if out is not None:
         out[...] = normed
     _bf16_copy(normed, out_bf16)
@@ -202,10 +207,7 @@ def add_slices_rms_norm_rows(partials, residual, weight, out, *, eps, offset, st
         raise ValueError("add_slices_rms_norm_rows needs an fp32 out, a bf16 out or both")
     residual[...], normed = _elementwise.add_slices_rms_norm_rows_reference(partials, residual, weight, eps=eps,
                                                                            offset=offset)
-    if out is not None:
-        out[...] = normed
-    _bf16_copy(normed, out_bf16)
-    _fragment_rows(normed, out_fragments)
+    _write_normed(normed, out, out_bf16, out_fragments)
 
 
 def silu_mul_rows(gate_up, out, *, stream, out_bf16=None, out_fragments=None):

@@ -799,20 +799,24 @@ class Linear:
         """The K slices of x[:pad_rows] @ W^T into the flat fp32 `partials` (`Blas.split_k_gemm_bf16`; x rounded
         to bf16 here unless its producer wrote `x_bf16`); returns them as [slices, pad_rows, N]. Check `splits_k`
         first."""
-        width, n = x.shape[1], w.shape[0]
-        if x_bf16 is None:
-            self._k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=self._stream)
+        n = w.shape[0]
         sliced = partials[: slices * self.pad_rows * n].reshape(slices, self.pad_rows, n)
-        self.blas.split_k_gemm_bf16(self.bf16_input(self.pad_rows, width), self.bf16_weight(w), sliced, slices)
+        self.blas.split_k_gemm_bf16(self._gemm_input(x, rows, x_bf16, self.pad_rows), self.bf16_weight(w), sliced,
+                                    slices)
         return sliced
 
     def _cublas(self, x: Any, w: Matrix, y: Any, rows: int, accumulate: bool, x_bf16: Any) -> None:
-        width = x.shape[1]
         gemm_rows = self._gemm_rows(rows, x, y)
+        self.blas.gemm_bf16(self._gemm_input(x, rows, x_bf16, gemm_rows), self.bf16_weight(w), y[:gemm_rows],
+                            accumulate=accumulate)
+
+    def _gemm_input(self, x: Any, rows: int, x_bf16: Any, gemm_rows: int) -> Any:
+        """The bf16 copy of x a cuBLAS call reads, its first `gemm_rows` rows: x[:rows] rounded into the shared
+        scratch here unless its producer wrote it there (`x_bf16`)."""
+        width = x.shape[1]
         if x_bf16 is None:
             self._k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=self._stream)
-        self.blas.gemm_bf16(self.bf16_input(gemm_rows, width), self.bf16_weight(w), y[:gemm_rows],
-                            accumulate=accumulate)
+        return self.bf16_input(gemm_rows, width)
 
     def _gemm_rows(self, rows: int, x: Any, y: Any) -> int:
         """Rows a cuBLAS call computes: `pad_rows` for calls of up to that many (one GEMM shape whatever the
@@ -884,13 +888,11 @@ class Linear:
         if accumulate or len(w.parts) != 2:
             raise ValueError("a split projection must have two blocks and overwrite its output")
         if rows > SKINNY_ROWS:  # no join: at 8K rows the 27B's 64 joins were 57 ms of a 0.9 s prefill
-            width, gemm_rows = x.shape[1], self._gemm_rows(rows, x, y)
-            if x_bf16 is None:
-                self._k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=self._stream)
+            gemm_rows = self._gemm_rows(rows, x, y)
+            x_bf16 = self._gemm_input(x, rows, x_bf16, gemm_rows)
             column = 0
             for part in w.parts:
-                self.blas.gemm_bf16(self.bf16_input(gemm_rows, width), self.bf16_weight(part), y[:gemm_rows],
-                                    first_column=column)
+                self.blas.gemm_bf16(x_bf16, self.bf16_weight(part), y[:gemm_rows], first_column=column)
                 column += part.shape[0]
             return
         capacity, outputs = min(x.shape[0], y.shape[0]), []
@@ -1221,8 +1223,8 @@ class CudaQwen:
         (eager calls only: the rows are written from the host). With DFlash, the rows' context features land in
         rows 0..rows-1 of `dflash_workspace.features`."""
         ws, stream, d = self.workspace, self.device.stream, self.dims
-        self._pending_combine = self._pending_partials = None  # x is written afresh (a pass that raised may have
-        # left one behind)
+        # x is written afresh (a pass that raised may have left a combine or slices behind)
+        self._pending_combine = self._pending_partials = None
         x = ws.x[:rows]
         self._embed(self.inputs.token_ids[:rows], x)
         self._replace_rows(x, embeddings)
