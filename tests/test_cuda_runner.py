@@ -57,7 +57,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               narrow_decode: bool | None = False, split_k_norm: int = 0):
+               narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -67,7 +67,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                              device=make_device(kind, side_work_last=side_work_last),
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
-                             narrow_decode=narrow_decode, split_k_norm=split_k_norm)
+                             narrow_decode=narrow_decode, split_k_norm=split_k_norm,
+                             conv_in_projection=conv_in_projection)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -589,6 +590,41 @@ def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
     want_mtp = run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16)
     speculative = cuda_build(device_kind, path, draft_tokens=3, programmatic_launch=True, **settings)
     assert run_lanes(speculative.runner, prompts, 16) == want_mtp
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_conv_in_projection_changes_no_token(device_kind, artifacts, kind, monkeypatch):
+    """Capacity.conv_in_projection: on the ninfer-v2 decode rows each Gated DeltaNet conv runs in its in-projection's
+    launch (the 35B-A3B's W8 matrix, the 27B's Q4 | Q5 pair), plain steps and MTP verify rows with their recorded
+    histories: the same tokens as the GEMV then the conv kernel, eager and graphs, and greedy MTP equal to greedy.
+    Switched off between steps, the conv kernel comes back."""
+    path = artifacts[(kind, "ninfer-v2")]
+    prompts = [prompt(4, 9), prompt(5, 33), prompt(6, 17)]
+    settings = dict(decode_linear="cublas", decode_quant="mma")
+    greedy = None
+    for draft_tokens in (0, 3):
+        want = run_lanes(cuda_build(device_kind, path, draft_tokens=draft_tokens, conv_in_projection=False,
+                                    **settings).runner, prompts, 16)
+        eager = cuda_build(device_kind, path, graphs=False, draft_tokens=draft_tokens, **settings)
+        recorded, launcher = [], eager.model.k.linear_quant_mma_conv
+
+        def spy(xf, parts, y, weight, state, columns, lanes, first_rows, counts, record, *a, **kw):
+            on_host = record.copy_to_host() if hasattr(record, "copy_to_host") else record
+            recorded.append(bool(np.asarray(on_host).any()))
+            launcher(xf, parts, y, weight, state, columns, lanes, first_rows, counts, record, *a, **kw)
+
+        monkeypatch.setattr(eager.model.k, "linear_quant_mma_conv", spy)
+        got = run_lanes(eager.runner, prompts, 16)
+        monkeypatch.undo()
+        assert got == want, draft_tokens
+        assert recorded and any(recorded) == (draft_tokens > 0), draft_tokens  # verify rows record histories
+        graphs = cuda_build(device_kind, path, draft_tokens=draft_tokens, **settings)
+        assert graphs.model.conv_in_projection and run_lanes(graphs.runner, prompts, 16) == want, draft_tokens
+        greedy = greedy or got
+        assert got == greedy
+    eager.model.set_conv_in_projection(False)
+    monkeypatch.setattr(eager.model.k, "linear_quant_mma_conv", lambda *a, **kw: pytest.fail("conv fused"))
+    run_lanes(eager.runner, prompts[:1], 4)
 
 
 def test_capacity_settings_are_checked_where_they_are_given():

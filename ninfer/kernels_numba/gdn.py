@@ -66,7 +66,7 @@ _CONV_SIG = (float32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :,
 
 
 @device_function
-def _conv_silu(w0, w1, w2, w3, e0, e1, e2, e3):
+def conv_silu(w0, w1, w2, w3, e0, e1, e2, e3):
     """`causal_conv`'s order (w0*e0, then + w_j*e_j, each a fused multiply-add), then SiLU. The FMAs are explicit:
     left to NVVM's contraction, `w0*e0 + w1*e1` fused either product depending on the code around it, and the
     conv's row path and 8-row path differed in the last bit (session 28)."""
@@ -127,7 +127,7 @@ def _conv_one_row(projected, w0, w1, w2, w3, conv_state, conv_columns, seg_lane,
         e1 = projected[r - 2, c]
         e2 = projected[r - 1, c]
         e3 = projected[r, c]
-        out[r, c] = _conv_silu(w0, w1, w2, w3, e0, e1, e2, e3)
+        out[r, c] = conv_silu(w0, w1, w2, w3, e0, e1, e2, e3)
         if record != 0:
             conv_columns[lane, t, 0, c] = e1
             conv_columns[lane, t, 1, c] = e2
@@ -141,11 +141,11 @@ def _conv_one_row(projected, w0, w1, w2, w3, conv_state, conv_columns, seg_lane,
     x3 = projected[start, c]
     x4 = projected[start + 1, c] if count > 1 else float32(0.0)
     x5 = projected[start + 2, c] if count > 2 else float32(0.0)
-    out[start, c] = _conv_silu(w0, w1, w2, w3, x0, x1, x2, x3)
+    out[start, c] = conv_silu(w0, w1, w2, w3, x0, x1, x2, x3)
     if count > 1:
-        out[start + 1, c] = _conv_silu(w0, w1, w2, w3, x1, x2, x3, x4)
+        out[start + 1, c] = conv_silu(w0, w1, w2, w3, x1, x2, x3, x4)
     if count > 2:
-        out[start + 2, c] = _conv_silu(w0, w1, w2, w3, x2, x3, x4, x5)
+        out[start + 2, c] = conv_silu(w0, w1, w2, w3, x2, x3, x4, x5)
     if record != 0:
         conv_columns[lane, 0, 0, c] = x1
         conv_columns[lane, 0, 1, c] = x2
@@ -197,7 +197,7 @@ def _gdn_conv_kernel(projected, weight, conv_state, conv_columns, seg_lane, seg_
         for j in range(CONV_FAST_LOADS):
             e[j] = projected[first_row + uint64(j), column]
         for j in range(CONV_FAST_ROWS):
-            out[first_row + uint64(j + 3), column] = _conv_silu(w0, w1, w2, w3, e[j], e[j + 1], e[j + 2], e[j + 3])
+            out[first_row + uint64(j + 3), column] = conv_silu(w0, w1, w2, w3, e[j], e[j + 1], e[j + 2], e[j + 3])
         if seg_record[s] != 0:
             lane = seg_lane[s]
             t0 = r0 - seg_row[s]
@@ -292,11 +292,11 @@ def _store_normed_row(out, row, c, q_out, k_out, qk_width):
 
 @device_function
 def _silu_quad(w0, w1, w2, w3, e0, e1, e2, e3):
-    """`_conv_silu` of 4 channels: wj and ej are 4-tuples (tap j's weights, input j's values, one a channel)."""
-    return (_conv_silu(w0[0], w1[0], w2[0], w3[0], e0[0], e1[0], e2[0], e3[0]),
-            _conv_silu(w0[1], w1[1], w2[1], w3[1], e0[1], e1[1], e2[1], e3[1]),
-            _conv_silu(w0[2], w1[2], w2[2], w3[2], e0[2], e1[2], e2[2], e3[2]),
-            _conv_silu(w0[3], w1[3], w2[3], w3[3], e0[3], e1[3], e2[3], e3[3]))
+    """`conv_silu` of 4 channels: wj and ej are 4-tuples (tap j's weights, input j's values, one a channel)."""
+    return (conv_silu(w0[0], w1[0], w2[0], w3[0], e0[0], e1[0], e2[0], e3[0]),
+            conv_silu(w0[1], w1[1], w2[1], w3[1], e0[1], e1[1], e2[1], e3[1]),
+            conv_silu(w0[2], w1[2], w2[2], w3[2], e0[2], e1[2], e2[2], e3[2]),
+            conv_silu(w0[3], w1[3], w2[3], w3[3], e0[3], e1[3], e2[3], e3[3]))
 
 
 @device_function
@@ -413,10 +413,10 @@ def _conv_quads(projected, weight, conv_state, conv_columns, seg_lane, seg_row, 
         for j in range(CONV_FAST_LOADS):
             e0[j], e1[j], e2[j], e3[j] = load4(projected, (int64(r0 - 3) + j) * stride + c)
         for j in range(CONV_FAST_ROWS):
-            y0 = _conv_silu(w00, w10, w20, w30, e0[j], e0[j + 1], e0[j + 2], e0[j + 3])
-            y1 = _conv_silu(w01, w11, w21, w31, e1[j], e1[j + 1], e1[j + 2], e1[j + 3])
-            y2 = _conv_silu(w02, w12, w22, w32, e2[j], e2[j + 1], e2[j + 2], e2[j + 3])
-            y3 = _conv_silu(w03, w13, w23, w33, e3[j], e3[j + 1], e3[j + 2], e3[j + 3])
+            y0 = conv_silu(w00, w10, w20, w30, e0[j], e0[j + 1], e0[j + 2], e0[j + 3])
+            y1 = conv_silu(w01, w11, w21, w31, e1[j], e1[j + 1], e1[j + 2], e1[j + 3])
+            y2 = conv_silu(w02, w12, w22, w32, e2[j], e2[j + 1], e2[j + 2], e2[j + 3])
+            y3 = conv_silu(w03, w13, w23, w33, e3[j], e3[j + 1], e3[j + 2], e3[j + 3])
             if normed:
                 _store_normed(y0, y1, y2, y3, int64(r0) + j, c, q_out, k_out, qk_width)
             else:

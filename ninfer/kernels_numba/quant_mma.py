@@ -652,7 +652,7 @@ def store_swiglu_pair(act, word_base, g, m, unit, value):
         act[word_base + (fragment_half(m, unit) >> 1)] = bf16_pair(value, partner)
 
 
-def _partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
+def partials_bytes(tiles: int, warps: int, sets: int = 1) -> int:
     """Shared memory where a block's warps meet (`make_tile_sums`)."""
     return warps * 4 * tiles * sets * 32 * 4
 
@@ -827,7 +827,7 @@ def linear_quant_mma(xf, qw: QuantMmaWeight, y, *, stream, accumulate: bool = Fa
     grid = math.ceil(math.ceil(N / TILE_ROWS) / tiles)
     if qw.swiglu_rows:
         raise ValueError("a weight stored in swiglu_order multiplies through linear_quant_mma_swiglu")
-    launch(fn, grid, 32 * warps, stream, _partials_bytes(tiles, warps, sets), xf, qw.base, qw.high, qw.scales, y,
+    launch(fn, grid, 32 * warps, stream, partials_bytes(tiles, warps, sets), xf, qw.base, qw.high, qw.scales, y,
            int32(qw.blocks), int32(1 if accumulate else 0), xf, int32(0), programmatic=programmatic)
 
 
@@ -862,7 +862,7 @@ def linear_quant_mma_swiglu(xf, qw: QuantMmaWeight, y, act, *, stream, programma
     if M == 0:
         return
     launch(QUANT_MMA_KERNELS[FORMAT_BITS[qw.fmt], sets], -(-N // TILE_ROWS), 32 * WARPS, stream,
-           _partials_bytes(TILES, WARPS, sets), xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(0), act,
+           partials_bytes(TILES, WARPS, sets), xf, qw.base, qw.high, qw.scales, y, int32(qw.blocks), int32(0), act,
            int32(x_fragment_words(N // 2)), programmatic=programmatic)
 
 
@@ -893,7 +893,7 @@ def linear_quant_mma_pair(xf, first: QuantMmaWeight, second: QuantMmaWeight, y, 
         return
     fn = QUANT_MMA_PAIR_KERNELS[FORMAT_BITS[first.fmt], FORMAT_BITS[second.fmt], sets]
     grid = -(-first.shape[0] // TILE_ROWS) + -(-second.shape[0] // TILE_ROWS)
-    launch(fn, grid, 32 * WARPS, stream, _partials_bytes(1, WARPS, sets), xf, first.base, first.high, first.scales,
+    launch(fn, grid, 32 * WARPS, stream, partials_bytes(1, WARPS, sets), xf, first.base, first.high, first.scales,
            second.base, second.high, second.scales, y, int32(first.blocks), int32(first.shape[0]),
            programmatic=programmatic)
 
@@ -939,7 +939,7 @@ def linear_quant_mma_gathered(xf, qw: QuantMmaWeight, expert_ids, y, *, rows_per
     fn = _kernel if _kernel is not None else gathered_kernel(qw)
     groups = math.ceil(rpe // TILE_ROWS / tiles)
     x_set_words = x_fragment_words(qw.shape[1]) if x_per_slot else 0
-    launch(fn, (groups, S, M), 32 * warps, stream, _partials_bytes(tiles, warps), xf, qw.base, qw.high, qw.scales,
+    launch(fn, (groups, S, M), 32 * warps, stream, partials_bytes(tiles, warps), xf, qw.base, qw.high, qw.scales,
            expert_ids, y, int32(qw.blocks), int32(x_set_words), xf, int32(0), programmatic=programmatic)
 
 
@@ -958,7 +958,7 @@ def linear_quant_mma_gathered_swiglu(xf, qw: QuantMmaWeight, expert_ids, y, act,
     if M * S == 0:
         return
     launch(gathered_kernel(qw), (rpe // TILE_ROWS, S, M), 32 * GATHERED_WARPS, stream,
-           _partials_bytes(TILES, GATHERED_WARPS), xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks),
+           partials_bytes(TILES, GATHERED_WARPS), xf, qw.base, qw.high, qw.scales, expert_ids, y, int32(qw.blocks),
            int32(0), act, int32(x_fragment_words(rpe // 2)), programmatic=programmatic)
 
 

@@ -819,6 +819,59 @@ def moe_layout() -> None:
     print("ok moe_layout", cases, flush=True)
 
 
+def quant_mma_conv() -> None:
+    """The in-projection GEMV with the conv in its epilogue, one format (W8) and a Q4 | Q5 pair, the conv's channels
+    ending inside a tile, over decode-shaped segments (a step's rows, MTP verify rows recording their histories) and
+    over more segments than one pass of a block's threads: bitwise the GEMV (`linear_quant_mma` / `_pair`) then
+    `gdn_conv` (products, conv outputs, state, histories)."""
+    from ninfer.artifact import codec
+    from ninfer.artifact.formats import Q4G64, Q5G64, W8G32
+    from ninfer.kernels_numba import gdn, quant_mma_conv
+    from ninfer.kernels_numba import quant_mma as qm
+    from tests.support import cuda_simulator
+
+    for module in (qm, gdn, quant_mma_conv):
+        cuda_simulator.install(vars(module))
+    rng = np.random.default_rng(17)
+    k = 128
+    many = quant_mma_conv.SEGMENT_PASS + 3
+    for blocks, channels, counts in ((((W8G32, 40),), 28, None), (((Q4G64, 20), (Q5G64, 24)), 30, None),
+                                     (((W8G32, 16),), 16, [1] * many)):
+        parts = []
+        for fmt, rows_of_part in blocks:
+            payload = codec.encode_buffer(rng.standard_normal((rows_of_part, k)).astype(np.float32) * 0.05, fmt)
+            parts.append(qm.upload_quant_mma(fmt, (rows_of_part, k), payload))
+        n = sum(part.shape[0] for part in parts)
+        rows, seg, _, weight, state0, blank = _decode_conv_case(rng, channels)
+        if counts is not None:  # one row a lane, more lanes than a pass
+            rows, lanes = len(counts), len(counts)
+            seg = (np.arange(lanes, dtype=np.int32)[::-1].copy(), np.arange(lanes, dtype=np.int32),
+                   np.ones(lanes, np.int32), (np.arange(lanes) % 2).astype(np.int32))
+            state0 = rng.standard_normal((lanes, gdn.CONV_TAPS - 1, channels)).astype(np.float32)
+            blank = np.full((lanes, 1, gdn.CONV_TAPS - 1, channels), np.nan, np.float32)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        fragments = np.zeros(qm.x_sets(rows) * qm.x_fragment_words(k), np.uint32)
+        qm.x_fragments(x, fragments, stream=0)
+        results = []
+        for fused in (True, False):
+            y, mixed = np.full((rows, n), np.nan, np.float32), np.full((rows, channels), np.nan, np.float32)
+            state, columns = state0.copy(), blank.copy()
+            if fused:
+                quant_mma_conv.linear_quant_mma_conv(fragments, tuple(parts), y, weight, state, columns, *seg, mixed,
+                                                     channels=channels, stream=0)
+            else:
+                if len(parts) == 2:
+                    qm.linear_quant_mma_pair(fragments, parts[0], parts[1], y, stream=0)
+                else:
+                    qm.linear_quant_mma(fragments, parts[0], y, stream=0)
+                gdn.gdn_conv(y, weight, state, columns, *seg, mixed, channels=channels, stream=0, quads=False)
+            results.append((y, mixed, state, columns))
+        for name, got, want in zip(("y", "mixed", "state", "histories"), *results):
+            np.testing.assert_array_equal(got, want, err_msg=f"{blocks} {name}")
+        assert not np.isnan(results[0][1]).any()
+        print("ok quant_mma_conv", "+".join(fmt for fmt, _ in blocks), rows, "rows", flush=True)
+
+
 def _conv_case(rng, channels: int, lanes: int = 3):
     """The conv checks' inputs: a recording segment long enough for the 8-row fast path, a short one after it."""
     from ninfer.kernels_numba import gdn
@@ -939,7 +992,7 @@ CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": fla
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
-          "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed}
+          "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

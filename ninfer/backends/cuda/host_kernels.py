@@ -24,6 +24,7 @@ from ninfer.kernels_numba import linear as _linear
 from ninfer.kernels_numba import linear_narrow as _linear_narrow
 from ninfer.kernels_numba import moe as _moe
 from ninfer.kernels_numba import quant_mma as _quant_mma
+from ninfer.kernels_numba import quant_mma_conv as _quant_mma_conv
 from ninfer.kernels_numba import sampling as _sampling
 from ninfer.kernels_numba import vision as _vision
 from ninfer.backends.cuda import kernels as _device_kernels
@@ -138,6 +139,22 @@ def linear_quant_mma_pair(xf, first, second, y, *, stream, programmatic=False):
     rows = first.shape[0]
     linear_quant_mma(xf, first, y[:, :rows], stream=stream)
     linear_quant_mma(xf, second, y[:, rows:], stream=stream)
+
+
+def has_conv_kernel(parts):
+    return _quant_mma_conv.has_conv_kernel(parts)
+
+
+def linear_quant_mma_conv(xf, parts, y, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count,
+                          seg_record, mixed, *, channels, stream, programmatic=False):
+    _quant_mma_conv.check_conv_shapes(xf.shape[0], parts, y.shape, mixed.shape, channels,
+                                      (conv_weight.shape, conv_state.shape, conv_columns.shape))
+    column = 0
+    for part in parts:
+        linear_quant_mma(xf, part, y[:, column:column + part.shape[0]], stream=stream)
+        column += part.shape[0]
+    _gdn.gdn_conv_reference(y, conv_weight, conv_state, conv_columns, seg_lane, seg_row, seg_count, seg_record, mixed,
+                            channels=channels)
 
 
 def linear_quant_mma_gathered(xf, qw, expert_ids, y, *, rows_per_expert, x_per_slot, stream, programmatic=False):

@@ -159,6 +159,13 @@ class Capacity:
     # cuda_model_split_k_norm_session29.json, ms a step): 35B-A3B bf16 B=1 3.75 / 3.69 / 3.70, B=8 8.31 / 8.26 /
     # 8.27; 27B bf16 B=1 15.55 / 15.48 / 15.79, B=8 18.38 / 18.30 / 18.55.
     split_k_norm: int = DEFAULT_SPLIT_K_NORM
+    # Gated DeltaNet decode rows whose in-projection runs on the tensor cores (ninfer-v2): the causal conv in the
+    # GEMV's launch (`quant_mma_conv`: each block convolves the 16 channels it computed) instead of a launch of its
+    # own after it. The same bits either way. On, as measured on the H200 (bench/cuda_model.py --conv-in-projection
+    # off,on, twice each; results/cuda_model_conv_in_projection_preloaded_session30.json, ms a step): 27B ninfer-v2
+    # B=1 7.59 / 7.61 -> 7.53 / 7.51, B=8 10.66 -> 10.67; 35B-A3B ninfer-v2 B=1 3.01 / 3.02 -> 3.04 / 3.02, B=8
+    # 5.51 / 5.52 -> 5.53 / 5.51 (level).
+    conv_in_projection: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -911,6 +918,24 @@ class Linear:
             outputs.append(out[:rows])
         self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._stream)
 
+    def convolves(self, w: Matrix, rows: int) -> bool:
+        """Whether `linear_conv` takes w at this row count: the tensor-core decode path (one launch's rows) for
+        every row block of w, and a compiled fused kernel for their formats."""
+        parts = w.parts if isinstance(w, SplitMatrix) else (w,)
+        return (0 < rows <= min(self.mma_launch_rows, SKINNY_ROWS) and all(_tensor_core(part) for part in parts)
+                and self._k.has_conv_kernel(parts))
+
+    def linear_conv(self, x: Any, w: Matrix, y: Any, conv: tuple, mixed: Any, *, rows: int, channels: int,
+                    x_fragments: Any = None) -> None:
+        """y[:rows] = x[:rows] @ W^T and mixed[:rows] = gdn_conv of y's first `channels` columns, in one launch
+        (`linear_quant_mma_conv`; check `convolves` first). `conv`: the conv weight, state, histories and the four
+        segment arrays, as `gdn_conv` takes them; `x_fragments`: x's, when its producer wrote them."""
+        if x_fragments is None:
+            x_fragments = self.fragments_of(x[:rows])
+        parts = w.parts if isinstance(w, SplitMatrix) else (w,)
+        self._k.linear_quant_mma_conv(x_fragments, parts, y[:rows], *conv, mixed[:rows], channels=channels,
+                                      stream=self._stream, programmatic=self.programmatic)
+
     def bf16_weight(self, w: Matrix) -> Any:
         """A bf16 [N, K] view of the weight: itself, or its dequantization (`WeightDequantizer.weight`: valid for
         the readers queued before the next call)."""
@@ -1060,6 +1085,7 @@ class CudaQwen:
         # `_add_to_residual` left for the next norm to add (`_norm`), or None
         self.split_k_norm = capacity.split_k_norm
         self._pending_partials: Any = None
+        self.conv_in_projection = capacity.conv_in_projection  # switchable between steps
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
         # the decode paths timed on the GPU (a HostDevice's twins have no timing to go by: the settings decide there)
         self.decode_linear_timings: dict = {}
@@ -1499,12 +1525,18 @@ class CudaQwen:
             side.fork()
             side_linear = self.linear.beside(side, self._side_scratch)
             side.run(lambda: side_linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_fragments=h_frag))
-        self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-        if side is None:
-            self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         seg = (inputs.seg_lane[:segments], inputs.seg_row[:segments], inputs.seg_count[:segments],
                inputs.seg_record[:segments])
         in_chunks = chunked and rows > SKINNY_ROWS
+        # the conv in the in-projection's launch (decode rows on the tensor cores: `Linear.convolves`)
+        fused_conv = not in_chunks and self.conv_in_projection and self.linear.convolves(w.in_proj, rows)
+        if fused_conv:
+            self.linear.linear_conv(ws.h, w.in_proj, ws.projected, (w.conv, state.conv, state.conv_columns, *seg),
+                                    ws.mixed, rows=rows, channels=d.gdn_conv_channels, x_fragments=h_frag)
+        else:
+            self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
+        if side is None:
+            self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         # in chunks, the conv normalises q and k itself where a warp holds a head (`gdn_conv_normed`)
         normed_conv = in_chunks and conv_normed_fits(projected, w.conv, state.conv, state.conv_columns, mixed,
                                                      channels=d.gdn_conv_channels, k_dim=d.gdn_k_dim)
@@ -1512,7 +1544,7 @@ class CudaQwen:
             self.k.gdn_conv_normed(projected, w.conv, state.conv, state.conv_columns, *seg, mixed, ws.gdn_q[:rows],
                                    ws.gdn_k[:rows], channels=d.gdn_conv_channels, qk_heads=d.gdn_qk_heads,
                                    k_dim=d.gdn_k_dim, stream=stream)
-        else:
+        elif not fused_conv:
             self.k.gdn_conv(projected, w.conv, state.conv, state.conv_columns, *seg, mixed,
                             channels=d.gdn_conv_channels, stream=stream)
         if side is not None:
@@ -1616,6 +1648,10 @@ class CudaQwen:
         if slices > built:
             raise ValueError(f"split_k_norm switches between 0 and the {built} slices built for, got {slices}")
         self.split_k_norm = slices
+
+    def set_conv_in_projection(self, on: bool) -> None:
+        """Capacity.conv_in_projection, switchable between steps like the branches."""
+        self.conv_in_projection = on
 
     def _norm(self, x: Any, weight: Any, out: Any, *, out_bf16: Any = None, out_fragments: Any = None) -> None:
         """out = rms_norm(x, weight) (offset), as `rms_norm_rows` writes it; a decode MoE combine left pending by
