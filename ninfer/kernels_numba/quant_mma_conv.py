@@ -40,8 +40,8 @@ _SIG = ((uint32[::1],) * 7 + (float32[:, ::1], int32, int32)
 @device_function
 def _convolve(y, mixed, conv_state, conv_columns, c, lane, start, count, record, w0, w1, w2, w3, x0, x1, x2):
     """Channel c of one segment, rows start.. start + count - 1 of y, from the carried state (x0, x1, x2): each
-    output from the four inputs `gdn.conv_one_row` reads for it, the history after each row recorded where asked, the
-    state left as the last three inputs."""
+    output from the four inputs `gdn_conv`'s row path reads for it, the history after each row recorded where asked,
+    the state left as the last three inputs."""
     for t in range(count):
         x3 = y[start + t, c]
         mixed[start + t, c] = conv_silu(w0, w1, w2, w3, x0, x1, x2, x3)

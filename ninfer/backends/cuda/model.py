@@ -921,7 +921,7 @@ class Linear:
     def convolves(self, w: Matrix, rows: int) -> bool:
         """Whether `linear_conv` takes w at this row count: the tensor-core decode path (one launch's rows) for
         every row block of w, and a compiled fused kernel for their formats."""
-        parts = w.parts if isinstance(w, SplitMatrix) else (w,)
+        parts = _row_blocks(w)
         return (0 < rows <= min(self.mma_launch_rows, SKINNY_ROWS) and all(_tensor_core(part) for part in parts)
                 and self._k.has_conv_kernel(parts))
 
@@ -932,8 +932,7 @@ class Linear:
         segment arrays, as `gdn_conv` takes them; `x_fragments`: x's, when its producer wrote them."""
         if x_fragments is None:
             x_fragments = self.fragments_of(x[:rows])
-        parts = w.parts if isinstance(w, SplitMatrix) else (w,)
-        self._k.linear_quant_mma_conv(x_fragments, parts, y[:rows], *conv, mixed[:rows], channels=channels,
+        self._k.linear_quant_mma_conv(x_fragments, _row_blocks(w), y[:rows], *conv, mixed[:rows], channels=channels,
                                       stream=self._stream, programmatic=self.programmatic)
 
     def bf16_weight(self, w: Matrix) -> Any:
@@ -1233,7 +1232,7 @@ class CudaQwen:
             for layer in self.dflash.layers:
                 found += [layer.query_key_value, layer.output, layer.mlp.gate_up, layer.mlp.down]
         for matrix in found:
-            yield from (matrix.parts if isinstance(matrix, SplitMatrix) else (matrix,))
+            yield from _row_blocks(matrix)
 
     # ---- the decoder ----
 
@@ -1954,6 +1953,11 @@ def _fused_swiglu(gate_up: Any, rows: int) -> bool:
     """Whether decode rows of this gate|up run the fused SwiGLU epilogue: it is stored for it (`_gate_up`), and the
     row count is the decode path's (prefill chunks dequantize it, back in its original row order)."""
     return bool(getattr(gate_up, "swiglu_rows", 0)) and rows <= SKINNY_ROWS
+
+
+def _row_blocks(matrix: Matrix) -> tuple:
+    """The matrices a projection is stored as: a split projection's row blocks, or the matrix itself."""
+    return tuple(matrix.parts) if isinstance(matrix, SplitMatrix) else (matrix,)
 
 
 def _tensor_core(matrix: Any) -> bool:
