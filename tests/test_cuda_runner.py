@@ -57,8 +57,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True,
-               fused_moe_decode: bool = False):
+               narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -69,7 +68,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
                              narrow_decode=narrow_decode, split_k_norm=split_k_norm,
-                             conv_in_projection=conv_in_projection, fused_moe_decode=fused_moe_decode)
+                             conv_in_projection=conv_in_projection)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -628,47 +627,6 @@ def test_conv_in_projection_changes_no_token(device_kind, artifacts, kind, monke
     run_lanes(eager.runner, prompts[:1], 4)
 
 
-@pytest.mark.parametrize("decode_linear", ["kernels", "cublas"])
-def test_fused_moe_decode_changes_no_token(device_kind, artifacts, decode_linear, monkeypatch):
-    """Capacity.fused_moe_decode: the bf16 MoE's router, routing and routed experts in one launch
-    (`moe_decode_bf16`), plain steps and MTP verify rows, eager and graphs. Its router reads the fp32 normed rows
-    like the skinny kernels, in their order: with them, the separate launches' tokens exactly; with cuBLAS (bf16
-    rows in), the CPU runner's up to bf16 ties. Greedy MTP equals greedy. Switched off between steps, the separate
-    launches come back."""
-    path = artifacts[("moe", "bf16")]
-    cpu = load_model(path)
-    prompts = [prompt(4, 9), prompt(5, 33), prompt(6, 17)]
-    reference = run_lanes(cpu_runner(path), prompts, 16)
-    greedy = None
-    for draft_tokens in (0, 3):
-        separate = run_lanes(cuda_build(device_kind, path, draft_tokens=draft_tokens, decode_linear=decode_linear,
-                                        fused_moe_decode=False).runner, prompts, 16)
-        eager = cuda_build(device_kind, path, graphs=False, draft_tokens=draft_tokens, decode_linear=decode_linear,
-                           fused_moe_decode=True)
-        launches, launcher = [], eager.model.k.moe_decode_bf16
-
-        def spy(h, *args, **kwargs):
-            launches.append(h.shape[0])
-            launcher(h, *args, **kwargs)
-
-        monkeypatch.setattr(eager.model.k, "moe_decode_bf16", spy)
-        got = run_lanes(eager.runner, prompts, 16)
-        monkeypatch.undo()
-        assert launches and max(launches) > 1, (draft_tokens, launches)
-        if decode_linear == "kernels":
-            assert got == separate, draft_tokens
-        for g, w, p in zip(got, reference, prompts):
-            assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
-        graphs = cuda_build(device_kind, path, draft_tokens=draft_tokens, decode_linear=decode_linear,
-                            fused_moe_decode=True)
-        assert graphs.model.fused_moe_decode and run_lanes(graphs.runner, prompts, 16) == got, draft_tokens
-        greedy = greedy or got
-        assert got == greedy
-    eager.model.set_fused_moe_decode(False)
-    monkeypatch.setattr(eager.model.k, "moe_decode_bf16", lambda *a, **kw: pytest.fail("experts fused"))
-    run_lanes(eager.runner, prompts[:1], 4)
-
-
 def test_capacity_settings_are_checked_where_they_are_given():
     from ninfer.backends.cuda.model import Capacity
 
@@ -708,7 +666,7 @@ def test_narrow_decode_routes_in_one_launch(device_kind, artifacts, recipe, monk
             _calls.append(a[0].shape[0]), _original(*a, **k)))
     path = artifacts[("moe", recipe)]
     prompts = [prompt(12, 5), prompt(13, SKINNY_ROWS + 9), prompt(14, 23)]
-    settings = dict(decode_quant="mma", narrow_decode=True, fused_moe_decode=False)  # (fused: the router in it)
+    settings = dict(decode_quant="mma", narrow_decode=True)
     eager = run_lanes(cuda_build(device_kind, path, graphs=False, **settings).runner, prompts, 16,
                       chunk=SKINNY_ROWS + 9)
     assert run_lanes(cuda_build(device_kind, path, **settings).runner, prompts, 16) == eager

@@ -387,19 +387,6 @@ def allow_dynamic_shared(dispatcher, signature, nbytes) -> None:
     """The simulator gives a launch whatever dynamic shared memory it asks for."""
 
 
-def fresh_value(array, row, column):
-    """`ld.global.cg` of array[row, column]: the simulator has one memory, no caches."""
-    return array[row, column]
-
-
-def poll_counter(counters, index):
-    return counters[index]
-
-
-def pause() -> None:
-    """`nanosleep` between polls: a simulated block that waits has nothing to wait for (one block a launch)."""
-
-
 STAND_INS = {
     "address_of": address_of, "shared_address": shared_address, "copy_async_16": copy_async_16,
     "copy_async_8": copy_async_8,
@@ -412,8 +399,7 @@ STAND_INS = {
     "and_or": and_or,
     "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,
     "half_pair_to_f32": half_pair_to_f32, "pack_bf16x2": pack_bf16x2, "load_matrix_x4": load_matrix_x4,
-    "exp2_approx": exp2_approx, "fresh_float": fresh_value, "fresh_int": fresh_value,
-    "poll_counter": poll_counter, "pause": pause,
+    "exp2_approx": exp2_approx,
 }
 
 

@@ -986,132 +986,13 @@ def moe_group() -> None:
         print("ok moe_group", rows, experts, k, flush=True)
 
 
-def moe_decode_case(rng, rows: int, *, hidden: int = 64, inter: int = 32, experts: int = 16, top_k: int = 4,
-                    router_rows: int = 24, shared_inter: int = 24):
-    """Inputs of one `moe_decode_bf16` launch: the router's experts rows, the shared gate's, then zero rows (as the
-    model pads them), the routed experts' gate | up and down and the shared expert's, in bf16 bits."""
-    from ninfer.artifact import codec
-
-    def bf16(*shape):
-        return codec.f32_to_bf16_bits(rng.standard_normal(shape).astype(np.float32))
-
-    router = rng.standard_normal((router_rows, hidden)).astype(np.float32)
-    router[experts + 1:] = 0.0
-    return dict(h=rng.standard_normal((rows, hidden)).astype(np.float32), router_w=codec.f32_to_bf16_bits(router),
-                gate_up_w=bf16(experts * 2 * inter, hidden), down_w=bf16(experts * hidden, inter),
-                shared_gate_up_w=bf16(2 * shared_inter, hidden), shared_down_w=bf16(hidden, shared_inter),
-                experts=experts, top_k=top_k)
-
-
-def moe_decode_separately(kernels, case, logits_columns: int, *, rounding: int = 0):
-    """The same results from the separate kernels: the router and the shared expert's GEMVs as gathered GEMVs of
-    one expert (their inputs rounded to bf16 where `rounding` says: the shared down's as silu_mul_rows' bf16 copy),
-    route_top_k, the gathered gate | up and the gathered SwiGLU down."""
-    from ninfer.artifact import codec
-    from ninfer.kernels_numba import moe_decode
-
-    def rounded(values, bit):
-        return codec.bf16_bits_to_f32(codec.f32_to_bf16_bits(values)) if rounding & bit else values
-
-    def one_expert(x, w):  # x @ w^T through the gathered GEMV
-        y = np.empty((x.shape[0], 1, w.shape[0]), np.float32)
-        kernels.linear_bf16_gathered(x, w, np.zeros((x.shape[0], 1), np.int32), y, rows_per_expert=w.shape[0],
-                                     x_per_slot=False, stream=0)
-        return y[:, 0]
-
-    h, top_k, experts = case["h"], case["top_k"], case["experts"]
-    rows, hidden = h.shape
-    router_rows, inter2 = case["router_w"].shape[0], case["gate_up_w"].shape[0] // experts
-    logits = np.zeros((rows, logits_columns), np.float32)
-    logits[:, :router_rows] = one_expert(rounded(h, moe_decode.ROUND_ROUTER), case["router_w"])
-    ids, weights = np.empty((rows, top_k), np.int32), np.empty((rows, top_k), np.float32)
-    kernels.route_top_k(logits, top_k, ids, weights, stream=0, experts=experts)
-    gate_up = np.empty((rows, top_k, inter2), np.float32)
-    kernels.linear_bf16_gathered(h, case["gate_up_w"], ids, gate_up, rows_per_expert=inter2, x_per_slot=False,
-                                 stream=0)
-    out = np.empty((rows, top_k, hidden), np.float32)
-    kernels.linear_bf16_gathered_swiglu(gate_up, case["down_w"], ids, out, rows_per_expert=hidden, stream=0)
-    shared_gate_up = one_expert(rounded(h, moe_decode.ROUND_SHARED_GATE_UP), case["shared_gate_up_w"])
-    if rounding & moe_decode.ROUND_SHARED_DOWN:  # silu_mul_rows' bf16 copy (it writes no fp32 beside it)
-        act = np.empty((rows, shared_gate_up.shape[1] // 2), np.float32)
-        act_bf16 = np.empty(act.shape, np.uint16)
-        kernels.silu_mul_rows(shared_gate_up, act, stream=0, out_bf16=act_bf16)
-        shared_out = one_expert(codec.bf16_bits_to_f32(act_bf16), case["shared_down_w"])
-    else:
-        shared_out = np.empty((rows, 1, hidden), np.float32)
-        kernels.linear_bf16_gathered_swiglu(shared_gate_up[:, None, :].copy(), case["shared_down_w"],
-                                            np.zeros((rows, 1), np.int32), shared_out, rows_per_expert=hidden,
-                                            stream=0)
-        shared_out = shared_out[:, 0]
-    return logits, ids, weights, gate_up, out, shared_gate_up, shared_out
-
-
-def moe_decode_launch(moe_decode, case, counters, outputs, *, rounding: int, **launch) -> None:
-    """`moe_decode_bf16` on a case's inputs, into `outputs` (logits, ids, weights, gate_up, out, shared_gate_up,
-    shared_out)."""
-    logits, ids, weights, gate_up, out, shared_gate_up, shared_out = outputs
-    moe_decode.moe_decode_bf16(case["h"], case["router_w"], logits, case["top_k"], ids, weights, case["gate_up_w"],
-                               gate_up, case["down_w"], out, case["shared_gate_up_w"], shared_gate_up,
-                               case["shared_down_w"], shared_out, counters, experts=case["experts"],
-                               rounding=rounding, **launch)
-
-
-def moe_decode_outputs(rows: int, top_k: int, *, hidden: int, inter: int, shared_inter: int, columns: int):
-    """NaN-filled outputs of one launch (ids -1), in `moe_decode_launch`'s order."""
-    def nans(*shape):
-        return np.full(shape, np.nan, np.float32)
-
-    return [nans(rows, columns), np.full((rows, top_k), -1, np.int32), nans(rows, top_k),
-            nans(rows, top_k, 2 * inter), nans(rows, top_k, hidden), nans(rows, 2 * shared_inter), nans(rows, hidden)]
-
-
-def moe_decode() -> None:
-    """The MoE experts in one launch (router, routing, routed gate | up and SwiGLU down, the shared expert, as items
-    of one grid) equal the separate kernels bit for bit, and their twins within fp32 rounding; one and three rows, 4
-    and 8 experts a row; inputs as they are and rounded to bf16 (router, shared gate | up, shared down); the
-    counters are zero after each launch (the second launch reuses them). The shared down of rounded inputs equals
-    the separate kernels' on the GPU (its silu_mul_rows' bf16 copy), its twin here."""
-    from types import SimpleNamespace
-
-    from ninfer.kernels_numba import elementwise, linear, moe, moe_decode
-    from tests.support import cuda_simulator
-
-    for module in (elementwise, linear, moe, moe_decode):
-        cuda_simulator.install(vars(module))
-    kernels = SimpleNamespace(linear_bf16_gathered=linear.linear_bf16_gathered, route_top_k=moe.route_top_k,
-                              linear_bf16_gathered_swiglu=linear.linear_bf16_gathered_swiglu,
-                              silu_mul_rows=elementwise.silu_mul_rows)
-    rng = np.random.default_rng(31)
-    counters = np.zeros(moe_decode.COUNTERS, np.int32)
-    inputs = moe_decode.ROUND_ROUTER | moe_decode.ROUND_SHARED_GATE_UP
-    for rows, top_k, rounding in [(1, 4, 0), (3, 8, inputs), (2, 8, inputs | moe_decode.ROUND_SHARED_DOWN)]:
-        case = moe_decode_case(rng, rows, top_k=top_k)
-        outputs = moe_decode_outputs(rows, top_k, hidden=64, inter=32, shared_inter=24, columns=32)
-        moe_decode_launch(moe_decode, case, counters, outputs, rounding=rounding, stream=0)
-        assert not counters.any(), counters
-        router_rows = case["router_w"].shape[0]
-        want = moe_decode_separately(kernels, case, 32, rounding=rounding & ~moe_decode.ROUND_SHARED_DOWN)
-        np.testing.assert_array_equal(outputs[0][:, :router_rows], want[0][:, :router_rows])
-        bitwise = 6 if rounding & moe_decode.ROUND_SHARED_DOWN else 7
-        for got, separate in zip(outputs[1:bitwise], want[1:bitwise]):
-            np.testing.assert_array_equal(got, separate)
-        twin = moe_decode.moe_decode_bf16_reference(
-            case["h"], case["router_w"], top_k, case["gate_up_w"], case["down_w"], case["shared_gate_up_w"],
-            case["shared_down_w"], experts=case["experts"], rounding=rounding)
-        _check(f"moe_decode logits {rows} rows", outputs[0][:, :router_rows], twin[0])
-        np.testing.assert_array_equal(outputs[1], twin[1])
-        _check(f"moe_decode out {rows} rows", outputs[4], twin[4])
-        _check(f"moe_decode shared out {rows} rows", outputs[6], twin[6])
-        print("ok moe_decode", rows, top_k, rounding, flush=True)
-
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
-          "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv,
-          "moe_decode": moe_decode}
+          "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

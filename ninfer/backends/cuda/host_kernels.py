@@ -23,7 +23,6 @@ from ninfer.kernels_numba import layout as _layout
 from ninfer.kernels_numba import linear as _linear
 from ninfer.kernels_numba import linear_narrow as _linear_narrow
 from ninfer.kernels_numba import moe as _moe
-from ninfer.kernels_numba import moe_decode as _moe_decode
 from ninfer.kernels_numba import quant_mma as _quant_mma
 from ninfer.kernels_numba import quant_mma_conv as _quant_mma_conv
 from ninfer.kernels_numba import sampling as _sampling
@@ -365,18 +364,6 @@ def linear_bf16_narrow_route(x, w, logits, counter, top_k, expert_ids, weights, 
     _linear_narrow.check_fused_route(top_k, experts, logits.shape)
     logits[...], expert_ids[...], weights[...] = _linear_narrow.linear_bf16_narrow_route_reference(
         x, w, top_k, experts=experts)
-
-
-def moe_decode_bf16(h, router_w, logits, top_k, expert_ids, weights, gate_up_w, gate_up, down_w, out,
-                    shared_gate_up_w, shared_gate_up, shared_down_w, shared_out, counters, *, experts, stream,
-                    rounding=0):
-    _moe_decode.check_moe_decode(h.shape, router_w.shape, logits.shape, top_k, experts, gate_up_w.shape,
-                                 down_w.shape, shared_gate_up_w.shape, shared_down_w.shape, counters.shape[0])
-    results = _moe_decode.moe_decode_bf16_reference(h, router_w, top_k, gate_up_w, down_w, shared_gate_up_w,
-                                                    shared_down_w, experts=experts, rounding=rounding)
-    outputs = (logits[:, :router_w.shape[0]], expert_ids, weights, gate_up, out, shared_gate_up, shared_out)
-    for target, value in zip(outputs, results):
-        target[...] = value
 
 
 def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert, x_per_slot, stream):

@@ -18,7 +18,6 @@ from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered, linea
 from ninfer.kernels_numba.linear_narrow import linear_bf16_narrow, linear_bf16_narrow_route
 from ninfer.kernels_numba.moe import (moe_chunk_groups, moe_combine, moe_combine_rms_norm, moe_gather, moe_group,
                                      moe_layout, moe_pad_positions, moe_scatter_combine, route_top_k)
-from ninfer.kernels_numba.moe_decode import moe_decode_bf16
 from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, linear_quant,
                                                linear_quant_gathered, repack_quant, upload_quant_planes,
                                                upload_quant_weight)
@@ -71,7 +70,6 @@ __all__ = [
     "moe_chunk_groups",
     "moe_combine",
     "moe_combine_rms_norm",
-    "moe_decode_bf16",
     "moe_gather",
     "moe_group",
     "moe_layout",

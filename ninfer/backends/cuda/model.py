@@ -42,11 +42,6 @@ from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, N
 from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_INFO, LAYOUT_PADDED,
                                      PADDED_LIMIT, stepped_chunks)
 from ninfer.kernels_numba.moe import GROUP_ROWS as MOE_GROUP_ROWS
-from ninfer.kernels_numba.moe_decode import COUNTERS as MOE_DECODE_COUNTERS
-from ninfer.kernels_numba.moe_decode import ROUND_ROUTER as MOE_ROUND_ROUTER
-from ninfer.kernels_numba.moe_decode import ROUND_SHARED_DOWN as MOE_ROUND_SHARED_DOWN
-from ninfer.kernels_numba.moe_decode import ROUND_SHARED_GATE_UP as MOE_ROUND_SHARED_GATE_UP
-from ninfer.kernels_numba.moe_decode import moe_decode_fits
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.dequant_ahead import WeightDequantizer
@@ -171,12 +166,6 @@ class Capacity:
     # B=1 7.59 / 7.61 -> 7.53 / 7.51, B=8 10.66 -> 10.67; 35B-A3B ninfer-v2 B=1 3.01 / 3.02 -> 3.04 / 3.02, B=8
     # 5.51 / 5.52 -> 5.53 / 5.51 (level).
     conv_in_projection: bool = True
-    # MoE decode rows with bf16 experts: the router GEMV, the routing, the routed experts' gate | up and SwiGLU down
-    # and the shared expert in one launch (`moe_decode.moe_decode_bf16`: items of one grid waiting on counters for
-    # what they read) instead of seven on two streams. Off: slower as measured on the H200 (bench/cuda_model.py
-    # --fused-moe off,on; results/cuda_model_fused_moe_v2_session31.json, 35B-A3B bf16, ms a step): B=1 3.72 ->
-    # 5.08, B=8 8.46 -> 19.26 (66 us a launch at B=1, against ~36 for the separate launches it replaces).
-    fused_moe_decode: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -616,8 +605,6 @@ class Workspace:
             self.expert_weights = buf(rows, s)
             # linear_bf16_narrow_route's count of finished blocks: zero between launches
             self.route_counter = device.zeros(1, np.int32, "workspace")
-            # moe_decode_bf16's item counters: zero between launches
-            self.moe_counters = device.zeros(MOE_DECODE_COUNTERS, np.int32, "workspace")
             slot_rows = min(rows, SKINNY_ROWS)  # the per-row expert route runs for up to SKINNY_ROWS rows
             self.slot_gate_up = buf(slot_rows, s, 2 * d.moe_intermediate)
             self.slot_act = buf(slot_rows, s, d.moe_intermediate)
@@ -813,7 +800,7 @@ class Linear:
         27B's 5120 x 6144 out projections (21.3 -> 22.4): near-square, cuBLAS does not split K itself, and the
         slices only add partials to write and read."""
         return (slices > 0 and isinstance(w, Bf16Matrix) and 0 < rows <= self.pad_rows <= SKINNY_ROWS
-                and self.reads_bf16(w, rows) and w.shape[1] >= 2 * w.shape[0] and w.shape[1] % (8 * slices) == 0)
+                and self._reads_bf16(w, rows) and w.shape[1] >= 2 * w.shape[0] and w.shape[1] % (8 * slices) == 0)
 
     def split_k(self, x: Any, w: Bf16Matrix, partials: Any, rows: int, x_bf16: Any, slices: int) -> Any:
         """The K slices of x[:pad_rows] @ W^T into the flat fp32 `partials` (`Blas.split_k_gemm_bf16`; x rounded
@@ -863,7 +850,7 @@ class Linear:
         (with consumers given: the producer then skips writing it). Pass it to every consumer as `x_bf16` (those
         that read fp32 or fragments ignore it). The copy is valid until the next linear call that converts its own
         input."""
-        if consumers and not any(self.reads_bf16(w, rows) for w in consumers):
+        if consumers and not any(self._reads_bf16(w, rows) for w in consumers):
             return None
         return self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
 
@@ -889,7 +876,7 @@ class Linear:
             return any(self._reads_fragments(part, rows) for part in w.parts)
         return _tensor_core(w) and rows <= SKINNY_ROWS
 
-    def reads_bf16(self, w: Matrix, rows: int) -> bool:
+    def _reads_bf16(self, w: Matrix, rows: int) -> bool:
         """Whether `__call__` multiplies w through cuBLAS (bf16 input) at this row count (a split projection: both
         its blocks, past the decode rows)."""
         if isinstance(w, SplitMatrix):
@@ -1098,7 +1085,6 @@ class CudaQwen:
         self.split_k_norm = capacity.split_k_norm
         self._pending_partials: Any = None
         self.conv_in_projection = capacity.conv_in_projection  # switchable between steps
-        self.fused_moe_decode = capacity.fused_moe_decode  # switchable between steps
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
         # the decode paths timed on the GPU (a HostDevice's twins have no timing to go by: the settings decide there)
         self.decode_linear_timings: dict = {}
@@ -1589,24 +1575,13 @@ class CudaQwen:
         h, x = ws.h[:rows], ws.x[:rows]
         e = d.moe_experts
         router_logits = ws.router_logits[:rows]
-        ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
-        fused_experts = self._fused_moe_decode(w, rows)
-        side = None if fused_experts else self._side(rows)
+        side = self._side(rows)
         if side is not None:  # the shared expert beside the router and the routed experts
             side.fork()
             side_linear = self.linear.beside(side, self._side_scratch)
             side.run(lambda: self._shared_expert(w, rows, side_linear, side.stream, None, h_frag))
-        if fused_experts:  # router, routing, routed and shared experts: one launch
-            reads_bf16 = self.linear.reads_bf16
-            rounding = ((MOE_ROUND_ROUTER if reads_bf16(w.router_shared_gate, rows) else 0)
-                        | (MOE_ROUND_SHARED_GATE_UP if reads_bf16(w.shared_gate_up, rows) else 0)
-                        | (MOE_ROUND_SHARED_DOWN if reads_bf16(w.shared_down, rows) else 0))
-            self.k.moe_decode_bf16(h, w.router_shared_gate.data, router_logits, d.moe_top_k, ids, weights,
-                                   w.routed_gate_up.data, ws.slot_gate_up[:rows], w.routed_down.data,
-                                   ws.slot_out[:rows], w.shared_gate_up.data, ws.shared_gate_up[:rows],
-                                   w.shared_down.data, ws.shared_out[:rows], ws.moe_counters, experts=e,
-                                   stream=stream, rounding=rounding)
-        elif rows <= FUSED_ROUTE_ROWS and self.linear.reads_narrow(w.router_shared_gate, rows):  # one launch
+        ids, weights = ws.expert_ids[:rows], ws.expert_weights[:rows]
+        if rows <= FUSED_ROUTE_ROWS and self.linear.reads_narrow(w.router_shared_gate, rows):  # one launch
             self.k.linear_bf16_narrow_route(h, w.router_shared_gate.data, router_logits, ws.route_counter,
                                             d.moe_top_k, ids, weights, stream=stream, experts=e)
         else:
@@ -1627,7 +1602,7 @@ class CudaQwen:
                               shared_gate=(shared_out, gate_logit) if gated_in_combine else None)
         elif fused_swiglu:
             self._swiglu_experts(w, rows, h_frag)
-        elif not fused_experts:
+        else:
             gate_up, act, out = ws.slot_gate_up[:rows], ws.slot_act[:rows], ws.slot_out[:rows]
             self._gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False,
                            x_fragments=h_frag)
@@ -1641,7 +1616,7 @@ class CudaQwen:
                                x_fragments=act_frag)
         if side is not None:
             side.join()
-        elif not grouped and not fused_experts:
+        elif not grouped:
             self._shared_expert(w, rows, self.linear, stream, h_bf16, h_frag)
         if rows <= SKINNY_ROWS and d.moe_top_k <= COMBINE_NORM_SLOTS:
             # the routed experts' weighted sum and the gated shared expert, in the launch of the norm that reads x
@@ -1676,10 +1651,6 @@ class CudaQwen:
     def set_conv_in_projection(self, on: bool) -> None:
         """Capacity.conv_in_projection, switchable between steps like the branches."""
         self.conv_in_projection = on
-
-    def set_fused_moe_decode(self, on: bool) -> None:
-        """Capacity.fused_moe_decode, switchable between steps like the branches."""
-        self.fused_moe_decode = on
 
     def _norm(self, x: Any, weight: Any, out: Any, *, out_bf16: Any = None, out_fragments: Any = None) -> None:
         """out = rms_norm(x, weight) (offset), as `rms_norm_rows` writes it; a decode MoE combine left pending by
@@ -1735,16 +1706,6 @@ class CudaQwen:
             k.linear_quant_mma_swiglu(xf, gate_up, shape_of[first:last], ws.act_fragments, stream=linear.stream,
                                       programmatic=linear.programmatic)
             linear(ws.h[first:last], down, out[first:last], accumulate=accumulate, x_fragments=ws.act_fragments)
-
-    def _fused_moe_decode(self, w: MoeFfn, rows: int) -> bool:
-        """Whether `_moe` runs its router, routing, routed and shared experts as one `moe_decode_bf16` launch at
-        this row count: Capacity.fused_moe_decode, decode rows, bf16 experts (the router always is)."""
-        d = self.dims
-        return (self.fused_moe_decode and rows <= SKINNY_ROWS
-                and all(isinstance(m, Bf16Matrix) for m in (w.routed_gate_up, w.routed_down, w.shared_gate_up,
-                                                              w.shared_down))
-                and moe_decode_fits(rows, d.hidden, d.moe_intermediate, d.shared_intermediate, d.moe_experts,
-                                    d.moe_top_k))
 
     def _swiglu_experts(self, w: MoeFfn, rows: int, h_frag: Any) -> None:
         """The routed experts' slot outputs for gate|up stored for the fused epilogue: per 8 rows, the gathered
