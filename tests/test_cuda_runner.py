@@ -573,13 +573,14 @@ def test_split_projections_prefill_into_their_columns_without_a_join(artifacts, 
     assert got == run_lanes(cpu_runner(path), prompts, 6)
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind):
-    """Capacity.programmatic_launch (the tensor-core quantized GEMVs start while the kernel before them finishes and
-    wait for it before reading x or the expert ids): the same tokens as normal launches, graphs and eager, with the
-    branches, and greedy MTP. On the GPU this is the check that no GEMV reads an activation before its producer
-    completed."""
-    path = artifacts[(kind, "ninfer-v2")]
+@pytest.mark.parametrize("kind,recipe", [("moe", "ninfer-v2"), ("dense", "ninfer-v2"), ("moe", "bf16"),
+                                         ("dense", "bf16")])
+def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind, recipe):
+    """Capacity.programmatic_launch (the tensor-core quantized GEMVs, the bf16 gathered expert GEMVs and the Gated
+    DeltaNet recurrence start while the kernel before them finishes and wait for it before reading its outputs): the
+    same tokens as normal launches, graphs and eager, with the branches, and greedy MTP. On the GPU this is the check
+    that no kernel reads an activation, an expert id or a conv output before its producer completed."""
+    path = artifacts[(kind, recipe)]
     prompts = [prompt(7, 9), prompt(8, 31), prompt(9, 17)]
     settings = dict(decode_linear="cublas", decode_quant="mma")
     want = run_lanes(cuda_build(device_kind, path, **settings).runner, prompts, 16)

@@ -27,7 +27,7 @@ from ninfer.kernels_numba.common import (FULL_MASK, WARP, address_of, bf16_pair,
                                          tf32_round, tf32_round_host, warp_sum)  # (FULL_MASK: templates)
 from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
-from ninfer.kernels_numba.programmatic import allow_dependents
+from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids  # noqa: F401
 from ninfer.kernels_numba.quant_mma import check_fragment_output, fragment_half
 
 F32 = np.float32
@@ -698,6 +698,9 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}({inputs}, ssm_state, ssm_co
     ucol = uint64(col)
     for ii in range({ni}):
         st[ii] = ssm_state[uslot, uh, uint64(ii * {groups} + g), ucol] if active else float32(0.0)
+    # launched programmatically, the state (no other kernel of the step touches it) is in flight while the conv
+    # before finishes; its outputs (q, k, v, the gates) are read only past this
+    wait_for_prior_grids()
 
     chunks = (count + REC_CHUNK - 1) // REC_CHUNK
     if chunks > 0:
@@ -826,17 +829,20 @@ def gdn_recurrent(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane
 
 
 def gdn_recurrent_gated(mixed, ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record,
-                        out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk, stream, groups=REC_DEFAULT_GROUPS):
+                        out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk, stream, groups=REC_DEFAULT_GROUPS,
+                        programmatic=False):
     """`gdn_gates` then `gdn_recurrent` in one launch (the decode path): q and k from the conv output `mixed`
     (L2-normalised in the kernel, q scaled by 1/sqrt(Dk)), the decay and beta from ab [R, 2*Hv] = a | b, with
-    gdn_gates' arithmetic, so the results equal the two launches' bit for bit."""
+    gdn_gates' arithmetic, so the results equal the two launches' bit for bit. `programmatic`: launched to start
+    while the kernel before finishes (`kernels_numba.programmatic`; its state loads before the wait), the same
+    bits."""
     if (k_dim, groups) not in _GATED_RECURRENT_KERNELS:
         raise ValueError(f"gdn_recurrent_gated has no variant for k_dim={k_dim}, groups={groups}")
     function, threads = _GATED_RECURRENT_KERNELS[(k_dim, groups)]
     grid = (seg_lane.shape[0], v_heads, blocks_for(v_dim, REC_COLS))
-    function[grid, threads, stream](
-        mixed, ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record, out,
-        np.int32(qk_heads), np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk))
+    launch(function, grid, threads, stream, 0, mixed, ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row,
+           seg_count, seg_record, out, np.int32(qk_heads), np.int32(v_heads), np.int32(v_dim),
+           np.int32(channels_qk), programmatic=programmatic)
 
 
 def gdn_recurrent_gated_reference(mixed, ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row, seg_count,

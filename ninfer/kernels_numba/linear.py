@@ -29,6 +29,7 @@ from ninfer.backends.cpu.ops import linear as cpu_linear
 from ninfer.backends.cpu.ops import silu as cpu_silu
 from ninfer.kernels_numba.common import bf16_hi_to_f32, bf16_to_f32, silu_times, warp_sum
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, register_options
+from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
 
 WARPS = 8  # warps per block
 THREADS = 32 * WARPS
@@ -254,10 +255,20 @@ def stage_swiglu_bf16(xs, gate_up, row, c0, width):
 def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
     """MoE decode: blockIdx.y = slot j (flattened m*S+s); weight rows expert_ids[j] * rpe + n, x row x[j // xdiv].
     `swiglu`: x is the slots' gate | up rows ([M*S, 2K], xdiv 1), multiplied as silu(gate) * up
-    (`stage_swiglu_bf16`): the down projection without `silu_mul_slots`' launch before it."""
+    (`stage_swiglu_bf16`): the down projection without `silu_mul_slots`' launch before it.
+
+    Launched programmatically (`kernels_numba.programmatic`), the plain kernel (the experts' gate | up, after the
+    routing) waits for the kernels before it at once, since the routing wrote the ids, and only then lets the next
+    kernel start; the SwiGLU kernel, which follows it, reads the ids (complete: the gate | up kernel's blocks all
+    passed their wait) and loads its first weights before waiting for the gate | up rows. The same bits either way."""
 
     @kernel((float32[:, ::1], uint64[:, ::1], int32[::1], float32[:, ::1], int32, int32, int32), fastmath=False)
     def linear_bf16_gathered_kernel(x, w, ids, y, rpe, xdiv, kc):
+        if swiglu:
+            allow_dependents()
+        else:
+            wait_for_prior_grids()
+            allow_dependents()
         xs = cuda.shared.array(0, float32)
         K4 = w.shape[1]
         K = K4 * 4
@@ -282,6 +293,8 @@ def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
             if n0 < rpe and c < width:
                 for r in range(R):
                     wa[r], wb[r] = load2(w, rowoff[r] + ((c0 + c) >> 2))
+            if swiglu and c0 == 0:
+                wait_for_prior_grids()  # the gate | up rows are the kernel before's
             cuda.syncthreads()
             if swiglu:
                 stage_swiglu_bf16(xs, x, xrow, c0, width)
@@ -348,9 +361,10 @@ def linear_bf16(x, w, y, *, stream, accumulate: bool = False, rows_per_warp: int
 
 def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool, stream,
                          rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
-                         _kernel=None) -> None:
+                         programmatic: bool = False, _kernel=None) -> None:
     """y[m, s, :] = X(m, s) @ W_{expert_ids[m, s]}^T, W_e = w[e*rpe:(e+1)*rpe]; X(m, s) = x[m] ([M, K]) or x[m, s]
-    ([M, S, K]) when x_per_slot. expert_ids int32 [M, S] on the device, y float32 [M, S, rpe]."""
+    ([M, S, K]) when x_per_slot. expert_ids int32 [M, S] on the device, y float32 [M, S, rpe]. `programmatic`: see
+    `make_linear_bf16_gathered_kernel`."""
     M, S = expert_ids.shape
     K = x.shape[2] if x_per_slot else x.shape[1]
     rpe = int(rows_per_expert)
@@ -364,21 +378,21 @@ def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slo
     y2 = y.reshape(M * S, rpe)
     ids = expert_ids.reshape(M * S)
     _launch_gathered(_kernel or linear_bf16_gathered_kernel, x2, w64, ids, y2, rpe, 1 if x_per_slot else S, K,
-                     rows_per_warp, warps, stream)
+                     rows_per_warp, warps, stream, programmatic)
 
 
 def _launch_gathered(fn, x2, w64, ids, y2, rpe: int, xdiv: int, K: int, rows_per_warp: int, warps: int,
-                     stream) -> None:
+                     stream, programmatic: bool) -> None:
     """A gathered kernel's launch: blocks of `warps` warps over the rpe rows, one grid row a slot, K staged in
     shared chunks of a single row."""
     kc = chunk_columns(1, K, BF16_SPAN)
-    fn[(math.ceil(rpe / (warps * rows_per_warp)), ids.shape[0]), 32 * warps, stream, kc * 4](
-        x2, w64, ids, y2, int32(rpe), int32(xdiv), int32(kc))
+    launch(fn, (math.ceil(rpe / (warps * rows_per_warp)), ids.shape[0]), 32 * warps, stream, kc * 4,
+           x2, w64, ids, y2, int32(rpe), int32(xdiv), int32(kc), programmatic=programmatic)
 
 
 def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: int, stream,
                                 rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
-                                _kernel=None) -> None:
+                                programmatic: bool = False, _kernel=None) -> None:
     """y[m, s, :] = (silu(g) * u) @ W_{expert_ids[m, s]}^T for gate_up[m, s] = g | u ([M, S, 2K] fp32): one launch
     for `silu_mul_slots` then `linear_bf16_gathered(..., x_per_slot=True)`, the same bits."""
     M, S = expert_ids.shape
@@ -390,7 +404,8 @@ def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: i
     if M * S == 0:
         return
     _launch_gathered(_kernel or linear_bf16_gathered_swiglu_kernel, gate_up.reshape(M * S, 2 * K), w64,
-                     expert_ids.reshape(M * S), y.reshape(M * S, rpe), rpe, 1, K, rows_per_warp, warps, stream)
+                     expert_ids.reshape(M * S), y.reshape(M * S, rpe), rpe, 1, K, rows_per_warp, warps, stream,
+                     programmatic)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------------------------------

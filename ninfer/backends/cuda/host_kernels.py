@@ -286,7 +286,7 @@ def gdn_recurrent(*args, stream, **kwargs):
     _gdn.gdn_recurrent_reference(*args, **kwargs)
 
 
-def gdn_recurrent_gated(*args, stream, **kwargs):
+def gdn_recurrent_gated(*args, stream, programmatic=False, **kwargs):  # host launches run in order
     _gdn.gdn_recurrent_gated_reference(*args, **kwargs)
 
 
@@ -366,12 +366,12 @@ def linear_bf16_narrow_route(x, w, logits, counter, top_k, expert_ids, weights, 
         x, w, top_k, experts=experts)
 
 
-def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert, x_per_slot, stream):
+def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert, x_per_slot, stream, programmatic=False):
     y[...] = _linear.linear_bf16_gathered_reference(x, w, expert_ids, rows_per_expert=rows_per_expert,
                                                     x_per_slot=x_per_slot)
 
 
-def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert, stream):
+def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert, stream, programmatic=False):
     y[...] = _linear.linear_bf16_gathered_swiglu_reference(gate_up, w, expert_ids, rows_per_expert=rows_per_expert)
 
 

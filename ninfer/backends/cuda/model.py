@@ -114,8 +114,10 @@ class Capacity:
     # 35B-A3B B=1 ninfer-v2 3.76 -> 3.36-3.55 ms, bf16 4.77 -> 4.27-4.31; B=8 7.48 -> 7.16, 10.18 -> 9.67; 27B
     # (no shared expert, only the small a/b projection to overlap) bf16 15.58 -> 15.99, ninfer-v2 9.38 -> 9.20.
     branches: bool | None = None
-    # Tensor-core quantized decode GEMVs launched programmatically (`kernels_numba.programmatic`): their blocks start
-    # while the kernel before finishes and load their first weights before waiting for it. Same kernels, same bits.
+    # Decode kernels launched programmatically (`kernels_numba.programmatic`): the tensor-core quantized GEMVs, the
+    # bf16 gathered expert GEMVs and the Gated DeltaNet recurrence start while the kernel before finishes and load
+    # what no earlier kernel of the step writes (weights, the recurrent state) before waiting for it. Same kernels,
+    # same bits.
     # On, as measured on the H200 (bench/cuda_model.py --programmatic off,on; results/
     # cuda_model_v2_programmatic_session29.json, ms a step): 27B ninfer-v2 B=1 7.94 -> 7.62, B=8 11.08 -> 10.74;
     # 35B-A3B ninfer-v2 B=1 3.04 -> 3.00, B=8 5.51 -> 5.50. bf16 models have no such kernels on their decode path.
@@ -1560,7 +1562,7 @@ class CudaQwen:
                                rows=rows, multiprocessors=self.multiprocessors, **heads)
         else:  # the gates computed inside the recurrence (one launch fewer, the same bits)
             self.k.gdn_recurrent_gated(mixed, ab, w.neg_a, w.dt_bias, state.ssm, state.ssm_columns, *seg, out,
-                                       **heads)
+                                       programmatic=self.linear.programmatic, **heads)
         normed = ws.gdn_normed[:rows]
         normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
         normed_frag = self.linear.fragment_input(rows, layer.gdn_output)
@@ -1608,7 +1610,7 @@ class CudaQwen:
                            x_fragments=h_frag)
             if isinstance(w.routed_down, Bf16Matrix):  # silu(gate) * up staged by the down GEMV: a launch fewer
                 self.k.linear_bf16_gathered_swiglu(gate_up, w.routed_down.data, ids, out, rows_per_expert=d.hidden,
-                                                   stream=stream)
+                                                   stream=stream, programmatic=self.linear.programmatic)
             else:
                 act_frag = (ws.slot_x_fragments if rows <= MMA_ROWS and _tensor_core(w.routed_down) else None)
                 self.k.silu_mul_slots(gate_up, act, stream=stream, out_fragments=act_frag)
@@ -1756,7 +1758,7 @@ class CudaQwen:
                                     stream=stream)
         else:
             k.linear_bf16_gathered(x, w.data, ids, y, rows_per_expert=rows_per_expert, x_per_slot=x_per_slot,
-                                   stream=stream)
+                                   stream=stream, programmatic=self.linear.programmatic)
 
     def _moe_grouped(self, w: MoeFfn, rows: int, h_bf16: Any, *, beside_the_read: Callable[[], None] | None,
                      shared_gate: tuple[Any, Any] | None = None) -> None:
