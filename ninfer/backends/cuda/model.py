@@ -117,10 +117,10 @@ class Capacity:
     # Decode kernels launched programmatically (`kernels_numba.programmatic`): the tensor-core quantized GEMVs, the
     # bf16 gathered expert GEMVs and the Gated DeltaNet recurrence start while the kernel before finishes and load
     # what no earlier kernel of the step writes (weights, the recurrent state) before waiting for it. Same kernels,
-    # same bits.
-    # On, as measured on the H200 (bench/cuda_model.py --programmatic off,on; results/
-    # cuda_model_v2_programmatic_session29.json, ms a step): 27B ninfer-v2 B=1 7.94 -> 7.62, B=8 11.08 -> 10.74;
-    # 35B-A3B ninfer-v2 B=1 3.04 -> 3.00, B=8 5.51 -> 5.50. bf16 models have no such kernels on their decode path.
+    # same bits. On, as measured on the H200 (bench/cuda_model.py --programmatic off,on, ms a step): the quantized
+    # GEMVs alone (results/cuda_model_v2_programmatic_session29.json) 27B ninfer-v2 B=1 7.94 -> 7.62, B=8 11.08 ->
+    # 10.74; with the gathered GEMVs and the recurrence (results/cuda_model_programmatic_bf16_session31.json)
+    # 35B-A3B bf16 B=1 3.73 -> 3.60, B=8 8.29 -> 8.12, ninfer-v2 B=1 3.08 -> 2.99, B=8 5.55 -> 5.47.
     programmatic_launch: bool = True
     # The most key splits a decode attention row takes (`attention_decode`: ceil(length / S) keys each, one block a
     # kv head and split), at S x (head_dim + 2) fp32 of scratch a row and q head. None: `row_splits` (64 for the
