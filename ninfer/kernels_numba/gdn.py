@@ -27,7 +27,8 @@ from ninfer.kernels_numba.common import (FULL_MASK, WARP, address_of, bf16_pair,
                                          tf32_round, tf32_round_host, warp_sum)  # (FULL_MASK: templates)
 from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
-from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids  # noqa: F401
+from ninfer.kernels_numba.programmatic import (allow_dependents, launch,  # noqa: F401 (wait_for_prior_grids:
+                                               wait_for_prior_grids)  # templates)
 from ninfer.kernels_numba.quant_mma import check_fragment_output, fragment_half
 
 F32 = np.float32

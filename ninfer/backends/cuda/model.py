@@ -1609,8 +1609,11 @@ class CudaQwen:
             self._gathered(h, w.routed_gate_up, ids, gate_up, rows_per_expert=2 * inter, x_per_slot=False,
                            x_fragments=h_frag)
             if isinstance(w.routed_down, Bf16Matrix):  # silu(gate) * up staged by the down GEMV: a launch fewer
+                # launched programmatically it reads the ids before its wait: safe only behind the bf16 gate | up
+                # GEMV, which lets it start after its own wait (the tensor-core one lets the next start before)
                 self.k.linear_bf16_gathered_swiglu(gate_up, w.routed_down.data, ids, out, rows_per_expert=d.hidden,
-                                                   stream=stream, programmatic=self.linear.programmatic)
+                                                   stream=stream, programmatic=self.linear.programmatic
+                                                   and isinstance(w.routed_gate_up, Bf16Matrix))
             else:
                 act_frag = (ws.slot_x_fragments if rows <= MMA_ROWS and _tensor_core(w.routed_down) else None)
                 self.k.silu_mul_slots(gate_up, act, stream=stream, out_fragments=act_frag)
