@@ -106,6 +106,18 @@ def block_sum(value, buf):
     return total
 
 
+@intrinsic
+def warp_max_u32(typingctx, value):
+    """The largest of the warp's uint32 values, to every lane, in one `redux.sync.max.u32` (sm_80+: the reduction
+    unit answers once where a butterfly takes five dependent shuffles). All 32 lanes must call it."""
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        return builder.asm(ir.FunctionType(i32, [i32]), "redux.sync.max.u32 $0, $1, -1;", "=r,r", list(args),
+                           side_effect=True)
+
+    return types.uint32(types.uint32), codegen
+
+
 @device_function
 def warp_max(value):
     for offset in (16, 8, 4, 2, 1):

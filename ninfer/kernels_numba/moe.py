@@ -32,6 +32,7 @@ from ninfer.kernels_numba.elementwise import (NORM_ITEMS, NORM_VECTORS, norm_thr
 from ninfer.kernels_numba.linear import load4, store4
 from ninfer.kernels_numba.quant_mma import check_fragment_output
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
+from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
 from ninfer.kernels_numba.sampling import key_id, key_value, order_key, warp_max_u64
 
 MAX_EXPERTS = 256  # route_top_k: one warp per row, 8 experts per lane
@@ -109,6 +110,10 @@ def route_row(logits, r, n_exp, top_k, expert_ids, weights, lane):
 
 @kernel((F32_2D, int32, int32, I32_2D, F32_2D), fastmath=False)
 def _route_top_k_kernel(logits, n_exp, top_k, expert_ids, weights):
+    # launched programmatically, the launch overlaps the router GEMV's tail; the logits are read past the wait, and
+    # the experts' GEMV after it may start once every block has passed it
+    wait_for_prior_grids()
+    allow_dependents()
     t = cuda.threadIdx.x
     r = cuda.blockIdx.x * ROUTE_WARPS + (t >> 5)
     if r < logits.shape[0]:  # a whole warp leaves together
@@ -122,16 +127,18 @@ def check_route(top_k: int, experts: int, columns: int) -> None:
                          f"{MAX_TOP_K}); got E={experts}, k={top_k}")
 
 
-def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts: int | None = None):
+def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts: int | None = None,
+                programmatic: bool = False):
     """router_logits fp32 [R, >= E] (E = `experts`, all columns without it; E <= 256: columns past E, such as the
     shared expert's gate logit computed in the same GEMV, are not read) -> expert_ids int32 [R, k] (ascending id),
-    weights fp32 [R, k] (sum 1)."""
+    weights fp32 [R, k] (sum 1). `programmatic`: launched to start while the kernel before finishes
+    (`kernels_numba.programmatic`), the same results."""
     rows, columns = router_logits.shape
     n_exp = columns if experts is None else int(experts)
     check_route(top_k, n_exp, columns)
     if rows:
-        _route_top_k_kernel[blocks_for(rows, ROUTE_WARPS), 32 * ROUTE_WARPS, stream](
-            router_logits, np.int32(n_exp), np.int32(top_k), expert_ids, weights)
+        launch(_route_top_k_kernel, blocks_for(rows, ROUTE_WARPS), 32 * ROUTE_WARPS, stream, 0, router_logits,
+               np.int32(n_exp), np.int32(top_k), expert_ids, weights, programmatic=programmatic)
 
 
 def route_top_k_reference(router_logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:

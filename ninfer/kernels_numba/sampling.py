@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, float64, int32, int64, uint8, uint32, uint64
+from numba import float32, float64, int32, uint8, uint32, uint64
 from numba.cuda import libdevice
 
 from ninfer.engine.sampler import TOP_K_CAP, top_candidates
-from ninfer.kernels_numba.common import FULL_MASK
+from ninfer.kernels_numba.common import warp_max_u32
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 THREADS = 256
@@ -107,11 +107,12 @@ def key_value(key):
 
 @device_function
 def warp_max_u64(key):
-    for off in (16, 8, 4, 2, 1):
-        other = uint64(cuda.shfl_xor_sync(FULL_MASK, int64(key), off))  # (shuffles take signed ints only)
-        if other > key:
-            key = other
-    return key
+    """The warp's largest uint64 key, to every lane: the largest high word, then the largest low word among the
+    lanes holding it (two `redux.sync`; ten shuffles as a butterfly of 64-bit halves). All 32 lanes must call it."""
+    high = uint32(key >> uint64(32))
+    top = warp_max_u32(high)
+    low = uint32(key & uint64(0xFFFFFFFF)) if high == top else uint32(0)
+    return (uint64(top) << uint64(32)) | uint64(warp_max_u32(low))
 
 
 @device_function

@@ -126,25 +126,28 @@ def _cuda():
     return cuda
 
 
-def _route_gpu(logits, k, stream):
+def _route_gpu(logits, k, stream, programmatic=False):
     cuda = _cuda()
     rows = logits.shape[0]
     d_ids = cuda.to_device(np.full((rows, k), -7, dtype=np.int32), stream=stream)
     d_w = cuda.to_device(np.full((rows, k), np.nan, dtype=np.float32), stream=stream)
-    moe.route_top_k(cuda.to_device(logits, stream=stream), k, d_ids, d_w, stream=stream)
+    moe.route_top_k(cuda.to_device(logits, stream=stream), k, d_ids, d_w, stream=stream, programmatic=programmatic)
     ids, w = d_ids.copy_to_host(stream=stream), d_w.copy_to_host(stream=stream)
     stream.synchronize()
     return ids, w
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programmatic", [False, True])
 @pytest.mark.parametrize("rows,experts,k", ROUTE_CASES)
-def test_gpu_route_top_k(rows, experts, k):
+def test_gpu_route_top_k(rows, experts, k, programmatic):
     stream = _cuda().stream()
     rng = np.random.default_rng(11)
     logits = rand(rng, rows, experts, scale=2.0)
     logits[0, : min(experts, 12)] = 0.5  # ties
-    ids, w = _route_gpu(logits, k, stream)
+    if rows > 1:  # a row of three levels: every pick a tie the lower id wins
+        logits[1] = rng.integers(0, 3, experts).astype(np.float32)
+    ids, w = _route_gpu(logits, k, stream, programmatic)
     want_ids, want_w = moe.route_top_k_reference(logits, k)
     np.testing.assert_array_equal(ids, want_ids)
     assert rel_l2(w, want_w) < 1e-5
@@ -473,7 +476,7 @@ def test_route_kernel_in_cuda_simulator():
     """route_top_k's kernel run thread by thread against its twin (`simulated_kernels.moe_route`)."""
     from tests.support.simulated_kernels import run
 
-    assert len([line for line in run("moe_route").splitlines() if line.startswith("ok moe_route")]) == 3
+    assert len([line for line in run("moe_route").splitlines() if line.startswith("ok moe_route")]) == 4
 
 
 def test_combine_norm_kernel_in_cuda_simulator():

@@ -97,6 +97,11 @@ def _lane_order_sum(values) -> np.float32:
     return total
 
 
+def warp_max_u32(value):
+    """`redux.sync.max.u32`: the largest of the warp's uint32 values."""
+    return warp_collective(np.uint32(value), max)[0]
+
+
 def warp_sum(value):
     """The sum over the warp in lane order (the butterfly's order differs: equal within fp32 rounding)."""
     return warp_collective(np.float32(value), _lane_order_sum)[0]
@@ -393,6 +398,7 @@ STAND_INS = {
     "copy_async_commit": copy_async_commit, "copy_async_wait_all": copy_async_wait_all,
     "copy_async_wait_prior": copy_async_wait_prior,
     "mma_bf16_m16n8k16": mma_bf16_m16n8k16, "mma_tf32_m16n8k8": mma_tf32_m16n8k8, "warp_sum": warp_sum,
+    "warp_max_u32": warp_max_u32,
     "allow_dynamic_shared": allow_dynamic_shared, "load_word_at": load_word_at, "load_words2_at": load_words2_at,
     "load_words4_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
     "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2,

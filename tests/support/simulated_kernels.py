@@ -95,10 +95,10 @@ def linear_narrow() -> None:
     on the rows launched beside it or on the grid. The fused router GEMV + routing writes the logits, ids and weights of
     the GEMV then `route_top_k`, and leaves its completion counter at zero for the next launch."""
     from ninfer.artifact import codec
-    from ninfer.kernels_numba import linear, linear_narrow, moe
+    from ninfer.kernels_numba import linear, linear_narrow, moe, sampling
     from tests.support import cuda_simulator
 
-    for module in (linear, linear_narrow, moe):
+    for module in (linear, linear_narrow, moe, sampling):
         cuda_simulator.install(vars(module))
     rng = np.random.default_rng(5)
     for m, n, k, per_block in [(3, 5, 320, 1), (1, 3, 8192, 2), (9, 11, 264, 4)]:
@@ -716,13 +716,17 @@ def moe_combine_norm() -> None:
 def moe_route() -> None:
     """route_top_k (a warp a row: softmax, top-k by repeated warp maxima, ids ranked among the chosen lanes) equals
     its twin: ids exactly, weights within fp32 rounding; k < 8 and logit columns past the experts included."""
-    from ninfer.kernels_numba import moe
+    from ninfer.kernels_numba import moe, sampling
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(moe))
+    cuda_simulator.install(vars(sampling))  # warp_max_u64's reductions
     rng = np.random.default_rng(0)
-    for rows, columns, experts, k in [(3, 256, 256, 8), (5, 64, 64, 4), (2, 257, 256, 8)]:
+    for rows, columns, experts, k, levels in [(3, 256, 256, 8, 0), (5, 64, 64, 4, 0), (2, 257, 256, 8, 0),
+                                              (4, 256, 256, 8, 3)]:
         logits = rng.standard_normal((rows, columns)).astype(np.float32)
+        if levels:  # a few distinct logits: every pick is a tie the lower id wins
+            logits = rng.integers(0, levels, (rows, columns)).astype(np.float32)
         ids, weights = np.full((rows, k), -1, np.int32), np.full((rows, k), np.nan, np.float32)
         moe.route_top_k(logits, k, ids, weights, stream=0, experts=experts)
         want_ids, want_weights = moe.route_top_k_reference(logits[:, :experts], k)

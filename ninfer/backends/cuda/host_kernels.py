@@ -303,7 +303,7 @@ def gdn_output(out, z_source, norm_weight, result, *, stream, result_bf16=None, 
     _fragment_rows(values, result_fragments)
 
 
-def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=None):
+def route_top_k(router_logits, top_k, expert_ids, weights, *, stream, experts=None, programmatic=False):
     columns = router_logits.shape[1] if experts is None else experts
     expert_ids[...], weights[...] = _moe.route_top_k_reference(router_logits[:, :columns], top_k)
 

@@ -1588,7 +1588,8 @@ class CudaQwen:
                                             d.moe_top_k, ids, weights, stream=stream, experts=e)
         else:
             self.linear(ws.h, w.router_shared_gate, ws.router_logits, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-            self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e)
+            self.k.route_top_k(router_logits, d.moe_top_k, ids, weights, stream=stream, experts=e,
+                               programmatic=self.linear.programmatic)
         inter = d.moe_intermediate
         fused_swiglu = _fused_swiglu(w.routed_gate_up, rows)
         grouped = not fused_swiglu and rows > SKINNY_ROWS
