@@ -66,6 +66,22 @@ def event_time(stream, run, repeats: int) -> list[float]:
     return out
 
 
+def back_to_back(stream, run, count: int = 20) -> tuple[float, float]:
+    """(GPU seconds a call, host seconds a call) of `count` calls of `run()` queued back to back between one pair
+    of events: the step time with the host's launch latency hidden behind the GPU (`event_time` times each call
+    from an idle stream, so it includes the graph launch's latency, as a serving loop that waits for each step's
+    tokens pays it), and what the enqueueing costs the host."""
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    began = time.perf_counter()
+    for _ in range(count):
+        run()
+    host = (time.perf_counter() - began) / count
+    end.record(stream)
+    end.synchronize()
+    return cuda.event_elapsed_time(start, end) / 1e3 / count, host
+
+
 def copy_bandwidth(device: CudaDevice) -> float:
     size = 4 << 30
     a = device.empty(size // 4, np.float32, "bench")
@@ -240,6 +256,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             graph_bytes = max(0, free_before - device.info.free_bytes)  # what one captured step holds on the device
             times = event_time(device.stream, lambda: graph.replay(device.stream_handle), repeats)
             seconds = float(np.median(times[3:]))
+            queued, host_launch = (back_to_back(device.stream, lambda: graph.replay(device.stream_handle))
+                                   if device.stream is not None else (seconds, 0.0))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
             decode.append({"linear": linear, "branches": side, "programmatic": pdl, "narrow": thin,
@@ -249,14 +267,16 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                            "step_ms": seconds * 1e3,
                            "tok_s": batch / seconds,
                            "bytes": nbytes, "roofline_ms": roofline * 1e3, "ratio_to_roofline": roofline / seconds,
-                           "graph_device_bytes": graph_bytes})
+                           "graph_device_bytes": graph_bytes, "back_to_back_step_ms": queued * 1e3,
+                           "host_launch_us": host_launch * 1e6})
             label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "") + (
                 " -narrow" if not thin else "") + (f" splits {splits}" if len(attention_splits) > 1 else "") + (
                 f" floor {floor}" if len(split_floors) > 1 else "") + (f" split-K {sliced}" if sliced else "") + (
                 " -conv-in-projection" if not conv else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
-                  f"MiB", flush=True)
+                  f"MiB  back to back {queued * 1e3:.2f} ms (ratio {roofline / queued:.2f}), launch "
+                  f"{host_launch * 1e6:.0f} us host", flush=True)
             if profile and batch in (1, 8) and linear in ("cublas", "kernels", "auto"):
                 from bench.kernel_profile import print_profile, profile_replays
 
