@@ -57,7 +57,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
-               narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True):
+               narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True,
+               ab_in_recurrence: bool = True):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -68,7 +69,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
                              narrow_decode=narrow_decode, split_k_norm=split_k_norm,
-                             conv_in_projection=conv_in_projection)
+                             conv_in_projection=conv_in_projection, ab_in_recurrence=ab_in_recurrence)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -625,6 +626,39 @@ def test_conv_in_projection_changes_no_token(device_kind, artifacts, kind, monke
         assert got == greedy
     eager.model.set_conv_in_projection(False)
     monkeypatch.setattr(eager.model.k, "linear_quant_mma_conv", lambda *a, **kw: pytest.fail("conv fused"))
+    run_lanes(eager.runner, prompts[:1], 4)
+
+
+@pytest.mark.parametrize("kind,recipe", CASES)
+def test_ab_in_recurrence_keeps_the_tokens(device_kind, artifacts, kind, recipe, monkeypatch):
+    """Capacity.ab_in_recurrence: the Gated DeltaNet decode and verify rows' a/b projection computed by the
+    recurrence (fp32 sums in another order than the projection's GEMV): the tokens of the GEMV path or a near tie,
+    eager and graphs alike, greedy MTP equal to greedy, and no a/b GEMV launched. Switched off between steps, the
+    gated recurrence on the GEMV's output comes back."""
+    path = artifacts[(kind, recipe)]
+    prompts = [prompt(4, 9), prompt(5, 33), prompt(6, 17)]
+    settings = dict(decode_linear="cublas", decode_quant="mma") if recipe == "ninfer-v2" else {}
+    cpu = load_model(path)
+    greedy = None
+    for draft_tokens in (0, 3):
+        want = run_lanes(cuda_build(device_kind, path, draft_tokens=draft_tokens, ab_in_recurrence=False,
+                                    **settings).runner, prompts, 16)
+        eager = cuda_build(device_kind, path, graphs=False, draft_tokens=draft_tokens, **settings)
+        projected, launcher = [], eager.model.k.gdn_recurrent_projected
+        monkeypatch.setattr(eager.model.k, "gdn_recurrent_projected",
+                            lambda *a, **kw: projected.append(1) or launcher(*a, **kw))
+        monkeypatch.setattr(eager.model.k, "gdn_recurrent_gated", lambda *a, **kw: pytest.fail("a/b GEMV path"))
+        got = run_lanes(eager.runner, prompts, 16)
+        monkeypatch.undo()
+        assert projected, draft_tokens
+        for tokens, reference, ids in zip(got, want, prompts):
+            assert_same_or_near_tie(tokens, reference, cpu, ids)
+        graphs = cuda_build(device_kind, path, draft_tokens=draft_tokens, **settings)
+        assert graphs.model.ab_in_recurrence and run_lanes(graphs.runner, prompts, 16) == got, draft_tokens
+        greedy = greedy or got
+        assert got == greedy
+    eager.model.set_ab_in_recurrence(False)
+    monkeypatch.setattr(eager.model.k, "gdn_recurrent_projected", lambda *a, **kw: pytest.fail("a/b projected"))
     run_lanes(eager.runner, prompts[:1], 4)
 
 

@@ -25,7 +25,8 @@ from ninfer.backends.cpu.ops import l2_normalize, rms_norm, sigmoid, silu, softp
 from ninfer.kernels_numba.common import (FULL_MASK, WARP, address_of, bf16_pair, bf16_target,  # noqa: F401
                                          blocks_for, f32_to_bf16, fragment_target, sigmoid_f32, store_words2_at,
                                          tf32_round, tf32_round_host, warp_sum)  # (FULL_MASK: templates)
-from ninfer.kernels_numba.linear import load4, store4
+from ninfer.kernels_numba.linear import (bf16_bits_to_f32, fma_bf16x8, load2, load4,  # noqa: F401 (templates)
+                                         store4)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 from ninfer.kernels_numba.programmatic import (allow_dependents, launch,  # noqa: F401 (wait_for_prior_grids:
                                                wait_for_prior_grids)  # templates)
@@ -603,6 +604,8 @@ _REC_SIG = (float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32[:, 
             float32[:, :, ::1], int32, int32, int32, int32)
 # the gated form: (mixed, ab, neg_a, dt_bias) in place of (q, k, mixed, log_decay, beta)
 _REC_GATED_SIG = (float32[:, ::1], float32[:, ::1], float32[::1], float32[::1]) + _REC_SIG[5:]
+# the projected form: (mixed, x, w_ab, neg_a, dt_bias), x the fp32 normed rows, w_ab's bf16 rows as uint64 words
+_REC_PROJECTED_SIG = (float32[:, ::1], float32[:, ::1], uint64[:, ::1], float32[::1], float32[::1]) + _REC_SIG[5:]
 
 _REC_LOAD = """
         for e in range({pf}):
@@ -617,7 +620,6 @@ _REC_LOAD = """
             cc = idx - r * REC_COLS
             if nxt + r < count and col0 + cc < v_dim:
                 pv[e] = mixed[uint64(start + nxt + r), uint64(v_base + cc)]
-        if tid < REC_CHUNK and nxt + tid < count:
 {load_gates}
 """
 
@@ -626,11 +628,43 @@ _QK_PLAIN = """                pk[e] = k[uint64(start + nxt + r), uint64(hq), ui
                 pq[e] = q[uint64(start + nxt + r), uint64(hq), uint64(i)]"""
 _QK_GATED = """                pk[e] = mixed[uint64(start + nxt + r), uint64(k_channel + i)]
                 pq[e] = mixed[uint64(start + nxt + r), uint64(q_channel + i)]"""
-_GATES_PLAIN = """            pg = math.exp(log_decay[start + nxt + tid, h])
+_GATES_PLAIN = """        if tid < REC_CHUNK and nxt + tid < count:
+            pg = math.exp(log_decay[start + nxt + tid, h])
             pb = beta[start + nxt + tid, h]"""
 # gdn_gates' arithmetic for this row and head (log decay, then its exp here, as the plain form reads it)
-_GATES_GATED = """            pg = math.exp(neg_a[h] * _softplus(ab[start + nxt + tid, h] + dt_bias[h]))
+_GATES_GATED = """        if tid < REC_CHUNK and nxt + tid < count:
+            pg = math.exp(neg_a[h] * _softplus(ab[start + nxt + tid, h] + dt_bias[h]))
             pb = sigmoid_f32(ab[start + nxt + tid, v_heads + h])"""
+# (projected) the a / b projection of the chunk's rows for this head by the whole block: a thread's 8-column
+# groups t, t + threads, ... of x . w_ab[h] and x . w_ab[Hv + h] in order, the warp's butterfly, then the warps' in
+# order; then gdn_gates' arithmetic on them. Every thread runs it (barrier inside).
+_GATES_PROJECTED = """        for rr in range(min(REC_CHUNK, count - nxt)):
+            x_at = uint64(start + nxt + rr) * x_width
+            sa = float32(0.0)
+            sb = float32(0.0)
+            gi = tid
+            while gi < x_width // 8:
+                x0, x1, x2, x3 = load4(x, x_at + uint64(8 * gi))
+                x4, x5, x6, x7 = load4(x, x_at + uint64(8 * gi + 4))
+                a0, a1 = load2(w_ab, a_at + uint64(2 * gi))
+                b0, b1 = load2(w_ab, b_at + uint64(2 * gi))
+                sa = fma_bf16x8(sa, a0, a1, x0, x1, x2, x3, x4, x5, x6, x7)
+                sb = fma_bf16x8(sb, b0, b1, x0, x1, x2, x3, x4, x5, x6, x7)
+                gi += {threads}
+            sa = warp_sum(sa)
+            sb = warp_sum(sb)
+            if lane == 0:
+                ab_sh[(tid // WARP) * 2 * REC_CHUNK + 2 * rr] = sa
+                ab_sh[(tid // WARP) * 2 * REC_CHUNK + 2 * rr + 1] = sb
+        cuda.syncthreads()
+        if tid < REC_CHUNK and nxt + tid < count:
+            sa = float32(0.0)
+            sb = float32(0.0)
+            for wv in range({warps}):
+                sa += ab_sh[wv * 2 * REC_CHUNK + 2 * tid]
+                sb += ab_sh[wv * 2 * REC_CHUNK + 2 * tid + 1]
+            pg = math.exp(neg_a[h] * _softplus(sa + dt_bias[h]))
+            pb = sigmoid_f32(sb)"""
 # gdn_gates' L2 norms of the staged rows' q and k (a warp a row's q or k, a lane its 4 consecutive dims: the same
 # sums, butterfly and roundings, so the same bits), between the staging barrier and one more
 _NORMALIZE = """
@@ -668,7 +702,7 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}({inputs}, ssm_state, ssm_co
     v_sh = cuda.shared.array({vstage2}, float32)
     g_sh = cuda.shared.array({chunk2}, float32)
     b_sh = cuda.shared.array({chunk2}, float32)
-    st = cuda.local.array({ni}, float32)
+{projected_setup}    st = cuda.local.array({ni}, float32)
     kk = cuda.local.array({ni}, float32)
     pk = cuda.local.array({pf}, float32)
     pq = cuda.local.array({pf}, float32)
@@ -693,7 +727,7 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}({inputs}, ssm_state, ssm_co
     v_base = channels_qk + h * v_dim + col0
     q_channel = hq * {k_dim}
     k_channel = (channels_qk >> 1) + hq * {k_dim}
-
+{projected_rows}
     uslot = uint64(slot)
     uh = uint64(h)
     ucol = uint64(col)
@@ -768,11 +802,13 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}({inputs}, ssm_state, ssm_co
 """
 
 
-def _make_recurrent_kernel(k_dim: int, groups: int, gated: bool = False):
-    """One compiled variant per (key dim, key groups, gated): numba needs the register-array and shared-array sizes
+def _make_recurrent_kernel(k_dim: int, groups: int, gated: bool = False, projected: bool = False):
+    """One compiled variant per (key dim, key groups, form): numba needs the register-array and shared-array sizes
     as literals, so the source is instantiated with them (closure constants are not literal enough for
     `cuda.shared.array`). `gated`: q, k, the decay and beta from the conv output and the a/b projection (gdn_gates'
-    work done in this kernel: one launch fewer a decode layer)."""
+    work done in this kernel: one launch fewer a decode layer). `projected` (gated too): the a/b projection itself
+    computed here from the normed rows (`gdn_recurrent_projected`)."""
+    gated = gated or projected
     threads = REC_COLS * groups  # (32 / groups) columns per warp, REC_COLS columns per block
     per_warp = WARP // groups
     assert k_dim % (2 * groups) == 0 and (REC_CHUNK * k_dim) % threads == 0
@@ -791,25 +827,32 @@ def _make_recurrent_kernel(k_dim: int, groups: int, gated: bool = False):
                  stage=REC_CHUNK * k_dim, stage2=2 * REC_CHUNK * k_dim, vstage=REC_CHUNK * REC_COLS,
                  vstage2=2 * REC_CHUNK * REC_COLS, chunk2=2 * REC_CHUNK, pf=REC_CHUNK * k_dim // threads,
                  pv=REC_CHUNK * REC_COLS // threads)
-    load = _REC_LOAD.format(load_qk=_QK_GATED if gated else _QK_PLAIN,
-                            load_gates=_GATES_GATED if gated else _GATES_PLAIN, **sizes)
-    suffix = "_gated" if gated else ""
+    sizes["warps"] = threads // WARP
+    gates = (_GATES_PROJECTED.format(**sizes) if projected else _GATES_GATED if gated else _GATES_PLAIN)
+    load = _REC_LOAD.format(load_qk=_QK_GATED if gated else _QK_PLAIN, load_gates=gates, **sizes)
+    suffix = "_projected" if projected else "_gated" if gated else ""
+    inputs = ("mixed, x, w_ab, neg_a, dt_bias" if projected else "mixed, ab, neg_a, dt_bias" if gated
+              else "q, k, mixed, log_decay, beta")
+    setup = f"    ab_sh = cuda.shared.array({2 * REC_CHUNK * threads // WARP}, float32)\n" if projected else ""
+    rows = ("    x_width = uint64(x.shape[1])\n    a_at = uint64(h) * (x_width // uint64(4))\n"
+            "    b_at = uint64(v_heads + h) * (x_width // uint64(4))\n") if projected else ""
     source = _RECURRENT_SOURCE.format(load=load, reduce_pred=butterfly("pred"), reduce_o=butterfly("o"),
                                       normalize=_NORMALIZE.format(**sizes) if gated else "", suffix=suffix,
-                                      inputs="mixed, ab, neg_a, dt_bias" if gated else "q, k, mixed, log_decay, beta",
-                                      **sizes)
+                                      inputs=inputs, projected_setup=setup, projected_rows=rows, **sizes)
     name = f"gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}"
     namespace = dict(globals())
     exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102  (our own template, literal sizes only)
     function = namespace[name]
     function.__module__ = __name__
-    return kernel(_REC_GATED_SIG if gated else _REC_SIG)(function), threads
+    return kernel(_REC_PROJECTED_SIG if projected else _REC_GATED_SIG if gated else _REC_SIG)(function), threads
 
 
 # Key dims with a compiled variant: the real models (128) and the tiny test models (16); key groups 4 and 8.
 _RECURRENT_KERNELS = {(dk, g): _make_recurrent_kernel(dk, g) for dk in (16, 32, 64, 128) for g in REC_GROUP_CHOICES}
 _GATED_RECURRENT_KERNELS = {(dk, g): _make_recurrent_kernel(dk, g, gated=True) for dk in (16, 32, 64, 128)
                             for g in REC_GROUP_CHOICES}
+_PROJECTED_RECURRENT_KERNELS = {(dk, g): _make_recurrent_kernel(dk, g, projected=True) for dk in (16, 32, 64, 128)
+                                for g in REC_GROUP_CHOICES}
 
 
 def gdn_recurrent(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record,
@@ -856,6 +899,38 @@ def gdn_recurrent_gated_reference(mixed, ab, neg_a, dt_bias, ssm_state, ssm_colu
     gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count,
                             seg_record, out, qk_heads=qk_heads, v_heads=v_heads, k_dim=k_dim, v_dim=v_dim,
                             channels_qk=channels_qk)
+
+
+def gdn_recurrent_projected(mixed, x, w_ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row,
+                            seg_count, seg_record, out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk, stream,
+                            groups=REC_DEFAULT_GROUPS, programmatic=False):
+    """`gdn_recurrent_gated` with the a/b projection in the same launch: ab[r] = x[r] @ w_ab^T (x the fp32 normed
+    rows [R, H], w_ab the projection's bf16 bits [2 Hv, H], H a multiple of 8), each block computing its head's two
+    dot products for its segment's rows. Why: at decode the projection is a 2 Hv-row GEMV (~0.3 MB) whose launch
+    sat on the step's critical path (~3 us a GDN layer serially, ~5 beside a tensor-core in-projection that holds
+    every SM). For decode and verify rows only: each of a head's blocks reads every row of its segment. fp32 sums
+    in a fixed order (a thread's 8-column groups, the warp's butterfly, the warps in order): the same bits for a
+    row whatever the batch, and the twin's within fp32 rounding."""
+    if (k_dim, groups) not in _PROJECTED_RECURRENT_KERNELS:
+        raise ValueError(f"gdn_recurrent_projected has no variant for k_dim={k_dim}, groups={groups}")
+    hidden = x.shape[1]
+    if hidden % 8 or w_ab.shape != (2 * v_heads, hidden) or x.shape[0] < mixed.shape[0]:
+        raise ValueError(f"gdn_recurrent_projected needs x [>= {mixed.shape[0]}, H] and w_ab [{2 * v_heads}, H] with "
+                         f"H a multiple of 8; got {tuple(x.shape)} and {tuple(w_ab.shape)}")
+    function, threads = _PROJECTED_RECURRENT_KERNELS[(k_dim, groups)]
+    grid = (seg_lane.shape[0], v_heads, blocks_for(v_dim, REC_COLS))
+    launch(function, grid, threads, stream, 0, mixed, x, w_ab.view(np.uint64), neg_a,
+           dt_bias, ssm_state, ssm_columns, seg_lane, seg_row, seg_count, seg_record, out, np.int32(qk_heads),
+           np.int32(v_heads), np.int32(v_dim), np.int32(channels_qk), programmatic=programmatic)
+
+
+def gdn_recurrent_projected_reference(mixed, x, w_ab, neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row,
+                                      seg_count, seg_record, out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk):
+    rows = mixed.shape[0]
+    ab = np.asarray(x[:rows], np.float64) @ bf16_bits_to_f32(w_ab).astype(np.float64).T
+    gdn_recurrent_gated_reference(mixed, ab.astype(F32), neg_a, dt_bias, ssm_state, ssm_columns, seg_lane, seg_row,
+                                  seg_count, seg_record, out, qk_heads=qk_heads, v_heads=v_heads, k_dim=k_dim,
+                                  v_dim=v_dim, channels_qk=channels_qk)
 
 
 def gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane, seg_row, seg_count,

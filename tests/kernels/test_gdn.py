@@ -276,9 +276,11 @@ def _gpu_case(rng, d, mix, order, lanes=5, max_cols=8):
     )
 
 
-def _run_gpu(case, d, groups=gdn.REC_DEFAULT_GROUPS, gated=False):
+def _run_gpu(case, d, groups=gdn.REC_DEFAULT_GROUPS, gated=False, projected=None):
     """All four kernels on the GPU; returns host copies of every output and state. `gated`: the recurrence computes
-    the gates itself (`gdn_recurrent_gated`, the decode path) and q, k, log_decay, beta stay unwritten."""
+    the gates itself (`gdn_recurrent_gated`, the decode path) and q, k, log_decay, beta stay unwritten.
+    `projected` (x fp32 [rows, H], w_ab bf16 [2 Hv, H]): the recurrence computes the a/b projection too
+    (`gdn_recurrent_projected`; case["ab"] unread)."""
     from ninfer.kernels_numba.numba_setup import cuda
 
     stream = cuda.stream()
@@ -297,7 +299,11 @@ def _run_gpu(case, d, groups=gdn.REC_DEFAULT_GROUPS, gated=False):
     gdn.gdn_conv(dev["projected"], dev["conv_weight"], dev["conv_state"], dev["conv_columns"], *seg, mixed,
                  channels=c, stream=stream)
     heads = dict(qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv, channels_qk=2 * hq * dk, stream=stream, groups=groups)
-    if gated:
+    if projected is not None:
+        x, w_ab = (cuda.to_device(a, stream=stream) for a in projected)
+        gdn.gdn_recurrent_projected(mixed, x, w_ab, dev["neg_a"], dev["dt_bias"], dev["ssm_state"],
+                                    dev["ssm_columns"], *seg, out, **heads)
+    elif gated:
         gdn.gdn_recurrent_gated(mixed, dev["ab"], dev["neg_a"], dev["dt_bias"], dev["ssm_state"], dev["ssm_columns"],
                                 *seg, out, **heads)
     else:
@@ -405,6 +411,39 @@ def test_gpu_kernels_match_twins(shape, groups):
     for name in ("mixed", "out", "result", "ssm_state", "ssm_columns", "conv_state"):
         np.testing.assert_array_equal(gated[name], plain[name], err_msg=name)
     assert np.isnan(gated["q"]).all() and np.isnan(gated["log_decay"]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", gdn.REC_GROUP_CHOICES)
+@pytest.mark.parametrize("shape,hidden", [(GPU_SHAPES[0], 136), (GPU_SHAPES[3], 5120), (GPU_SHAPES[4], 2048)],
+                         ids=["tiny-dense", "27b", "35b"])
+def test_gpu_projected_recurrence_is_the_gated_one_on_its_projection(shape, hidden, groups):
+    """The recurrence that computes the a/b projection itself against the gated recurrence fed that projection
+    (the twin's fp32 dot products): outputs, states and recorded columns within fp32 rounding of the sums' order."""
+    from ninfer.artifact.codec import f32_to_bf16_bits
+    from ninfer.kernels_numba.linear import bf16_bits_to_f32
+
+    rng = np.random.default_rng(12)
+    d = _dims(**shape)
+    case = _gpu_case(rng, d, MIX, order=[1, 3, 0, 4, 2])
+    x = rng.standard_normal((case["rows"], hidden), dtype=F32)
+    w_ab = f32_to_bf16_bits(rng.standard_normal((2 * d.gdn_v_heads, hidden), dtype=F32) * F32(hidden ** -0.5))
+    case["ab"] = (x.astype(np.float64) @ bf16_bits_to_f32(w_ab).astype(np.float64).T).astype(F32)
+    want = _run_gpu(case, d, groups, gated=True)
+    got = _run_gpu(case, d, groups, projected=(x, w_ab))
+    for name in ("out", "result", "ssm_state"):
+        assert _rel(got[name], want[name]) < 2e-5, name
+    recorded = ~np.isnan(want["ssm_columns"])
+    np.testing.assert_array_equal(recorded, ~np.isnan(got["ssm_columns"]))
+    assert _rel(got["ssm_columns"][recorded], want["ssm_columns"][recorded]) < 2e-5
+
+
+def test_projected_recurrence_in_cuda_simulator():
+    """gdn_recurrent_projected run thread by thread against its twin (`simulated_kernels.gdn_recurrent_projected`)."""
+    from tests.support.simulated_kernels import run
+
+    assert len([line for line in run("gdn_recurrent_projected").splitlines()
+                if line.startswith("ok gdn_recurrent_projected")]) == len(gdn.REC_GROUP_CHOICES)
 
 
 @pytest.mark.gpu

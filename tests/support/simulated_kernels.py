@@ -305,6 +305,44 @@ def gdn_recurrent_gated() -> None:
         print("ok gdn_recurrent_gated", groups, *errors, flush=True)
 
 
+def gdn_recurrent_projected() -> None:
+    """The projected recurrence (the a/b projection of the normed rows computed by the recurrent kernel) against
+    its twin: a 1-row decode segment and an 11-row recording one (two staged chunks) on two of three lanes, a hidden
+    width past a block's 8-column groups with a partial pass (1040 = 130 groups), key groups 4 and 8."""
+    from ninfer.artifact import codec
+    from ninfer.kernels_numba import gdn
+    from tests.support import cuda_simulator
+
+    for function, _ in gdn._PROJECTED_RECURRENT_KERNELS.values():
+        cuda_simulator.install(function.py_func.__globals__)
+    cuda_simulator.install(vars(gdn))
+    rng = np.random.default_rng(10)
+    hq, hv, dk, dv, lanes, hidden = 1, 2, 16, 16, 3, 1040
+    heads = dict(qk_heads=hq, v_heads=hv, k_dim=dk, v_dim=dv, channels_qk=2 * hq * dk)
+    seg = (np.array([2, 0], np.int32), np.array([0, 1], np.int32), np.array([1, 11], np.int32),
+           np.array([0, 1], np.int32))
+    rows = 12
+    mixed = rng.standard_normal((rows, 2 * hq * dk + hv * dv)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w_ab = codec.f32_to_bf16_bits((rng.standard_normal((2 * hv, hidden)) * 0.03).astype(np.float32))
+    neg_a = -rng.uniform(0.5, 2.0, hv).astype(np.float32)
+    dt_bias = rng.standard_normal(hv).astype(np.float32)
+    state0 = (rng.standard_normal((lanes, hv, dk, dv)) * 0.1).astype(np.float32)
+    for groups in gdn.REC_GROUP_CHOICES:
+        state = state0.copy()
+        columns = np.full((lanes, rows, hv, dk, dv), np.nan, np.float32)
+        out = np.full((rows, hv, dv), np.nan, np.float32)
+        gdn.gdn_recurrent_projected(mixed, x, w_ab, neg_a, dt_bias, state, columns, *seg, out, stream=0,
+                                    groups=groups, **heads)
+        want_state, want_columns = state0.copy(), np.full((lanes, rows, hv, dk, dv), np.nan, np.float32)
+        want_out = np.full((rows, hv, dv), np.nan, np.float32)
+        gdn.gdn_recurrent_projected_reference(mixed, x, w_ab, neg_a, dt_bias, want_state, want_columns, *seg,
+                                              want_out, **heads)
+        errors = [_rel(out, want_out), _rel(state, want_state), _rel(columns[0, :11], want_columns[0, :11])]
+        assert max(errors) < 1e-5 and np.array_equal(state[1], state0[1]), errors
+        print("ok gdn_recurrent_projected", groups, *errors, flush=True)
+
+
 def quant_mma() -> None:
     """The tensor-core quantized decode kernels of every format against their twins: x fragments, the plain GEMV
     with one and two fragment sets and accumulation (a partial row tile; one x row, whose lanes read narrow x), over
@@ -991,7 +1029,8 @@ def moe_group() -> None:
 
 
 CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
-          "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated, "quant_mma": quant_mma,
+          "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated,
+          "gdn_recurrent_projected": gdn_recurrent_projected, "quant_mma": quant_mma,
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,

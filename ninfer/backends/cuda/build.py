@@ -52,10 +52,12 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                       decode_linear: str = "cublas", decode_quant: str = "mma", vision: bool = False,
                       vision_on_device: bool = True, branches: bool | None = None,
                       programmatic_launch: bool = True, narrow_decode: bool | None = None,
-                      split_k_norm: int = DEFAULT_SPLIT_K_NORM, conv_in_projection: bool = True) -> CudaBuild:
+                      split_k_norm: int = DEFAULT_SPLIT_K_NORM, conv_in_projection: bool = True,
+                      ab_in_recurrence: bool = True) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`,
-    `programmatic_launch`, `narrow_decode`, `split_k_norm`, `conv_in_projection`: see `Capacity`.
+    `programmatic_launch`, `narrow_decode`, `split_k_norm`, `conv_in_projection`, `ab_in_recurrence`: see
+    `Capacity`.
     `vision` builds the Vision tower: on the GPU (`CudaVisionTower`, its scratch arena sized for the largest item
     serving admits: `vision_max_patches`), or on the host with `vision_on_device=False`."""
     dims = artifact_dims(artifact)
@@ -71,7 +73,8 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                         draft_head=config.lm_head_draft, spec=spec, tensor_core_attention=tensor_core_attention,
                         decode_linear=decode_linear, decode_quant=decode_quant, branches=branches,
                         programmatic_launch=programmatic_launch, narrow_decode=narrow_decode,
-                        split_k_norm=split_k_norm, conv_in_projection=conv_in_projection)
+                        split_k_norm=split_k_norm, conv_in_projection=conv_in_projection,
+                        ab_in_recurrence=ab_in_recurrence)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity, dflash=drafter)
     tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
     if tower is not None and vision_on_device:

@@ -290,6 +290,10 @@ def gdn_recurrent_gated(*args, stream, programmatic=False, **kwargs):  # host la
     _gdn.gdn_recurrent_gated_reference(*args, **kwargs)
 
 
+def gdn_recurrent_projected(*args, stream, programmatic=False, **kwargs):  # host launches run in order
+    _gdn.gdn_recurrent_projected_reference(*args, **kwargs)
+
+
 def gdn_chunked(*args, stream, multiprocessors, **kwargs):  # the SM count only picks the kernel's slice
     _gdn_chunked.gdn_chunked_reference(*args, **kwargs)
 

@@ -11,7 +11,7 @@ from ninfer.kernels_numba.elementwise import (add_slices_rms_norm_rows, embed_ro
                                               silu_mul_to_bf16_rows, to_bf16_rows)
 from ninfer.kernels_numba.fill import fill_uniform
 from ninfer.kernels_numba.gdn import (gdn_conv, gdn_conv_normed, gdn_gates, gdn_output, gdn_recurrent,
-                                      gdn_recurrent_gated)
+                                      gdn_recurrent_gated, gdn_recurrent_projected)
 from ninfer.kernels_numba.gdn_chunked import gdn_chunked
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered, linear_bf16_gathered_swiglu
@@ -60,6 +60,7 @@ __all__ = [
     "gdn_output",
     "gdn_recurrent",
     "gdn_recurrent_gated",
+    "gdn_recurrent_projected",
     "linear_bf16",
     "linear_bf16_gathered",
     "linear_bf16_gathered_swiglu",

@@ -168,6 +168,11 @@ class Capacity:
     # B=1 7.59 / 7.61 -> 7.53 / 7.51, B=8 10.66 -> 10.67; 35B-A3B ninfer-v2 B=1 3.01 / 3.02 -> 3.04 / 3.02, B=8
     # 5.51 / 5.52 -> 5.53 / 5.51 (level).
     conv_in_projection: bool = True
+    # Gated DeltaNet decode rows with a bf16 a/b projection: the projection computed by the recurrence's blocks from
+    # the normed rows' bf16 copy (`gdn_recurrent_projected`) instead of a GEMV launch before it. That GEMV (2 Hv rows,
+    # ~0.3 MB) sat on the critical path: serially on the dense models, and beside a tensor-core in-projection that
+    # held every SM on the 35B-A3B (its side-stream launch waited ~11 us for SMs, the recurrence ~5 us for it).
+    ab_in_recurrence: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -1087,6 +1092,7 @@ class CudaQwen:
         self.split_k_norm = capacity.split_k_norm
         self._pending_partials: Any = None
         self.conv_in_projection = capacity.conv_in_projection  # switchable between steps
+        self.ab_in_recurrence = capacity.ab_in_recurrence  # switchable between steps
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
         # the decode paths timed on the GPU (a HostDevice's twins have no timing to go by: the settings decide there)
         self.decode_linear_timings: dict = {}
@@ -1405,10 +1411,14 @@ class CudaQwen:
                kv: KvPool | None) -> None:
         ws, stream, d = self.workspace, self.device.stream, self.dims
         x, h = ws.x[:rows], ws.h[:rows]
-        mixer = (layer.attention.in_proj,) if layer.attention is not None else (layer.gdn.in_proj, layer.gdn.ab_proj)
+        projects_ab = layer.attention is None and self._projects_ab(layer.gdn, rows, prefill is not None)
+        mixer = ((layer.attention.in_proj,) if layer.attention is not None else (layer.gdn.in_proj,) if projects_ab
+                 else (layer.gdn.in_proj, layer.gdn.ab_proj))
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *mixer)
         h_frag = self.linear.fragment_input(rows, *mixer)
-        self._norm(x, layer.input_norm, _fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16, out_fragments=h_frag)
+        # the recurrence that projects a/b reads the fp32 rows
+        self._norm(x, layer.input_norm, h if projects_ab else _fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16,
+                   out_fragments=h_frag)
         if layer.attention is not None:
             self._attention(layer.attention, rows, prefill, kv, h_bf16, h_frag)
         else:
@@ -1521,7 +1531,8 @@ class CudaQwen:
         rule runs in chunks on the tensor cores (`gdn_chunked`, TF32 products) instead of row by row."""
         ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
         projected, ab, mixed = ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
-        side = self._side(rows) if not isinstance(w.ab_proj, SplitMatrix) else None
+        projects_ab = self._projects_ab(w, rows, chunked)
+        side = self._side(rows) if not isinstance(w.ab_proj, SplitMatrix) and not projects_ab else None
         if side is not None:  # a/b beside in_proj and the conv (bf16: it converts h into its own scratch)
             side.fork()
             side_linear = self.linear.beside(side, self._side_scratch)
@@ -1536,7 +1547,7 @@ class CudaQwen:
                                     ws.mixed, rows=rows, channels=d.gdn_conv_channels, x_fragments=h_frag)
         else:
             self.linear(ws.h, w.in_proj, ws.projected, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
-        if side is None:
+        if side is None and not projects_ab:
             self.linear(ws.h, w.ab_proj, ws.ab, rows=rows, x_bf16=h_bf16, x_fragments=h_frag)
         # in chunks, the conv normalises q and k itself where a warp holds a head (`gdn_conv_normed`)
         normed_conv = in_chunks and conv_normed_fits(projected, w.conv, state.conv, state.conv_columns, mixed,
@@ -1560,6 +1571,10 @@ class CudaQwen:
                              norms=not normed_conv)
             self.k.gdn_chunked(q, k, mixed, log_decay, beta, state.ssm, *seg[:3], out, ws.gdn_cum, ws.gdn_mats,
                                rows=rows, multiprocessors=self.multiprocessors, **heads)
+        elif projects_ab:  # the a/b projection and the gates inside the recurrence
+            self.k.gdn_recurrent_projected(mixed, ws.h[:rows], w.ab_proj.data, w.neg_a, w.dt_bias, state.ssm,
+                                           state.ssm_columns, *seg, out, programmatic=self.linear.programmatic,
+                                           **heads)
         else:  # the gates computed inside the recurrence (one launch fewer, the same bits)
             self.k.gdn_recurrent_gated(mixed, ab, w.neg_a, w.dt_bias, state.ssm, state.ssm_columns, *seg, out,
                                        programmatic=self.linear.programmatic, **heads)
@@ -1657,6 +1672,16 @@ class CudaQwen:
     def set_conv_in_projection(self, on: bool) -> None:
         """Capacity.conv_in_projection, switchable between steps like the branches."""
         self.conv_in_projection = on
+
+    def set_ab_in_recurrence(self, on: bool) -> None:
+        """Capacity.ab_in_recurrence, switchable between steps like the branches."""
+        self.ab_in_recurrence = on
+
+    def _projects_ab(self, w: Any, rows: int, chunked: bool) -> bool:
+        """Whether a Gated DeltaNet layer's recurrence computes its a/b projection (`Capacity.ab_in_recurrence`):
+        rows that take the recurrence (not the chunked rule) and a bf16 projection."""
+        return (self.ab_in_recurrence and isinstance(w.ab_proj, Bf16Matrix)
+                and not (chunked and rows > SKINNY_ROWS))
 
     def _norm(self, x: Any, weight: Any, out: Any, *, out_bf16: Any = None, out_fragments: Any = None) -> None:
         """out = rms_norm(x, weight) (offset), as `rms_norm_rows` writes it; a decode MoE combine left pending by
