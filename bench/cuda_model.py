@@ -189,7 +189,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  attention_splits: tuple[int | None, ...] = (None,),
                  split_floors: tuple[int | None, ...] = (None,), split_k_norms: tuple[int, ...] = (0,),
                  conv_in_projections: tuple[bool, ...] = (True,),
-                 ab_in_recurrences: tuple[bool, ...] = (True,)) -> dict:
+                 ab_in_recurrences: tuple[bool | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change."""
@@ -275,7 +275,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "") + (
                 " -narrow" if not thin else "") + (f" splits {splits}" if len(attention_splits) > 1 else "") + (
                 f" floor {floor}" if len(split_floors) > 1 else "") + (f" split-K {sliced}" if sliced else "") + (
-                " -conv-in-projection" if not conv else "") + (" -ab-in-recurrence" if not fused_ab else "")
+                " -conv-in-projection" if not conv else "") + (" -ab-in-recurrence" if fused_ab is False else " +ab-in-recurrence" if fused_ab else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB  back to back {queued * 1e3:.2f} ms (ratio {roofline / queued:.2f}), launch "
@@ -592,9 +592,10 @@ def main() -> None:
     parser.add_argument("--conv-in-projection", default="on",
                         help="decode with the Gated DeltaNet conv in the quantized in-projection's launch off "
                              "and/or on (off,on; default: on, the serving default); the MTP rounds use the last")
-    parser.add_argument("--ab-in-recurrence", default="on",
+    parser.add_argument("--ab-in-recurrence", default="default",
                         help="decode with the Gated DeltaNet a/b projection computed in the recurrence's launch off "
-                             "and/or on (off,on; default: on, the serving default); the MTP rounds use the last")
+                             "and/or on (off,on; default: the serving default, on beside a tensor-core "
+                             "in-projection); the MTP rounds use the last")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
@@ -644,8 +645,8 @@ def main() -> None:
                                                                               args.split_k_norm.split(",")),
                                                           conv_in_projections=on_off(parser, "--conv-in-projection",
                                                                                      args.conv_in_projection),
-                                                          ab_in_recurrences=on_off(parser, "--ab-in-recurrence",
-                                                                                   args.ab_in_recurrence)))
+                                                          ab_in_recurrences=on_off_or_default(
+                                                              parser, "--ab-in-recurrence", args.ab_in_recurrence)))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

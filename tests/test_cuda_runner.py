@@ -58,7 +58,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
                narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True,
-               ab_in_recurrence: bool = True):
+               ab_in_recurrence: bool | None = True):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -660,6 +660,22 @@ def test_ab_in_recurrence_keeps_the_tokens(device_kind, artifacts, kind, recipe,
     eager.model.set_ab_in_recurrence(False)
     monkeypatch.setattr(eager.model.k, "gdn_recurrent_projected", lambda *a, **kw: pytest.fail("a/b projected"))
     run_lanes(eager.runner, prompts[:1], 4)
+
+
+@pytest.mark.parametrize("kind,recipe", CASES)
+def test_ab_in_recurrence_defaults_to_the_tensor_core_in_projections(device_kind, artifacts, kind, recipe,
+                                                                      monkeypatch):
+    """Capacity.ab_in_recurrence None: the recurrence projects a/b where the in-projection is a tensor-core
+    quantized matrix (ninfer-v2 with the tensor-core decode kernels), not beside a bf16 in-projection's GEMM."""
+    build = cuda_build(device_kind, artifacts[(kind, recipe)], graphs=False, ab_in_recurrence=None,
+                       decode_linear="cublas", decode_quant="mma")
+    calls = []
+    for name in ("gdn_recurrent_projected", "gdn_recurrent_gated"):
+        launcher = getattr(build.model.k, name)
+        monkeypatch.setattr(build.model.k, name,
+                            lambda *a, _name=name, _launch=launcher, **kw: calls.append(_name) or _launch(*a, **kw))
+    run_lanes(build.runner, [prompt(4, 9)], 3)
+    assert set(calls) == {"gdn_recurrent_projected" if recipe == "ninfer-v2" else "gdn_recurrent_gated"}
 
 
 def test_capacity_settings_are_checked_where_they_are_given():

@@ -53,7 +53,7 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                       vision_on_device: bool = True, branches: bool | None = None,
                       programmatic_launch: bool = True, narrow_decode: bool | None = None,
                       split_k_norm: int = DEFAULT_SPLIT_K_NORM, conv_in_projection: bool = True,
-                      ab_in_recurrence: bool = True) -> CudaBuild:
+                      ab_in_recurrence: bool | None = None) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`,
     `programmatic_launch`, `narrow_decode`, `split_k_norm`, `conv_in_projection`, `ab_in_recurrence`: see

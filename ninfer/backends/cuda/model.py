@@ -169,10 +169,16 @@ class Capacity:
     # 5.51 / 5.52 -> 5.53 / 5.51 (level).
     conv_in_projection: bool = True
     # Gated DeltaNet decode rows with a bf16 a/b projection: the projection computed by the recurrence's blocks from
-    # the normed rows' bf16 copy (`gdn_recurrent_projected`) instead of a GEMV launch before it. That GEMV (2 Hv rows,
-    # ~0.3 MB) sat on the critical path: serially on the dense models, and beside a tensor-core in-projection that
-    # held every SM on the 35B-A3B (its side-stream launch waited ~11 us for SMs, the recurrence ~5 us for it).
-    ab_in_recurrence: bool = True
+    # the fp32 normed rows (`gdn_recurrent_projected`) instead of a GEMV launch before it. That GEMV (2 Hv rows, ~0.3
+    # MB) sat on the critical path: serially on the dense models, and beside a tensor-core in-projection that held
+    # every SM on the 35B-A3B (its side-stream launch waited ~11 us for SMs, the recurrence ~5 us for it). None: on
+    # where the in-projection is a tensor-core quantized matrix (ninfer-v2), as measured on the H200
+    # (bench/cuda_model.py --ab-in-recurrence off,on, ms a step; results/*ab_in_recurrence*session32.json):
+    # 35B-A3B ninfer-v2 B=1 2.93 -> 2.77, B=8 5.38 -> 5.38; 27B ninfer-v2 B=1 7.35 -> 7.36. Off beside a cuBLAS
+    # in-projection (bf16), where the projection overlaps it: 35B-A3B bf16 B=1 3.56 -> 3.62, B=8 8.17 -> 8.43 (the
+    # first form of the kernel, a group of columns a round trip). Row-independent, so a step's rows never change it
+    # (greedy MTP stays greedy).
+    ab_in_recurrence: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -1092,7 +1098,7 @@ class CudaQwen:
         self.split_k_norm = capacity.split_k_norm
         self._pending_partials: Any = None
         self.conv_in_projection = capacity.conv_in_projection  # switchable between steps
-        self.ab_in_recurrence = capacity.ab_in_recurrence  # switchable between steps
+        self.ab_in_recurrence = capacity.ab_in_recurrence  # switchable between steps (None: by the in-projection)
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
         # the decode paths timed on the GPU (a HostDevice's twins have no timing to go by: the settings decide there)
         self.decode_linear_timings: dict = {}
@@ -1673,15 +1679,17 @@ class CudaQwen:
         """Capacity.conv_in_projection, switchable between steps like the branches."""
         self.conv_in_projection = on
 
-    def set_ab_in_recurrence(self, on: bool) -> None:
+    def set_ab_in_recurrence(self, on: bool | None) -> None:
         """Capacity.ab_in_recurrence, switchable between steps like the branches."""
         self.ab_in_recurrence = on
 
     def _projects_ab(self, w: Any, rows: int, chunked: bool) -> bool:
-        """Whether a Gated DeltaNet layer's recurrence computes its a/b projection (`Capacity.ab_in_recurrence`):
-        rows that take the recurrence (not the chunked rule) and a bf16 projection."""
-        return (self.ab_in_recurrence and isinstance(w.ab_proj, Bf16Matrix)
-                and not (chunked and rows > SKINNY_ROWS))
+        """Whether a Gated DeltaNet layer's recurrence computes its a/b projection (`Capacity.ab_in_recurrence`;
+        None: where the in-projection is a tensor-core quantized matrix): rows that take the recurrence (not the
+        chunked rule) and a bf16 projection."""
+        on = (all(_tensor_core(part) for part in _row_blocks(w.in_proj)) if self.ab_in_recurrence is None
+              else self.ab_in_recurrence)
+        return on and isinstance(w.ab_proj, Bf16Matrix) and not (chunked and rows > SKINNY_ROWS)
 
     def _norm(self, x: Any, weight: Any, out: Any, *, out_bf16: Any = None, out_fragments: Any = None) -> None:
         """out = rms_norm(x, weight) (offset), as `rms_norm_rows` writes it; a decode MoE combine left pending by
