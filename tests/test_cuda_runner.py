@@ -624,9 +624,14 @@ def test_conv_in_projection_changes_no_token(device_kind, artifacts, kind, monke
         assert graphs.model.conv_in_projection and run_lanes(graphs.runner, prompts, 16) == want, draft_tokens
         greedy = greedy or got
         assert got == greedy
-    eager.model.set_conv_in_projection(False)
-    monkeypatch.setattr(eager.model.k, "linear_quant_mma_conv", lambda *a, **kw: pytest.fail("conv fused"))
-    run_lanes(eager.runner, prompts[:1], 4)
+    _switched_off_between_steps(eager, monkeypatch, "conv_in_projection", "linear_quant_mma_conv", prompts)
+
+
+def _switched_off_between_steps(build, monkeypatch, setting: str, launcher: str, prompts) -> None:
+    """`set_<setting>(False)` on a built model: its next steps launch no `launcher`."""
+    getattr(build.model, f"set_{setting}")(False)
+    monkeypatch.setattr(build.model.k, launcher, lambda *a, **kw: pytest.fail(f"{launcher} with {setting} off"))
+    run_lanes(build.runner, prompts[:1], 4)
 
 
 @pytest.mark.parametrize("kind,recipe", CASES)
@@ -657,9 +662,7 @@ def test_ab_in_recurrence_keeps_the_tokens(device_kind, artifacts, kind, recipe,
         assert graphs.model.ab_in_recurrence and run_lanes(graphs.runner, prompts, 16) == got, draft_tokens
         greedy = greedy or got
         assert got == greedy
-    eager.model.set_ab_in_recurrence(False)
-    monkeypatch.setattr(eager.model.k, "gdn_recurrent_projected", lambda *a, **kw: pytest.fail("a/b projected"))
-    run_lanes(eager.runner, prompts[:1], 4)
+    _switched_off_between_steps(eager, monkeypatch, "ab_in_recurrence", "gdn_recurrent_projected", prompts)
 
 
 @pytest.mark.parametrize("kind,recipe", CASES)
