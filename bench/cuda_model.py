@@ -189,7 +189,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  attention_splits: tuple[int | None, ...] = (None,),
                  split_floors: tuple[int | None, ...] = (None,), split_k_norms: tuple[int, ...] = (0,),
                  conv_in_projections: tuple[bool, ...] = (True,),
-                 ab_in_recurrences: tuple[bool | None, ...] = (None,)) -> dict:
+                 ab_in_recurrences: tuple[bool | None, ...] = (None,),
+                 recurrence_groups: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change."""
@@ -216,11 +217,11 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
     narrow = tuple(not dims.is_moe if thin is None else thin for thin in narrow)  # None: the serving default
     split_floors = tuple(capacity.attention_min_split_keys if floor is None else floor for floor in split_floors)
-    for splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab in (
-            (splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab) for splits in attention_splits
+    for splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab, groups in (
+            (splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab, groups) for splits in attention_splits
             for floor in split_floors for linear in decode_linears for side in branches for pdl in programmatic
             for thin in narrow for sliced in split_k_norms for conv in conv_in_projections
-            for fused_ab in ab_in_recurrences):
+            for fused_ab in ab_in_recurrences for groups in recurrence_groups):
         model.set_attention_splits(splits)
         model.set_attention_min_split_keys(floor)
         model.set_branches(side)
@@ -229,6 +230,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.set_split_k_norm(sliced)
         model.set_conv_in_projection(conv)
         model.set_ab_in_recurrence(fused_ab)
+        model.set_recurrence_groups(groups or model.capacity.recurrence_groups)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default), "cublas:N" (padded to N
         # rows; 0: no padding) or "auto" (each shape's path timed on the GPU, cuBLAS padded to the decode rows where
         # it wins: `linear_tuning`). The Linear reads these settings at every call: no rebuild needed.
@@ -265,6 +267,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             roofline = nbytes / bandwidth
             decode.append({"linear": linear, "branches": side, "programmatic": pdl, "narrow": thin,
                            "split_k_norm": sliced, "conv_in_projection": conv, "ab_in_recurrence": fused_ab,
+                           "recurrence_groups": model.recurrence_groups,
                            "attention_splits": model.workspace.partials.shape[2], "min_split_keys": floor,
                            "context": context, "batch": batch,
                            "step_ms": seconds * 1e3,
@@ -275,7 +278,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             label = linear + (" +branches" if side else "") + (" +programmatic" if pdl else "") + (
                 " -narrow" if not thin else "") + (f" splits {splits}" if len(attention_splits) > 1 else "") + (
                 f" floor {floor}" if len(split_floors) > 1 else "") + (f" split-K {sliced}" if sliced else "") + (
-                " -conv-in-projection" if not conv else "") + (" -ab-in-recurrence" if fused_ab is False else " +ab-in-recurrence" if fused_ab else "")
+                " -conv-in-projection" if not conv else "") + (
+                {False: " -ab-in-recurrence", True: " +ab-in-recurrence"}.get(fused_ab, "")) + (
+                f" groups {groups}" if groups else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB  back to back {queued * 1e3:.2f} ms (ratio {roofline / queued:.2f}), launch "
@@ -298,6 +303,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.set_split_k_norm(split_k_norms[-1])
     model.set_conv_in_projection(conv_in_projections[-1])
     model.set_ab_in_recurrence(ab_in_recurrences[-1])
+    model.set_recurrence_groups(recurrence_groups[-1] or model.capacity.recurrence_groups)
     result["decode"] = decode
     result["branches_after_decode"] = branches[-1]
     result["programmatic_after_decode"] = programmatic[-1]
@@ -596,6 +602,9 @@ def main() -> None:
                         help="decode with the Gated DeltaNet a/b projection computed in the recurrence's launch off "
                              "and/or on (off,on; default: the serving default, on beside a tensor-core "
                              "in-projection); the MTP rounds use the last")
+    parser.add_argument("--recurrence-groups", default="default",
+                        help="decode with the recurrence's key sums split over these many threads (a list of 4 and "
+                             "8 times each; default: the serving default); the MTP rounds use the last")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
@@ -646,7 +655,9 @@ def main() -> None:
                                                           conv_in_projections=on_off(parser, "--conv-in-projection",
                                                                                      args.conv_in_projection),
                                                           ab_in_recurrences=on_off_or_default(
-                                                              parser, "--ab-in-recurrence", args.ab_in_recurrence)))
+                                                              parser, "--ab-in-recurrence", args.ab_in_recurrence),
+                                                          recurrence_groups=counts_or_default(
+                                                              args.recurrence_groups)))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -58,7 +58,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
                narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True,
-               ab_in_recurrence: bool | None = True):
+               ab_in_recurrence: bool | None = True, recurrence_groups: int = 4):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
@@ -69,7 +69,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                              tensor_core_attention=tensor_core_attention, decode_linear=decode_linear,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
                              narrow_decode=narrow_decode, split_k_norm=split_k_norm,
-                             conv_in_projection=conv_in_projection, ab_in_recurrence=ab_in_recurrence)
+                             conv_in_projection=conv_in_projection, ab_in_recurrence=ab_in_recurrence,
+                             recurrence_groups=recurrence_groups)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -692,6 +693,28 @@ def test_capacity_settings_are_checked_where_they_are_given():
     for slices in (-1, 3, 16):
         with pytest.raises(ValueError, match=f"split_k_norm must be 0 .off. or one of 1, 2, 4, 8 slices, got {slices}"):
             Capacity(**sizes, split_k_norm=slices)
+    with pytest.raises(ValueError, match="recurrence_groups must be one of 4, 8, got 2"):
+        Capacity(**sizes, recurrence_groups=2)
+
+
+@pytest.mark.parametrize("kind,recipe", [("dense", "bf16"), ("moe", "ninfer-v2")])
+def test_eight_key_groups_keep_the_tokens(device_kind, artifacts, kind, recipe):
+    """Capacity.recurrence_groups 8: the decode recurrence's key sums over 8 threads (another fp32 order): the
+    tokens of 4 groups or a near tie, greedy MTP equal to greedy, graphs as eager. A bad count is refused."""
+    path = artifacts[(kind, recipe)]
+    prompts = [prompt(4, 9), prompt(5, 33)]
+    settings = dict(decode_linear="cublas", decode_quant="mma") if recipe == "ninfer-v2" else {}
+    want = run_lanes(cuda_build(device_kind, path, **settings).runner, prompts, 12)
+    eight = [run_lanes(cuda_build(device_kind, path, recurrence_groups=8, graphs=graphs, draft_tokens=draft,
+                                  **settings).runner, prompts, 12)
+             for graphs, draft in ((False, 0), (True, 0), (True, 3))]
+    cpu = load_model(path)
+    for tokens, reference, ids in zip(eight[0], want, prompts):
+        assert_same_or_near_tie(tokens, reference, cpu, ids)
+    assert eight[1] == eight[0] and eight[2] == eight[0]
+    build = cuda_build(device_kind, path, **settings)
+    with pytest.raises(ValueError, match="recurrence_groups must be one of 4, 8, got 16"):
+        build.model.set_recurrence_groups(16)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

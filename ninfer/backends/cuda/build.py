@@ -19,6 +19,7 @@ from ninfer.backends.cuda.model import DEFAULT_SPLIT_K_NORM, PAGE_TOKENS, Capaci
 from ninfer.backends.cuda.runner import CudaRunner
 from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.backends.cuda.weights import ArtifactDeviceWeights
+from ninfer.kernels_numba.gdn import REC_DEFAULT_GROUPS
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES, plan_kv_pool
 from ninfer.media.prepare import MAX_RAW_PATCHES
@@ -53,11 +54,12 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                       vision_on_device: bool = True, branches: bool | None = None,
                       programmatic_launch: bool = True, narrow_decode: bool | None = None,
                       split_k_norm: int = DEFAULT_SPLIT_K_NORM, conv_in_projection: bool = True,
-                      ab_in_recurrence: bool | None = None) -> CudaBuild:
+                      ab_in_recurrence: bool | None = None,
+                      recurrence_groups: int = REC_DEFAULT_GROUPS) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`,
-    `programmatic_launch`, `narrow_decode`, `split_k_norm`, `conv_in_projection`, `ab_in_recurrence`: see
-    `Capacity`.
+    `programmatic_launch`, `narrow_decode`, `split_k_norm`, `conv_in_projection`, `ab_in_recurrence`,
+    `recurrence_groups`: see `Capacity`.
     `vision` builds the Vision tower: on the GPU (`CudaVisionTower`, its scratch arena sized for the largest item
     serving admits: `vision_max_patches`), or on the host with `vision_on_device=False`."""
     dims = artifact_dims(artifact)
@@ -74,7 +76,7 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                         decode_linear=decode_linear, decode_quant=decode_quant, branches=branches,
                         programmatic_launch=programmatic_launch, narrow_decode=narrow_decode,
                         split_k_norm=split_k_norm, conv_in_projection=conv_in_projection,
-                        ab_in_recurrence=ab_in_recurrence)
+                        ab_in_recurrence=ab_in_recurrence, recurrence_groups=recurrence_groups)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity, dflash=drafter)
     tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
     if tower is not None and vision_on_device:

@@ -286,11 +286,12 @@ def gdn_recurrent(*args, stream, **kwargs):
     _gdn.gdn_recurrent_reference(*args, **kwargs)
 
 
-def gdn_recurrent_gated(*args, stream, programmatic=False, **kwargs):  # host launches run in order
+# host launches run in order; the twins sum in their own order whatever the key groups
+def gdn_recurrent_gated(*args, stream, programmatic=False, groups=None, **kwargs):
     _gdn.gdn_recurrent_gated_reference(*args, **kwargs)
 
 
-def gdn_recurrent_projected(*args, stream, programmatic=False, **kwargs):  # host launches run in order
+def gdn_recurrent_projected(*args, stream, programmatic=False, groups=None, **kwargs):
     _gdn.gdn_recurrent_projected_reference(*args, **kwargs)
 
 

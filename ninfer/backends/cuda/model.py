@@ -36,7 +36,7 @@ from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.attention import check_min_split_keys, check_splits, row_splits
 from ninfer.kernels_numba.elementwise import ADD_SLICES
-from ninfer.kernels_numba.gdn import conv_normed_fits
+from ninfer.kernels_numba.gdn import REC_DEFAULT_GROUPS, REC_GROUP_CHOICES, conv_normed_fits
 from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
 from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
 from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_INFO, LAYOUT_PADDED,
@@ -179,6 +179,11 @@ class Capacity:
     # first form of the kernel, a group of columns a round trip). Row-independent, so a step's rows never change it
     # (greedy MTP stays greedy).
     ab_in_recurrence: bool | None = None
+    # Key groups of the decode recurrence (`gdn.gdn_recurrent`: 4 or 8 threads share a value column's key-dim sum;
+    # 8 halves a thread's registers, 166 against 242-255 at key dim 128, so more blocks fit an SM when a step has
+    # many: the 35B-A3B's B=8 recurrence ran 23.8 us a layer against 6.8 at B=1, ~0.3 of copy). It fixes the
+    # sums' order: one value a deployment. Not yet timed on the H200 (bench/cuda_model.py --recurrence-groups 4,8).
+    recurrence_groups: int = REC_DEFAULT_GROUPS
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -193,6 +198,9 @@ class Capacity:
         if self.dequant_ahead is not None and self.dequant_ahead < 0:
             raise ValueError(f"dequant_ahead must be 0 or more, got {self.dequant_ahead}")
         check_split_k_norm(self.split_k_norm)
+        if self.recurrence_groups not in REC_GROUP_CHOICES:
+            raise ValueError(f"recurrence_groups must be one of {', '.join(map(str, REC_GROUP_CHOICES))}, got "
+                             f"{self.recurrence_groups}")
 
     @property
     def mtp(self) -> bool:
@@ -1099,6 +1107,7 @@ class CudaQwen:
         self._pending_partials: Any = None
         self.conv_in_projection = capacity.conv_in_projection  # switchable between steps
         self.ab_in_recurrence = capacity.ab_in_recurrence  # switchable between steps (None: by the in-projection)
+        self.recurrence_groups = capacity.recurrence_groups  # switchable between steps (the bench times each)
         self.set_branches(dims.is_moe if capacity.branches is None else capacity.branches)
         # the decode paths timed on the GPU (a HostDevice's twins have no timing to go by: the settings decide there)
         self.decode_linear_timings: dict = {}
@@ -1580,10 +1589,11 @@ class CudaQwen:
         elif projects_ab:  # the a/b projection and the gates inside the recurrence
             self.k.gdn_recurrent_projected(mixed, ws.h[:rows], w.ab_proj.data, w.neg_a, w.dt_bias, state.ssm,
                                            state.ssm_columns, *seg, out, programmatic=self.linear.programmatic,
-                                           **heads)
+                                           groups=self.recurrence_groups, **heads)
         else:  # the gates computed inside the recurrence (one launch fewer, the same bits)
             self.k.gdn_recurrent_gated(mixed, ab, w.neg_a, w.dt_bias, state.ssm, state.ssm_columns, *seg, out,
-                                       programmatic=self.linear.programmatic, **heads)
+                                       programmatic=self.linear.programmatic, groups=self.recurrence_groups,
+                                       **heads)
         normed = ws.gdn_normed[:rows]
         normed_bf16 = self.linear.bf16_input(rows, normed.shape[1], layer.gdn_output)
         normed_frag = self.linear.fragment_input(rows, layer.gdn_output)
@@ -1678,6 +1688,12 @@ class CudaQwen:
     def set_conv_in_projection(self, on: bool) -> None:
         """Capacity.conv_in_projection, switchable between steps like the branches."""
         self.conv_in_projection = on
+
+    def set_recurrence_groups(self, groups: int) -> None:
+        """Capacity.recurrence_groups, switchable between steps (the bench's comparison; a deployment keeps one)."""
+        if groups not in REC_GROUP_CHOICES:
+            raise ValueError(f"recurrence_groups must be one of {', '.join(map(str, REC_GROUP_CHOICES))}, got {groups}")
+        self.recurrence_groups = groups
 
     def set_ab_in_recurrence(self, on: bool | None) -> None:
         """Capacity.ab_in_recurrence, switchable between steps like the branches."""
