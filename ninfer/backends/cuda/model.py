@@ -198,9 +198,7 @@ class Capacity:
         if self.dequant_ahead is not None and self.dequant_ahead < 0:
             raise ValueError(f"dequant_ahead must be 0 or more, got {self.dequant_ahead}")
         check_split_k_norm(self.split_k_norm)
-        if self.recurrence_groups not in REC_GROUP_CHOICES:
-            raise ValueError(f"recurrence_groups must be one of {', '.join(map(str, REC_GROUP_CHOICES))}, got "
-                             f"{self.recurrence_groups}")
+        check_recurrence_groups(self.recurrence_groups)
 
     @property
     def mtp(self) -> bool:
@@ -1437,7 +1435,8 @@ class CudaQwen:
         if layer.attention is not None:
             self._attention(layer.attention, rows, prefill, kv, h_bf16, h_frag)
         else:
-            self._gdn(layer, self.gdn[index], rows, segments, h_bf16, h_frag, chunked=prefill is not None)
+            self._gdn(layer, self.gdn[index], rows, segments, h_bf16, h_frag, chunked=prefill is not None,
+                      projects_ab=projects_ab)
         ffn = layer.ffn
         consumers = ((ffn.gate_up,) if isinstance(ffn, DenseFfn)
                      else (ffn.router_shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
@@ -1541,12 +1540,13 @@ class CudaQwen:
                         length=length, group=group, stream=stream, out_bf16=out_bf16)
 
     def _gdn(self, layer: LayerWeights, state: GdnLayerState, rows: int, segments: int, h_bf16: Any,
-             h_frag: Any, *, chunked: bool) -> None:
+             h_frag: Any, *, chunked: bool, projects_ab: bool) -> None:
         """`chunked`: a prefill chunk of one lane (no per-row states recorded); past SKINNY_ROWS rows its gated delta
-        rule runs in chunks on the tensor cores (`gdn_chunked`, TF32 products) instead of row by row."""
+        rule runs in chunks on the tensor cores (`gdn_chunked`, TF32 products) instead of row by row.
+        `projects_ab`: the recurrence computes the a/b projection from the fp32 normed rows (`_projects_ab`, decided
+        once a layer by `_layer`, whose norm then writes those rows)."""
         ws, stream, d, inputs, w = self.workspace, self.device.stream, self.dims, self.inputs, layer.gdn
         projected, ab, mixed = ws.projected[:rows], ws.ab[:rows], ws.mixed[:rows]
-        projects_ab = self._projects_ab(w, rows, chunked)
         side = self._side(rows) if not isinstance(w.ab_proj, SplitMatrix) and not projects_ab else None
         if side is not None:  # a/b beside in_proj and the conv (bf16: it converts h into its own scratch)
             side.fork()
@@ -1691,8 +1691,7 @@ class CudaQwen:
 
     def set_recurrence_groups(self, groups: int) -> None:
         """Capacity.recurrence_groups, switchable between steps (the bench's comparison; a deployment keeps one)."""
-        if groups not in REC_GROUP_CHOICES:
-            raise ValueError(f"recurrence_groups must be one of {', '.join(map(str, REC_GROUP_CHOICES))}, got {groups}")
+        check_recurrence_groups(groups)
         self.recurrence_groups = groups
 
     def set_ab_in_recurrence(self, on: bool | None) -> None:
@@ -1995,6 +1994,12 @@ def _runs(values: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 CHECKPOINT_SLOTS = 2
+
+
+def check_recurrence_groups(groups: int) -> None:
+    """The ValueError of a Capacity.recurrence_groups the recurrence has no compiled variant for."""
+    if groups not in REC_GROUP_CHOICES:
+        raise ValueError(f"recurrence_groups must be one of {', '.join(map(str, REC_GROUP_CHOICES))}, got {groups}")
 
 
 def check_split_k_norm(slices: int) -> None:
