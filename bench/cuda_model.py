@@ -178,7 +178,8 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
                  dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
-                 decode_only: bool = False, prefill_only: bool = False, decode_quant: str = "mma",
+                 decode_only: bool = False, prefill_only: bool = False, mtp_only: bool = False,
+                 decode_quant: str = "mma",
                  batches: tuple[int, ...] = (1, 2, 4, 8),
                  prefill_attentions: tuple[str, ...] = ("kernel", "gemm"), draft_head: bool = False,
                  branches: tuple[bool | None, ...] = (None,), programmatic: tuple[bool, ...] = (True,),
@@ -193,7 +194,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  recurrence_groups: tuple[int | None, ...] = (None,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
-    prefill or MTP rounds), for a short device call after a prefill change."""
+    prefill or MTP rounds), for a short device call after a prefill change; `mtp_only`: the decode steps and the MTP
+    rounds, no prefill."""
     dims = dims or MODELS[dims_name]
     if prefill_only:
         batches = ()
@@ -310,6 +312,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     result["narrow_after_decode"] = narrow[-1]
     if decode_only:
         return result
+    if mtp_only:
+        result["mtp_round"] = mtp_rounds(model, dims, context, profile=profile)
+        return result
 
     # Prefill: one lane, 8192 tokens from position 0, eager.
     table = np.arange(capacity.max_pages_per_lane, dtype=np.int32)
@@ -387,7 +392,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
                                               profile=profile)
 
-    result["mtp_round"] = mtp_rounds(model, dims, context)
+    result["mtp_round"] = mtp_rounds(model, dims, context, profile=profile)
     return result
 
 
@@ -461,11 +466,12 @@ def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile:
     return out
 
 
-def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
+def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) -> list[dict]:
     """Batch-1 MTP round at `context` tokens, as the runner runs it: the verify graph (k+1 rows, decoder + head +
     argmax), a read of the argmaxes, the MTP-head graph over the k+1 columns, then k proposals (head + argmax graph,
-    a read) with k-1 MTP steps between them. Wall-clock per round, host work and reads included. Proposals over the
-    full head, and over the shortlist head when the model loaded one (`model.propose`, as the runner does)."""
+    a read) with k-1 MTP steps between them. Wall-clock per round, host work and reads included, and each graph's
+    GPU time alone; with `profile`, the k = 3 round's kernels. Proposals over the full head, and over the shortlist
+    head when the model loaded one (`model.propose`, as the runner does)."""
     out = []
     device = model.device
     heads = ("full", "shortlist") if model.draft_head is not None else ("full",)
@@ -514,12 +520,25 @@ def mtp_rounds(model: CudaQwen, dims, context: int) -> list[dict]:
                     graphs["advance"].replay(device.stream_handle)
 
         seconds = wall_seconds(round_, device.synchronize, repeats=20, warmup=3)
+        # GPU time of each graph alone; what the round spends beyond their sum (verify + mtp + k proposals + k - 1
+        # advances) is the host's: its reads, the copy and the launches after each read.
+        parts = {name: float(np.median(event_time(device.stream, lambda g=graph: g.replay(device.stream_handle),
+                                                  10))) * 1e3 for name, graph in graphs.items()}
+        gpu_ms = parts["verify"] + parts["mtp"] + k * parts["propose"] + (k - 1) * parts["advance"]
+        entry = {"k": k, "proposals": proposals, "round_ms": seconds * 1e3, "graph_ms": parts,
+                 "host_ms": seconds * 1e3 - gpu_ms,
+                 "tok_s_at_tokens_per_round": {str(t): t / seconds for t in (1.0 + 0.8 * k, float(k + 1))}}
+        print(f"  MTP k={k} ({proposals} head): round {seconds * 1e3:7.2f} ms (graphs; host reads included): "
+              + " ".join(f"{name} {ms:.3f}" for name, ms in parts.items())
+              + f" ms a replay, host {entry['host_ms']:.2f} ms a round", flush=True)
+        if profile and k == 3:
+            from bench.kernel_profile import print_profile, profile_replays
+
+            entry["profile"] = profile_replays(round_, device.synchronize)
+            print_profile(f"MTP k={k} ({proposals} head) round", entry["profile"])
         for graph in graphs.values():
             graph.close()
-        out.append({"k": k, "proposals": proposals, "round_ms": seconds * 1e3,
-                    "tok_s_at_tokens_per_round": {str(t): t / seconds for t in (1.0 + 0.8 * k, float(k + 1))}})
-        print(f"  MTP k={k} ({proposals} head): round {seconds * 1e3:7.2f} ms (graphs; host reads included)",
-              flush=True)
+        out.append(entry)
     return out
 
 
@@ -555,6 +574,8 @@ def main() -> None:
                         help="8K prefill attention paths to time: kernel (the numba kernel), gemm (the tensor cores "
                              "through cuBLAS), flash (one tensor-core kernel)")
     parser.add_argument("--decode-only", action="store_true", help="skip the 8K prefill and the MTP rounds")
+    parser.add_argument("--mtp-only", action="store_true",
+                        help="the decode steps (--batches) and the MTP rounds: no 8K or suffix prefill")
     parser.add_argument("--prefill-only", action="store_true",
                         help="only the 8K prefill: no decode steps, suffix prefill or MTP rounds")
     parser.add_argument("--decode-quant", default="mma", choices=("simt", "mma"),
@@ -632,7 +653,7 @@ def main() -> None:
                     linears = tuple(args.decode_linear.split(",")) if recipe == "bf16" else ("cublas",)
                     report["configs"].append(bench_config(name, recipe, kv, bandwidth, gemm,
                                                           decode_linears=linears, profile=args.profile,
-                                                          decode_only=args.decode_only,
+                                                          decode_only=args.decode_only, mtp_only=args.mtp_only,
                                                           prefill_only=args.prefill_only,
                                                           batches=tuple(int(b) for b in args.batches.split(",")),
                                                           prefill_attentions=tuple(args.prefill_attention.split(",")),

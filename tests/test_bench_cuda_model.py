@@ -123,6 +123,23 @@ def test_prefill_only_times_the_prefill_and_nothing_else(bench):
     assert "suffix_prefill" not in result and "mtp_round" not in result
 
 
+def test_mtp_only_times_decode_and_the_rounds_with_each_graph_apart(bench):
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(),
+                                dims=cuda_tiny_dims(moe=False), context=70, prefill_tokens=128, repeats=4,
+                                batches=(1,), mtp_only=True)
+    assert [row["batch"] for row in result["decode"]] == [1]
+    assert "prefill" not in result and "suffix_prefill" not in result
+    assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]
+    for row in result["mtp_round"]:
+        assert set(row["graph_ms"]) == {"verify", "mtp", "propose", "advance"}
+        assert all(ms > 0 for ms in row["graph_ms"].values())
+        k, parts = row["k"], row["graph_ms"]  # the host's share: the round less the graphs it replays
+        gpu = parts["verify"] + parts["mtp"] + k * parts["propose"] + (k - 1) * parts["advance"]
+        assert row["host_ms"] == pytest.approx(row["round_ms"] - gpu)
+
+
 def test_quantized_prefill_times_each_dequant_ahead_and_bf16_ignores_it(bench):
     from ninfer.backends.cuda.host import HostDevice
 
