@@ -191,7 +191,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  split_floors: tuple[int | None, ...] = (None,), split_k_norms: tuple[int, ...] = (0,),
                  conv_in_projections: tuple[bool, ...] = (True,),
                  ab_in_recurrences: tuple[bool | None, ...] = (None,),
-                 recurrence_groups: tuple[int | None, ...] = (None,)) -> dict:
+                 recurrence_groups: tuple[int | None, ...] = (None,),
+                 tensor_core_decodes: tuple[bool, ...] = (True,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change; `mtp_only`: the decode steps and the MTP
@@ -219,11 +220,11 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
     narrow = tuple(not dims.is_moe if thin is None else thin for thin in narrow)  # None: the serving default
     split_floors = tuple(capacity.attention_min_split_keys if floor is None else floor for floor in split_floors)
-    for splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab, groups in (
-            (splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab, groups) for splits in attention_splits
+    for splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab, groups, tc in (
+            (splits, floor, linear, side, pdl, thin, sliced, conv, fused_ab, groups, tc) for splits in attention_splits
             for floor in split_floors for linear in decode_linears for side in branches for pdl in programmatic
             for thin in narrow for sliced in split_k_norms for conv in conv_in_projections
-            for fused_ab in ab_in_recurrences for groups in recurrence_groups):
+            for fused_ab in ab_in_recurrences for groups in recurrence_groups for tc in tensor_core_decodes):
         model.set_attention_splits(splits)
         model.set_attention_min_split_keys(floor)
         model.set_branches(side)
@@ -233,6 +234,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.set_conv_in_projection(conv)
         model.set_ab_in_recurrence(fused_ab)
         model.set_recurrence_groups(groups or model.capacity.recurrence_groups)
+        model.set_tensor_core_decode(tc)
         # "kernels", "cublas" (padded to the capacity's decode rows, the serving default), "cublas:N" (padded to N
         # rows; 0: no padding) or "auto" (each shape's path timed on the GPU, cuBLAS padded to the decode rows where
         # it wins: `linear_tuning`). The Linear reads these settings at every call: no rebuild needed.
@@ -269,7 +271,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             roofline = nbytes / bandwidth
             decode.append({"linear": linear, "branches": side, "programmatic": pdl, "narrow": thin,
                            "split_k_norm": sliced, "conv_in_projection": conv, "ab_in_recurrence": fused_ab,
-                           "recurrence_groups": model.recurrence_groups,
+                           "recurrence_groups": model.recurrence_groups, "tensor_core_decode": tc,
                            "attention_splits": model.workspace.partials.shape[2], "min_split_keys": floor,
                            "context": context, "batch": batch,
                            "step_ms": seconds * 1e3,
@@ -282,7 +284,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                 f" floor {floor}" if len(split_floors) > 1 else "") + (f" split-K {sliced}" if sliced else "") + (
                 " -conv-in-projection" if not conv else "") + (
                 {False: " -ab-in-recurrence", True: " +ab-in-recurrence"}.get(fused_ab, "")) + (
-                f" groups {groups}" if groups else "")
+                f" groups {groups}" if groups else "") + (
+                {False: " -tensor-core-decode", True: " +tensor-core-decode"}[tc] if len(tensor_core_decodes) > 1
+                else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB  back to back {queued * 1e3:.2f} ms (ratio {roofline / queued:.2f}), launch "
@@ -306,6 +310,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.set_conv_in_projection(conv_in_projections[-1])
     model.set_ab_in_recurrence(ab_in_recurrences[-1])
     model.set_recurrence_groups(recurrence_groups[-1] or model.capacity.recurrence_groups)
+    model.set_tensor_core_decode(tensor_core_decodes[-1])
     result["decode"] = decode
     result["branches_after_decode"] = branches[-1]
     result["programmatic_after_decode"] = programmatic[-1]
@@ -313,7 +318,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     if decode_only:
         return result
     if mtp_only:
-        result["mtp_round"] = mtp_rounds(model, dims, context, profile=profile)
+        result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, profile=profile)
         return result
 
     # Prefill: one lane, 8192 tokens from position 0, eager.
@@ -392,7 +397,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
                                               profile=profile)
 
-    result["mtp_round"] = mtp_rounds(model, dims, context, profile=profile)
+    result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, profile=profile)
     return result
 
 
@@ -463,6 +468,18 @@ def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile:
 
         out["host_profile"] = host_profile(eager, sort="tottime", top=20)
         print(out["host_profile"], flush=True)
+    return out
+
+
+def mtp_rounds_each(model: CudaQwen, dims, context: int, tensor_core_decodes: tuple[bool, ...], *,
+                    profile: bool) -> list[dict]:
+    """`mtp_rounds` with each decode attention kernel asked for (the serving default, tensor cores, last)."""
+    out = []
+    for tc in tensor_core_decodes:
+        model.set_tensor_core_decode(tc)
+        if len(tensor_core_decodes) > 1:
+            print(f"  MTP rounds, decode attention {'tensor cores' if tc else 'staged SIMT'}:", flush=True)
+        out += [dict(entry, tensor_core_decode=tc) for entry in mtp_rounds(model, dims, context, profile=profile)]
     return out
 
 
@@ -626,6 +643,9 @@ def main() -> None:
     parser.add_argument("--recurrence-groups", default="default",
                         help="decode with the recurrence's key sums split over these many threads (a list of 4 and "
                              "8 times each; default: the serving default); the MTP rounds use the last")
+    parser.add_argument("--tensor-core-decode", default="on",
+                        help="decode attention over bf16 KV on the tensor cores off and/or on (off,on; default: on, "
+                             "the serving default); the MTP rounds run with each")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
@@ -678,7 +698,9 @@ def main() -> None:
                                                           ab_in_recurrences=on_off_or_default(
                                                               parser, "--ab-in-recurrence", args.ab_in_recurrence),
                                                           recurrence_groups=counts_or_default(
-                                                              args.recurrence_groups)))
+                                                              args.recurrence_groups),
+                                                          tensor_core_decodes=on_off(parser, "--tensor-core-decode",
+                                                                                     args.tensor_core_decode)))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -128,10 +128,11 @@ def test_mtp_only_times_decode_and_the_rounds_with_each_graph_apart(bench):
 
     result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(),
                                 dims=cuda_tiny_dims(moe=False), context=70, prefill_tokens=128, repeats=4,
-                                batches=(1,), mtp_only=True)
-    assert [row["batch"] for row in result["decode"]] == [1]
+                                batches=(1,), mtp_only=True, tensor_core_decodes=(False, True))
+    assert [(row["tensor_core_decode"], row["batch"]) for row in result["decode"]] == [(False, 1), (True, 1)]
     assert "prefill" not in result and "suffix_prefill" not in result
-    assert [row["k"] for row in result["mtp_round"]] == [1, 2, 3]
+    assert [(row["tensor_core_decode"], row["k"]) for row in result["mtp_round"]] == [
+        (tc, k) for tc in (False, True) for k in (1, 2, 3)]
     for row in result["mtp_round"]:
         assert set(row["graph_ms"]) == {"verify", "mtp", "propose", "advance"}
         assert all(ms > 0 for ms in row["graph_ms"].values())

@@ -839,6 +839,26 @@ def test_greedy_mtp_is_token_identical_to_greedy(device_kind, artifacts, k):
     assert speculative == plain
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-core", "staged"])
+def test_head_dim_256_decode_keeps_greedy_mtp_token_identical(device_kind, tmp_path, tensor_cores):
+    """At the real models' head dim (256) bf16 decode attention runs on the tensor cores by default, a verify step's
+    rows of one lane in one block: greedy MTP (k = 3) stays token-identical to greedy, and both give the CPU
+    runner's tokens (or a near tie); the staged SIMT kernel the same."""
+    path = write_tiny_qwen_artifact(tmp_path / "d256.ninfer", moe=False, recipe="bf16", predictable=True,
+                                    head_dim=256)
+    prompts = [prompt(9, 12), prompt(10, 40)]
+    plain_build = cuda_build(device_kind, path, lanes=2)
+    plain_build.model.set_tensor_core_decode(tensor_cores)
+    plain = run_lanes(plain_build.runner, prompts, 30)
+    build = cuda_build(device_kind, path, lanes=2, draft_tokens=3)
+    build.model.set_tensor_core_decode(tensor_cores)
+    assert run_lanes(build.runner, prompts, 30) == plain
+    want = run_lanes(cpu_runner(path, lanes=2), prompts, 30)
+    model = load_model(path)
+    for g, w, p in zip(plain, want, prompts):
+        assert_same_or_near_tie(g, w, model, p)
+
+
 def test_lm_head_draft_proposes_from_the_shortlist_and_keeps_greedy_output(device_kind, artifacts):
     path = artifacts[("dense", "predictable")]  # its shortlist holds the even ids only
     prompts = [prompt(9, 12), prompt(10, 40)]

@@ -890,13 +890,16 @@ def decode_combine_kernel(partials, qkgv, row_pos, out, out_bf16, write_bf16, fr
 
 
 def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out, partials, *,
-                     heads, kv_heads, head_dim, stream, min_split_keys=0, out_bf16=None, out_fragments=None):
+                     heads, kv_heads, head_dim, stream, min_split_keys=0, out_bf16=None, out_fragments=None,
+                     tensor_cores=True):
     """out[r, h*D:(h+1)*D] = softmax(q[r,h].K[0..row_pos[r]] / sqrt(D)) V * sigmoid(gate[r, h]) through the row's
     lane page table. Two launches (a row's keys in up to S = partials.shape[2] splits of `split_keys` keys, at least
     `min_split_keys` each, then combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks
     past a row's last split exit at once. A row's bits depend on its own data, S and min_split_keys only, so keep
     both for every batch size / graph (batch invariance). head_dim 256 (pages of a multiple of STEP_KEYS tokens):
-    the kernel that stages K/V tiles in shared memory; other head dims: the split kernel. With `out_bf16` (uint16
+    the kernel that stages K/V tiles in shared memory, or with `tensor_cores` and bf16 pools the tensor-core kernel
+    (`attention_decode_mma`: a block serves the rows of one lane together; the choice depends on the pool's dtype,
+    never on the rows); other head dims: the split kernel. With `out_bf16` (uint16
     [R, Hq*D]) the combine also writes out's bf16 bits, with `out_fragments` (R <= 8) its tensor-core x fragments
     (`quant_mma.x_fragments` of out): the output projection's input without a conversion launch."""
     _check_dims(heads, kv_heads, head_dim)
@@ -907,7 +910,12 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
     splits = partials.shape[2]
     check_splits(splits)
-    if head_dim == 256 and k_pool.shape[1] % STEP_KEYS == 0:
+    if head_dim == 256 and tensor_cores and not quant:
+        from ninfer.kernels_numba.attention_decode_mma import decode_mma  # (it imports split_keys from here)
+
+        decode_mma(q, page_tables, row_lane, row_pos, k_pool, v_pool, partials, heads=heads, kv_heads=kv_heads,
+                   min_split_keys=min_split_keys, stream=stream)
+    elif head_dim == 256 and k_pool.shape[1] % STEP_KEYS == 0:
         group = heads // kv_heads
         staged_kernel, shared_bytes = DECODE_STAGED_KERNELS[bool(quant)], STAGED_SHARED_BYTES[bool(quant)]
         allow_dynamic_shared(staged_kernel, STAGED_SIGNATURE, shared_bytes)
@@ -946,7 +954,7 @@ def _gate(qkgv, rows, heads, kv_heads, head_dim):
 
 def attention_decode_reference(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_scale, v_scale, out,
                                partials=None, *, heads, kv_heads, head_dim, stream=None,
-                               min_split_keys=0):
+                               min_split_keys=0, tensor_cores=True):
     """NumPy twin: each row attends causally over its lane's keys 0..row_pos; writes and returns out. (Exact math:
     the kernel choice and the splits change nothing here.)"""
     for r in range(q.shape[0]):

@@ -218,6 +218,24 @@ def load_matrix_x4(typingctx, shared):
     return signature, codegen
 
 
+@intrinsic
+def load_matrix_x4_trans(typingctx, shared):
+    """`ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`: `load_matrix_x4` with each 8 x 8 matrix transposed on the
+    way: lane 4g + t gets, in word m, elements g of rows 2t (low half) and 2t + 1 (high half) of matrix m. From rows
+    stored k-major (a V tile: a key a row, its head dims along it) that is the B fragment of m16n8k16 with k = the
+    rows and n = the columns: matrices (rows 0-7, 8-15) x (columns 0-7, 8-15) give b0, b1 of two n-tiles."""
+    signature = types.UniTuple(uint32, 4)(uint32)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        result = builder.asm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]),
+                             "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+                             "=r,=r,=r,=r,r", list(args), side_effect=True)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)])
+
+    return signature, codegen
+
+
 def _make_global_load(count: int):
     @intrinsic
     def load_words(typingctx, address):

@@ -173,14 +173,14 @@ def _dev(cuda, *arrays):
 
 
 def _decode_gpu(cuda, q, qkgv, tables, lanes, pos, pools, heads, kv_heads, d, splits,
-                min_split_keys=0):
+                min_split_keys=0, tensor_cores=True):
     stream = cuda.stream()
     dq, dg, dt, dl, dp = _dev(cuda, q, qkgv, tables, lanes, pos)
     dk, dv, dks, dvs = _dev(cuda, *pools)
     out = cuda.to_device(np.full((q.shape[0], heads * d), np.nan, F32))
     partials = cuda.to_device(np.full(A.decode_partials_shape(q.shape[0], heads, d, splits), np.nan, F32))
     A.attention_decode(dq, dg, dt, dl, dp, dk, dv, dks, dvs, out, partials, heads=heads, kv_heads=kv_heads,
-                       head_dim=d, stream=stream, min_split_keys=min_split_keys)
+                       head_dim=d, stream=stream, min_split_keys=min_split_keys, tensor_cores=tensor_cores)
     stream.synchronize()
     return out.copy_to_host()
 
@@ -199,10 +199,10 @@ def _long_rows(seed, cfg, dtype, last_pos):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", REAL)
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_gpu_decode_with_a_split_floor_matches_twin_and_is_batch_invariant(cfg, dtype):
+@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True)])
+def test_gpu_decode_with_a_split_floor_matches_twin_and_is_batch_invariant(cfg, dtype, tensor_cores):
     """attention_decode with at least 64 or 256 keys a split (64 splits at most): the twin's result, and a row alone
-    the same bits as in the batch."""
+    the same bits as in the batch (tensor cores: the bf16 pools' default kernel; int8 pools keep the staged one)."""
     from ninfer.kernels_numba.numba_setup import cuda
     heads, kv_heads, d, _, _ = cfg
     q, qkgv, tables, row_lane, row_pos, pools = _long_rows(5, cfg, dtype, 700)
@@ -210,10 +210,10 @@ def test_gpu_decode_with_a_split_floor_matches_twin_and_is_batch_invariant(cfg, 
                                         heads=heads, kv_heads=kv_heads, head_dim=d)
     for floor in (64, 256):
         got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, 64,
-                          min_split_keys=floor)
+                          min_split_keys=floor, tensor_cores=tensor_cores)
         assert _rel(got, want) < 1e-5, (floor, _rel(got, want))
         alone = _decode_gpu(cuda, q[2:3], qkgv[2:3], tables, row_lane[2:3], row_pos[2:3], pools, heads, kv_heads, d,
-                            64, min_split_keys=floor)
+                            64, min_split_keys=floor, tensor_cores=tensor_cores)
         np.testing.assert_array_equal(alone[0], got[2])
 
 
@@ -249,8 +249,8 @@ def test_gpu_decode_writes_the_bf16_copy_and_x_fragments_of_its_output(cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", REAL)
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_gpu_staged_decode_matches_twin_at_every_split_count(cfg, dtype):
+@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True)])
+def test_gpu_head_dim_256_decode_matches_twin_at_every_split_count(cfg, dtype, tensor_cores):
     """The head_dim 256 kernel (K/V tiles through shared memory) at the real shapes against the exact twin, rows of
     1 to 2000 keys: one split (63 tiles in a block), the model's splits and the most splits (a few keys a block)."""
     from ninfer.kernels_numba.numba_setup import cuda
@@ -259,14 +259,18 @@ def test_gpu_staged_decode_matches_twin_at_every_split_count(cfg, dtype):
     want = A.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools, np.zeros((4, heads * d), F32),
                                         heads=heads, kv_heads=kv_heads, head_dim=d)
     for splits in (1, A.row_splits(kv_heads), A.MAX_SPLITS):
-        got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, splits)
+        got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, splits,
+                          tensor_cores=tensor_cores)
         assert np.isfinite(got).all() and _rel(got, want) < 1e-5, (splits, _rel(got, want))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", TINY + REAL)
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype):
+@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True)])
+def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype, tensor_cores):
+    """Rows of three lanes, one a verify run of 6 (the tensor-core kernel serves up to 5 of a 27B lane's rows a
+    block): the twin's result at 1 to 256 splits, and rows alone (one of them from inside the run) bitwise as in the
+    batch."""
     from ninfer.kernels_numba.numba_setup import cuda
     rng = np.random.default_rng(3)
     heads, kv_heads, d, _, _ = cfg
@@ -282,13 +286,14 @@ def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype):
     want = A.attention_decode_reference(q, qkgv, tables, row_lane, row_pos, *pools, np.zeros((rows, heads * d), F32),
                                         heads=heads, kv_heads=kv_heads, head_dim=d)
     for splits in (1, 7, A.DEFAULT_SPLITS, A.MAX_SPLITS):
-        got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, splits)
+        got = _decode_gpu(cuda, q, qkgv, tables, row_lane, row_pos, pools, heads, kv_heads, d, splits,
+                          tensor_cores=tensor_cores)
         assert np.isfinite(got).all()
         assert _rel(got, want) < 1e-5, _rel(got, want)
         # one row alone: bitwise the same
-        for r in (0, 4, 8):
+        for r in (0, 4, 7, 8):
             alone = _decode_gpu(cuda, q[r:r + 1], qkgv[r:r + 1], tables, row_lane[r:r + 1], row_pos[r:r + 1], pools,
-                                heads, kv_heads, d, splits)
+                                heads, kv_heads, d, splits, tensor_cores=tensor_cores)
             np.testing.assert_array_equal(alone[0], got[r])
 
 
@@ -312,6 +317,16 @@ def test_head_dim_256_decode_kernel_in_cuda_simulator():
     lines = run("attention_decode_staged").splitlines()
     assert [line for line in lines if line.startswith("ok attention_decode_")] == [
         "ok attention_decode_staged bf16 1", "ok attention_decode_staged int8 1", "ok attention_decode_staged int8 2"]
+
+
+def test_tensor_core_decode_kernel_in_cuda_simulator():
+    """The tensor-core decode kernel and the combine run thread by thread against the exact twin: a verify run of 6
+    rows in blocks of 5 and 1, rows cut at different keys, and a row alone bitwise as in the batch
+    (`simulated_kernels.attention_decode_mma`)."""
+    from tests.support.simulated_kernels import run
+
+    assert [line for line in run("attention_decode_mma").splitlines() if line.startswith("ok ")] == [
+        "ok attention_decode_mma 2 floor 0", "ok attention_decode_mma row alone"]
 
 
 def test_prepare_kernel_in_cuda_simulator():

@@ -376,6 +376,22 @@ def load_matrix_x4(shared):
     return tuple(words)
 
 
+def load_matrix_x4_trans(shared):
+    """`ldmatrix .x4.trans`: lanes 8m..8m+7 give matrix m's row addresses; lane 4g + t gets element g of rows 2t
+    (low half) and 2t + 1 (high half) of each."""
+    rows, lane = warp_collective(int(shared), tuple)
+    words = []
+    for m in range(4):
+        halves = []
+        for row in (2 * (lane & 3), 2 * (lane & 3) + 1):
+            address = rows[8 * m + row]
+            if address % 16:
+                raise ValueError(f"ldmatrix row address {address:#x} is not 16-byte aligned")
+            halves.append(int(_shared_bytes(address, 16).view(np.uint16)[lane >> 2]))
+        words.append(np.uint32(halves[0] | (halves[1] << 16)))
+    return tuple(words)
+
+
 def copy_async_commit() -> None:
     """Copies land at issue in the simulator: nothing is in flight."""
 
@@ -405,6 +421,7 @@ STAND_INS = {
     "and_or": and_or,
     "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,
     "half_pair_to_f32": half_pair_to_f32, "pack_bf16x2": pack_bf16x2, "load_matrix_x4": load_matrix_x4,
+    "load_matrix_x4_trans": load_matrix_x4_trans,
     "exp2_approx": exp2_approx,
 }
 

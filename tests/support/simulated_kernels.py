@@ -547,7 +547,8 @@ def attention_prepare() -> None:
 
 
 def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, heads, kv_heads, head_dim,
-                         splits, min_split_keys=0, out_bf16=None, out_fragments=None) -> np.ndarray:
+                         splits, min_split_keys=0, out_bf16=None, out_fragments=None,
+                         tensor_cores=True) -> np.ndarray:
     """attention_decode over `splits` splits equals its exact twin (random q and gate rows); returns its output."""
     from ninfer.kernels_numba.numba_setup import cuda
 
@@ -562,7 +563,8 @@ def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, he
     out = cuda.to_device(np.full((rows, heads * d), np.nan, np.float32))
     partials = np.full(attention.decode_partials_shape(rows, heads, d, splits), np.nan, np.float32)
     attention.attention_decode(q, qkgv, tables, row_lane, row_pos, *pools, out, partials, stream=0,
-                               min_split_keys=min_split_keys, out_bf16=out_bf16, out_fragments=out_fragments, **dims)
+                               min_split_keys=min_split_keys, out_bf16=out_bf16, out_fragments=out_fragments,
+                               tensor_cores=tensor_cores, **dims)
     out = out.copy_to_host()
     assert np.isfinite(out).all() and _rel(out, want) < 1e-5, (heads, d, splits, _rel(out, want))
     return out
@@ -620,8 +622,43 @@ def attention_decode_staged() -> None:
         pools = _random_pools(rng, 8, 16, 1, 256, dtype)
         _decode_matches_twin(attention, rng, pools, rng.permutation(8)[None, :7].astype(np.int32),
                              np.array([0, 0], np.int32), np.array(row_pos, np.int32), heads=2, kv_heads=1,
-                             head_dim=256, splits=splits)
+                             head_dim=256, splits=splits, tensor_cores=False)
         print("ok attention_decode_staged", dtype, splits, flush=True)
+
+
+def attention_decode_mma() -> None:
+    """The tensor-core decode kernel (`attention_decode_mma`) and the combine against the exact twin, bf16 KV over
+    pages of 16 tokens: 6 q heads a kv head (5 rows a block, the second m16 tile in use), a verify run of 6 rows on
+    lane 0 (a block of 5 and one of 1) after a row of lane 1, in 2 splits (rows of different lengths cut at
+    different keys: per-row masks inside a tile); then one row of the run alone: bitwise its value in the batch.
+    (The GPU tests take more splits, floors and the real shapes.)"""
+    from ninfer.kernels_numba import attention, attention_decode_mma
+    from tests.kernels.test_attention import _random_pools
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(attention))
+    cuda_simulator.install(vars(attention_decode_mma))
+    rng = np.random.default_rng(9)
+    pools = _random_pools(rng, 12, 16, 1, 256, "bf16")
+    tables = np.stack([rng.permutation(12)[:10] for _ in range(2)]).astype(np.int32)
+    row_lane = np.array([1, 0, 0, 0, 0, 0, 0], np.int32)
+    row_pos = np.array([40, 95, 96, 97, 98, 99, 100], np.int32)
+    for splits, floor in ((2, 0),):
+        state = rng.bit_generator.state
+        got = _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, heads=6, kv_heads=1,
+                                   head_dim=256, splits=splits, min_split_keys=floor)
+        print("ok attention_decode_mma", splits, "floor", floor, flush=True)
+    rng.bit_generator.state = state  # the same q and gate rows: the last case's row 4 alone
+    q = rng.standard_normal((7, 6, 256)).astype(np.float32)
+    qkgv = rng.standard_normal((7, 2 * 7 * 256)).astype(np.float32)
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    out = cuda.to_device(np.full((1, 6 * 256), np.nan, np.float32))
+    partials = np.full(attention.decode_partials_shape(1, 6, 256, 2), np.nan, np.float32)
+    attention.attention_decode(q[4:5], qkgv[4:5], tables, row_lane[4:5], row_pos[4:5], *pools, out, partials,
+                               stream=0, heads=6, kv_heads=1, head_dim=256)
+    np.testing.assert_array_equal(out.copy_to_host()[0], got[4])
+    print("ok attention_decode_mma row alone", flush=True)
 
 
 def elementwise() -> None:
@@ -1033,6 +1070,7 @@ CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": fla
           "gdn_recurrent_projected": gdn_recurrent_projected, "quant_mma": quant_mma,
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
+          "attention_decode_mma": attention_decode_mma,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
           "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv}

@@ -134,6 +134,16 @@ class Capacity:
     # cuda_model_floor_session17.json, bf16, floor 0 / 64 / 128, ms a step): 1K context B=8 35B-A3B 9.33 / 9.21 /
     # 9.25, 27B 19.00 / 18.63 / 18.73; B=1 within noise (4.07 / 4.08 / 4.16, 15.64 / 15.71 / 15.89); 32K the same.
     attention_min_split_keys: int = 64
+    # Decode attention over bf16 KV (head_dim 256) on the tensor cores (`attention_decode_mma`: a block serves the
+    # q heads of one kv head for the rows of one lane together, K and V tiles loaded once for all of them) instead
+    # of the staged SIMT kernel (a warp a q head and row). Both are batch invariant; the choice depends on the KV
+    # dtype only (int8 pools keep the staged kernel), so greedy MTP stays greedy. Why: the SIMT kernel's time grows
+    # with the rows of a lane, and an MTP verify step is k + 1 rows of one lane: 27B bf16 at 8K context, 4 rows,
+    # 128 us a layer (results/cuda_model_27b_bf16_mtp_parts_session33.log). On, as measured on the H200 at 8K
+    # context (bench/cuda_model.py --tensor-core-decode off,on; results/*tensor_core_decode_session33.json, ms):
+    # 27B bf16 MTP k = 3 round 20.84 -> 19.32 (verify 17.76 -> 16.37), decode B=1 / 4 / 8 14.88 / 17.51 / 20.80 ->
+    # 14.77 / 17.04 / 19.81; 35B-A3B bf16 k = 3 round 7.55 -> 7.27, B=1 / 8 3.72 / 9.33 -> 3.65 / 8.92.
+    tensor_core_decode: bool = True
     # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
     # weight load issued first; the router's GEMV and the expert routing in one launch) instead of decode_linear's
@@ -1095,6 +1105,7 @@ class CudaQwen:
             default_ahead = 0 if dims.is_moe else 2
             self.set_dequant_ahead(default_ahead if capacity.dequant_ahead is None else capacity.dequant_ahead)
         self.attention_min_split_keys = capacity.attention_min_split_keys
+        self.tensor_core_decode = capacity.tensor_core_decode
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         # a decode MoE combine `_moe` left for the next norm to launch (`_norm`), or None
@@ -1173,6 +1184,11 @@ class CudaQwen:
         what they recorded)."""
         check_min_split_keys(keys)
         self.attention_min_split_keys = keys
+
+    def set_tensor_core_decode(self, on: bool) -> None:
+        """Capacity.tensor_core_decode, switchable between steps for benchmarks (graphs captured before keep what they
+        recorded)."""
+        self.tensor_core_decode = on
 
     def set_attention_splits(self, splits: int | None) -> None:
         """Capacity.attention_splits (None: the model's `row_splits`), switchable between steps for benchmarks: the
@@ -1476,7 +1492,7 @@ class CudaQwen:
                                   kv.v, kv.k_scale, kv.v_scale, out, ws.partials, heads=d.attn_heads,
                                   kv_heads=d.kv_heads, head_dim=d.head_dim, stream=stream,
                                   min_split_keys=self.attention_min_split_keys, out_bf16=out_bf16,
-                                  out_fragments=out_frag)
+                                  out_fragments=out_frag, tensor_cores=self.tensor_core_decode)
         elif self.prefill_attention == "gemm":
             self._prefill_attention_gemm(kv, prefill, rows)
         elif self.prefill_attention == "flash":  # writes the output projection's bf16 input itself

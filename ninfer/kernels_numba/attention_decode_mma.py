@@ -1,0 +1,333 @@
+"""Decode attention on the bf16 tensor cores (head_dim 256, bf16 KV): the flash-decoding split kernel of
+`attention.attention_decode` for a block of query rows that read the same lane's keys.
+
+Why: the staged SIMT kernel spends ~200 instructions a warp on each 4-key step of one (row, q head) pair, so a
+verify step's rows, which all read one lane's keys, multiply its time: the 27B's MTP verify of 4 rows at 8K context
+took 128 us a layer against ~20 at one row (H200, results/cuda_model_27b_bf16_mtp_parts_session33.log), 1.8 ms of
+a 20.8 ms round. Here a block takes the q heads of one kv head for up to `group_rows` consecutive rows of one lane
+(query rows m = row x G + head, two m16 tiles), loads each K and V tile once for all of them, and computes
+S = Q K^T and O += P V with mma. Queries and probabilities go in as two bf16 terms each (hi + lo: the fp32 value to
+~2^-17), so the result keeps the SIMT kernel's fp32 accuracy against the twin.
+
+Batch invariance: a row's split is [split x chunk, ...) with chunk from its own length (`split_keys`), as in the
+SIMT kernels, and the tiles are aligned to absolute key positions (multiples of TILE_KEYS), so a row visits the
+same tiles with the same keys visible whatever rows share its block: keys outside its split are masked to
+probability 0 (exact zeros in the P V sums) and a tile with no key of its own leaves its state untouched. Each
+(row, head) element comes from its own mma lanes in a fixed order, so its bits are those of the row alone.
+
+Layout: 8 warps, warp w = 4 mt + quarter: m-tile mt (query rows 16 mt..16 mt + 15) and a quarter of the work: in
+S, keys 8 quarter..8 quarter + 7 of the tile (all 256 dims); in P V, head dims 64 quarter..64 quarter + 63. S goes
+through shared memory between the two. Shared memory (dynamic, 32-bit words): Q as bf16 hi and lo rows, two
+tiles of K rows then V rows (`cp.async`, double buffered), S [M_ROWS, S_WORDS] fp32; bf16 rows are D/2 + 4 words
+so the 8 rows an `ldmatrix` phase reads fall in distinct banks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import float32, int32, int64, uint32, uint64
+from numba.cuda import libdevice
+
+from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_all, shared_address
+from ninfer.kernels_numba.attention import split_keys
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, exp2_approx, load_matrix_x4, load_matrix_x4_trans,
+                                         pack_bf16x2)
+from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
+from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16
+
+HEAD_DIM = 256
+TILE_KEYS = 32  # keys a tile: 4 quarters of an 8-key n-tile in S, 2 k-steps in P V
+STAGES = 2  # double buffered: tile t + 1 loads while tile t is computed (two blocks an SM fit; three stages: one)
+WARPS = 8
+THREADS = 32 * WARPS
+M_ROWS = 32  # query rows (row x q head) a block: two m16 tiles
+MAX_GROUP_ROWS = 8  # rows of one lane a block takes at most (fewer when G x rows passes M_ROWS)
+ROW_WORDS = HEAD_DIM // 2 + 4  # a bf16 row in shared memory, padded
+S_WORDS = TILE_KEYS + 4
+Q_HI = 0
+Q_LO = M_ROWS * ROW_WORDS
+STAGE0 = 2 * M_ROWS * ROW_WORDS
+STAGE_WORDS = 2 * TILE_KEYS * ROW_WORDS  # K rows, then V rows
+S_OFF = STAGE0 + STAGES * STAGE_WORDS
+SHARED_BYTES = 4 * (S_OFF + M_ROWS * S_WORDS)  # 103.5 KiB: two blocks an SM
+ROW_PIECES = HEAD_DIM // 8  # 16-byte pieces of a K or V row
+LOG2E = float32(math.log2(math.e))
+NEG_INF = float32(-math.inf)
+
+
+def group_rows(group_heads: int) -> int:
+    """Rows of one lane a block takes: as many as fit M_ROWS query rows, at most MAX_GROUP_ROWS."""
+    return max(1, min(MAX_GROUP_ROWS, M_ROWS // group_heads))
+
+
+@device_function
+def _bf16_split(x0, x1):
+    """(hi, lo) bf16 pair words of (x0, x1): hi rounds them, lo rounds what hi left (x = hi + lo to ~2^-17)."""
+    hi = pack_bf16x2(x0, x1)
+    r0 = libdevice.int_as_float(int32(hi << uint32(16)))
+    r1 = libdevice.int_as_float(int32(hi & uint32(0xFFFF0000)))
+    return hi, pack_bf16x2(x0 - r0, x1 - r1)
+
+
+@device_function
+def _copy_tile(shared, stage, k_at, v_at, page_tables, lane_id, key0, lo, hi, page_tokens, token_bytes):
+    """Issue the copies of keys key0 .. key0 + TILE_KEYS - 1 (K rows, then V rows) into the stage at word `stage`;
+    keys outside [lo, hi) read nothing and land as zeros."""
+    for c in range(cuda.threadIdx.x, TILE_KEYS * ROW_PIECES, THREADS):
+        i = c // ROW_PIECES
+        piece = c - i * ROW_PIECES
+        key = key0 + i
+        kept = min(max(key, lo), hi - 1)
+        slot = kept // page_tokens
+        row = int64(page_tables[lane_id, slot]) * page_tokens + (kept - slot * page_tokens)
+        at = row * token_bytes + piece * 16
+        size = uint32(16) if lo <= key and key < hi else uint32(0)
+        dst = shared + uint32((stage + i * ROW_WORDS + piece * 4) * 4)
+        copy_async_16(dst, k_at + at, size)
+        copy_async_16(dst + uint32(TILE_KEYS * ROW_WORDS * 4), v_at + at, size)
+
+
+@device_function
+def _row_range(row_pos, row, split, splits, min_keys):
+    """Keys [start, stop) of `row`'s split (empty when start >= stop), as the SIMT kernels cut them."""
+    length = row_pos[row] + 1
+    chunk = split_keys(length, splits, min_keys)
+    start = split * chunk
+    return start, min(start + chunk, length)
+
+
+_SIGNATURE = (float32[:, :, ::1], int32[:, ::1], int32[::1], int32[::1], uint64[:, :, :, ::1],
+              uint64[:, :, :, ::1], float32[:, :, :, ::1], int32, int32, int32)
+
+
+@kernel(_SIGNATURE, fastmath=True, max_registers=128)  # two blocks of 256 threads an SM
+def decode_mma_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, partials, heads, kv_heads, min_keys):
+    """grid (splits, Hkv, R), block THREADS: the block of row r serves rows r .. r + n - 1 when r leads its group
+    (runs of rows on one lane cut every `group_rows`), else exits; writes each served row's (max, sum, accumulators)
+    partial of its split, as `attention._store_step_partials` does."""
+    sh = cuda.shared.array(0, uint32)
+    split = cuda.blockIdx.x
+    kvh = cuda.blockIdx.y
+    r = cuda.blockIdx.z
+    rows = q.shape[0]
+    splits = partials.shape[2]
+    group_heads = heads // kv_heads
+    cap = max(1, min(MAX_GROUP_ROWS, M_ROWS // group_heads))
+    lane_id = row_lane[r]
+    first = r
+    while first > 0 and row_lane[first - 1] == lane_id:
+        first -= 1
+    if (r - first) % cap != 0:
+        return
+    n = 1
+    while n < cap and r + n < rows and row_lane[r + n] == lane_id:
+        n += 1
+    lo = int32(2147483647)
+    hi = int32(0)
+    for i in range(n):
+        start, stop = _row_range(row_pos, r + i, split, splits, min_keys)
+        if start < stop:
+            lo = min(lo, start)
+            hi = max(hi, stop)
+    if lo >= hi:
+        return
+
+    tid = cuda.threadIdx.x
+    warp = tid >> 5
+    lane = tid & 31
+    gq = lane >> 2
+    t = lane & 3
+    mt = warp >> 2
+    quarter = warp & 3
+    served = n * group_heads  # query rows in use
+    active = mt * 16 < served  # warp-uniform: this m-tile holds a served row
+    # this thread's two query rows (mma rows gq and gq + 8 of its m-tile): their keys, empty for padding
+    m_lo = mt * 16 + gq
+    m_hi = m_lo + 8
+    st_lo = sp_lo = st_hi = sp_hi = int32(0)
+    if m_lo < served:
+        st_lo, sp_lo = _row_range(row_pos, r + m_lo // group_heads, split, splits, min_keys)
+    if m_hi < served:
+        st_hi, sp_hi = _row_range(row_pos, r + m_hi // group_heads, split, splits, min_keys)
+
+    shared = shared_address(address_of(sh))
+    page_tokens = int32(k_words.shape[1])
+    token_bytes = int64(k_words.shape[2] * HEAD_DIM * 2)
+    k_at = address_of(k_words) + int64(kvh * HEAD_DIM * 2)
+    v_at = address_of(v_words) + int64(kvh * HEAD_DIM * 2)
+    t_first = lo // TILE_KEYS
+    tiles = (hi + TILE_KEYS - 1) // TILE_KEYS - t_first
+    # tile 0 now; tile t + 1 in iteration t, once every warp has left tile t - 1, whose stage it takes
+    _copy_tile(shared, STAGE0, k_at, v_at, page_tables, lane_id, t_first * TILE_KEYS, lo, hi, page_tokens,
+               token_bytes)
+    copy_async_commit()
+
+    # Q of the served rows, scaled by 1/sqrt(D) (a power of two: exact), as bf16 hi and lo rows; padding rows zero
+    scale = float32(1.0) / float32(16.0)
+    for idx in range(tid, M_ROWS * (HEAD_DIM // 2), THREADS):
+        m = idx // (HEAD_DIM // 2)
+        w = idx - m * (HEAD_DIM // 2)
+        q_hi = q_lo = uint32(0)
+        if m < served:
+            row = r + m // group_heads
+            h = kvh * group_heads + m % group_heads
+            q_hi, q_lo = _bf16_split(q[row, h, 2 * w] * scale, q[row, h, 2 * w + 1] * scale)
+        sh[Q_HI + m * ROW_WORDS + w] = q_hi
+        sh[Q_LO + m * ROW_WORDS + w] = q_lo
+
+    o = cuda.local.array(32, float32)  # O rows gq, gq + 8 over the quarter's 8 dim n-tiles (mma C layout)
+    s = cuda.local.array(16, float32)  # the tile's scores, then P: 4 key n-tiles
+    for e in range(32):
+        o[e] = float32(0.0)
+    mx_lo = NEG_INF
+    mx_hi = NEG_INF
+    l_lo = float32(0.0)
+    l_hi = float32(0.0)
+    # ldmatrix row addresses (bytes). Q (A fragments): rows gq / gq + 8 by lanes' halves, columns by lane >> 4.
+    # K (B fragments of the quarter's n-tile, two k-steps an instruction): key rows lane & 7, dims 8 (lane >> 3).
+    # V (B fragments by .trans, two dim n-tiles an instruction): key rows (lane & 7) + 8 ((lane >> 3) & 1), dims
+    # 8 (lane >> 4) of the pair.
+    q_row = (mt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ROW_WORDS + ((lane >> 4) << 2)
+    q_hi_lds = shared + uint32(4 * (Q_HI + q_row))
+    q_lo_lds = shared + uint32(4 * (Q_LO + q_row))
+    k_row = (quarter * 8 + (lane & 7)) * ROW_WORDS + ((lane >> 3) << 2)
+    v_row = (TILE_KEYS + (lane & 7) + (((lane >> 3) & 1) << 3)) * ROW_WORDS + quarter * 32 + ((lane >> 4) << 2)
+    s_lo = S_OFF + m_lo * S_WORDS
+    s_hi = S_OFF + m_hi * S_WORDS
+
+    for it in range(tiles):
+        copy_async_wait_all()
+        cuda.syncthreads()  # tile `it` (and Q) landed for every thread; every warp left tile it - 1 and its S
+        if it + 1 < tiles:
+            _copy_tile(shared, STAGE0 + ((it + 1) % STAGES) * STAGE_WORDS, k_at, v_at, page_tables, lane_id,
+                       (t_first + it + 1) * TILE_KEYS, lo, hi, page_tokens, token_bytes)
+            copy_async_commit()
+        stage = STAGE0 + (it % STAGES) * STAGE_WORDS
+        key0 = (t_first + it) * TILE_KEYS
+        if active:  # S of the m-tile's rows x the quarter's 8 keys, over all dims, Q as hi + lo
+            # four accumulator chains (hi / lo x even / odd k-steps) of 8 mma each, summed in a fixed order: one
+            # chain of 32 dependent mma was ~0.5 us a tile of latency
+            e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = float32(0.0)
+            g0 = g1 = g2 = g3 = h0 = h1 = h2 = h3 = float32(0.0)
+            k_lds = shared + uint32(4 * (stage + k_row))
+            for kk in range(HEAD_DIM // 32):
+                b0, b1, b2, b3 = load_matrix_x4(k_lds + uint32(64 * kk))
+                a0, a1, a2, a3 = load_matrix_x4(q_hi_lds + uint32(64 * kk))
+                e0, e1, e2, e3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, e0, e1, e2, e3)
+                a0, a1, a2, a3 = load_matrix_x4(q_lo_lds + uint32(64 * kk))
+                f0, f1, f2, f3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, f0, f1, f2, f3)
+                a0, a1, a2, a3 = load_matrix_x4(q_hi_lds + uint32(64 * kk + 32))
+                g0, g1, g2, g3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b2, b3, g0, g1, g2, g3)
+                a0, a1, a2, a3 = load_matrix_x4(q_lo_lds + uint32(64 * kk + 32))
+                h0, h1, h2, h3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b2, b3, h0, h1, h2, h3)
+            c0 = (e0 + g0) + (f0 + h0)
+            c1 = (e1 + g1) + (f1 + h1)
+            c2 = (e2 + g2) + (f2 + h2)
+            c3 = (e3 + g3) + (f3 + h3)
+            col = quarter * 8 + 2 * t
+            sh[s_lo + col] = uint32(libdevice.float_as_int(c0))
+            sh[s_lo + col + 1] = uint32(libdevice.float_as_int(c1))
+            sh[s_hi + col] = uint32(libdevice.float_as_int(c2))
+            sh[s_hi + col + 1] = uint32(libdevice.float_as_int(c3))
+        cuda.syncthreads()  # the tile's S complete
+        if active:
+            # the rows' scores over the whole tile in the C layout of 4 key n-tiles, masked to their own keys
+            for nt in range(4):
+                for e in range(4):
+                    col = nt * 8 + 2 * t + (e & 1)
+                    key = key0 + col
+                    if e < 2:
+                        value = libdevice.int_as_float(int32(sh[s_lo + col]))
+                        s[4 * nt + e] = value if st_lo <= key and key < sp_lo else NEG_INF
+                    else:
+                        value = libdevice.int_as_float(int32(sh[s_hi + col]))
+                        s[4 * nt + e] = value if st_hi <= key and key < sp_hi else NEG_INF
+            top_lo = max(max(max(s[0], s[1]), max(s[4], s[5])), max(max(s[8], s[9]), max(s[12], s[13])))
+            top_hi = max(max(max(s[2], s[3]), max(s[6], s[7])), max(max(s[10], s[11]), max(s[14], s[15])))
+            top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 1))
+            top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 2))
+            top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 1))
+            top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 2))
+            new_lo = max(mx_lo, top_lo)
+            new_hi = max(mx_hi, top_hi)
+            # a row with no visible key yet keeps max -inf: nothing to rescale, its P all zeros
+            keep_lo = exp2_approx((mx_lo - new_lo) * LOG2E) if new_lo != NEG_INF else float32(1.0)
+            keep_hi = exp2_approx((mx_hi - new_hi) * LOG2E) if new_hi != NEG_INF else float32(1.0)
+            base_lo = new_lo * LOG2E if new_lo != NEG_INF else float32(0.0)
+            base_hi = new_hi * LOG2E if new_hi != NEG_INF else float32(0.0)
+            sum_lo = float32(0.0)
+            sum_hi = float32(0.0)
+            for nt in range(4):
+                for e in range(4):
+                    if e < 2:
+                        s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_lo)
+                        sum_lo += s[4 * nt + e]
+                    else:
+                        s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_hi)
+                        sum_hi += s[4 * nt + e]
+            sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 1)
+            sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 2)
+            sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 1)
+            sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 2)
+            l_lo = l_lo * keep_lo + sum_lo
+            l_hi = l_hi * keep_hi + sum_hi
+            mx_lo = new_lo
+            mx_hi = new_hi
+            if keep_lo != float32(1.0) or keep_hi != float32(1.0):
+                for nt in range(8):
+                    o[4 * nt] *= keep_lo
+                    o[4 * nt + 1] *= keep_lo
+                    o[4 * nt + 2] *= keep_hi
+                    o[4 * nt + 3] *= keep_hi
+            # O += P V over the quarter's dims: P (two key n-tiles a k-step) as hi + lo, V by ldmatrix .trans
+            v_lds = shared + uint32(4 * (stage + v_row))
+            for kk in range(2):
+                p_hi0, p_lo0 = _bf16_split(s[8 * kk], s[8 * kk + 1])
+                p_hi1, p_lo1 = _bf16_split(s[8 * kk + 2], s[8 * kk + 3])
+                p_hi2, p_lo2 = _bf16_split(s[8 * kk + 4], s[8 * kk + 5])
+                p_hi3, p_lo3 = _bf16_split(s[8 * kk + 6], s[8 * kk + 7])
+                for pn in range(4):
+                    b0, b1, c0_, c1_ = load_matrix_x4_trans(v_lds + uint32(4 * (16 * kk * ROW_WORDS + 8 * pn)))
+                    o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3] = mma_bf16_m16n8k16(
+                        p_hi0, p_hi1, p_hi2, p_hi3, b0, b1, o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3])
+                    o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3] = mma_bf16_m16n8k16(
+                        p_lo0, p_lo1, p_lo2, p_lo3, b0, b1, o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3])
+                    o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7] = mma_bf16_m16n8k16(
+                        p_hi0, p_hi1, p_hi2, p_hi3, c0_, c1_, o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6],
+                        o[8 * pn + 7])
+                    o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7] = mma_bf16_m16n8k16(
+                        p_lo0, p_lo1, p_lo2, p_lo3, c0_, c1_, o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6],
+                        o[8 * pn + 7])
+
+    # the served rows' partials of this split (a row whose split is empty writes none: the combine never reads it)
+    if active:
+        dim0 = quarter * 64 + 2 * t
+        if st_lo < sp_lo:
+            row = r + m_lo // group_heads
+            h = kvh * group_heads + m_lo % group_heads
+            for nt in range(8):
+                partials[row, h, split, 2 + dim0 + nt * 8] = o[4 * nt]
+                partials[row, h, split, 3 + dim0 + nt * 8] = o[4 * nt + 1]
+            if quarter == 0 and t == 0:
+                partials[row, h, split, 0] = mx_lo
+                partials[row, h, split, 1] = l_lo
+        if st_hi < sp_hi:
+            row = r + m_hi // group_heads
+            h = kvh * group_heads + m_hi % group_heads
+            for nt in range(8):
+                partials[row, h, split, 2 + dim0 + nt * 8] = o[4 * nt + 2]
+                partials[row, h, split, 3 + dim0 + nt * 8] = o[4 * nt + 3]
+            if quarter == 0 and t == 0:
+                partials[row, h, split, 0] = mx_hi
+                partials[row, h, split, 1] = l_hi
+
+
+def decode_mma(q, page_tables, row_lane, row_pos, k_pool, v_pool, partials, *, heads, kv_heads, min_split_keys,
+               stream) -> None:
+    """Launch the kernel over (splits, Hkv, rows): pools uint16 [pages, page_tokens, Hkv, 256] (bf16 bits)."""
+    allow_dynamic_shared(decode_mma_kernel, _SIGNATURE, SHARED_BYTES)
+    decode_mma_kernel[(partials.shape[2], kv_heads, q.shape[0]), THREADS, stream, SHARED_BYTES](
+        q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), partials,
+        np.int32(heads), np.int32(kv_heads), np.int32(min_split_keys))
