@@ -32,8 +32,8 @@ from numba.cuda import libdevice
 
 from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_all, shared_address
 from ninfer.kernels_numba.attention import split_keys
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, exp2_approx, load_matrix_x4, load_matrix_x4_trans,
-                                         pack_bf16x2)
+from ninfer.kernels_numba.common import (LOG2E, address_of, exp2_approx, load_matrix_x4, load_matrix_x4_trans,
+                                         pack_bf16x2, quad_softmax_step, quad_sum)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
 from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16
 
@@ -53,7 +53,6 @@ STAGE_WORDS = 2 * TILE_KEYS * ROW_WORDS  # K rows, then V rows
 S_OFF = STAGE0 + STAGES * STAGE_WORDS
 SHARED_BYTES = 4 * (S_OFF + M_ROWS * S_WORDS)  # 103.5 KiB: two blocks an SM
 ROW_PIECES = HEAD_DIM // 8  # 16-byte pieces of a K or V row
-LOG2E = float32(math.log2(math.e))
 NEG_INF = float32(-math.inf)
 
 
@@ -246,17 +245,7 @@ def decode_mma_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, parti
                         s[4 * nt + e] = value if st_hi <= key and key < sp_hi else NEG_INF
             top_lo = max(max(max(s[0], s[1]), max(s[4], s[5])), max(max(s[8], s[9]), max(s[12], s[13])))
             top_hi = max(max(max(s[2], s[3]), max(s[6], s[7])), max(max(s[10], s[11]), max(s[14], s[15])))
-            top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 1))
-            top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 2))
-            top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 1))
-            top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 2))
-            new_lo = max(mx_lo, top_lo)
-            new_hi = max(mx_hi, top_hi)
-            # a row with no visible key yet keeps max -inf: nothing to rescale, its P all zeros
-            keep_lo = exp2_approx((mx_lo - new_lo) * LOG2E) if new_lo != NEG_INF else float32(1.0)
-            keep_hi = exp2_approx((mx_hi - new_hi) * LOG2E) if new_hi != NEG_INF else float32(1.0)
-            base_lo = new_lo * LOG2E if new_lo != NEG_INF else float32(0.0)
-            base_hi = new_hi * LOG2E if new_hi != NEG_INF else float32(0.0)
+            new_lo, new_hi, keep_lo, keep_hi, base_lo, base_hi = quad_softmax_step(top_lo, top_hi, mx_lo, mx_hi)
             sum_lo = float32(0.0)
             sum_hi = float32(0.0)
             for nt in range(4):
@@ -267,12 +256,8 @@ def decode_mma_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, parti
                     else:
                         s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_hi)
                         sum_hi += s[4 * nt + e]
-            sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 1)
-            sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 2)
-            sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 1)
-            sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 2)
-            l_lo = l_lo * keep_lo + sum_lo
-            l_hi = l_hi * keep_hi + sum_hi
+            l_lo = l_lo * keep_lo + quad_sum(sum_lo)
+            l_hi = l_hi * keep_hi + quad_sum(sum_hi)
             mx_lo = new_lo
             mx_hi = new_hi
             if keep_lo != float32(1.0) or keep_hi != float32(1.0):

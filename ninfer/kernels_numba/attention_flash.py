@@ -42,16 +42,15 @@ from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer.backends.cpu import ops
 from ninfer.kernels_numba.async_copy import (copy_async_16, copy_async_commit,  # noqa: F401 (templates)
                                              copy_async_wait_prior, shared_address)
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, bf16_pair, bf16_target,  # noqa: F401
-                                         exp2_approx, load_matrix_x4, pack_bf16x2, sigmoid_f32,
-                                         store_words2_at)  # (templates)
+from ninfer.kernels_numba.common import (FULL_MASK, LOG2E, address_of, bf16_pair, bf16_target,  # noqa: F401
+                                         exp2_approx, load_matrix_x4, pack_bf16x2, quad_softmax_step, quad_sum,
+                                         sigmoid_f32, store_words2_at)  # (templates)
 from ninfer.kernels_numba.linear import load4, store4  # noqa: F401 (templates)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda  # noqa: F401 (cuda: templates)
 from ninfer.kernels_numba.templates import instantiate
 from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16  # noqa: F401 (templates)
 
 F32 = np.float32
-LOG2E = np.float32(math.log2(math.e))
 
 BR = 64  # queries per block: 4 warps x 16 rows
 BC = 64  # keys per tile
@@ -174,18 +173,9 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, write_f32, out_
         top_lo = max(top_lo, max(max(max(s[16], s[17]), max(s[20], s[21])), max(max(s[24], s[25]), max(s[28], s[29]))))
         top_hi = max(max(max(s[2], s[3]), max(s[6], s[7])), max(max(s[10], s[11]), max(s[14], s[15])))
         top_hi = max(top_hi, max(max(max(s[18], s[19]), max(s[22], s[23])), max(max(s[26], s[27]), max(s[30], s[31]))))
-        top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 1))
-        top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 2))
-        top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 1))
-        top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 2))
-        new_lo = max(m_lo, top_lo)
-        new_hi = max(m_hi, top_hi)
         # a row with no visible key yet keeps m = -inf: nothing to rescale, and its P is all zeros. e^x = 2^(x log2 e):
         # one fma and one ex2 a weight
-        keep_lo = exp2_approx((m_lo - new_lo) * LOG2E) if new_lo != float32(-math.inf) else float32(1.0)
-        keep_hi = exp2_approx((m_hi - new_hi) * LOG2E) if new_hi != float32(-math.inf) else float32(1.0)
-        base_lo = new_lo * LOG2E if new_lo != float32(-math.inf) else float32(0.0)
-        base_hi = new_hi * LOG2E if new_hi != float32(-math.inf) else float32(0.0)
+        new_lo, new_hi, keep_lo, keep_hi, base_lo, base_hi = quad_softmax_step(top_lo, top_hi, m_lo, m_hi)
         sum_lo = float32(0.0)
         sum_hi = float32(0.0)
         for nt in unrolled(8):
@@ -196,12 +186,8 @@ def flash_prefill_kernel_d{d}(packed, keys, values_t, qkgv, out, write_f32, out_
                 else:
                     s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_hi)
                     sum_hi += s[4 * nt + e]
-        sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 1)
-        sum_lo += cuda.shfl_xor_sync(FULL_MASK, sum_lo, 2)
-        sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 1)
-        sum_hi += cuda.shfl_xor_sync(FULL_MASK, sum_hi, 2)
-        l_lo = l_lo * keep_lo + sum_lo
-        l_hi = l_hi * keep_hi + sum_hi
+        l_lo = l_lo * keep_lo + quad_sum(sum_lo)
+        l_hi = l_hi * keep_hi + quad_sum(sum_hi)
         m_lo = new_lo
         m_hi = new_hi
         if keep_lo != float32(1.0) or keep_hi != float32(1.0):  # the max moved (a warp skips it when no row's did)

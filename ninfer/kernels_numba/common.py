@@ -312,3 +312,33 @@ def bf16_target(out, out_bf16) -> tuple:
     if out_bf16 is None:
         return out.reshape(out.shape[0], -1).view(np.uint16), np.int32(0)
     return out_bf16.reshape(out_bf16.shape[0], -1), np.int32(1)
+
+
+LOG2E = float32(math.log2(math.e))
+
+
+@device_function
+def quad_softmax_step(top_lo, top_hi, m_lo, m_hi):
+    """The online softmax's rescale for the two rows a lane holds in an mma C layout (rows gq and gq + 8, the 4
+    lanes of a quad sharing them), from the lane's own maxima of a new tile: (new max lo, hi; the factor the old
+    sums and accumulators keep, lo, hi; the exp2 base of the weights, lo, hi), a weight being
+    exp2(s * LOG2E - base). A row with no visible key yet keeps max -inf: factor 1, base 0 (its weights exp2(-inf)
+    = 0). The flash prefill and the tensor-core decode kernels share it."""
+    top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 1))
+    top_lo = max(top_lo, cuda.shfl_xor_sync(FULL_MASK, top_lo, 2))
+    top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 1))
+    top_hi = max(top_hi, cuda.shfl_xor_sync(FULL_MASK, top_hi, 2))
+    new_lo = max(m_lo, top_lo)
+    new_hi = max(m_hi, top_hi)
+    keep_lo = exp2_approx((m_lo - new_lo) * LOG2E) if new_lo != float32(-math.inf) else float32(1.0)
+    keep_hi = exp2_approx((m_hi - new_hi) * LOG2E) if new_hi != float32(-math.inf) else float32(1.0)
+    base_lo = new_lo * LOG2E if new_lo != float32(-math.inf) else float32(0.0)
+    base_hi = new_hi * LOG2E if new_hi != float32(-math.inf) else float32(0.0)
+    return new_lo, new_hi, keep_lo, keep_hi, base_lo, base_hi
+
+
+@device_function
+def quad_sum(value):
+    """The sum of a value over the 4 lanes of a quad (butterfly: every lane gets the same bits)."""
+    value += cuda.shfl_xor_sync(FULL_MASK, value, 1)
+    return value + cuda.shfl_xor_sync(FULL_MASK, value, 2)

@@ -143,9 +143,12 @@ def flash_prefill() -> None:
     from tests.kernels.test_attention_flash import _case, _exact, _twin
     from tests.support import cuda_simulator
 
+    from ninfer.kernels_numba import common
+
     for function, _ in flash._KERNELS.values():
         cuda_simulator.install(function.py_func.__globals__)
     cuda_simulator.install(vars(flash))
+    cuda_simulator.install(vars(common))  # quad_softmax_step's exp2
     for heads, kv_heads, head_dim, start, rows in [(1, 1, 64, 0, 70), (2, 1, 128, 70, 9), (1, 1, 256, 5, 1)]:
         case = _case(np.random.default_rng(heads + rows), heads, kv_heads, head_dim, start, rows)
         out = np.full((rows + 2, heads * head_dim), np.nan, np.float32)
@@ -636,8 +639,11 @@ def attention_decode_mma() -> None:
     from tests.kernels.test_attention import _random_pools
     from tests.support import cuda_simulator
 
+    from ninfer.kernels_numba import common
+
     cuda_simulator.install(vars(attention))
     cuda_simulator.install(vars(attention_decode_mma))
+    cuda_simulator.install(vars(common))  # quad_softmax_step's exp2
     rng = np.random.default_rng(9)
     pools = _random_pools(rng, 12, 16, 1, 256, "bf16")
     tables = np.stack([rng.permutation(12)[:10] for _ in range(2)]).astype(np.int32)
