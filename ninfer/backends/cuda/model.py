@@ -142,7 +142,9 @@ class Capacity:
     # 128 us a layer (results/cuda_model_27b_bf16_mtp_parts_session33.log). On, as measured on the H200 at 8K
     # context (bench/cuda_model.py --tensor-core-decode off,on; results/*tensor_core_decode_session33.json, ms):
     # 27B bf16 MTP k = 3 round 20.84 -> 19.32 (verify 17.76 -> 16.37), decode B=1 / 4 / 8 14.88 / 17.51 / 20.80 ->
-    # 14.77 / 17.04 / 19.81; 35B-A3B bf16 k = 3 round 7.55 -> 7.27, B=1 / 8 3.72 / 9.33 -> 3.65 / 8.92.
+    # 14.77 / 17.04 / 19.81; 35B-A3B bf16 k = 3 round 7.55 -> 7.27, B=1 / 8 3.72 / 9.33 -> 3.65 / 8.92; 27B
+    # ninfer-v2 round 12.79 -> 11.33, B=1 / 8 7.65 / 14.34 -> 7.54 / 13.36; 35B-A3B ninfer-v2 round 5.70 -> 5.39,
+    # B=1 / 8 2.91 / 6.55 -> 2.86 / 6.15.
     tensor_core_decode: bool = True
     # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
