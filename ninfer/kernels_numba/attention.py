@@ -911,7 +911,7 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     splits = partials.shape[2]
     check_splits(splits)
     if head_dim == 256 and tensor_cores and not quant:
-        from ninfer.kernels_numba.attention_decode_mma import decode_mma  # (it imports split_keys from here)
+        from ninfer.kernels_numba.attention_decode_mma import decode_mma  # (it imports split_keys and _pool_row from here)
 
         decode_mma(q, page_tables, row_lane, row_pos, k_pool, v_pool, partials, heads=heads, kv_heads=kv_heads,
                    min_split_keys=min_split_keys, stream=stream)

@@ -31,7 +31,7 @@ from numba import float32, int32, int64, uint32, uint64
 from numba.cuda import libdevice
 
 from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_all, shared_address
-from ninfer.kernels_numba.attention import split_keys
+from ninfer.kernels_numba.attention import _pool_row, split_keys
 from ninfer.kernels_numba.common import (LOG2E, address_of, exp2_approx, load_matrix_x4, load_matrix_x4_trans,
                                          pack_bf16x2, quad_softmax_step, quad_sum)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
@@ -56,7 +56,8 @@ ROW_PIECES = HEAD_DIM // 8  # 16-byte pieces of a K or V row
 NEG_INF = float32(-math.inf)
 
 
-def group_rows(group_heads: int) -> int:
+@device_function
+def group_rows(group_heads):
     """Rows of one lane a block takes: as many as fit M_ROWS query rows, at most MAX_GROUP_ROWS."""
     return max(1, min(MAX_GROUP_ROWS, M_ROWS // group_heads))
 
@@ -78,10 +79,7 @@ def _copy_tile(shared, stage, k_at, v_at, page_tables, lane_id, key0, lo, hi, pa
         i = c // ROW_PIECES
         piece = c - i * ROW_PIECES
         key = key0 + i
-        kept = min(max(key, lo), hi - 1)
-        slot = kept // page_tokens
-        row = int64(page_tables[lane_id, slot]) * page_tokens + (kept - slot * page_tokens)
-        at = row * token_bytes + piece * 16
+        at = _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens) * token_bytes + piece * 16
         size = uint32(16) if lo <= key and key < hi else uint32(0)
         dst = shared + uint32((stage + i * ROW_WORDS + piece * 4) * 4)
         copy_async_16(dst, k_at + at, size)
@@ -113,7 +111,7 @@ def decode_mma_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, parti
     rows = q.shape[0]
     splits = partials.shape[2]
     group_heads = heads // kv_heads
-    cap = max(1, min(MAX_GROUP_ROWS, M_ROWS // group_heads))
+    cap = group_rows(group_heads)
     lane_id = row_lane[r]
     first = r
     while first > 0 and row_lane[first - 1] == lane_id:
