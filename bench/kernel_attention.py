@@ -2,6 +2,8 @@
 
     python bench/kernel_attention.py            # prints a table; writes $OUT/kernel_attention.json when OUT is set
     python bench/kernel_attention.py flash      # only the flash prefill kernel (`attention_flash`) at 8K tokens
+    python bench/kernel_attention.py verify [ROWS...]  # decode attention for MTP verify runs (rows of one lane),
+                                                       # staged vs tensor cores
 """
 
 from __future__ import annotations
@@ -137,6 +139,43 @@ def bench_decode(rows_out, stream):
                     del pools, time_at
 
 
+def bench_verify(rows_out, stream, ctx=8192, only=()):
+    """The 27B's bf16 decode attention at `ctx` keys for MTP verify runs (1, 2 and 4 rows of one lane: the tensor-core
+    kernel takes a run in one block) and 8 lanes of one row, staged SIMT kernel against tensor cores, both launches
+    (split, combine) timed together at the model's splits and split floor. `only`: those row counts alone."""
+    rng = np.random.default_rng(1)
+    heads, kv_heads, d = MODELS["27B"]
+    splits = A.row_splits(kv_heads)
+    max_pages = ctx // PAGE + 1
+    for rows, lanes in ((1, 1), (2, 1), (4, 1), (8, 8)):
+        if only and rows not in only:
+            continue
+        sets_n = 3
+        pools = make_pools(rng, sets_n * lanes * max_pages, kv_heads, d, "bf16")
+        tables = cuda.to_device(np.arange(sets_n * lanes * max_pages, dtype=np.int32).reshape(sets_n * lanes,
+                                                                                               max_pages))
+        q = cuda.to_device(rng.standard_normal((rows, heads, d), dtype=np.float32))
+        qkgv = cuda.to_device(rng.standard_normal((rows, 2 * (heads + kv_heads) * d), dtype=np.float32))
+        per_lane = rows // lanes
+        pos = cuda.to_device(np.tile(ctx + np.arange(per_lane, dtype=np.int32), lanes))
+        row_lanes = [cuda.to_device(np.repeat(np.arange(s * lanes, (s + 1) * lanes, dtype=np.int32), per_lane))
+                     for s in range(sets_n)]
+        out = cuda.device_array((rows, heads * d), np.float32)
+        partials = cuda.device_array(A.decode_partials_shape(rows, heads, d, splits), np.float32)
+        entry = dict(kernel="decode_verify", model="27B", kv="bf16", ctx=ctx, rows=rows, lanes=lanes, splits=splits)
+        for tensor_cores in (False, True):
+            def launch(row_lane, tensor_cores=tensor_cores):
+                A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials, heads=heads,
+                                   kv_heads=kv_heads, head_dim=d, stream=stream, min_split_keys=64,
+                                   tensor_cores=tensor_cores)
+
+            entry["tensor_cores_us" if tensor_cores else "staged_us"] = timed(launch, row_lanes, stream)
+        entry["us"] = entry["tensor_cores_us"]
+        rows_out.append(entry)
+        print(f"decode_verify 27B bf16 ctx {ctx} rows {rows} lanes {lanes}: staged {entry['staged_us']:.1f} us, "
+              f"tensor cores {entry['tensor_cores_us']:.1f} us", flush=True)
+
+
 def bench_prefill(rows_out, stream, count=8192):
     rng = np.random.default_rng(1)
     for model, (heads, kv_heads, d) in MODELS.items():
@@ -217,11 +256,13 @@ def bench_prepare(rows_out, stream):
 def main() -> None:
     stream = cuda.stream()
     results: list[dict] = []
-    which = sys.argv[1:] or ["prepare", "decode", "prefill"]
+    which = [arg for arg in sys.argv[1:] if not arg.isdigit()] or ["prepare", "decode", "prefill"]
     if "prepare" in which:
         bench_prepare(results, stream)
     if "decode" in which:
         bench_decode(results, stream)
+    if "verify" in which:
+        bench_verify(results, stream, only=tuple(int(arg) for arg in sys.argv[1:] if arg.isdigit()))
     if "prefill" in which:
         bench_prefill(results, stream)
     if "flash" in which:

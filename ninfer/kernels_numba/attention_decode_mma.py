@@ -33,7 +33,7 @@ from numba.cuda import libdevice
 from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_all, shared_address
 from ninfer.kernels_numba.attention import _pool_row, split_keys
 from ninfer.kernels_numba.common import (LOG2E, address_of, exp2_approx, load_matrix_x4, load_matrix_x4_trans,
-                                         pack_bf16x2, quad_softmax_step, quad_sum)
+                                         load_words4_at, pack_bf16x2, quad_softmax_step, quad_sum)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
 from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16
 
@@ -53,6 +53,13 @@ STAGE_WORDS = 2 * TILE_KEYS * ROW_WORDS  # K rows, then V rows
 S_OFF = STAGE0 + STAGES * STAGE_WORDS
 SHARED_BYTES = 4 * (S_OFF + M_ROWS * S_WORDS)  # 103.5 KiB: two blocks an SM
 ROW_PIECES = HEAD_DIM // 8  # 16-byte pieces of a K or V row
+COPY_STEP = THREADS // ROW_PIECES  # keys between the pieces one thread copies
+COPY_KEYS = TILE_KEYS // COPY_STEP  # keys a thread copies a piece of, a tile
+Q_ROW_PIECES = HEAD_DIM // 4  # 16-byte pieces of an fp32 query row
+Q_ROW_SHIFT = 6  # log2(Q_ROW_PIECES)
+Q_ROW_STEP = THREADS // Q_ROW_PIECES  # query rows between a thread's pieces
+Q_PIECES = M_ROWS // Q_ROW_STEP  # pieces a thread stages
+Q_WORDS = 4 * Q_PIECES
 NEG_INF = float32(-math.inf)
 
 
@@ -74,12 +81,25 @@ def _bf16_split(x0, x1):
 @device_function
 def _copy_tile(shared, stage, k_at, v_at, page_tables, lane_id, key0, lo, hi, page_tokens, token_bytes):
     """Issue the copies of keys key0 .. key0 + TILE_KEYS - 1 (K rows, then V rows) into the stage at word `stage`;
-    keys outside [lo, hi) read nothing and land as zeros."""
-    for c in range(cuda.threadIdx.x, TILE_KEYS * ROW_PIECES, THREADS):
-        i = c // ROW_PIECES
-        piece = c - i * ROW_PIECES
+    keys outside [lo, hi) read nothing and land as zeros. A thread copies one 16-byte piece of COPY_KEYS keys. Pages
+    of whole tiles (the serving pool's 64 tokens) hold a tile in one page: one page-table read a tile, the keys'
+    rows consecutive from there (a read and a division a key were most of the kernel's integer work); other pages
+    a read a key, all issued before the first copy."""
+    piece = cuda.threadIdx.x & (ROW_PIECES - 1)
+    first = cuda.threadIdx.x // ROW_PIECES
+    rows = cuda.local.array(COPY_KEYS, int64)
+    if page_tokens % TILE_KEYS == 0:
+        start = min(max(key0, lo), hi - 1)  # keys are clamped into [lo, hi - 1]: inside this tile, so its page
+        row0 = _pool_row(page_tables, lane_id, start, hi, page_tokens)
+        for j in range(COPY_KEYS):
+            rows[j] = row0 + (min(max(key0 + first + COPY_STEP * j, lo), hi - 1) - start)
+    else:
+        for j in range(COPY_KEYS):
+            rows[j] = _pool_row(page_tables, lane_id, max(key0 + first + COPY_STEP * j, lo), hi, page_tokens)
+    for j in range(COPY_KEYS):
+        i = first + COPY_STEP * j
         key = key0 + i
-        at = _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens) * token_bytes + piece * 16
+        at = rows[j] * token_bytes + piece * 16
         size = uint32(16) if lo <= key and key < hi else uint32(0)
         dst = shared + uint32((stage + i * ROW_WORDS + piece * 4) * 4)
         copy_async_16(dst, k_at + at, size)
@@ -161,18 +181,41 @@ def decode_mma_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, parti
                token_bytes)
     copy_async_commit()
 
-    # Q of the served rows, scaled by 1/sqrt(D) (a power of two: exact), as bf16 hi and lo rows; padding rows zero
+    # Q of the served rows, scaled by 1/sqrt(D) (a power of two: exact), as bf16 hi and lo rows; padding rows zero.
+    # A thread takes Q_PIECES 16-byte pieces (query rows m0, m0 + 4, ...; the same 4 dims), every load issued before
+    # any is converted: the prologue's dependent loads and divisions were ~45% of the kernel's stalls (ncu, 4 rows of
+    # one lane at 8K, results/ncu_decode_mma_verify_session34_summary.txt).
+    piece = tid & (Q_ROW_PIECES - 1)
+    m0 = tid >> Q_ROW_SHIFT
+    words = cuda.local.array(Q_WORDS, uint32)
+    head_of = m0 % group_heads  # (row, head) of query row m, stepped by Q_ROW_STEP rows without a division
+    row_of = m0 // group_heads
+    q_at = address_of(q) + int64(piece * 16)
+    last = served - 1  # padding rows read the last served row and store zeros
+    last_at = q_at + (int64(r + last // group_heads) * heads + kvh * group_heads + last % group_heads) * (HEAD_DIM * 4)
+    for j in range(Q_PIECES):
+        at = q_at + (int64(r + row_of) * heads + kvh * group_heads + head_of) * (HEAD_DIM * 4)
+        if m0 + Q_ROW_STEP * j > last:
+            at = last_at
+        words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load_words4_at(at)
+        head_of += Q_ROW_STEP
+        while head_of >= group_heads:
+            head_of -= group_heads
+            row_of += 1
     scale = float32(1.0) / float32(16.0)
-    for idx in range(tid, M_ROWS * (HEAD_DIM // 2), THREADS):
-        m = idx // (HEAD_DIM // 2)
-        w = idx - m * (HEAD_DIM // 2)
-        q_hi = q_lo = uint32(0)
-        if m < served:
-            row = r + m // group_heads
-            h = kvh * group_heads + m % group_heads
-            q_hi, q_lo = _bf16_split(q[row, h, 2 * w] * scale, q[row, h, 2 * w + 1] * scale)
-        sh[Q_HI + m * ROW_WORDS + w] = q_hi
-        sh[Q_LO + m * ROW_WORDS + w] = q_lo
+    for j in range(Q_PIECES):
+        m = m0 + Q_ROW_STEP * j
+        x = cuda.local.array(4, float32)
+        for i in range(4):
+            x[i] = libdevice.int_as_float(int32(words[4 * j + i])) * scale
+        hi0, lo0 = _bf16_split(x[0], x[1])
+        hi1, lo1 = _bf16_split(x[2], x[3])
+        if m >= served:
+            hi0 = lo0 = hi1 = lo1 = uint32(0)
+        sh[Q_HI + m * ROW_WORDS + 2 * piece] = hi0
+        sh[Q_HI + m * ROW_WORDS + 2 * piece + 1] = hi1
+        sh[Q_LO + m * ROW_WORDS + 2 * piece] = lo0
+        sh[Q_LO + m * ROW_WORDS + 2 * piece + 1] = lo1
 
     o = cuda.local.array(32, float32)  # O rows gq, gq + 8 over the quarter's 8 dim n-tiles (mma C layout)
     s = cuda.local.array(16, float32)  # the tile's scores, then P: 4 key n-tiles
