@@ -235,12 +235,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         model.set_ab_in_recurrence(fused_ab)
         model.set_recurrence_groups(groups or model.capacity.recurrence_groups)
         model.set_tensor_core_decode(tc)
-        # "kernels", "cublas" (padded to the capacity's decode rows, the serving default), "cublas:N" (padded to N
-        # rows; 0: no padding) or "auto" (each shape's path timed on the GPU, cuBLAS padded to the decode rows where
-        # it wins: `linear_tuning`). The Linear reads these settings at every call: no rebuild needed.
-        model.linear.cublas_decode = linear.startswith("cublas") or linear == "auto"
-        model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else capacity.decode_rows
-        model.linear.decode_paths.clear()
+        set_decode_linear(model, linear)
         if linear == "auto":
             began = time.perf_counter()
             timings = model.tune_decode_linears()
@@ -291,16 +286,14 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB  back to back {queued * 1e3:.2f} ms (ratio {roofline / queued:.2f}), launch "
                   f"{host_launch * 1e6:.0f} us host", flush=True)
-            if profile and batch in (1, 8) and linear in ("cublas", "kernels", "auto"):
+            if profile and batch in (1, 8) and linear in ("cublas", "mma", "kernels", "auto"):
                 from bench.kernel_profile import print_profile, profile_replays
 
                 kernels = profile_replays(lambda: graph.replay(device.stream_handle), device.synchronize)
                 print_profile(f"{label} B={batch}", kernels)
                 decode[-1]["profile"] = kernels
             graph.close()
-    model.linear.cublas_decode = capacity.decode_linear == "cublas"
-    model.linear.decode_paths.clear()
-    model.linear.pad_rows = capacity.decode_rows
+    set_decode_linear(model, capacity.decode_linear)
     model.set_attention_splits(attention_splits[-1])
     model.set_attention_min_split_keys(split_floors[-1])
     model.set_branches(branches[-1])  # the suffix prefill and the MTP rounds run with the last settings
@@ -318,7 +311,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     if decode_only:
         return result
     if mtp_only:
-        result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, profile=profile)
+        result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, decode_linears,
+                                              profile=profile)
         return result
 
     # Prefill: one lane, 8192 tokens from position 0, eager.
@@ -397,7 +391,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     result["suffix_prefill"] = suffix_prefill(model, dims, prefill_tokens, min(SUFFIX, prefill_tokens),
                                               profile=profile)
 
-    result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, profile=profile)
+    result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, decode_linears,
+                                          profile=profile)
     return result
 
 
@@ -471,15 +466,32 @@ def suffix_prefill(model: CudaQwen, dims, context: int, tokens: int, *, profile:
     return out
 
 
-def mtp_rounds_each(model: CudaQwen, dims, context: int, tensor_core_decodes: tuple[bool, ...], *,
-                    profile: bool) -> list[dict]:
-    """`mtp_rounds` with each decode attention kernel asked for (the serving default, tensor cores, last)."""
+def set_decode_linear(model: CudaQwen, linear: str) -> None:
+    """The bf16 decode linear path to time: "kernels", "mma" (`linear_mma`), "cublas" (padded to the capacity's
+    decode rows, the serving default), "cublas:N" (padded to N rows; 0: no padding) or "auto" (each shape's path
+    timed on the GPU: `linear_tuning`; the caller tunes). The Linear reads these settings at every call: no rebuild
+    needed."""
+    model.linear.cublas_decode = linear.startswith("cublas") or linear == "auto"
+    model.linear.pad_rows = int(linear.split(":")[1]) if ":" in linear else model.capacity.decode_rows
+    model.linear.bf16_path = "mma" if linear == "mma" else None
+    model.linear.decode_paths.clear()
+
+
+def mtp_rounds_each(model: CudaQwen, dims, context: int, tensor_core_decodes: tuple[bool, ...],
+                    decode_linears: tuple[str, ...], *, profile: bool) -> list[dict]:
+    """`mtp_rounds` with each decode attention kernel and each bf16 decode linear path asked for ("auto" and
+    "cublas:N" skipped: the serving paths' rounds), then back to the serving default."""
     out = []
-    for tc in tensor_core_decodes:
+    linears = [linear for linear in decode_linears if linear in ("cublas", "mma", "kernels")] or ["cublas"]
+    for tc, linear in ((tc, linear) for tc in tensor_core_decodes for linear in linears):
         model.set_tensor_core_decode(tc)
-        if len(tensor_core_decodes) > 1:
-            print(f"  MTP rounds, decode attention {'tensor cores' if tc else 'staged SIMT'}:", flush=True)
-        out += [dict(entry, tensor_core_decode=tc) for entry in mtp_rounds(model, dims, context, profile=profile)]
+        set_decode_linear(model, linear)
+        if len(tensor_core_decodes) > 1 or len(linears) > 1:
+            print(f"  MTP rounds, decode attention {'tensor cores' if tc else 'staged SIMT'}, bf16 linear {linear}:",
+                  flush=True)
+        out += [dict(entry, tensor_core_decode=tc, decode_linear=linear)
+                for entry in mtp_rounds(model, dims, context, profile=profile)]
+    set_decode_linear(model, model.capacity.decode_linear)
     return out
 
 
@@ -582,10 +594,11 @@ def main() -> None:
     parser.add_argument("--models", default="27b,35b")
     parser.add_argument("--recipes", default="bf16,ninfer-v2")
     parser.add_argument("--kv", default="bf16")
-    parser.add_argument("--decode-linear", default="kernels,cublas:0,cublas:8,cublas,auto",
-                        help="bf16 decode linear paths to time: the skinny kernels, cuBLAS padded to the decode rows "
-                             "(the default), cuBLAS padded to N rows (cublas:N, 0 = unpadded), or each shape's "
-                             "fastest path as timed on the GPU (auto)")
+    parser.add_argument("--decode-linear", default="kernels,mma,cublas:0,cublas:8,cublas,auto",
+                        help="bf16 decode linear paths to time: the skinny kernels, the tensor-core kernel (mma), "
+                             "cuBLAS padded to the decode rows (the default), cuBLAS padded to N rows (cublas:N, 0 = "
+                             "unpadded), or each shape's fastest path as timed on the GPU (auto); the MTP rounds run "
+                             "with each of kernels, mma and cublas asked for")
     parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes to time (at most 8)")
     parser.add_argument("--prefill-attention", default="kernel,gemm",
                         help="8K prefill attention paths to time: kernel (the numba kernel), gemm (the tensor cores "

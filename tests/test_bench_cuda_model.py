@@ -55,11 +55,11 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
 
     result = bench.bench_config("tiny", recipe, "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=moe),
                                 context=70, prefill_tokens=128, repeats=4,
-                                decode_linears=("kernels", "cublas", "auto"), decode_quant=decode_quant,
+                                decode_linears=("kernels", "mma", "cublas", "auto"), decode_quant=decode_quant,
                                 split_k_norms=(0, 2))
     assert result["decode_quant"] == decode_quant
     assert [(row["linear"], row["split_k_norm"], row["batch"]) for row in result["decode"]] == [
-        (linear, sliced, batch) for linear in ("kernels", "cublas", "auto") for sliced in (0, 2)
+        (linear, sliced, batch) for linear in ("kernels", "mma", "cublas", "auto") for sliced in (0, 2)
         for batch in (1, 2, 4, 8)]
     tuned = result["decode_paths"]  # each bf16 shape the Linear multiplies at decode
     assert tuned or recipe != "bf16"
@@ -69,7 +69,9 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     assert all(row["tokens"] == 128 and row["flops"] > 0 for row in result["prefill"])
     suffix = result["suffix_prefill"]
     assert suffix["context"] == 128 and suffix["seconds"] > 0 and suffix["graph_seconds"] > 0
-    assert [(row["k"], row["proposals"]) for row in result["mtp_round"]] == [(k, "full") for k in (1, 2, 3)]
+    # the MTP rounds with each serving decode linear asked for (the bench passes the quantized recipes cublas only)
+    assert [(row["decode_linear"], row["k"], row["proposals"]) for row in result["mtp_round"]] == [
+        (linear, k, "full") for linear in ("kernels", "mma", "cublas") for k in (1, 2, 3)]
 
 
 def test_moe_prefill_with_each_expert_gemm_layout(bench):

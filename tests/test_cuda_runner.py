@@ -169,6 +169,29 @@ def test_cublas_decode_matches_the_cpu_runner(device_kind, artifacts, kind):
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tensor_core_decode_linear_matches_the_cpu_runner(device_kind, artifacts, kind, monkeypatch):
+    """decode_linear="mma": every bf16 decode projection through `linear_mma` (bf16 activations, only the rows
+    there are), so greedy tokens are the CPU runner's up to bf16 ties, greedy MTP (4 verify rows a lane) equals
+    greedy with no padding, and the graphs replay the eager tokens."""
+    path = artifacts[(kind, "bf16")]
+    cpu = load_model(path)
+    prompts = [prompt(1, 5), prompt(2, 60), prompt(3, 23)]
+    eager = cuda_build(device_kind, path, decode_linear="mma", graphs=False)
+    assert eager.model.linear.pad_rows == 0
+    rows = []
+    launcher = eager.model.k.linear_bf16_mma
+    monkeypatch.setattr(eager.model.k, "linear_bf16_mma",
+                        lambda x, w, y, **kw: (rows.append(y.shape[0]), launcher(x, w, y, **kw)))
+    got = run_lanes(eager.runner, prompts, 16)
+    monkeypatch.undo()
+    assert 3 in rows and max(rows) == 60  # the decode steps' 3 rows and the prompts' own, never padded
+    for g, w, p in zip(got, run_lanes(cpu_runner(path), prompts, 16), prompts):
+        assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
+    assert run_lanes(cuda_build(device_kind, path, decode_linear="mma").runner, prompts, 16) == got
+    assert run_lanes(cuda_build(device_kind, path, decode_linear="mma", draft_tokens=3).runner, prompts, 16) == got
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_split_k_residual_projections_are_added_in_the_next_norm(device_kind, artifacts, kind, monkeypatch):
     """Capacity.split_k_norm: at the padded decode rows the output projections (and the dense FFN's down) leave
     their K slices for the norm after them to add (`add_slices_rms_norm_rows`, the slices of each call); greedy

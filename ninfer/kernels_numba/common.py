@@ -261,6 +261,20 @@ load_words2_at = _make_global_load(2)
 load_words4_at = _make_global_load(4)
 
 
+@intrinsic
+def load_words4_streaming_at(typingctx, address):
+    """`load_words4_at` for data read once (decode weights): `ld.global.nc.L1::no_allocate`, so the stream does not
+    push the data a block reads again (its activations) out of L1."""
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        result = builder.asm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)]),
+                             "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+                             "=r,=r,=r,=r,l", list(args), side_effect=False)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)])
+
+    return types.UniTuple(uint32, 4)(int64), codegen
+
+
 def _store_codegen(count: int):
     def codegen(context, builder, sig, args):
         i32 = ir.IntType(32)

@@ -416,7 +416,7 @@ STAND_INS = {
     "mma_bf16_m16n8k16": mma_bf16_m16n8k16, "mma_tf32_m16n8k8": mma_tf32_m16n8k8, "warp_sum": warp_sum,
     "warp_max_u32": warp_max_u32,
     "allow_dynamic_shared": allow_dynamic_shared, "load_word_at": load_word_at, "load_words2_at": load_words2_at,
-    "load_words4_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
+    "load_words4_at": load_words4_at, "load_words4_streaming_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
     "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2,
     "and_or": and_or,
     "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,

@@ -88,6 +88,32 @@ def linear() -> None:
                 x, fmt, (E * rpe, 64), payload, ids, rows_per_expert=rpe, x_per_slot=False))
 
 
+def linear_mma() -> None:
+    """The tensor-core bf16 decode GEMM against its twin: one and several x-row sets (9 rows: an unfilled second set),
+    two launches (33 rows: 32 and 1), a partial last row tile, K of 2 blocks (every warp's only step partial) and of
+    40 (two full steps of the 8 warps, then a partial one), with accumulation; a row alone equals bitwise the same
+    row launched beside others."""
+    from ninfer.artifact import codec
+    from ninfer.kernels_numba import linear_mma, quant_mma
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(linear_mma))
+    cuda_simulator.install(vars(quant_mma))  # the epilogue's helpers
+    rng = np.random.default_rng(6)
+    for m, n, k in [(1, 24, 128), (9, 40, 2560), (33, 16, 128)]:
+        x = codec.f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+        w = codec.f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+        y0 = rng.standard_normal((m, n)).astype(np.float32)
+        y = y0.copy()
+        linear_mma.linear_bf16_mma(x, w, y, stream=0, accumulate=True)
+        _check(f"mma {m}x{n}x{k}", y, linear_mma.linear_bf16_mma_reference(x, w, y0, accumulate=True))
+        alone = np.full((1, n), np.nan, np.float32)
+        linear_mma.linear_bf16_mma(x[m - 1:], w, alone, stream=0)
+        beside = np.full((m, n), np.nan, np.float32)
+        linear_mma.linear_bf16_mma(x, w, beside, stream=0)
+        np.testing.assert_array_equal(alone[0], beside[m - 1])
+
+
 def linear_narrow() -> None:
     """The narrow bf16 GEMV (K split over a block's warps) equals its twin in every shape it tiles differently: a
     partial last 256-column step, every warp's four steps (K = 8192), a step past the first warp's (of 8 columns), x
@@ -1071,7 +1097,7 @@ def moe_group() -> None:
         print("ok moe_group", rows, experts, k, flush=True)
 
 
-CHECKS = {"linear": linear, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
+CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill, "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated,
           "gdn_recurrent_projected": gdn_recurrent_projected, "quant_mma": quant_mma,
           "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,

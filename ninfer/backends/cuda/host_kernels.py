@@ -21,6 +21,7 @@ from ninfer.kernels_numba import gdn as _gdn
 from ninfer.kernels_numba import gdn_chunked as _gdn_chunked
 from ninfer.kernels_numba import layout as _layout
 from ninfer.kernels_numba import linear as _linear
+from ninfer.kernels_numba import linear_mma as _linear_mma
 from ninfer.kernels_numba import linear_narrow as _linear_narrow
 from ninfer.kernels_numba import moe as _moe
 from ninfer.kernels_numba import quant_mma as _quant_mma
@@ -359,6 +360,11 @@ def moe_scatter_combine(permuted_out, slot_of, weights, top_k, residual, *, posi
 
 def linear_bf16(x, w, y, *, stream, accumulate=False):
     y[...] = _linear.linear_bf16_reference(x, w, y, accumulate=accumulate)
+
+
+def linear_bf16_mma(x, w, y, *, stream, accumulate=False, programmatic=False):
+    _linear_mma.check_shapes(x.shape, w.shape, y.shape)
+    y[...] = _linear_mma.linear_bf16_mma_reference(x, w, y, accumulate=accumulate)
 
 
 def linear_bf16_narrow(x, w, y, *, stream, accumulate=False):

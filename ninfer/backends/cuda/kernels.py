@@ -15,6 +15,7 @@ from ninfer.kernels_numba.gdn import (gdn_conv, gdn_conv_normed, gdn_gates, gdn_
 from ninfer.kernels_numba.gdn_chunked import gdn_chunked
 from ninfer.kernels_numba.layout import concat_columns, gather_rows
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered, linear_bf16_gathered_swiglu
+from ninfer.kernels_numba.linear_mma import linear_bf16_mma
 from ninfer.kernels_numba.linear_narrow import linear_bf16_narrow, linear_bf16_narrow_route
 from ninfer.kernels_numba.moe import (moe_chunk_groups, moe_combine, moe_combine_rms_norm, moe_gather, moe_group,
                                      moe_layout, moe_pad_positions, moe_scatter_combine, route_top_k)
@@ -64,6 +65,7 @@ __all__ = [
     "linear_bf16",
     "linear_bf16_gathered",
     "linear_bf16_gathered_swiglu",
+    "linear_bf16_mma",
     "linear_bf16_narrow",
     "linear_bf16_narrow_route",
     "linear_quant",

@@ -10,9 +10,9 @@ or two, K whole) and the narrow one (K split over a block's warps) trade differe
 
 Each shape gets the path with the least time summed over one row and the padded decode rows (the single-stream
 case and the batched one), each timed as REPEATS launches captured in one graph and replayed, as decode runs them.
-cuBLAS is timed on a bf16 copy made beforehand, as its decode producers write one beside their fp32 output. The
-choice is one path a shape whatever the rows, so a row's result never depends on the batch (the paths are each
-batch invariant: cuBLAS padded to the decode rows, the kernels by construction)."""
+cuBLAS and the tensor-core kernel are timed on a bf16 copy made beforehand, as their decode producers write one beside
+their fp32 output. The choice is one path a shape whatever the rows, so a row's result never depends on the batch
+(the paths are each batch invariant: cuBLAS padded to the decode rows, the kernels by construction)."""
 
 from __future__ import annotations
 
@@ -21,16 +21,20 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ninfer.backends.cuda.timing import captured_repeats
+from ninfer.kernels_numba.linear_mma import BLOCK as MMA_BLOCK
 from ninfer.kernels_numba.linear_narrow import NARROW_MAX_K
 
-DECODE_PATHS = ("cublas", "kernels", "narrow")  # cuBLAS first: ties keep the default
+DECODE_PATHS = ("cublas", "mma", "kernels", "narrow")  # cuBLAS first: ties keep the default
+BF16_INPUT_PATHS = ("cublas", "mma")  # the paths that read the activation's bf16 copy
 REPEATS = 20  # launches a timed graph holds
 REPLAYS = 5  # timed replays of it (median)
 
 
 def candidate_paths(shape: tuple[int, int]) -> tuple[str, ...]:
-    """The decode paths that can multiply a bf16 [N, K] matrix (the narrow kernel holds K <= NARROW_MAX_K)."""
-    return tuple(path for path in DECODE_PATHS if path != "narrow" or shape[1] <= NARROW_MAX_K)
+    """The decode paths that can multiply a bf16 [N, K] matrix (the narrow kernel holds K <= NARROW_MAX_K, the
+    tensor-core one K of whole 64-column blocks)."""
+    return tuple(path for path in DECODE_PATHS if (path != "narrow" or shape[1] <= NARROW_MAX_K)
+                 and (path != "mma" or shape[1] % MMA_BLOCK == 0))
 
 
 def fastest_paths(shapes: Iterable[tuple[int, int]],
@@ -66,7 +70,7 @@ def tune_decode_paths(linear: Any, device: Any, matrices: Iterable[Any], rows: t
         total = 0.0
         for count in rows:
             x_bf16 = None
-            if path == "cublas":  # its producers write the bf16 copy beside their own output
+            if path in BF16_INPUT_PATHS:  # their producers write the bf16 copy beside their own output
                 x_bf16 = linear.bf16_input(count, width)
                 k.to_bf16_rows(x[:count], x_bf16, stream=linear.stream)
             graph, each = captured_repeats(

@@ -46,7 +46,7 @@ from ninfer.kernels_numba.programmatic import check_available as check_programma
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.dequant_ahead import WeightDequantizer
 from ninfer.backends.cuda.device import CudaDevice, Device
-from ninfer.backends.cuda.linear_tuning import DECODE_PATHS, tune_decode_paths
+from ninfer.backends.cuda.linear_tuning import BF16_INPUT_PATHS, DECODE_PATHS, candidate_paths, tune_decode_paths
 from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
 from ninfer.models.dflash import DFlashMismatchError
 from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
@@ -96,10 +96,11 @@ class Capacity:
     # Prefill attention on the tensor cores (cuBLAS; 2.5x faster than the numba kernel at 8K on the H200): its
     # scratch is allocated only with this set.
     tensor_core_attention: bool = True
-    # bf16 linear layers of up to SKINNY_ROWS rows: "cublas" (activations rounded to bf16; cuBLAS may change its
-    # algorithm with the row count, so bitwise batch invariance is not promised) or "kernels" (the batch-invariant
-    # skinny kernels, fp32 activations; 1.4x slower at 27B batch 1 on the H200) or "auto" (per matrix shape the
-    # fastest of cuBLAS, the skinny and the narrow kernel, timed on the GPU when the model is built:
+    # bf16 linear layers of up to SKINNY_ROWS rows: "cublas" (activations rounded to bf16; every call padded to the
+    # decode rows, since cuBLAS picks its algorithm from the row count), "mma" (`linear_mma`: the tensor cores,
+    # activations rounded to bf16, only the rows there are: batch invariant by construction), "kernels" (the
+    # batch-invariant SIMT skinny kernels, fp32 activations; 1.4x slower at 27B batch 1 on the H200) or "auto" (per
+    # matrix shape the fastest of those and the narrow kernel, timed on the GPU when the model is built:
     # `linear_tuning`). Quantized matrices always use their kernels.
     decode_linear: str = "cublas"
     # Quantized (ninfer-v2) linear layers of up to SKINNY_ROWS rows: "mma" (`quant_mma`: the tensor cores,
@@ -201,8 +202,8 @@ class Capacity:
         if self.attention_splits is not None:
             check_splits(self.attention_splits)
         check_min_split_keys(self.attention_min_split_keys)
-        if self.decode_linear not in ("cublas", "kernels", "auto"):
-            raise ValueError(f"decode_linear must be 'cublas', 'kernels' or 'auto', got {self.decode_linear!r}")
+        if self.decode_linear not in ("cublas", "mma", "kernels", "auto"):
+            raise ValueError(f"decode_linear must be 'cublas', 'mma', 'kernels' or 'auto', got {self.decode_linear!r}")
         if self.decode_quant not in ("simt", "mma"):
             raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
         if self.spec not in SPEC_BACKENDS:
@@ -735,7 +736,8 @@ def reads_bf16_alone(x_bf16: Any, x_fragments: Any) -> bool:
 
 class Linear:
     """y (+)= x @ W^T for any stored format: up to SKINNY_ROWS rows the quantized kernels, and for bf16 matrices
-    cuBLAS or the skinny kernels (`cublas_decode`, from Capacity.decode_linear); cuBLAS on bf16 beyond.
+    cuBLAS, the tensor-core kernel (`bf16_path` "mma") or the skinny kernels (`cublas_decode`; both from
+    Capacity.decode_linear); cuBLAS on bf16 beyond.
 
     Batch invariance with cuBLAS: cuBLAS picks its algorithm (and so the summation order) from the shape, so up to
     `pad_rows` rows every call computes exactly `pad_rows` rows (one shape, whatever the batch; a row's result never
@@ -743,10 +745,13 @@ class Linear:
     stale inputs and of y scratch outputs. cuBLAS takes bf16 activations; a producer kernel that already wrote them
     (into `bf16_input`'s scratch) passes that copy as `x_bf16` and saves the conversion launch."""
 
-    def __init__(self, device: Device, workspace: Workspace, *, cublas_decode: bool, pad_rows: int) -> None:
+    def __init__(self, device: Device, workspace: Workspace, *, cublas_decode: bool, pad_rows: int,
+                 bf16_path: str | None = None) -> None:
         self._device, self.blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
         self._stream = device.stream
         self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
+        # the decode path (`DECODE_PATHS`) of every bf16 matrix `decode_paths` has none for; None: the settings above
+        self.bf16_path = bf16_path
         self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
         self.narrow = False  # Capacity.narrow_decode (CudaQwen.set_narrow)
         # Capacity.decode_linear "auto": each bf16 shape's decode path as timed on this GPU (`linear_tuning`; (N, K) ->
@@ -804,18 +809,25 @@ class Linear:
         self._cublas(x, w, y, rows, accumulate, x_bf16)
 
     def decode_path(self, w: Matrix, rows: int) -> str | None:
-        """The path `decode_paths` chose for a bf16 matrix at this row count, None where it chose none (the
-        settings decide)."""
+        """The path `decode_paths` chose for a bf16 matrix at this row count, else `bf16_path` where that path takes
+        the shape; None: the settings decide."""
         if rows <= SKINNY_ROWS and isinstance(w, Bf16Matrix):
-            return self.decode_paths.get(tuple(w.shape))
+            shape = tuple(w.shape)
+            if shape in self.decode_paths:
+                return self.decode_paths[shape]
+            return self.bf16_path if self.bf16_path in candidate_paths(shape) else None
         return None
 
     def bf16_decode(self, path: str, x: Any, w: Bf16Matrix, y: Any, rows: int, *, accumulate: bool = False,
                     x_bf16: Any = None) -> None:
-        """y[:rows] (+)= x[:rows] @ W^T through one decode path (`DECODE_PATHS`): cuBLAS padded to `pad_rows` (bf16
-        input, `x_bf16` when its producer wrote it), the skinny kernel or the narrow one (fp32 input)."""
+        """y[:rows] (+)= x[:rows] @ W^T through one decode path (`DECODE_PATHS`): cuBLAS padded to `pad_rows` or the
+        tensor-core kernel (bf16 input, `x_bf16` when its producer wrote it), the skinny kernel or the narrow one
+        (fp32 input)."""
         if path == "cublas":
             self._cublas(x, w, y, rows, accumulate, x_bf16)
+        elif path == "mma":
+            self._k.linear_bf16_mma(self._gemm_input(x, rows, x_bf16, rows), w.data, y[:rows], stream=self._stream,
+                                    accumulate=accumulate, programmatic=self.programmatic)
         elif path == "kernels":
             self._k.linear_bf16(x[:rows], w.data, y[:rows], stream=self._stream, accumulate=accumulate)
         elif path == "narrow":
@@ -831,7 +843,8 @@ class Linear:
         27B's 5120 x 6144 out projections (21.3 -> 22.4): near-square, cuBLAS does not split K itself, and the
         slices only add partials to write and read."""
         return (slices > 0 and isinstance(w, Bf16Matrix) and 0 < rows <= self.pad_rows <= SKINNY_ROWS
-                and self._reads_bf16(w, rows) and w.shape[1] >= 2 * w.shape[0] and w.shape[1] % (8 * slices) == 0)
+                and self._reads_bf16(w, rows) and self.decode_path(w, rows) in (None, "cublas")
+                and w.shape[1] >= 2 * w.shape[0] and w.shape[1] % (8 * slices) == 0)
 
     def split_k(self, x: Any, w: Bf16Matrix, partials: Any, rows: int, x_bf16: Any, slices: int) -> Any:
         """The K slices of x[:pad_rows] @ W^T into the flat fp32 `partials` (`Blas.split_k_gemm_bf16`; x rounded
@@ -914,7 +927,7 @@ class Linear:
             return rows > SKINNY_ROWS
         path = self.decode_path(w, rows)
         if path is not None:
-            return path == "cublas"
+            return path in BF16_INPUT_PATHS
         return rows > SKINNY_ROWS or (isinstance(w, Bf16Matrix) and self.cublas_decode
                                       and not self.reads_narrow(w, rows))
 
@@ -1099,7 +1112,8 @@ class CudaQwen:
         self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
         cublas = capacity.decode_linear in ("cublas", "auto")  # "auto": cuBLAS where the tuning chose no path
         self.linear = Linear(device, self.workspace, cublas_decode=cublas,
-                             pad_rows=capacity.decode_rows if cublas else 0)
+                             pad_rows=capacity.decode_rows if cublas else 0,
+                             bf16_path="mma" if capacity.decode_linear == "mma" else None)
         self.dflash_linear = self.linear.with_pad_rows(capacity.dflash_rows) if drafter is not None else None
         self.set_programmatic(capacity.programmatic_launch)
         self.set_narrow(not dims.is_moe if capacity.narrow_decode is None else capacity.narrow_decode)
