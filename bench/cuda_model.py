@@ -497,9 +497,10 @@ def mtp_rounds_each(model: CudaQwen, dims, context: int, tensor_core_decodes: tu
 
 def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) -> list[dict]:
     """Batch-1 MTP round at `context` tokens, as the runner runs it: the verify graph (k+1 rows, decoder + head +
-    argmax), a read of the argmaxes, the MTP-head graph over the k+1 columns, then k proposals (head + argmax graph,
-    a read) with k-1 MTP steps between them. Wall-clock per round, host work and reads included, and each graph's
-    GPU time alone; with `profile`, the k = 3 round's kernels. Proposals over the full head, and over the shortlist
+    argmax), a read of the argmaxes, the MTP-head graph over the k+1 columns, then the draft chain (one graph: k
+    proposals with k-1 MTP steps between them, each step's token copied on the device) and a read of the drafts.
+    Wall-clock per round, host work and reads included, and each graph's GPU time alone; with `profile`, the k = 3
+    round's kernels. Proposals over the full head, and over the shortlist
     head when the model loaded one (`model.propose`, as the runner does)."""
     out = []
     device = model.device
@@ -518,15 +519,32 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
 
         def propose():
             if proposals == "full":
-                model.greedy(model.head_logits(model.workspace.final[rows - 1 : rows]))
-            else:
-                model.propose(model.workspace.final[rows - 1 : rows])
+                return model.greedy(model.head_logits(model.workspace.final[rows - 1 : rows]))
+            return model.propose(model.workspace.final[rows - 1 : rows])
 
         def advance():
             model.mtp_forward(hidden[:1], 1)
 
+        def drafts():  # the runner's draft chain (`CudaRunner._prepare_drafts`): proposals, MTP steps, one graph
+            for step in range(k):
+                proposed = propose()
+                device.copy(model.draft_ids[step, :1], proposed)
+                if step < k - 1:
+                    if model.draft_head_id_rows is None:
+                        device.copy(model.inputs.next_ids[:1], proposed)
+                    else:
+                        model.k.gather_rows(model.draft_head_id_rows, proposed,
+                                            model.inputs.next_ids[:1].view(np.float32).reshape(1, 1),
+                                            stream=device.stream)
+                    for i in range(3):
+                        device.copy(model.inputs.positions[i, :1], model.chain_positions[step, i, :1])
+                    device.copy(model.inputs.row_pos[:1], model.chain_row_pos[step, :1])
+                    device.copy(hidden[:1], model.workspace.final[rows - 1 : rows])
+                    device.copy(model.workspace.final[rows - 1 : rows], model.mtp_forward(hidden[:1], 1))
+
         graphs = {}
-        for name, body in (("verify", verify), ("mtp", mtp), ("propose", propose), ("advance", advance)):
+        for name, body in (("verify", verify), ("mtp", mtp), ("propose", propose), ("advance", advance),
+                           ("drafts", drafts)):
             model.inputs.fill(token_ids=np.arange(rows) + 5, next_ids=np.arange(rows) + 6, positions=positions,
                               row_lane=np.zeros(rows), row_pos=context + np.arange(rows), seg_lane=[0],
                               seg_row=[0], seg_count=[rows], seg_record=[1])
@@ -542,18 +560,23 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
             device.read(model.argmax[:rows])
             device.copy(hidden, model.workspace.final[:rows])
             graphs["mtp"].replay(device.stream_handle)
-            for step in range(k):
-                graphs["propose"].replay(device.stream_handle)
-                device.read(model.argmax[:1])
-                if step < k - 1:
-                    graphs["advance"].replay(device.stream_handle)
+            if k > 1:  # the MTP steps' positions and KV indexes, as the runner writes them before its chain
+                device.write(model.chain_positions[: k - 1], chain_positions)
+                device.write(model.chain_row_pos[: k - 1], chain_row_pos)
+            graphs["drafts"].replay(device.stream_handle)
+            device.read(model.draft_ids)
 
+        chain_positions = np.zeros(model.chain_positions[: max(k - 1, 1)].shape, np.int32)
+        chain_positions[:, :, 0] = context + rows + np.arange(chain_positions.shape[0])[:, None]
+        chain_row_pos = np.zeros(model.chain_row_pos[: max(k - 1, 1)].shape, np.int32)
+        chain_row_pos[:, 0] = context + rows + np.arange(chain_row_pos.shape[0])
         seconds = wall_seconds(round_, device.synchronize, repeats=20, warmup=3)
-        # GPU time of each graph alone; what the round spends beyond their sum (verify + mtp + k proposals + k - 1
-        # advances) is the host's: its reads, the copy and the launches after each read.
+        # GPU time of each graph alone ("propose" and "advance": one proposal and one MTP step, the parts of the
+        # "drafts" chain); what the round spends beyond verify + mtp + drafts is the host's: its two reads, the
+        # copy, the chain's inputs and the launches after each read.
         parts = {name: float(np.median(event_time(device.stream, lambda g=graph: g.replay(device.stream_handle),
                                                   10))) * 1e3 for name, graph in graphs.items()}
-        gpu_ms = parts["verify"] + parts["mtp"] + k * parts["propose"] + (k - 1) * parts["advance"]
+        gpu_ms = parts["verify"] + parts["mtp"] + parts["drafts"]
         entry = {"k": k, "proposals": proposals, "round_ms": seconds * 1e3, "graph_ms": parts,
                  "host_ms": seconds * 1e3 - gpu_ms,
                  "tok_s_at_tokens_per_round": {str(t): t / seconds for t in (1.0 + 0.8 * k, float(k + 1))}}

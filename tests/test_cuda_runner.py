@@ -894,6 +894,30 @@ def test_lm_head_draft_proposes_from_the_shortlist_and_keeps_greedy_output(devic
     assert run_lanes(runner, prompts, 30) == plain
 
 
+@pytest.mark.parametrize("lm_head_draft", [False, True], ids=["full head", "shortlist"])
+def test_the_draft_chain_proposes_the_cpu_runners_drafts(device_kind, artifacts, lm_head_draft):
+    """A round's k proposals and the MTP steps between them run as one graph, each step's token copied on the device
+    from the proposal before it (the shortlist's row through its id table): the drafts are the CPU runner's, after
+    the prefill and after every round, with the graph replayed from the second round on."""
+    path = artifacts[("dense", "predictable")]
+    prompts = [prompt(9, 12), prompt(10, 40)]
+    runners = [cuda_build(device_kind, path, lanes=2, draft_tokens=3, lm_head_draft=lm_head_draft).runner,
+               CpuRunner(load_model(path), lanes=2, pages=8, draft_tokens=3, lm_head_draft=lm_head_draft)]
+    lanes = [[Lane(runner, i, p, budget=24) for i, p in enumerate(prompts)] for runner in runners]
+    for pair in zip(*lanes):
+        for lane in pair:
+            lane.prefill(1000)
+    rounds = 0
+    while not all(lane.done for lane in lanes[0]):
+        for i in range(len(prompts)):
+            got, want = (runner._lanes[i].drafts for runner in runners)
+            assert (got is None) == (want is None) and (got is None or np.array_equal(got, want)), (rounds, i)
+        for runner, group in zip(runners, lanes):
+            decode_round(runner, [lane for lane in group if not lane.done])
+        rounds += 1
+    assert rounds > 2 and lanes[0][0].tokens == lanes[1][0].tokens
+
+
 def test_sampled_generation_matches_the_cpu_runner(device_kind, artifacts):
     path = artifacts[("dense", "bf16")]
     prompts = [prompt(11, 20), prompt(12, 8)]

@@ -85,7 +85,8 @@ def make_linear_bf16_mma_kernel(sets: int, warps: int = WARPS, unroll: int = UNR
                     words[w0 + 4], words[w0 + 5], words[w0 + 6], words[w0 + 7] = load_words4_streaming_at(
                         row_hi + at + h * HALF_BYTES)
                 elif part & WEIGHTS:
-                    words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load_words4_at(row_lo + at + h * HALF_BYTES)
+                    words[w0], words[w0 + 1], words[w0 + 2], words[w0 + 3] = load_words4_at(
+                        row_lo + at + h * HALF_BYTES)
                     words[w0 + 4], words[w0 + 5], words[w0 + 6], words[w0 + 7] = load_words4_at(
                         row_hi + at + h * HALF_BYTES)
                 if x_ahead and part & X:

@@ -1041,11 +1041,14 @@ class CudaQwen:
         self.dflash = _dflash_weights(weights, device, dims, dflash, capacity.draft_tokens) if capacity.dflash \
             else None
         # The optimized proposal head (§3.9): a shortlist of head rows and the token id of each.
-        self.draft_head = self.draft_head_ids = None
+        self.draft_head = self.draft_head_ids = self.draft_head_id_rows = None
         if capacity.draft_tokens and capacity.draft_head and weights.has("text/draft_head") \
                 and weights.has("text/draft_head_token_ids"):
             self.draft_head = weights.matrix("text/draft_head")
             self.draft_head_ids = weights.host("text/draft_head_token_ids").astype(np.int32)
+            # the same ids on the device, as one-column fp32 rows (their bits): `gather_rows` maps a proposal's
+            # shortlist row to its token id between MTP steps without the host
+            self.draft_head_id_rows = device.upload(self.draft_head_ids.view(np.float32).reshape(-1, 1), "weights")
         self.inv_freq = device.upload(rope_inv_freq(dims.rotary_dim, dims.rope_theta), "weights")
         device.synchronize()
         self.free_after_weights = device.info.free_bytes  # what --kv-capacity auto sizes from
@@ -1086,6 +1089,13 @@ class CudaQwen:
                                                     block_rows=capacity.decode_rows)
         # Runner glue: MTP hidden rows gathered per round, a row index, a prefill chunk's last row.
         self.mtp_hidden = device.empty((rows + 1, dims.hidden), np.float32, "workspace") if capacity.mtp else None
+        # The draft chain (one graph a round: k proposals and the k - 1 MTP steps between them): each proposal's
+        # ids, and each MTP step's positions and MTP KV indexes, written before the graph and copied into the
+        # step inputs inside it.
+        steps, lanes = max(capacity.draft_tokens, 1), max(capacity.lanes, 1)
+        self.draft_ids = device.zeros((steps, lanes), np.int32, "inputs") if capacity.mtp else None
+        self.chain_positions = device.zeros((steps, 3, lanes), np.int32, "inputs") if capacity.mtp else None
+        self.chain_row_pos = device.zeros((steps, lanes), np.int32, "inputs") if capacity.mtp else None
         self.gather_index = device.empty(rows + 1, np.int32, "inputs")
         self.last_row = device.empty((1, dims.hidden), np.float32, "workspace")
         self.tails = device.zeros((capacity.lanes, dims.hidden), np.float32, "state")
