@@ -43,8 +43,8 @@ from ninfer.artifact.codec import bf16_bits_to_f32
 from ninfer.kernels_numba.common import address_of, load_words4_at, load_words4_streaming_at
 from ninfer.kernels_numba.numba_setup import cuda, kernel, large_device_function
 from ninfer.kernels_numba.programmatic import allow_dependents, launch, wait_for_prior_grids
-from ninfer.kernels_numba.quant_mma import (MAX_X_ROWS, ROW_SETS, TILE_ROWS, make_store_sums, mma_bf16_m16n8k16,
-                                            partials_bytes, x_sets)
+from ninfer.kernels_numba.quant_mma import (MAX_X_ROWS, ROW_SETS, TILE_ROWS, make_store_sums, make_warps_sum,
+                                            mma_bf16_m16n8k16, partials_bytes, x_sets)
 
 WARPS = 8
 UNROLL = 2
@@ -70,6 +70,7 @@ def make_linear_bf16_mma_kernel(sets: int, warps: int = WARPS, unroll: int = UNR
     WORDS = 16 * unroll  # words[16 u + 8 h + 4 r + i]: word i of row g (r = 0) or g + 8 (r = 1), half h, block u
     XS = 8 * unroll * sets if x_ahead else 1  # xs[8 (u sets + s) + 4 h + i]: word i of set s's x row, half h
     store_sums = make_store_sums(1, sets)
+    warps_sum = make_warps_sum(ACC, warps)
 
     @large_device_function
     def load_step(words, xs, row_lo, row_hi, x_rows, q0, blocks, part):
@@ -156,15 +157,7 @@ def make_linear_bf16_mma_kernel(sets: int, warps: int = WARPS, unroll: int = UNR
             for i in range(XS):
                 xs[i] = next_xs[i]
             q0 += stride
-        for a in range(ACC):
-            partials[(warp * ACC + a) * 32 + lane] = acc[a]
-        cuda.syncthreads()
-        if warp == 0:
-            for a in range(ACC):
-                total = float32(0.0)
-                for v in range(warps):
-                    total += partials[(v * ACC + a) * 32 + lane]
-                acc[a] = total
+        warps_sum(acc, partials, warp, lane)
         store_sums(y, acc, first_row, N, accumulate)
 
     return linear_bf16_mma_kernel

@@ -417,6 +417,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     SCALES = SW * tiles * unroll
     XS = 8 * unroll * sets  # xs[8 (u sets + s) + w]: word w of block u's fragments of set s
     CHAIN = 4 * sets  # an mma chain's C registers, per set
+    warps_sum = make_warps_sum(ACC, warps)
     MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)  # W8: the high nibble's offset
     MINUS_LOW = _minus_pair(0)
     # bytes per K block of each stream, for one lane's slot of a (tile, block)
@@ -585,17 +586,28 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
             for i in range(SCALES):
                 scale_pairs[i] = next_scales[i]
             q0 += stride
-        for a in range(ACC):
-            partials[(warp * ACC + a) * 32 + lane] = acc[a]
-        cuda.syncthreads()
-        if warp == 0:
-            for a in range(ACC):
-                total = float32(0.0)
-                for w in range(warps):
-                    total += partials[(w * ACC + a) * 32 + lane]
-                acc[a] = total
+        warps_sum(acc, partials, warp, lane)
 
     return tile_sums
+
+
+def make_warps_sum(count: int, warps: int):
+    """The meeting of a block's warps over `count` fp32 accumulators a lane (acc): each warp's go to `partials`
+    (shared, warps * count * 32 floats), then warp 0's become their sum in warp order (a fixed order: the same bits
+    whatever else the block computed). Sizes are closure constants, so the loops unroll and acc stays in registers."""
+    @device_function
+    def warps_sum(acc, partials, warp, lane):
+        for a in range(count):
+            partials[(warp * count + a) * 32 + lane] = acc[a]
+        cuda.syncthreads()
+        if warp == 0:
+            for a in range(count):
+                total = float32(0.0)
+                for w in range(warps):
+                    total += partials[(w * count + a) * 32 + lane]
+                acc[a] = total
+
+    return warps_sum
 
 
 @device_function
