@@ -525,22 +525,8 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         def advance():
             model.mtp_forward(hidden[:1], 1)
 
-        def drafts():  # the runner's draft chain (`CudaRunner._prepare_drafts`): proposals, MTP steps, one graph
-            for step in range(k):
-                proposed = propose()
-                device.copy(model.draft_ids[step, :1], proposed)
-                if step < k - 1:
-                    if model.draft_head_id_rows is None:
-                        device.copy(model.inputs.next_ids[:1], proposed)
-                    else:
-                        model.k.gather_rows(model.draft_head_id_rows, proposed,
-                                            model.inputs.next_ids[:1].view(np.float32).reshape(1, 1),
-                                            stream=device.stream)
-                    for i in range(3):
-                        device.copy(model.inputs.positions[i, :1], model.chain_positions[step, i, :1])
-                    device.copy(model.inputs.row_pos[:1], model.chain_row_pos[step, :1])
-                    device.copy(hidden[:1], model.workspace.final[rows - 1 : rows])
-                    device.copy(model.workspace.final[rows - 1 : rows], model.mtp_forward(hidden[:1], 1))
+        def drafts():  # the runner's draft chain, one graph
+            model.draft_chain(model.workspace.final[rows - 1 : rows], hidden[:1], k, full_head=proposals == "full")
 
         graphs = {}
         for name, body in (("verify", verify), ("mtp", mtp), ("propose", propose), ("advance", advance),
@@ -560,16 +546,10 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
             device.read(model.argmax[:rows])
             device.copy(hidden, model.workspace.final[:rows])
             graphs["mtp"].replay(device.stream_handle)
-            if k > 1:  # the MTP steps' positions and KV indexes, as the runner writes them before its chain
-                device.write(model.chain_positions[: k - 1], chain_positions)
-                device.write(model.chain_row_pos[: k - 1], chain_row_pos)
+            model.stage_draft_steps(k, [0], [context + rows - 1], [context + rows - 1])  # as the runner does
             graphs["drafts"].replay(device.stream_handle)
             device.read(model.draft_ids)
 
-        chain_positions = np.zeros(model.chain_positions[: max(k - 1, 1)].shape, np.int32)
-        chain_positions[:, :, 0] = context + rows + np.arange(chain_positions.shape[0])[:, None]
-        chain_row_pos = np.zeros(model.chain_row_pos[: max(k - 1, 1)].shape, np.int32)
-        chain_row_pos[:, 0] = context + rows + np.arange(chain_row_pos.shape[0])
         seconds = wall_seconds(round_, device.synchronize, repeats=20, warmup=3)
         # GPU time of each graph alone ("propose" and "advance": one proposal and one MTP step, the parts of the
         # "drafts" chain); what the round spends beyond verify + mtp + drafts is the host's: its two reads, the

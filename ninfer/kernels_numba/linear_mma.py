@@ -8,9 +8,10 @@ session29.json). The SIMT skinny kernels (`linear`) are batch invariant by const
 few rows. Here one `mma.sync.m16n8k16` multiplies 16 weight rows by 8 x rows, so a launch reads each weight once for
 any row count, computes only the rows it has, and gives a row the same bits alone or inside a batch.
 
-Where it stands (H200, bench/linear_mma.py, results/linear_mma_session34.json; the 27B's six decode shapes summed):
-1 / 4 / 8 rows 281 / 281 / 282 us against cuBLAS unpadded 263 / 265 / 267 and padded to 32 rows 270, and 32 rows
-482 against 270 (each warp re-reads x for every set beside its weights). Per shape it wins only where cuBLAS
+Where it stands (H200, bench/linear_mma.py, results/linear_mma_session34.json; the 27B's six decode shapes summed,
+us at 1 / 4 / 8 / 32 rows): this geometry 291 / 303 / 310 / 579, the best of the eight geometries timed at each row
+count 279 / 281 / 282 / 432, cuBLAS unpadded 263 / 265 / 267 / 271 and padded to 32 rows 270 (at 32 rows each warp
+re-reads x for every set beside its weights). Per shape it wins only where cuBLAS
 leaves SMs idle (the 5120-row down and out projections: 320 row tiles). So it is an option (`Capacity.decode_linear`
 "mma", and a candidate of the "auto" tuning), not the default: whole 27B steps, B=1 15.78 ms against cuBLAS's 15.48
 (results/cuda_model_27b_bf16_linear_mma_v1_session34.json, its first geometry).

@@ -1359,6 +1359,45 @@ class CudaQwen:
         self.k.argmax_rows(logits, logits.shape[1], out, stream=self.device.stream, scratch=self.sampling_scratch)
         return out
 
+    def stage_draft_steps(self, k: int, lanes: Any, positions: Any, columns: Any) -> None:
+        """Before `draft_chain` over rows on these `lanes`: what its k - 1 MTP steps read but their tokens. Step s
+        (1..k-1) of row r runs at rope position positions[r] + s and MTP KV index columns[r] + s."""
+        n = len(lanes)
+        if k < 2:
+            return
+        steps = np.arange(1, k, dtype=np.int32)[:, None]
+        staged = np.zeros(self.chain_positions[: k - 1].shape, np.int32)
+        staged[:, :, :n] = (steps + np.asarray(positions, np.int32))[:, None]
+        self.device.write(self.chain_positions[: k - 1], staged)
+        staged = np.zeros(self.chain_row_pos[: k - 1].shape, np.int32)
+        staged[:, :n] = steps + np.asarray(columns, np.int32)
+        self.device.write(self.chain_row_pos[: k - 1], staged)
+        self.device.write(self.inputs.row_lane[:n], np.asarray(lanes, np.int32))
+
+    def draft_chain(self, current: Any, hidden: Any, k: int, *, full_head: bool = False) -> None:
+        """k greedy proposals from the drafter rows `current` [n, H] into draft_ids[:k, :n] (the shortlist's rows
+        when the model loaded one and not `full_head`), with the k - 1 MTP steps between them (`hidden` [n, H]
+        their scratch input, `current` their output). Each step's token is copied on the device from the proposal
+        before it (a shortlist row through its id table), its positions from `stage_draft_steps`: no host work,
+        so a round's drafts are one graph and one read."""
+        n, inputs, device = current.shape[0], self.inputs, self.device
+        shortlist = self.draft_head is not None and not full_head
+        for step in range(k):
+            proposed = self.propose(current) if shortlist else self.greedy(self.head_logits(current))
+            device.copy(self.draft_ids[step, :n], proposed)
+            if step == k - 1:
+                break
+            if shortlist:  # the shortlist row's token id (int32 bits through the fp32 row gather)
+                self.k.gather_rows(self.draft_head_id_rows, proposed, inputs.next_ids[:n].view(np.float32)
+                                   .reshape(n, 1), stream=device.stream)
+            else:
+                device.copy(inputs.next_ids[:n], proposed)
+            for i in range(3):
+                device.copy(inputs.positions[i, :n], self.chain_positions[step, i, :n])
+            device.copy(inputs.row_pos[:n], self.chain_row_pos[step, :n])
+            device.copy(hidden, current)
+            device.copy(current, self.mtp_forward(hidden, n))
+
     def dflash_step(self, block_rows: int, context_rows: int, *, from_pending: bool) -> None:
         """One DFlash drafter call over the rows of `dflash_inputs` (§3.10): block rows 0..block_rows-1 (proposal
         blocks of k+1 rows, anchor first) and context rows after them (committed positions of their lanes, whose

@@ -514,39 +514,11 @@ class CudaRunner:
         current = self._model.mtp_hidden[n : 2 * n]
         model.k.gather_rows(d, self._model.gather_index[:n], current, stream=model.device.stream)
         hidden = self._model.mtp_hidden[:n]
-        inputs, device = model.inputs, model.device
-        # What each MTP step reads but its token, written now; one graph (`chain`) then runs the k proposals and the
-        # MTP steps between them, each step's token copied from the proposal before it on the device: the host reads
-        # the drafts once a round instead of once a proposal.
-        if k > 1:
-            steps = np.arange(1, k, dtype=np.int32)[:, None]
-            positions = np.zeros(model.chain_positions[: k - 1].shape, np.int32)
-            positions[:, :, :n] = (steps + np.array([p for *_, p in wanted], np.int32))[:, None]
-            row_pos = np.zeros(model.chain_row_pos[: k - 1].shape, np.int32)
-            row_pos[:, :n] = steps + np.array([column for _, _, column, _ in wanted], np.int32)
-            device.write(model.chain_positions[: k - 1], positions)
-            device.write(model.chain_row_pos[: k - 1], row_pos)
-            device.write(inputs.row_lane[:n], np.array([lane for lane, *_ in wanted], np.int32))
-
-        def chain() -> None:
-            for step in range(k):
-                proposed = model.propose(current)
-                device.copy(model.draft_ids[step, :n], proposed)
-                if step == k - 1:
-                    break
-                if model.draft_head_id_rows is None:
-                    device.copy(inputs.next_ids[:n], proposed)
-                else:  # the shortlist row's token id (int32 bits through the fp32 row gather)
-                    model.k.gather_rows(model.draft_head_id_rows, proposed, inputs.next_ids[:n].view(np.float32)
-                                        .reshape(n, 1), stream=device.stream)
-                for i in range(3):
-                    device.copy(inputs.positions[i, :n], model.chain_positions[step, i, :n])
-                device.copy(inputs.row_pos[:n], model.chain_row_pos[step, :n])
-                device.copy(hidden, current)
-                device.copy(current, model.mtp_forward(hidden, n))
-
-        self._step(("drafts", n), chain)
-        chosen = device.read(model.draft_ids)[:k, :n].T
+        # one graph a round: the k proposals and the MTP steps between them (`CudaQwen.draft_chain`), one read
+        model.stage_draft_steps(k, [lane for lane, *_ in wanted], [p for *_, p in wanted],
+                                [column for _, _, column, _ in wanted])
+        self._step(("drafts", n), lambda: model.draft_chain(current, hidden, k))
+        chosen = model.device.read(model.draft_ids)[:k, :n].T
         drafts = chosen if model.draft_head_ids is None else model.draft_head_ids[chosen]
         for (lane, *_), row in zip(wanted, drafts):
             self._lanes[lane].drafts = row
