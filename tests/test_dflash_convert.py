@@ -76,7 +76,7 @@ def test_the_drafter_is_appended_last_with_its_dimensions(plan, tiny_drafter):
                                  target_layer_ids=(1, 2), sliding_window=32, rope_theta=1e7, rms_eps=1e-6)
     assert [(t.name, t.shape, t.v2_format) for t in plan.tensors] == [
         (s.name, s.shape, s.v2_format) for s in plan_qwen_tensor_specs(plan_dims(plan), drafter)]
-    assert {recipe_format("bf16", t.v2_format) for t in plan.tensors[-19:]} == {BF16}  # like MTP under bf16
+    assert {recipe_format("bf16", t) for t in plan.tensors[-19:]} == {BF16}  # like MTP under bf16
     source = plan.source["dflash"]
     assert source["tensors"] == 3 + 11 * 2 and source["architecture"] == "DFlashDraftModel"
     assert "proxy" in plan.source["draft_head_ranking"]  # the shortlist ranking the report documents

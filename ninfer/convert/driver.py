@@ -31,7 +31,7 @@ class ConversionError(ValueError):
 
 def _object_specs(plan: ConversionPlan, recipe: str) -> list[TensorSpec | ResourceSpec]:
     resources = [ResourceSpec(r.name, len(r.data)) for r in plan.resources]
-    tensors = [TensorSpec(t.name, t.shape, recipe_format(recipe, t.v2_format)) for t in plan.tensors]
+    tensors = [TensorSpec(t.name, t.shape, recipe_format(recipe, t)) for t in plan.tensors]
     return resources + tensors
 
 

@@ -46,12 +46,20 @@ class ConversionPlan:
     target_key: str = ""  # e.g. "qwen3_6_27b"; recipe ids in the report are f"{target_key}-v2"
 
 
-def recipe_format(recipe: str, v2_format: str) -> str:
-    """The storage format of a tensor under `recipe`: bf16 keeps FP32/I32 and stores everything else as BF16."""
+# Tensors that only propose tokens the full output head then verifies: their precision moves the acceptance rate,
+# never the output, so every recipe stores them in their ninfer-v2 format (§3.9's shortlist head is Q4: a third of
+# the bf16 bytes each MTP / DFlash proposal reads).
+PROPOSAL_ONLY = frozenset({"text/draft_head"})
+
+
+def recipe_format(recipe: str, tensor: Any) -> str:
+    """The storage format of `tensor` (anything with a `name` and a `v2_format`) under `recipe`: bf16 keeps FP32/I32
+    and the proposal-only tensors' formats and stores everything else as BF16."""
+    v2_format = tensor.v2_format
     if recipe not in RECIPES:
         raise RecipeError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     if v2_format not in (BF16, FP32, I32) + QUANTIZED:
         raise RecipeError(f"unknown tensor format {v2_format!r}")
-    if recipe == "bf16" and v2_format in QUANTIZED:
+    if recipe == "bf16" and v2_format in QUANTIZED and tensor.name not in PROPOSAL_ONLY:
         return BF16
     return v2_format

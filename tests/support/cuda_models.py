@@ -34,7 +34,7 @@ def write_tiny_qwen_artifact(path: Path, *, moe: bool, recipe: str, seed: int = 
     weights = model._weights  # the DictWeights the CPU model was built from
     items = [(ResourceSpec(DIMENSIONS_RESOURCE, len(dims.to_json().encode())), dims.to_json().encode())]
     for spec in plan_qwen_tensor_specs(dims):
-        fmt = recipe_format(recipe, spec.v2_format)
+        fmt = recipe_format(recipe, spec)
         value = np.asarray(weights.get(spec.name))
         items.append((TensorSpec(spec.name, value.shape, fmt), value))  # the writer encodes; the tiny draft head is a shortlist
     write_artifact(path, "qwen3.6-custom", items)

@@ -259,7 +259,7 @@ def materialise(plan: ConversionPlan, recipe: str) -> DictWeights:
     """Every planned tensor as the artifact would store it under `recipe`, decoded back to float32 / int32."""
     tensors = {}
     for tensor in plan.tensors:
-        fmt = recipe_format(recipe, tensor.v2_format)
+        fmt = recipe_format(recipe, tensor)
         tensors[tensor.name] = codec.decode(codec.encode(tensor.produce(), fmt), fmt, tensor.shape)
     return DictWeights(tensors)
 

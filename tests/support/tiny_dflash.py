@@ -102,7 +102,7 @@ def write_tiny_dflash_artifact(path: Path, *, recipe: str = "bf16", seed: int = 
         (DIMENSIONS_RESOURCE, dims.to_json().encode()), (DFLASH_DIMENSIONS_RESOURCE, drafter.to_json().encode()))]
     for spec in plan_qwen_tensor_specs(dims, drafter):
         value = np.asarray(model._weights.get(spec.name))
-        items.append((TensorSpec(spec.name, value.shape, recipe_format(recipe, spec.v2_format)), value))
+        items.append((TensorSpec(spec.name, value.shape, recipe_format(recipe, spec)), value))
     write_artifact(path, "qwen3.6-custom", items)
     return path
 

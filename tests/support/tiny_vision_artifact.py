@@ -58,7 +58,7 @@ def write_tiny_vision_artifact(path: Path, *, moe: bool = False, recipe: str = "
         items.append((ResourceSpec(name, len(data)), data))
     for spec in plan_qwen_tensor_specs(dims):
         value = np.asarray(weights.get(spec.name))
-        items.append((TensorSpec(spec.name, value.shape, recipe_format(recipe, spec.v2_format)), value))
+        items.append((TensorSpec(spec.name, value.shape, recipe_format(recipe, spec)), value))
     write_artifact(path, "qwen3.6-custom", items)
     return path
 

@@ -1268,7 +1268,8 @@ class CudaQwen:
 
     def _fragment_words(self) -> int:
         """x-fragment words of the widest input a tensor-core quantized matrix reads, for the sets of one launch."""
-        widths = [m.shape[1] for m in (*self._matrices(), self.head) if _tensor_core(m)]
+        heads = (self.head,) if self.draft_head is None else (self.head, self.draft_head)  # (a bf16 model's is Q4)
+        widths = [m.shape[1] for m in (*self._matrices(), *heads) if _tensor_core(m)]
         return self.k.ROW_SETS * self.k.x_fragment_words(max(widths)) if widths else 0
 
     def _slot_fragment_words(self) -> int:

@@ -155,7 +155,7 @@ class RandomDeviceWeights:
         from ninfer.convert.plan import recipe_format
 
         self._specs = {spec.name: spec for spec in specs}
-        self._format = {spec.name: recipe_format(recipe, spec.v2_format) for spec in specs}
+        self._format = {spec.name: recipe_format(recipe, spec) for spec in specs}
         self._device, self._seed = device, seed
         self.quant_layout = "simt"
         self._planes: dict[tuple[str, tuple[int, ...], bool], dict[str, np.ndarray]] = {}
