@@ -499,9 +499,10 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
     """Batch-1 MTP round at `context` tokens, as the runner runs it: the verify graph (k+1 rows, decoder + head +
     argmax), a read of the argmaxes, the MTP-head graph over the k+1 columns, then the draft chain (one graph: k
     proposals with k-1 MTP steps between them, each step's token copied on the device) and a read of the drafts.
-    Wall-clock per round, host work and reads included, and each graph's GPU time alone; with `profile`, the k = 3
-    round's kernels. Proposals over the full head, and over the shortlist
-    head when the model loaded one (`model.propose`, as the runner does)."""
+    The round rejects its last draft, so the verify columns' states are restored (`select_columns`, as the runner
+    does). Wall-clock per round, host work and reads included, and each part's GPU time alone; with `profile`, the
+    k = 3 round's kernels. Proposals over the full head, and over the shortlist head when the model loaded one
+    (`model.propose`, as the runner does)."""
     out = []
     device = model.device
     heads = ("full", "shortlist") if model.draft_head is not None else ("full",)
@@ -528,6 +529,9 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         def drafts():  # the runner's draft chain, one graph
             model.draft_chain(model.workspace.final[rows - 1 : rows], hidden[:1], k, full_head=proposals == "full")
 
+        def select():  # the runner's column selection of a round that rejects its last draft (the states copied)
+            model.select_columns([0], [k - 1], [True])
+
         graphs = {}
         for name, body in (("verify", verify), ("mtp", mtp), ("propose", propose), ("advance", advance),
                            ("drafts", drafts)):
@@ -544,6 +548,8 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
                               seg_row=[0], seg_count=[rows], seg_record=[1])
             graphs["verify"].replay(device.stream_handle)
             device.read(model.argmax[:rows])
+            device.copy(model.verify_hidden[0, :rows], model.workspace.final[:rows])
+            select()
             device.copy(hidden, model.workspace.final[:rows])
             graphs["mtp"].replay(device.stream_handle)
             model.stage_draft_steps(k, [0], [context + rows - 1], [context + rows - 1])  # as the runner does
@@ -556,7 +562,8 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         # copy, the chain's inputs and the launches after each read.
         parts = {name: float(np.median(event_time(device.stream, lambda g=graph: g.replay(device.stream_handle),
                                                   10))) * 1e3 for name, graph in graphs.items()}
-        gpu_ms = parts["verify"] + parts["mtp"] + parts["drafts"]
+        parts["select"] = float(np.median(event_time(device.stream, select, 10))) * 1e3  # launched, not a graph
+        gpu_ms = parts["verify"] + parts["mtp"] + parts["drafts"] + parts["select"]
         entry = {"k": k, "proposals": proposals, "round_ms": seconds * 1e3, "graph_ms": parts,
                  "host_ms": seconds * 1e3 - gpu_ms,
                  "tok_s_at_tokens_per_round": {str(t): t / seconds for t in (1.0 + 0.8 * k, float(k + 1))}}

@@ -1,5 +1,6 @@
-"""Data movement kernels the model glue needs: joining two row blocks side by side, and gathering rows by an index
-held on the device (so graph-captured steps can pick rows chosen by earlier kernels)."""
+"""Data movement kernels the model glue needs: joining two row blocks side by side, gathering rows by an index held
+on the device (so graph-captured steps can pick rows chosen by earlier kernels), and restoring lanes' states from
+their verify columns for every layer in one launch."""
 
 from __future__ import annotations
 
@@ -50,3 +51,37 @@ def gather_rows(source, index, out, *, stream) -> None:
 
 def gather_rows_reference(source: np.ndarray, index: np.ndarray) -> np.ndarray:
     return source[index].astype(np.float32)
+
+
+SELECT_BLOCKS = 64  # blocks a (layer, lane) pair: a 27B GDN state (3 MB) is 48 floats a thread
+
+
+@kernel((float32[:, :, ::1], float32[:, :, :, ::1], int32[::1], int32[::1]))
+def _select_columns(live, columns, lanes, chosen):
+    pick = cuda.blockIdx.y
+    column = chosen[pick]
+    if column < 0:
+        return
+    layer, lane = cuda.blockIdx.z, lanes[pick]
+    for i in range(cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x, live.shape[2],
+                   cuda.gridDim.x * cuda.blockDim.x):
+        live[layer, lane, i] = columns[layer, lane, column, i]
+
+
+def select_columns(live, columns, lanes, chosen, *, stream) -> None:
+    """live[l, lanes[p]] = columns[l, lanes[p], chosen[p]] for every layer l and pick p with chosen[p] >= 0: fp32
+    live [L, lanes, N] and columns [L, lanes, C, N], int32 picks on the device (-1: leave the lane's state), each lane
+    at most once."""
+    picks = lanes.shape[0]
+    if picks and live.shape[0] and live.shape[2]:
+        grid = (min(SELECT_BLOCKS, blocks_for(live.shape[2], THREADS)), picks, live.shape[0])
+        _select_columns[grid, THREADS, stream](live, columns, lanes, chosen)
+
+
+def select_columns_reference(live: np.ndarray, columns: np.ndarray, lanes: np.ndarray,
+                             chosen: np.ndarray) -> np.ndarray:
+    out = live.copy()
+    for lane, column in zip(lanes, chosen):
+        if column >= 0:
+            out[:, lane] = columns[:, lane, column]
+    return out

@@ -2,13 +2,34 @@ import numpy as np
 import pytest
 
 from ninfer.kernels_numba.layout import (concat_columns, concat_columns_reference, gather_rows,
-                                         gather_rows_reference)
+                                         gather_rows_reference, select_columns, select_columns_reference)
 
 
 def test_references():
     a, b = np.arange(6, dtype=np.float32).reshape(2, 3), -np.arange(4, dtype=np.float32).reshape(2, 2)
     assert concat_columns_reference(a, b).tolist() == [[0, 1, 2, 0, -1], [3, 4, 5, -2, -3]]
     assert gather_rows_reference(a, np.array([1, 1, 0])).tolist() == [[3, 4, 5], [3, 4, 5], [0, 1, 2]]
+
+
+def _selection_case(rng):
+    """2 layers x 4 lanes of 3 columns; lane 3 picks column 2, lane 0 column 0, lane 2 is listed but keeps its
+    state (-1), lane 1 is not listed."""
+    live = rng.standard_normal((2, 4, 700)).astype(np.float32)
+    columns = rng.standard_normal((2, 4, 3, 700)).astype(np.float32)
+    return live, columns, np.array([3, 0, 2], np.int32), np.array([2, 0, -1], np.int32)
+
+
+def test_select_columns_reference_restores_only_the_picked_lanes():
+    live, columns, lanes, chosen = _selection_case(np.random.default_rng(1))
+    got = select_columns_reference(live, columns, lanes, chosen)
+    assert np.array_equal(got[:, 3], columns[:, 3, 2]) and np.array_equal(got[:, 0], columns[:, 0, 0])
+    assert np.array_equal(got[:, 1:3], live[:, 1:3])
+
+
+def test_select_columns_kernel_in_cuda_simulator():
+    from tests.support.simulated_kernels import run
+
+    assert "ok select_columns" in run("select_columns")
 
 
 @pytest.mark.gpu
@@ -23,6 +44,10 @@ def test_device_matches_reference():
     index = np.array([4, 0, 0, 2], np.int32)
     gathered = cuda.to_device(np.full((4, 300), np.nan, np.float32))
     gather_rows(cuda.to_device(a), cuda.to_device(index), gathered, stream=stream)
+    live, columns, lanes, chosen = _selection_case(rng)
+    selected = cuda.to_device(live)
+    select_columns(selected, cuda.to_device(columns), cuda.to_device(lanes), cuda.to_device(chosen), stream=stream)
     stream.synchronize()
     assert np.array_equal(out.copy_to_host(), concat_columns_reference(a, b))
     assert np.array_equal(gathered.copy_to_host(), gather_rows_reference(a, index))
+    assert np.array_equal(selected.copy_to_host(), select_columns_reference(live, columns, lanes, chosen))

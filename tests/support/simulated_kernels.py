@@ -1097,6 +1097,21 @@ def moe_group() -> None:
         print("ok moe_group", rows, experts, k, flush=True)
 
 
+def select_columns() -> None:
+    """select_columns' grid (layers on z, picks on y, a grid-stride loop on x) against its twin, bit for bit: more
+    elements than one pass of its blocks covers, a kept lane (-1) and an unlisted one."""
+    from ninfer.kernels_numba import layout
+
+    rng = np.random.default_rng(3)
+    live = rng.standard_normal((2, 3, layout.SELECT_BLOCKS * layout.THREADS + 5)).astype(np.float32)
+    columns = rng.standard_normal((2, 3, 2) + live.shape[2:]).astype(np.float32)
+    lanes, chosen = np.array([2, 0], np.int32), np.array([1, -1], np.int32)
+    got = live.copy()
+    layout.select_columns(got, columns, lanes, chosen, stream=0)
+    assert np.array_equal(got, layout.select_columns_reference(live, columns, lanes, chosen))
+    print("ok select_columns", flush=True)
+
+
 CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill,
           "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated,
@@ -1106,7 +1121,8 @@ CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_na
           "attention_decode_mma": attention_decode_mma,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
-          "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv}
+          "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv,
+          "select_columns": select_columns}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

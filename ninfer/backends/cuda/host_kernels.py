@@ -412,6 +412,10 @@ def gather_rows(source, index, out, *, stream):
     out[...] = _layout.gather_rows_reference(source, index)
 
 
+def select_columns(live, columns, lanes, chosen, *, stream):
+    live[...] = _layout.select_columns_reference(live, columns, lanes, chosen)
+
+
 def fill_uniform(out, *, seed, scale, stream):
     out.reshape(-1)[...] = fill_uniform_reference(out.size, out.dtype, seed=seed, scale=scale)
 

@@ -22,6 +22,7 @@ batched); longer prefill chunks round activations to bf16 for cuBLAS.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable
 
 import attrs
@@ -483,16 +484,38 @@ def _kv_pool(device: Device, dims: QwenDims | DFlashDims, kv_dtype: str, pages: 
                   device.zeros(scale_shape, np.uint16, "kv"), device.zeros(scale_shape, np.uint16, "kv"))
 
 
-def _gdn_state(device: Device, dims: QwenDims, cap: Capacity, slots: int) -> GdnLayerState:
+@attrs.frozen
+class GdnStateBank:
+    """The running and verify-column states of every recurrent layer, one allocation a kind with the layer first
+    (each GdnLayerState holds views of its layer), so one launch restores every layer of many lanes from their
+    verify columns (`CudaQwen.select_columns`) where a copy a layer a lane cost ~100 host calls a lane a round."""
+
+    conv: Any  # [layers, lanes, (K-1) C]
+    ssm: Any  # [layers, lanes, Hv Dk Dv]
+    conv_columns: Any  # [layers, lanes, columns, (K-1) C]
+    ssm_columns: Any  # [layers, lanes, columns, Hv Dk Dv]
+
+
+def _gdn_states(device: Device, dims: QwenDims, cap: Capacity, slots: int,
+                layers: list[int]) -> tuple[dict[int, GdnLayerState], GdnStateBank | None]:
+    """Each recurrent layer's state (views into the bank for the running and the verify-column states), and the
+    bank (None without recurrent layers)."""
+    if not layers:
+        return {}, None
     conv = (dims.conv_kernel - 1, dims.gdn_conv_channels)
     ssm = (dims.gdn_v_heads, dims.gdn_k_dim, dims.gdn_v_dim)
-    columns = max(1, cap.verify_columns)
-    return GdnLayerState(
-        device.zeros((cap.lanes,) + conv, np.float32, "state"), device.zeros((cap.lanes,) + ssm, np.float32, "state"),
-        device.zeros((cap.lanes, slots) + conv, np.float32, "state"),
-        device.zeros((cap.lanes, slots) + ssm, np.float32, "state"),
-        device.zeros((cap.lanes, columns) + conv, np.float32, "state"),
-        device.zeros((cap.lanes, columns) + ssm, np.float32, "state"))
+    lanes, columns, count = cap.lanes, max(1, cap.verify_columns), len(layers)
+    bank = GdnStateBank(device.zeros((count, lanes, math.prod(conv)), np.float32, "state"),
+                        device.zeros((count, lanes, math.prod(ssm)), np.float32, "state"),
+                        device.zeros((count, lanes, columns, math.prod(conv)), np.float32, "state"),
+                        device.zeros((count, lanes, columns, math.prod(ssm)), np.float32, "state"))
+    states = {layer: GdnLayerState(
+        bank.conv[j].reshape((lanes,) + conv), bank.ssm[j].reshape((lanes,) + ssm),
+        device.zeros((lanes, slots) + conv, np.float32, "state"),
+        device.zeros((lanes, slots) + ssm, np.float32, "state"),
+        bank.conv_columns[j].reshape((lanes, columns) + conv), bank.ssm_columns[j].reshape((lanes, columns) + ssm))
+        for j, layer in enumerate(layers)}
+    return states, bank
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1058,8 +1081,8 @@ class CudaQwen:
         self.kv: dict[int, KvPool] = {}
         self.mtp_kv: KvPool | None = None
         self.dflash_kv: dict[int, KvPool] = {}  # the drafter's full layers (allocate_kv)
-        self.gdn = {i: _gdn_state(device, dims, capacity, CHECKPOINT_SLOTS)
-                    for i, kind in enumerate(dims.layer_types) if kind != "full_attention"}
+        recurrent = [i for i, kind in enumerate(dims.layer_types) if kind != "full_attention"]
+        self.gdn, self.gdn_bank = _gdn_states(device, dims, capacity, CHECKPOINT_SLOTS, recurrent)
 
         rows = capacity.max_rows
         self.inputs = StepInputs(device, rows, capacity.lanes, capacity.max_pages_per_lane)
@@ -1102,6 +1125,9 @@ class CudaQwen:
         self.tail_checkpoints = device.zeros((capacity.lanes, CHECKPOINT_SLOTS, dims.hidden), np.float32, "state")
         self.verify_hidden = device.zeros((capacity.lanes, max(1, capacity.verify_columns), dims.hidden), np.float32,
                                           "state")
+        # select_columns' picks: lanes, each one's verify column for its tail, and for its recurrent states (-1: keep)
+        self.select_lanes, self.select_tails, self.select_states = (
+            device.zeros(max(capacity.lanes, 1), np.int32, "inputs") for _ in range(3))
         self.logits = device.empty((max(capacity.decode_rows, 1), dims.vocab_rows), np.float32, "workspace")
         if self.draft_head is not None:  # a row per MTP proposal, or per DFlash block row
             self.draft_logits = device.empty((capacity.decode_rows, self.draft_head.shape[0]), np.float32,
@@ -1974,16 +2000,29 @@ class CudaQwen:
             self.device.clear(state.ssm[lane])
         self.device.clear(self.tails[lane])
 
-    def copy_lane_state(self, lane: int, *, to_slot: int | None = None, from_slot: int | None = None,
-                        from_column: int | None = None) -> None:
-        """Checkpoint save (`to_slot`), restore (`from_slot`) or verify-column selection (`from_column`) of every
-        recurrent layer's lane state and the tail row."""
-        copy = self.device.copy
-        if from_column is not None:  # a verify column: only the recurrent layers keep per-column states
-            for state in self.gdn.values():
-                copy(state.conv[lane], state.conv_columns[lane, from_column])
-                copy(state.ssm[lane], state.ssm_columns[lane, from_column])
+    def select_columns(self, lanes: list[int], columns: list[int], states: list[bool]) -> None:
+        """After a verify, each of these distinct lanes continues from its verify column: its tail row from
+        verify_hidden, and where `states`, every recurrent layer's conv and SSM state from the layer's columns (the
+        verify leaves the running state at its last column, so a lane that keeps it passes False)."""
+        n = len(lanes)
+        if not n:
             return
+        device, lanes_array = self.device, np.asarray(lanes, np.int32)
+        device.write(self.select_lanes[:n], lanes_array)
+        device.write(self.select_tails[:n], np.asarray(columns, np.int32))
+        device.write(self.select_states[:n], np.where(states, columns, -1).astype(np.int32))
+        stream, tails, hidden = device.stream, self.tails, self.verify_hidden
+        self.k.select_columns(tails.reshape((1,) + tails.shape), hidden.reshape((1,) + hidden.shape),
+                              self.select_lanes[:n], self.select_tails[:n], stream=stream)
+        bank = self.gdn_bank
+        if bank is not None and any(states):
+            for live, recorded in ((bank.conv, bank.conv_columns), (bank.ssm, bank.ssm_columns)):
+                self.k.select_columns(live, recorded, self.select_lanes[:n], self.select_states[:n], stream=stream)
+
+    def copy_lane_state(self, lane: int, *, to_slot: int | None = None, from_slot: int | None = None) -> None:
+        """Checkpoint save (`to_slot`) or restore (`from_slot`) of every recurrent layer's lane state and the tail
+        row."""
+        copy = self.device.copy
         # (live, checkpoints) of every part a checkpoint carries. The DFlash rings change only by commits, never by a
         # verify column: a checkpoint carries them, and the full layer's prefix stays in the pages.
         parts = [pair for state in self.gdn.values()

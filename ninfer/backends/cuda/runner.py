@@ -48,6 +48,7 @@ class _Lane:
     sampler: Sampler | None = None
     drafts: np.ndarray | None = None
     verified: bool = False  # the last round was a speculative one (rewind may select another column)
+    live_column: int = 0  # after a verify: the column the recurrent states hold (the verify leaves its last one)
     # DFlash: positions 0..context-1 are in the drafter's caches, the next `pending` committed columns wait in the
     # lane's pending rows; each checkpoint slot's context length (a checkpoint holds no pending columns).
     context: int = 0
@@ -172,7 +173,7 @@ class CudaRunner:
             if kept != 1:
                 raise ValueError(f"lane {lane}: an ordinary round produced one token, cannot keep {kept}")
             return
-        self._select_column(lane, kept - 1)
+        self._select_columns([lane], [kept - 1])
         state.drafts = None
         if self._dflash:  # only the kept columns join the drafter's context
             state.pending = kept
@@ -297,6 +298,7 @@ class CudaRunner:
         accepted, drafts_ready = np.zeros(size, np.int32), np.zeros(size, bool)
         mtp_rows, mtp_hidden = [], []
         counted_lanes, counted = [], []  # generated tokens the device's penalty counts must see
+        verified_lanes, kept_columns = [], []
         for b, lane in enumerate(lanes):
             state, first, start = self._lanes[lane], seg_row[b], int(batch.kv_lengths[b])
             sampler = state.sampler
@@ -306,9 +308,10 @@ class CudaRunner:
                 else:
                     logits = np.stack([host_logits[r] for r in range(first, first + k + 1)])
                     accepted[b], produced = verify_drafts(logits, state.drafts, sampler, start)
-                state.verified = True
+                state.verified, state.live_column = True, k
                 model.device.copy(model.verify_hidden[lane], final[first : first + k + 1])
-                self._select_column(lane, int(accepted[b]))
+                verified_lanes.append(lane)
+                kept_columns.append(int(accepted[b]))
             else:
                 if sampler.params.is_greedy:
                     produced = [int(argmax[first])]
@@ -334,6 +337,7 @@ class CudaRunner:
                 mtp_rows.append(_MtpRows(lane, start, np.array(produced, np.int32),
                                          np.broadcast_to(int(batch.positions[b]) + np.arange(n), (3, n))))
                 mtp_hidden += [("final", first + j) for j in range(n)]
+        self._select_columns(verified_lanes, kept_columns)
         model.count_generated(counted_lanes, counted)
         if mtp_rows:
             d = self._run_mtp(mtp_rows, mtp_hidden, prefill=False)
@@ -401,10 +405,13 @@ class CudaRunner:
                 out.append(sampler.sample(model.device.read(logits[r]), position, purpose))
         return out
 
-    def _select_column(self, lane: int, column: int) -> None:
-        model = self._model
-        model.copy_lane_state(lane, from_column=column)
-        model.device.copy(model.tails[lane], model.verify_hidden[lane, column])
+    def _select_columns(self, lanes: list[int], columns: list[int]) -> None:
+        """These lanes continue from these verify columns: one launch a state kind for all of them, and none for
+        the recurrent states of a lane whose states already hold its column."""
+        states = [self._lanes[lane].live_column != column for lane, column in zip(lanes, columns)]
+        self._model.select_columns(lanes, columns, states)
+        for lane, column in zip(lanes, columns):
+            self._lanes[lane].live_column = column
 
     def _affords_a_round(self, remaining: int) -> bool:
         return remaining >= self._k + 1
