@@ -530,11 +530,12 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
             model.draft_chain(model.workspace.final[rows - 1 : rows], hidden[:1], k, full_head=proposals == "full")
 
         def select():  # the runner's column selection of a round that rejects its last draft (the states copied)
-            model.select_columns([0], [k - 1], [True])
+            model.select_staged(1, True)
 
         graphs = {}
+        model.stage_selection([0], [k - 1], [True])
         for name, body in (("verify", verify), ("mtp", mtp), ("propose", propose), ("advance", advance),
-                           ("drafts", drafts)):
+                           ("drafts", drafts), ("select", select)):
             model.inputs.fill(token_ids=np.arange(rows) + 5, next_ids=np.arange(rows) + 6, positions=positions,
                               row_lane=np.zeros(rows), row_pos=context + np.arange(rows), seg_lane=[0],
                               seg_row=[0], seg_count=[rows], seg_record=[1])
@@ -549,7 +550,8 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
             graphs["verify"].replay(device.stream_handle)
             device.read(model.argmax[:rows])
             device.copy(model.verify_hidden[0, :rows], model.workspace.final[:rows])
-            select()
+            model.stage_selection([0], [k - 1], [True])
+            graphs["select"].replay(device.stream_handle)
             device.copy(hidden, model.workspace.final[:rows])
             graphs["mtp"].replay(device.stream_handle)
             model.stage_draft_steps(k, [0], [context + rows - 1], [context + rows - 1])  # as the runner does
@@ -562,7 +564,6 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         # copy, the chain's inputs and the launches after each read.
         parts = {name: float(np.median(event_time(device.stream, lambda g=graph: g.replay(device.stream_handle),
                                                   10))) * 1e3 for name, graph in graphs.items()}
-        parts["select"] = float(np.median(event_time(device.stream, select, 10))) * 1e3  # launched, not a graph
         gpu_ms = parts["verify"] + parts["mtp"] + parts["drafts"] + parts["select"]
         entry = {"k": k, "proposals": proposals, "round_ms": seconds * 1e3, "graph_ms": parts,
                  "host_ms": seconds * 1e3 - gpu_ms,

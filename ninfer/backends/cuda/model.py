@@ -1125,9 +1125,9 @@ class CudaQwen:
         self.tail_checkpoints = device.zeros((capacity.lanes, CHECKPOINT_SLOTS, dims.hidden), np.float32, "state")
         self.verify_hidden = device.zeros((capacity.lanes, max(1, capacity.verify_columns), dims.hidden), np.float32,
                                           "state")
-        # select_columns' picks: lanes, each one's verify column for its tail, and for its recurrent states (-1: keep)
-        self.select_lanes, self.select_tails, self.select_states = (
-            device.zeros(max(capacity.lanes, 1), np.int32, "inputs") for _ in range(3))
+        # the verify-column selection's picks (`stage_selection`): lanes, each one's column for its tail, and for its
+        # recurrent states (-1: keep them)
+        self.selection = device.zeros((3, max(capacity.lanes, 1)), np.int32, "inputs")
         self.logits = device.empty((max(capacity.decode_rows, 1), dims.vocab_rows), np.float32, "workspace")
         if self.draft_head is not None:  # a row per MTP proposal, or per DFlash block row
             self.draft_logits = device.empty((capacity.decode_rows, self.draft_head.shape[0]), np.float32,
@@ -2000,24 +2000,25 @@ class CudaQwen:
             self.device.clear(state.ssm[lane])
         self.device.clear(self.tails[lane])
 
-    def select_columns(self, lanes: list[int], columns: list[int], states: list[bool]) -> None:
-        """After a verify, each of these distinct lanes continues from its verify column: its tail row from
-        verify_hidden, and where `states`, every recurrent layer's conv and SSM state from the layer's columns (the
-        verify leaves the running state at its last column, so a lane that keeps it passes False)."""
-        n = len(lanes)
-        if not n:
-            return
-        device, lanes_array = self.device, np.asarray(lanes, np.int32)
-        device.write(self.select_lanes[:n], lanes_array)
-        device.write(self.select_tails[:n], np.asarray(columns, np.int32))
-        device.write(self.select_states[:n], np.where(states, columns, -1).astype(np.int32))
-        stream, tails, hidden = device.stream, self.tails, self.verify_hidden
-        self.k.select_columns(tails.reshape((1,) + tails.shape), hidden.reshape((1,) + hidden.shape),
-                              self.select_lanes[:n], self.select_tails[:n], stream=stream)
+    def stage_selection(self, lanes: list[int], columns: list[int], states: list[bool]) -> None:
+        """Before `select_staged(len(lanes), any(states))`: each of these distinct lanes continues from its verify
+        column, its tail row from verify_hidden and, where `states`, every recurrent layer's conv and SSM state from
+        the layer's columns (the verify leaves the running states at its last column: a lane there passes False)."""
+        picks = np.full(self.selection.shape, -1, np.int32)
+        picks[0, : len(lanes)], picks[1, : len(lanes)] = lanes, columns
+        picks[2, : len(lanes)] = np.where(states, columns, -1)
+        self.device.write(self.selection, picks)
+
+    def select_staged(self, n: int, states: bool) -> None:
+        """The staged selection of n lanes (a graph per (n, states) in the runner): the tails, then with `states`
+        the recurrent states, one launch a kind for every layer and lane."""
+        stream, tails, hidden, lanes = self.device.stream, self.tails, self.verify_hidden, self.selection[0, :n]
+        self.k.select_columns(tails.reshape((1,) + tails.shape), hidden.reshape((1,) + hidden.shape), lanes,
+                              self.selection[1, :n], stream=stream)
         bank = self.gdn_bank
-        if bank is not None and any(states):
+        if bank is not None and states:
             for live, recorded in ((bank.conv, bank.conv_columns), (bank.ssm, bank.ssm_columns)):
-                self.k.select_columns(live, recorded, self.select_lanes[:n], self.select_states[:n], stream=stream)
+                self.k.select_columns(live, recorded, lanes, self.selection[2, :n], stream=stream)
 
     def copy_lane_state(self, lane: int, *, to_slot: int | None = None, from_slot: int | None = None) -> None:
         """Checkpoint save (`to_slot`) or restore (`from_slot`) of every recurrent layer's lane state and the tail

@@ -406,10 +406,13 @@ class CudaRunner:
         return out
 
     def _select_columns(self, lanes: list[int], columns: list[int]) -> None:
-        """These lanes continue from these verify columns: one launch a state kind for all of them, and none for
-        the recurrent states of a lane whose states already hold its column."""
-        states = [self._lanes[lane].live_column != column for lane, column in zip(lanes, columns)]
-        self._model.select_columns(lanes, columns, states)
+        """These lanes continue from these verify columns: one launch a state kind for all of them (a graph), and
+        none for the recurrent states of a lane whose states already hold its column."""
+        if not lanes:
+            return
+        model, states = self._model, [self._lanes[lane].live_column != column for lane, column in zip(lanes, columns)]
+        model.stage_selection(lanes, columns, states)
+        self._step(("select", len(lanes), any(states)), lambda: model.select_staged(len(lanes), any(states)))
         for lane, column in zip(lanes, columns):
             self._lanes[lane].live_column = column
 
