@@ -4,8 +4,9 @@ Run on the GPU box: `python bench/kernel_linear.py [--sweep]`. Each case capture
 sets) into one CUDA graph through cuda-python, replays it (warm-up, then >= 20 timed replays with CUDA events) and
 reports the median per launch: us, GB/s of compulsory bytes (weights + x + y) and the ratio to 4.3 TB/s (the measured
 device copy bandwidth). Writes $OUT/kernel_linear.json when OUT is set. `--sweep` also times other rows-per-warp
-variants of the kernels (for tuning); the bf16 gathered MoE GEMV (gate|up and down) is always timed at the
-`GATHERED_BF16_VARIANTS` geometries too.
+variants of the kernels (for tuning); the bf16 gathered MoE GEMVs (gate|up, and the down with its SwiGLU staged)
+are always timed at the `GATHERED_BF16_VARIANTS` and `GATHERED_FLIGHT_VARIANTS` geometries too; `--gathered` times
+only those (and the quantized gathered kernels).
 """
 
 from __future__ import annotations
@@ -155,34 +156,49 @@ def bench_dense(timer, rows, rng, sweep: bool):
             qw = out = None
 
 
-# (rows a warp, warps a block) of the bf16 gathered GEMV timed beside the default (4, 4; (2, 8) until session 27):
-# the 35B-A3B bf16 decode's largest kernel (13 us a launch, ~0.45 of copy, session 19's profile)
+# (rows a warp, warps a block) of the bf16 gathered GEMVs timed beside the defaults: the stepping kernel's (one
+# 256-column step of loads in flight a lane), and the all-in-flight kernel's (every load of a lane issued first,
+# where K fits its steps: gate|up K = 2048 in 8 steps, the SwiGLU down K = 512 in 2)
 GATHERED_BF16_VARIANTS = ((2, 8), (1, 8), (4, 8), (2, 4))
+GATHERED_FLIGHT_VARIANTS = {False: ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4)), True: ((2, 4), (4, 4), (4, 8), (8, 4))}
 
 
 @functools.lru_cache(maxsize=None)
-def gathered_bf16_variant(rows_per_warp: int):
-    return L.make_linear_bf16_gathered_kernel(rows_per_warp)
+def gathered_bf16_variant(rows_per_warp: int, swiglu: bool = False):
+    return L.make_linear_bf16_gathered_kernel(rows_per_warp, swiglu=swiglu)
+
+
+@functools.lru_cache(maxsize=None)
+def gathered_flight_variant(rows_per_warp: int, swiglu: bool):
+    return L.make_linear_bf16_gathered_flight_kernel(rows_per_warp, L.GATHERED_FLIGHT[swiglu][1], swiglu=swiglu)
 
 
 def bench_gathered(timer, rows, rng):
     E, M, S = 256, 1, 8
     # 8 expert sets cycled: 8 x 8 experts' down projections (128 MB) outgrow the 50 MB L2 as gate|up's do
     id_sets = [cuda.to_device(rng.choice(E, S, replace=False).astype(np.int32).reshape(M, S)) for _ in range(8)]
-    for name, rpe, K, per_slot in (("gate_up", 1024, 2048, False), ("down", 2048, 512, True)):
+    for name, rpe, K, swiglu in (("gate_up", 1024, 2048, False), ("down", 2048, 512, True)):
         shape = (E * rpe, K)
-        x = cuda.to_device(rng.standard_normal((M, S, K) if per_slot else (M, K)).astype(np.float32))
+        x = cuda.to_device(rng.standard_normal((M, S, 2 * K) if swiglu else (M, K)).astype(np.float32))
         dy = cuda.device_array((M, S, rpe), np.float32)
         dw = cuda.to_device(np.full(shape, 0x3C80, np.uint16))
-        default = (L.GATHERED_ROWS_PER_WARP, L.GATHERED_WARPS)
-        for r, warps in (default,) + GATHERED_BF16_VARIANTS:
-            kern = None if (r, warps) == default else gathered_bf16_variant(r)
-            t = timer.time(lambda i, s: L.linear_bf16_gathered(
-                x, dw, id_sets[i], dy, rows_per_expert=rpe, x_per_slot=per_slot, stream=s, rows_per_warp=r,
-                warps=warps, _kernel=kern), len(id_sets))
-            tag = "" if kern is None else f"_r{r}_w{warps}"
-            report(rows, f"linear_bf16_gathered({name}){tag}", M, shape, t, S * rpe * K * 2 + S * rpe * 4,
-                   2 * S * rpe * K)
+        stepping_default = (L.GATHERED_ROWS_PER_WARP, L.GATHERED_WARPS)
+        cases = [("stepping", r, warps, gathered_bf16_variant(r, swiglu), False)
+                 for r, warps in (stepping_default,) + GATHERED_BF16_VARIANTS]
+        cases += [("flight", r, warps, gathered_flight_variant(r, swiglu), True)
+                  for r, warps in GATHERED_FLIGHT_VARIANTS[swiglu]]
+        for kind, r, warps, kern, flight in cases:
+            def launch(i, s, r=r, warps=warps, kern=kern, flight=flight):
+                if swiglu:
+                    L.linear_bf16_gathered_swiglu(x, dw, id_sets[i], dy, rows_per_expert=rpe, stream=s,
+                                                  rows_per_warp=r, warps=warps, _kernel=kern, _flight=flight)
+                else:
+                    L.linear_bf16_gathered(x, dw, id_sets[i], dy, rows_per_expert=rpe, x_per_slot=False, stream=s,
+                                           rows_per_warp=r, warps=warps, _kernel=kern, _flight=flight)
+
+            t = timer.time(launch, len(id_sets))
+            report(rows, f"linear_bf16_gathered({name})_{kind}_r{r}_w{warps}", M, shape, t,
+                   S * rpe * K * 2 + S * rpe * 4, 2 * S * rpe * K)
         dw = None
     rpe, K = 1024, 2048  # the quantized gathered kernels at the gate|up shape
     shape = (E * rpe, K)
@@ -206,7 +222,8 @@ def main() -> None:
     t0 = time.time()
     if not sweep:
         bench_gathered(timer, rows, rng)
-    bench_dense(timer, rows, rng, sweep)
+    if "--gathered" not in sys.argv:
+        bench_dense(timer, rows, rng, sweep)
     print(f"total {time.time() - t0:.0f} s")
     for name, fn in (("bf16 m1", L.linear_bf16_kernel_m1), ("bf16", L.linear_bf16_kernel),
                      ("q4 m1", Q.LINEAR_QUANT_KERNELS_M1[4]), ("q4 tile4", Q.LINEAR_QUANT_KERNELS_BY_TILE[4][4]),

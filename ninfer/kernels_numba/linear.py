@@ -43,6 +43,15 @@ BF16_ROWS_PER_WARP = 2
 # is the same lanes' in the same order at any geometry: the same bits.
 GATHERED_ROWS_PER_WARP = 4
 GATHERED_WARPS = 4
+# Where K fits, the gathered GEMVs may issue every weight load of a lane before any multiply
+# (`make_linear_bf16_gathered_flight_kernel`): (rows a warp, 256-column steps a lane, fewest slots a launch) for the
+# gate | up kernel (K = hidden: 2048 on the 35B-A3B) and the SwiGLU down kernel (K = the experts' intermediate: 512).
+# H200, 35B-A3B shapes (results/kernel_linear_gathered_flight_session36.json, *_gathered_flight_*_session36.*): alone
+# at 8 slots (B=1), us: gate | up 12.2 (2 rows a warp) against the stepping kernel's 11.5, the down 8.5 (4 rows) /
+# 8.0 (2 or 8) against 8.7; a whole bf16 step with both kernels in flight B=1 3.53 against 3.48 ms, B=8 7.57 against
+# 8.02. So the gate | up kernel keeps the stepping form at one row of 8 slots; the down keeps the 4 rows a warp of
+# the timed steps.
+GATHERED_FLIGHT = {False: (2, 8, 16), True: (4, 2, 1)}
 
 
 def _make_vector_load(count: int):
@@ -326,10 +335,70 @@ def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
     return linear_bf16_gathered_kernel
 
 
+
+def make_linear_bf16_gathered_flight_kernel(R: int, STEPS: int, swiglu: bool = False):
+    """`make_linear_bf16_gathered_kernel` for K <= 256 STEPS (compile-time): each lane issues the loads of all its
+    R rows' K columns (R STEPS 16-byte words) before it stages x, so a warp pays one DRAM round trip instead of one a
+    256-column step (the other kernel keeps one step in flight). Each lane adds its 8 columns a step in the same
+    order and the warp sums the same way: the same bits as the other kernel."""
+    WORDS = R * STEPS
+
+    @kernel((float32[:, ::1], uint64[:, ::1], int32[::1], float32[:, ::1], int32, int32), fastmath=False)
+    def linear_bf16_gathered_flight_kernel(x, w, ids, y, rpe, xdiv):
+        if swiglu:
+            allow_dependents()
+        else:
+            wait_for_prior_grids()
+            allow_dependents()
+        xs = cuda.shared.array(0, float32)
+        K4 = w.shape[1]
+        K = K4 * 4
+        j = cuda.blockIdx.y
+        lane = cuda.threadIdx.x & 31
+        n0 = (cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)) * R
+        base = ids[j] * rpe
+        wa = cuda.local.array(WORDS, uint64)
+        wb = cuda.local.array(WORDS, uint64)
+        acc = cuda.local.array(R, float32)
+        if n0 < rpe:
+            for r in range(R):
+                row = (base + min(n0 + r, rpe - 1)) * K4
+                for step in range(STEPS):
+                    c = step * BF16_SPAN + lane * 8
+                    if c < K:
+                        wa[step * R + r], wb[step * R + r] = load2(w, row + (c >> 2))
+        if swiglu:
+            wait_for_prior_grids()  # the gate | up rows are the kernel before's
+            stage_swiglu_bf16(xs, x, j, 0, K)
+        else:
+            stage_x_bf16(xs, x, j // xdiv, 1, 0, K, K)
+        cuda.syncthreads()
+        if n0 < rpe:
+            for r in range(R):
+                acc[r] = float32(0.0)
+            for step in range(STEPS):
+                c = step * BF16_SPAN + lane * 8
+                if c < K:
+                    p = step * BF16_SPAN + lane * 4
+                    x0, x1, x2, x3 = load4(xs, p)
+                    x4, x5, x6, x7 = load4(xs, p + 128)
+                    for r in range(R):
+                        acc[r] = fma_bf16x8(acc[r], wa[step * R + r], wb[step * R + r], x0, x1, x2, x3, x4, x5,
+                                            x6, x7)
+            for r in range(R):
+                total = warp_sum(acc[r])
+                n = n0 + r
+                if lane == 0 and n < rpe:
+                    y[j, n] = total
+
+    return linear_bf16_gathered_flight_kernel
+
 linear_bf16_kernel = make_linear_bf16_kernel(BF16_ROWS_PER_WARP)
 linear_bf16_kernel_m1 = make_linear_bf16_kernel(BF16_ROWS_PER_WARP, 1)
 linear_bf16_gathered_kernel = make_linear_bf16_gathered_kernel(GATHERED_ROWS_PER_WARP)
 linear_bf16_gathered_swiglu_kernel = make_linear_bf16_gathered_kernel(GATHERED_ROWS_PER_WARP, swiglu=True)
+GATHERED_FLIGHT_KERNELS = {swiglu: make_linear_bf16_gathered_flight_kernel(*GATHERED_FLIGHT[swiglu][:2],
+                                                                          swiglu=swiglu) for swiglu in (False, True)}
 
 
 def chunk_columns(rows: int, K: int, span: int, budget: int = SHARED_BUDGET) -> int:
@@ -361,10 +430,11 @@ def linear_bf16(x, w, y, *, stream, accumulate: bool = False, rows_per_warp: int
 
 def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool, stream,
                          rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
-                         programmatic: bool = False, _kernel=None) -> None:
+                         programmatic: bool = False, _kernel=None, _flight: bool = False) -> None:
     """y[m, s, :] = X(m, s) @ W_{expert_ids[m, s]}^T, W_e = w[e*rpe:(e+1)*rpe]; X(m, s) = x[m] ([M, K]) or x[m, s]
     ([M, S, K]) when x_per_slot. expert_ids int32 [M, S] on the device, y float32 [M, S, rpe]. `programmatic`: see
-    `make_linear_bf16_gathered_kernel`."""
+    `make_linear_bf16_gathered_kernel`. `_kernel` (benchmarks): another geometry of the stepping kernel, or of the
+    all-in-flight one with `_flight`; `rows_per_warp` must be the one it was made with."""
     M, S = expert_ids.shape
     K = x.shape[2] if x_per_slot else x.shape[1]
     rpe = int(rows_per_expert)
@@ -377,22 +447,30 @@ def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slo
     assert x2.shape[0] == (M * S if x_per_slot else M)
     y2 = y.reshape(M * S, rpe)
     ids = expert_ids.reshape(M * S)
-    _launch_gathered(_kernel or linear_bf16_gathered_kernel, x2, w64, ids, y2, rpe, 1 if x_per_slot else S, K,
-                     rows_per_warp, warps, stream, programmatic)
+    _launch_gathered(x2, w64, ids, y2, rpe, 1 if x_per_slot else S, K, rows_per_warp, warps, stream, programmatic,
+                     False, _kernel, _flight)
 
 
-def _launch_gathered(fn, x2, w64, ids, y2, rpe: int, xdiv: int, K: int, rows_per_warp: int, warps: int,
-                     stream, programmatic: bool) -> None:
-    """A gathered kernel's launch: blocks of `warps` warps over the rpe rows, one grid row a slot, K staged in
-    shared chunks of a single row."""
+def _launch_gathered(x2, w64, ids, y2, rpe: int, xdiv: int, K: int, rows_per_warp: int, warps: int, stream,
+                     programmatic: bool, swiglu: bool, kernel, flight: bool) -> None:
+    """A gathered kernel's launch: blocks of `warps` warps over the rpe rows, one grid row a slot, x staged in
+    shared memory in chunks of a single row (one chunk for the all-in-flight kernel, taken where K fits it and the
+    launch has enough slots: `GATHERED_FLIGHT`)."""
+    if kernel is None:
+        flight_rows, steps, fewest_slots = GATHERED_FLIGHT[swiglu]
+        flight = K <= steps * BF16_SPAN and ids.shape[0] >= fewest_slots
+        kernel = (GATHERED_FLIGHT_KERNELS[swiglu] if flight else
+                  linear_bf16_gathered_swiglu_kernel if swiglu else linear_bf16_gathered_kernel)
+        rows_per_warp = flight_rows if flight else GATHERED_ROWS_PER_WARP
     kc = chunk_columns(1, K, BF16_SPAN)
-    launch(fn, (math.ceil(rpe / (warps * rows_per_warp)), ids.shape[0]), 32 * warps, stream, kc * 4,
-           x2, w64, ids, y2, int32(rpe), int32(xdiv), int32(kc), programmatic=programmatic)
+    chunk = () if flight else (int32(kc),)
+    launch(kernel, (math.ceil(rpe / (warps * rows_per_warp)), ids.shape[0]), 32 * warps, stream, kc * 4,
+           x2, w64, ids, y2, int32(rpe), int32(xdiv), *chunk, programmatic=programmatic)
 
 
 def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: int, stream,
                                 rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
-                                programmatic: bool = False, _kernel=None) -> None:
+                                programmatic: bool = False, _kernel=None, _flight: bool = False) -> None:
     """y[m, s, :] = (silu(g) * u) @ W_{expert_ids[m, s]}^T for gate_up[m, s] = g | u ([M, S, 2K] fp32): one launch
     for `silu_mul_slots` then `linear_bf16_gathered(..., x_per_slot=True)`, the same bits."""
     M, S = expert_ids.shape
@@ -403,9 +481,8 @@ def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: i
     assert y.shape == (M, S, rpe)
     if M * S == 0:
         return
-    _launch_gathered(_kernel or linear_bf16_gathered_swiglu_kernel, gate_up.reshape(M * S, 2 * K), w64,
-                     expert_ids.reshape(M * S), y.reshape(M * S, rpe), rpe, 1, K, rows_per_warp, warps, stream,
-                     programmatic)
+    _launch_gathered(gate_up.reshape(M * S, 2 * K), w64, expert_ids.reshape(M * S), y.reshape(M * S, rpe), rpe, 1,
+                     K, rows_per_warp, warps, stream, programmatic, True, _kernel, _flight)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------------------------------

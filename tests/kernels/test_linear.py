@@ -89,7 +89,8 @@ def test_linear_bf16_gpu(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_slot", [False, True])
-@pytest.mark.parametrize("M,S,E,rpe,K", [(1, 8, 16, 64, 256), (3, 2, 5, 40, 128), (2, 8, 32, 1024, 2048)])
+@pytest.mark.parametrize("M,S,E,rpe,K", [(1, 8, 16, 64, 256), (3, 2, 5, 40, 128), (2, 8, 32, 1024, 2048),
+                                         (1, 4, 6, 48, 2304)])
 def test_linear_bf16_gathered_gpu(per_slot, M, S, E, rpe, K):
     from ninfer.kernels_numba.numba_setup import cuda
 
@@ -111,6 +112,17 @@ def test_linear_bf16_gathered_gpu(per_slot, M, S, E, rpe, K):
     row = x[0, 0] if per_slot else x[0]
     plain = _gpu_linear(row[None, :], w[e * rpe:(e + 1) * rpe])[0]
     assert np.array_equal(plain, got[0, 0])
+    # the all-in-flight kernel (where K fits it) and the stepping one give the same bits whatever the slots
+    rows, steps, _ = L.GATHERED_FLIGHT[False]
+    kernels = [dict(rows_per_warp=L.GATHERED_ROWS_PER_WARP, _kernel=L.linear_bf16_gathered_kernel)]
+    if K <= 256 * steps:
+        kernels.append(dict(rows_per_warp=rows, _kernel=L.GATHERED_FLIGHT_KERNELS[False], _flight=True))
+    for kernel in kernels:
+        dy = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
+        L.linear_bf16_gathered(cuda.to_device(x, stream=stream), cuda.to_device(w, stream=stream),
+                               cuda.to_device(ids, stream=stream), dy, rows_per_expert=rpe, x_per_slot=per_slot,
+                               stream=stream, **kernel)
+        assert np.array_equal(dy.copy_to_host(stream=stream), got)
 
 
 @pytest.mark.gpu
@@ -135,6 +147,11 @@ def test_linear_bf16_gathered_swiglu_gpu(M, S, E, rpe, K):
     got, want = fused.copy_to_host(stream=stream), separate.copy_to_host(stream=stream)
     stream.synchronize()
     assert np.isfinite(got).all() and np.array_equal(got, want)
+    # the stepping kernel gives the same bits as the all-in-flight one the launch takes where K fits it
+    stepping = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
+    L.linear_bf16_gathered_swiglu(d_gate_up, dw, d_ids, stepping, rows_per_expert=rpe, stream=stream,
+                                  rows_per_warp=L.GATHERED_ROWS_PER_WARP, _kernel=L.linear_bf16_gathered_swiglu_kernel)
+    assert np.array_equal(stepping.copy_to_host(stream=stream), got)
     assert _rel(got, L.linear_bf16_gathered_swiglu_reference(gate_up, w, ids, rows_per_expert=rpe)) < 1e-5
 
 
@@ -150,4 +167,5 @@ def test_kernels_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     gathered = [line for line in run("linear").splitlines() if line.startswith("ok linear") and "gathered" in line]
-    assert len(gathered) == 6  # bf16, bf16 with SwiGLU staging and the four quantized formats
+    # bf16 and bf16 with SwiGLU staging, each all-in-flight and stepping, and the four quantized formats
+    assert len(gathered) == 8

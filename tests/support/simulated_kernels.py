@@ -59,15 +59,22 @@ def linear() -> None:
         ids = np.array([[2, 0]], np.int32)
         w = codec.f32_to_bf16_bits(rng.standard_normal((E * rpe, k)).astype(np.float32))
         x = rng.standard_normal((M, S, k)).astype(np.float32)
-        y = np.full((M, S, rpe), np.nan, np.float32)
-        L.linear_bf16_gathered(x, w, ids, y, rows_per_expert=rpe, x_per_slot=True, stream=0)
-        _check("bf16 gathered", y, L.linear_bf16_gathered_reference(x, w, ids, rows_per_expert=rpe,
-                                                                     x_per_slot=True))
         gate_up = rng.standard_normal((M, S, 2 * k)).astype(np.float32)
-        y = np.full((M, S, rpe), np.nan, np.float32)
-        L.linear_bf16_gathered_swiglu(gate_up, w, ids, y, rows_per_expert=rpe, stream=0)
-        _check("bf16 gathered swiglu", y, L.linear_bf16_gathered_swiglu_reference(gate_up, w, ids,
-                                                                                  rows_per_expert=rpe))
+        # the all-in-flight kernels and the stepping ones (`linear._launch_gathered` picks by K and slots)
+        stepping = {"rows_per_warp": L.GATHERED_ROWS_PER_WARP}
+        plain_flight, swiglu_flight = ({"rows_per_warp": L.GATHERED_FLIGHT[swiglu][0], "_flight": True,
+                                        "_kernel": L.GATHERED_FLIGHT_KERNELS[swiglu]} for swiglu in (False, True))
+        for name, plain, swiglu in (("in flight", plain_flight, swiglu_flight),
+                                    ("stepping", {**stepping, "_kernel": L.linear_bf16_gathered_kernel},
+                                     {**stepping, "_kernel": L.linear_bf16_gathered_swiglu_kernel})):
+            y = np.full((M, S, rpe), np.nan, np.float32)
+            L.linear_bf16_gathered(x, w, ids, y, rows_per_expert=rpe, x_per_slot=True, stream=0, **plain)
+            _check(f"bf16 gathered, {name}", y, L.linear_bf16_gathered_reference(x, w, ids, rows_per_expert=rpe,
+                                                                                  x_per_slot=True))
+            y = np.full((M, S, rpe), np.nan, np.float32)
+            L.linear_bf16_gathered_swiglu(gate_up, w, ids, y, rows_per_expert=rpe, stream=0, **swiglu)
+            _check(f"bf16 gathered swiglu, {name}", y, L.linear_bf16_gathered_swiglu_reference(
+                gate_up, w, ids, rows_per_expert=rpe))
         for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
             for (m, n, k) in [(1, 18, 64), (2, 17, 192)]:
                 payload = codec.encode_buffer(rng.standard_normal((n, k)).astype(np.float32), fmt)
