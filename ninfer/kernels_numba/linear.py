@@ -261,6 +261,34 @@ def stage_swiglu_bf16(xs, gate_up, row, c0, width):
         c += cuda.blockDim.x * 8
 
 
+
+@device_function
+def gathered_start(swiglu, w, ids, rows_per_expert, rows_per_warp):
+    """A gathered kernel's start: it waits for the kernels before it where `make_linear_bf16_gathered_kernel` says
+    (the plain one at once, then lets the next start; the SwiGLU one lets the next start and waits later, itself);
+    returns its (uint64 words a weight row, slot, lane, first row of its warp, the slot's expert's first row)."""
+    if swiglu:
+        allow_dependents()
+    else:
+        wait_for_prior_grids()
+        allow_dependents()
+    slot = cuda.blockIdx.y
+    n0 = (cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)) * rows_per_warp
+    return w.shape[1], slot, cuda.threadIdx.x & 31, n0, ids[slot] * rows_per_expert
+
+
+@device_function
+def store_slot_sums(acc, rows, y, slot, n0, rows_per_expert):
+    """A gathered kernel's end: row n0 + r's lane-private sums acc[r] (r < rows) added over the warp in the fixed
+    butterfly order; lane 0 stores them to y[slot] where the expert has that row."""
+    lane = cuda.threadIdx.x & 31
+    for r in range(rows):
+        total = warp_sum(acc[r])
+        n = n0 + r
+        if lane == 0 and n < rows_per_expert:
+            y[slot, n] = total
+
+
 def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
     """MoE decode: blockIdx.y = slot j (flattened m*S+s); weight rows expert_ids[j] * rpe + n, x row x[j // xdiv].
     `swiglu`: x is the slots' gate | up rows ([M*S, 2K], xdiv 1), multiplied as silu(gate) * up
@@ -273,19 +301,9 @@ def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
 
     @kernel((float32[:, ::1], uint64[:, ::1], int32[::1], float32[:, ::1], int32, int32, int32), fastmath=False)
     def linear_bf16_gathered_kernel(x, w, ids, y, rpe, xdiv, kc):
-        if swiglu:
-            allow_dependents()
-        else:
-            wait_for_prior_grids()
-            allow_dependents()
-        xs = cuda.shared.array(0, float32)
-        K4 = w.shape[1]
+        K4, j, lane, n0, base = gathered_start(swiglu, w, ids, rpe, R)
         K = K4 * 4
-        j = cuda.blockIdx.y
-        lane = cuda.threadIdx.x & 31
-        warp = cuda.threadIdx.x >> 5
-        n0 = (cuda.blockIdx.x * (cuda.blockDim.x >> 5) + warp) * R
-        base = ids[j] * rpe
+        xs = cuda.shared.array(0, float32)
         xrow = j // xdiv
         acc = cuda.local.array(R, float32)
         wa = cuda.local.array(R, uint64)
@@ -326,11 +344,7 @@ def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
                         acc[r] = fma_bf16x8(acc[r], ca[r], cb[r], x0, x1, x2, x3, x4, x5, x6, x7)
                     c = cn
         if n0 < rpe:
-            for r in range(R):
-                total = warp_sum(acc[r])
-                n = n0 + r
-                if lane == 0 and n < rpe:
-                    y[j, n] = total
+            store_slot_sums(acc, R, y, j, n0, rpe)
 
     return linear_bf16_gathered_kernel
 
@@ -345,18 +359,9 @@ def make_linear_bf16_gathered_flight_kernel(R: int, STEPS: int, swiglu: bool = F
 
     @kernel((float32[:, ::1], uint64[:, ::1], int32[::1], float32[:, ::1], int32, int32), fastmath=False)
     def linear_bf16_gathered_flight_kernel(x, w, ids, y, rpe, xdiv):
-        if swiglu:
-            allow_dependents()
-        else:
-            wait_for_prior_grids()
-            allow_dependents()
-        xs = cuda.shared.array(0, float32)
-        K4 = w.shape[1]
+        K4, j, lane, n0, base = gathered_start(swiglu, w, ids, rpe, R)
         K = K4 * 4
-        j = cuda.blockIdx.y
-        lane = cuda.threadIdx.x & 31
-        n0 = (cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)) * R
-        base = ids[j] * rpe
+        xs = cuda.shared.array(0, float32)
         wa = cuda.local.array(WORDS, uint64)
         wb = cuda.local.array(WORDS, uint64)
         acc = cuda.local.array(R, float32)
@@ -385,11 +390,7 @@ def make_linear_bf16_gathered_flight_kernel(R: int, STEPS: int, swiglu: bool = F
                     for r in range(R):
                         acc[r] = fma_bf16x8(acc[r], wa[step * R + r], wb[step * R + r], x0, x1, x2, x3, x4, x5,
                                             x6, x7)
-            for r in range(R):
-                total = warp_sum(acc[r])
-                n = n0 + r
-                if lane == 0 and n < rpe:
-                    y[j, n] = total
+            store_slot_sums(acc, R, y, j, n0, rpe)
 
     return linear_bf16_gathered_flight_kernel
 

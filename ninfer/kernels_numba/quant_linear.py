@@ -33,7 +33,7 @@ from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32, row_split_geomet
 from ninfer.backends.cpu.ops import linear as cpu_linear
 from ninfer.kernels_numba.common import bf16_pair, code_float, warp_sum
 from ninfer.kernels_numba.linear import (
-    ROW_TILE, WARPS, chunk_columns, gathered_reference, load2, load4, stage_x, store4,
+    ROW_TILE, WARPS, chunk_columns, gathered_reference, load2, load4, stage_x, store4, store_slot_sums,
 )
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, large_device_function, register_options
 
@@ -431,11 +431,7 @@ def make_linear_quant_gathered_kernel(bits: int, R: int):
                         acc[r] += part[r] * half_bits_to_f32(s16[r])
                     seg = sn
         if n0 < rpe:
-            for r in range(R):
-                total = warp_sum(acc[r])
-                n = n0 + r
-                if lane == 0 and n < rpe:
-                    y[j, n] = total
+            store_slot_sums(acc, R, y, j, n0, rpe)
 
     return linear_quant_gathered_kernel
 
