@@ -120,8 +120,7 @@ def test_the_scan_slice_halves_where_the_wide_grid_fills_at_most_half_the_sms():
 @pytest.mark.slow
 def test_kernels_match_the_twin_in_the_cuda_simulator():
     """Both kernels' own source run thread by thread with the TF32 mma, warp barriers and cp.async emulated: tiles,
-    the blockwise inversion, the packed T / P, the scan across chunks, segments and heads, at both slice widths
-    (about 30 s)."""
+    the blockwise inversion, the packed T / P, the scan across chunks, segments and heads, at both slice widths."""
     from tests.support.simulated_kernels import run
 
     assert "ok gdn_chunked" in run("gdn_chunked")

@@ -393,8 +393,7 @@ def test_wide_kernels_give_each_row_the_bits_of_one_set(fmt, m, sets, n, k):
 def test_kernels_match_their_twins_in_the_cuda_simulator():
     """Every format's x fragments, GEMV (one and two fragment sets, accumulating, one x row; K of 2 and 20 or 40
     blocks), gathered MoE GEMV (shared and per-slot x) and dequantization, and the Q4|Q5 pair launch (bitwise the two
-    single launches), their own source run thread by thread with the mma, packed bf16 fma and global loads emulated
-    (about 90 s)."""
+    single launches), their own source run thread by thread with the mma, packed bf16 fma and global loads emulated."""
     from tests.support.simulated_kernels import run
 
     lines = run("quant_mma").splitlines()

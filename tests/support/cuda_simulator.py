@@ -17,6 +17,7 @@ kernels have their own) or a module's.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -31,28 +32,105 @@ from ninfer.artifact.codec import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E4
 from numba.cuda.simulator import kernel as simulator_kernel  # noqa: E402
 from numba.cuda.simulator import kernelapi  # noqa: E402
 
-# ---- warp collectives ----------------------------------------------------------------------------------------------
+# ---- barriers and warp collectives ---------------------------------------------------------------------------------
+
+class _Barrier:
+    """A barrier of `parties` threads (fewer as threads `leave`: a block's exited threads no longer count at its
+    syncthreads), whose last to arrive runs `action` first. Each waiting thread sleeps on its own gate, a lock, and
+    on waking opens the next one's: the threads resume one by one, as the interpreter runs them anyway. (With
+    threading.Barrier or a condition variable every waiter woke at once into a scramble for one lock, then for the
+    interpreter: 32 threads a shuffle or mma, up to 1024 at syncthreads. A shuffle took 2.4 ms, now 0.7.)
+    `abort` breaks it: the threads waiting and any that arrive later raise BrokenBarrierError."""
+
+    def __init__(self, parties: int, action=None) -> None:
+        self._lock = threading.Lock()
+        self._parties, self._action, self._waiting, self._broken = parties, action, [], False
+
+    def wait(self) -> None:
+        thread = threading.current_thread()
+        if not hasattr(thread, "gate"):  # locked except while its thread is being let through
+            thread.gate = threading.Lock()
+            thread.gate.acquire()
+        with self._lock:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            waiting, at = self._waiting, len(self._waiting)
+            last = at + 1 == self._parties
+            if not last:
+                waiting.append(thread.gate)
+        if last:
+            self._open()
+        else:
+            thread.gate.acquire()
+            if at + 1 < len(waiting):
+                waiting[at + 1].release()
+        if self._broken:
+            raise threading.BrokenBarrierError
+
+    def leave(self) -> None:
+        with self._lock:
+            self._parties -= 1
+            last = 0 < len(self._waiting) == self._parties
+        if last:
+            self._open()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._broken = True
+        self._let_through()
+
+    def _open(self) -> None:
+        """Every other party waits (none arrives or leaves meanwhile): run the action, then let them through (or,
+        the action failing, break the barrier and raise)."""
+        try:
+            if self._action is not None:
+                self._action()
+        except BaseException:
+            self.abort()
+            raise
+        self._let_through()
+
+    def _let_through(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        if waiting:
+            waiting[0].release()
+
 
 _warps_lock = threading.Lock()
-_warps: dict[tuple, list] = {}  # per warp: [barrier, the lanes' values, the combined result]
+_warps: dict[tuple, list] = {}  # per warp: [barrier, the lanes' values, the combined result, lane 0's combine]
+
+
+def _combine(state: list) -> None:
+    state[2] = state[3](list(state[1]))
+
+
+def _check_block(thread) -> None:
+    """Raise if another thread of the block failed (call with _warps_lock held): `_break_all` broke and dropped
+    every warp's barrier, and a lane late to a collective would wait on a fresh one for lanes already gone."""
+    if thread.block_barrier._broken:
+        raise threading.BrokenBarrierError
 
 
 def warp_collective(value, combine):
-    """`combine(values of lanes 0..31)`, computed once (by lane 0), to every lane of the calling warp (all 32 must
-    call), and this lane. Two barriers: lane 0 reads the values between them, every lane reads the result after the
-    second, and nobody overwrites either before the next call's first barrier, which every lane must reach."""
+    """`combine(values of lanes 0..31)` (lane 0's `combine`), computed once, to every lane of the calling warp (all
+    32 must call), and this lane. One barrier, whose action (run by the last lane to arrive, before any leaves)
+    combines: no lane writes its next value before every lane has arrived, and no next combine overwrites the result
+    before every lane has read it (it waits for every lane's next call)."""
     thread = threading.current_thread()
     block = thread.blockIdx
     key = (block.x, block.y, block.z, thread.thread_id >> 5)
     with _warps_lock:
+        _check_block(thread)
         if key not in _warps:
-            _warps[key] = [threading.Barrier(32), [None] * 32, None]
-    state = _warps[key]
+            state = [None, [None] * 32, None, None]
+            state[0] = _Barrier(32, functools.partial(_combine, state))
+            _warps[key] = state
+        state = _warps[key]
     lane = thread.thread_id & 31
     state[1][lane] = value
-    state[0].wait()
     if lane == 0:
-        state[2] = combine(list(state[1]))
+        state[3] = combine
     state[0].wait()
     return state[2], lane
 
@@ -73,7 +151,7 @@ def shfl_up_sync(mask, value, delta):
     return values[lane - int(delta)] if lane >= int(delta) else values[lane]
 
 
-_masked_barriers: dict[tuple, threading.Barrier] = {}
+_masked_barriers: dict[tuple, _Barrier] = {}
 
 
 def syncwarp(mask=0xFFFFFFFF):
@@ -85,9 +163,11 @@ def syncwarp(mask=0xFFFFFFFF):
     block = thread.blockIdx
     key = (block.x, block.y, block.z, thread.thread_id >> 5, mask)
     with _warps_lock:
+        _check_block(thread)
         if key not in _masked_barriers:
-            _masked_barriers[key] = threading.Barrier(bin(mask).count("1"))
-    _masked_barriers[key].wait()
+            _masked_barriers[key] = _Barrier(bin(mask).count("1"))
+        barrier = _masked_barriers[key]
+    barrier.wait()
 
 
 def _lane_order_sum(values) -> np.float32:
@@ -170,14 +250,27 @@ def half_pair_to_f32(word):
 
 # ---- tensor-core mma -----------------------------------------------------------------------------------------------
 
+# Where each lane's fragment registers sit (PTX layouts): lane 4g + t holds C/D rows g and g + 8, columns 2t and
+# 2t + 1; bf16 A register r rows g (+8 for odd r), columns 2t (+8 for r >= 2) and the next; bf16 B register r rows
+# 2t (+8 for r = 1) and the next, column g; TF32 A register r row g (+8 for odd r), column t (+4 for r >= 2), TF32 B
+# register r row t (+4 for r = 1), column g. As index arrays [lane, register(, half)]: the warp's operands are built
+# in a few NumPy calls, not one per lane and register (2.8 ms an mma, while the warp's other lanes waited: a third
+# of the simulated tensor-core kernels' time).
+_G, _T, _R = np.arange(32)[:, None] >> 2, np.arange(32)[:, None] & 3, np.arange(4)[None, :]  # [lane, register]
+_HALF = np.arange(2)[None, None, :]
+_C_AT = tuple(np.broadcast_arrays(_G + 8 * (_R >> 1), 2 * _T + (_R & 1)))
+_BF16_A_AT = tuple(np.broadcast_arrays((_G + 8 * (_R & 1))[..., None], (2 * _T + 8 * (_R >> 1))[..., None] + _HALF))
+_BF16_B_AT = tuple(np.broadcast_arrays((2 * _T + 8 * _R[:, :2])[..., None] + _HALF, _G[..., None]))
+_TF32_A_AT = tuple(np.broadcast_arrays(_G + 8 * (_R & 1), _T + 4 * (_R >> 1)))
+_TF32_B_AT = tuple(np.broadcast_arrays(_T + 4 * _R[:, :2], _G))
+
+
 def _mma(fragments: list, a_of, b_of) -> tuple:
     """D = A B + C from every lane's fragments; returns this lane's four D values (rows g and g + 8, columns 2t and
     2t + 1: the C/D layout both shapes share)."""
     def product(values):
         c = np.zeros((16, 8))
-        for other, lane_values in enumerate(values):
-            g, t = other >> 2, other & 3
-            c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1] = (float(v) for v in lane_values[-4:])
+        c[_C_AT] = np.array([lane_values[-4:] for lane_values in values], np.float64)
         return (a_of(values) @ b_of(values) + c).astype(np.float32)
 
     d, lane = warp_collective(fragments, product)
@@ -185,23 +278,21 @@ def _mma(fragments: list, a_of, b_of) -> tuple:
     return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
 
 
+def _bf16_registers(values, first: int, count: int) -> np.ndarray:
+    """[lane, register, half]: the bf16 halves (low first) of registers first.. of every lane, as floats."""
+    words = np.array([[int(w) & 0xFFFFFFFF for w in v[first:first + count]] for v in values], np.uint32)
+    return bf16_bits_to_f32(words.view(np.uint16).reshape(32, count, 2)).astype(np.float64)
+
+
 def _bf16_a(values) -> np.ndarray:
     a = np.zeros((16, 16))
-    for lane, v in enumerate(values):
-        g, t = lane >> 2, lane & 3
-        a[g, 2 * t:2 * t + 2] = _bf16_pair_values(v[0])
-        a[g + 8, 2 * t:2 * t + 2] = _bf16_pair_values(v[1])
-        a[g, 2 * t + 8:2 * t + 10] = _bf16_pair_values(v[2])
-        a[g + 8, 2 * t + 8:2 * t + 10] = _bf16_pair_values(v[3])
+    a[_BF16_A_AT] = _bf16_registers(values, 0, 4)
     return a
 
 
 def _bf16_b(values) -> np.ndarray:
     b = np.zeros((16, 8))
-    for lane, v in enumerate(values):
-        g, t = lane >> 2, lane & 3
-        b[2 * t:2 * t + 2, g] = _bf16_pair_values(v[4])
-        b[2 * t + 8:2 * t + 10, g] = _bf16_pair_values(v[5])
+    b[_BF16_B_AT] = _bf16_registers(values, 4, 2)
     return b
 
 
@@ -209,25 +300,21 @@ def mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     return _mma([a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], _bf16_a, _bf16_b)
 
 
-def _tf32(value) -> float:
-    """What the tensor core reads of a float32 TF32 operand: its top 19 bits."""
-    bits = np.array([value], np.float32).view(np.uint32)[0] & np.uint32(0xFFFFE000)
-    return float(np.array([bits], np.uint32).view(np.float32)[0])
+def _tf32_registers(values, first: int, count: int) -> np.ndarray:
+    """[lane, register]: what the tensor core reads of float32 TF32 operands, their top 19 bits, as floats."""
+    bits = np.array([v[first:first + count] for v in values], np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+    return bits.view(np.float32).astype(np.float64)
 
 
 def _tf32_a(values) -> np.ndarray:
     a = np.zeros((16, 8))
-    for lane, v in enumerate(values):
-        g, t = lane >> 2, lane & 3
-        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4] = (_tf32(x) for x in v[:4])
+    a[_TF32_A_AT] = _tf32_registers(values, 0, 4)
     return a
 
 
 def _tf32_b(values) -> np.ndarray:
     b = np.zeros((8, 8))
-    for lane, v in enumerate(values):
-        g, t = lane >> 2, lane & 3
-        b[t, g], b[t + 4, g] = _tf32(v[4]), _tf32(v[5])
+    b[_TF32_B_AT] = _tf32_registers(values, 4, 2)
     return b
 
 
@@ -416,7 +503,8 @@ STAND_INS = {
     "mma_bf16_m16n8k16": mma_bf16_m16n8k16, "mma_tf32_m16n8k8": mma_tf32_m16n8k8, "warp_sum": warp_sum,
     "warp_max_u32": warp_max_u32,
     "allow_dynamic_shared": allow_dynamic_shared, "load_word_at": load_word_at, "load_words2_at": load_words2_at,
-    "load_words4_at": load_words4_at, "load_words4_streaming_at": load_words4_at, "store_word_at": store_word_at, "store_words2_at": store_words2_at,
+    "load_words4_at": load_words4_at, "load_words4_streaming_at": load_words4_at, "store_word_at": store_word_at,
+    "store_words2_at": store_words2_at,
     "store_words4_at": store_words4_at, "load2": load2, "load4": load4, "store4": store4, "fma_bf16x2": fma_bf16x2,
     "and_or": and_or,
     "wait_for_prior_grids": grid_dependency_no_op, "allow_dependents": grid_dependency_no_op,
@@ -435,59 +523,30 @@ def install(namespace: dict) -> None:
 
 # ---- the block's threads -------------------------------------------------------------------------------------------
 # The simulator's own block manager polls every thread for arrival at a barrier in a Python loop, which takes the
-# interpreter from the threads doing the work; here each block has a condition-variable barrier.
+# interpreter from the threads doing the work; here each block has a `_Barrier` of its running threads (an exited
+# thread no longer counts, as in the simulator's manager). A failing thread breaks it, and every warp barrier, so no
+# other thread waits forever.
 
-class _BlockBarrier:
-    """`syncthreads` among a block's threads still running (an exited thread no longer counts, as in the
-    simulator's manager). A failing thread breaks it, and every warp barrier, so no other thread waits forever."""
-
-    def __init__(self, threads: int) -> None:
-        self._condition = threading.Condition()
-        self._live, self._arrived, self._generation, self.broken = threads, 0, 0, False
-
-    def wait(self) -> None:
-        with self._condition:
-            generation = self._generation
-            self._arrived += 1
-            if self._arrived == self._live:
-                self._release()
-            while generation == self._generation and not self.broken:
-                self._condition.wait()
-            if self.broken:
-                raise RuntimeError("another thread of the block failed")
-
-    def leave(self) -> None:
-        with self._condition:
-            self._live -= 1
-            if self._arrived and self._arrived == self._live:
-                self._release()
-
-    def break_all(self) -> None:
-        with self._condition:
-            self.broken = True
-            self._condition.notify_all()
-        with _warps_lock:
-            for state in _warps.values():
-                state[0].abort()
-            for barrier in _masked_barriers.values():
-                barrier.abort()
-            _warps.clear()
-            _masked_barriers.clear()
-
-    def _release(self) -> None:
-        self._arrived = 0
-        self._generation += 1
-        self._condition.notify_all()
+def _break_all(barrier: _Barrier) -> None:
+    """Break the block's barrier, then (in this order: `_check_block`) every warp's."""
+    barrier.abort()
+    with _warps_lock:
+        for state in _warps.values():
+            state[0].abort()
+        for warp_barrier in _masked_barriers.values():
+            warp_barrier.abort()
+        _warps.clear()
+        _masked_barriers.clear()
 
 
 def _run_block(manager, grid_point, *args) -> None:
-    barrier = _BlockBarrier(int(np.prod(manager._block_dim)))
+    barrier = _Barrier(int(np.prod(manager._block_dim)))
 
     def target() -> None:
         try:
             manager._f(*args)
         except BaseException:
-            barrier.break_all()
+            _break_all(barrier)
             raise
         finally:
             barrier.leave()
@@ -503,8 +562,7 @@ def _run_block(manager, grid_point, *args) -> None:
         thread.join()
     failures = [thread.exception for thread in threads if thread.exception]
     # the thread that failed first, not the others its failure released from their barriers
-    causes = [f for f in failures if not isinstance(f[0], threading.BrokenBarrierError)
-              and "another thread of the block failed" not in str(f[0])]
+    causes = [f for f in failures if not isinstance(f[0], threading.BrokenBarrierError)]
     if failures:
         first = (causes or failures)[0]
         raise first[0].with_traceback(first[1])

@@ -239,8 +239,9 @@ def gather_kv() -> None:
 def gdn_chunked() -> None:
     """Prepare and scan kernels against the twin: two segments (a full and a partial chunk, then a short one) on two
     of three lanes, two v heads sharing a qk head; the third lane's state untouched. The scan at 64 and at 32 value
-    columns a block, the same bits (at 32 the slice fills v_dim: the full chunk's copies all take the fast form). Then
-    the prepare kernel alone at key dim 128 (its K and Q staged in two parts)."""
+    columns a block (the second from the first's G and T / P), the same bits (at 32 the slice fills v_dim: the full
+    chunk's copies all take the fast form). Then the prepare kernel alone at key dim 128 (its K and Q staged in two
+    parts)."""
     from ninfer.kernels_numba import gdn_chunked as chunked
     from tests.kernels.test_gdn_chunked import CHUNK, _case, _chunked_twin
     from tests.support import cuda_simulator
@@ -256,21 +257,33 @@ def gdn_chunked() -> None:
     want_out, want_state, want_cum, want_mats = _chunked_twin(case)
     written = ~np.isnan(want_mats)
     results = {}
+    prepare = chunked.gdn_chunk_prepare
+
+    def prepared(q, k, log_decay, beta, seg_row, seg_count, cum, mats, **_) -> None:
+        """The first run's G and T / P, checked against the twin: the same inputs, the prepare kernel's bits (its
+        second launch was a sixth of this check)."""
+        np.copyto(cum, results[64][2])
+        np.copyto(mats, results[64][3])
+
     for multiprocessors in (0, 8):  # 2 segments x 2 heads = 4 blocks at 64 columns: none of 0 SMs, half of 8
         state = case["ssm_state"].copy()
         out = np.full((rows, 2, 32), np.nan, np.float32)
         cum = np.full((rows, 2), np.nan, np.float32)
         mats = np.full((rows, 2, CHUNK), np.nan, np.float32)
-        chunked.gdn_chunked(case["q"], case["k"], case["mixed"], case["log_decay"], case["beta"], state,
-                            case["seg_lane"], case["seg_row"], case["seg_count"], out, cum, mats, rows=rows,
-                            channels_qk=2 * 16, multiprocessors=multiprocessors, stream=0, **heads)
+        chunked.gdn_chunk_prepare = prepared if results else prepare
+        try:
+            chunked.gdn_chunked(case["q"], case["k"], case["mixed"], case["log_decay"], case["beta"], state,
+                                case["seg_lane"], case["seg_row"], case["seg_count"], out, cum, mats, rows=rows,
+                                channels_qk=2 * 16, multiprocessors=multiprocessors, stream=0, **heads)
+        finally:
+            chunked.gdn_chunk_prepare = prepare
         assert np.array_equal(~np.isnan(mats), written), "packed T / P written where the twin writes nothing"
         errors = [_rel(cum, want_cum), _rel(mats[written], want_mats[written]), _rel(out, want_out),
                   _rel(state, want_state)]
         assert max(errors) < 1e-4, errors
         assert np.array_equal(state[2], case["ssm_state"][2]), "a lane without a segment changed"
         columns = chunked.scan_slice(4, multiprocessors)
-        results[columns] = out, state
+        results[columns] = out, state, cum, mats
         print("ok gdn_chunked slice", columns, *errors, flush=True)
     assert sorted(results) == [32, 64]
     assert np.array_equal(results[32][0], results[64][0]) and np.array_equal(results[32][1], results[64][1])
@@ -382,9 +395,12 @@ def gdn_recurrent_projected() -> None:
 def quant_mma() -> None:
     """The tensor-core quantized decode kernels of every format against their twins: x fragments, the plain GEMV
     with one and two fragment sets and accumulation (a partial row tile; one x row, whose lanes read narrow x), over
-    a K of 2 blocks (every warp's only step partial) and of 40 (Q4, W8) or 20 (full steps, their scales loaded a
-    step ahead, then a partial one), the gathered MoE GEMV with shared and per-slot x, and the dequantization for
-    prefill (bitwise)."""
+    a K of 2 blocks (every warp's only step partial) and of 40 (Q4, one x row: two full steps, then a partial one)
+    or 20 (full steps, their scales loaded a step ahead, then a partial one), the gathered MoE GEMV with shared and
+    per-slot x, and the dequantization for prefill (bitwise: Q4 in one, two and five blocks split every way, the
+    others in five blocks split the default way). The simulator runs a lane a thread, so its cost is lanes times
+    steps: what no format changes (x_fragments past K = 128, how the dequantization splits a tile's blocks) runs
+    once, not once a format."""
     from ninfer.artifact import codec
     from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
     from ninfer.kernels_numba import quant_linear
@@ -394,17 +410,22 @@ def quant_mma() -> None:
     cuda_simulator.install(vars(qm))
     rng = np.random.default_rng(5)
     for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
-        long_k = 2560 if fmt in (Q4G64, W8G32) else 1280  # 40 blocks: 2 full steps and a partial one; 20: 1 and 1
-        for rows, k in ((1, 128), (3, 128), (9, 128), (1, long_k), (9, long_k)):
-            if (rows, k) == (9, long_k) and fmt != Q4G64:  # two sets over many steps: the same code in every format
-                continue
+        # 40 blocks: 2 full steps and a partial one; 20: 1 and 1. Two sets over many steps are the same code in
+        # every format (Q4's alone).
+        long_k = ((1, 2560), (9, 1280)) if fmt == Q4G64 else ((1, 1280),)
+        for rows, k in ((1, 128), (3, 128), (9, 128)) + long_k:
             shape = (24, k)
             payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
             weight = qm.upload_quant_mma(fmt, shape, payload)
             x = rng.standard_normal((rows, shape[1])).astype(np.float32)
             fragments = np.zeros(qm.x_sets(rows) * qm.x_fragment_words(shape[1]), np.uint32)
-            qm.x_fragments(x, fragments, stream=0)
-            assert np.array_equal(fragments, qm.x_fragments_reference(x)[:fragments.size]), (fmt, rows)
+            # x_fragments' words depend on no format, and on K only by their block (index / 256): the kernel at
+            # K = 128 and over the 20 blocks of two sets, the twin's words for the other long K
+            if k == 128 or rows > qm.MAX_X_ROWS:
+                qm.x_fragments(x, fragments, stream=0)
+                assert np.array_equal(fragments, qm.x_fragments_reference(x)[:fragments.size]), (fmt, rows)
+            else:
+                fragments[:] = qm.x_fragments_reference(x)[:fragments.size]
             y0 = rng.standard_normal((rows, shape[0])).astype(np.float32)
             y = y0.copy()
             qm.linear_quant_mma(fragments, weight, y, stream=0, accumulate=True)
@@ -413,16 +434,22 @@ def quant_mma() -> None:
         shape = (24, 128)
         payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
         weight = qm.upload_quant_mma(fmt, shape, payload)
-        for columns in (64, 128, 320):  # one block (a warp reloads it past the end), two and five blocks
+        # one block (a warp reloads it past the end), two and five blocks; how a tile's blocks split into warps' runs
+        # is the same arithmetic in every format: past Q4, five blocks in the default runs (3 and 2) only
+        for columns in (64, 128, 320) if fmt == Q4G64 else (320,):
             part = (shape[0], columns)
             part_payload = codec.encode_buffer(rng.standard_normal(part).astype(np.float32) * 0.05, fmt)
             blocks = columns // 64
-            # a warp a tile, the default split, and runs of 2 (five blocks: 2, 2, 1) or 1
-            for parts in dict.fromkeys((1, None, min(blocks, 3), blocks)):
+            default = qm.dequantize_parts(-(-shape[0] // qm.TILE_ROWS), blocks)
+            # a warp a tile, the default split (asked for as None), and runs of 2 (five blocks: 2, 2, 1) or 1
+            for parts in dict.fromkeys((1, default, min(blocks, 3), blocks) if fmt == Q4G64 else (default,)):
                 out = np.zeros(part, np.uint16)
-                qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0, parts=parts)
+                qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0,
+                                       parts=None if parts == default else parts)
                 assert np.array_equal(out, quant_linear.dequantize_bf16_reference(fmt, part, part_payload)), (
                     fmt, columns, parts)
+            if fmt != Q4G64:
+                continue
             out = np.zeros(part, np.uint16)  # 64-thread blocks (a block past the tiles' warps)
             qm.dequantize_mma_bf16(qm.upload_quant_mma(fmt, part, part_payload), out, stream=0, threads=64,
                                    _kernel=qm.make_dequantize_mma_kernel(qm.FORMAT_BITS[fmt], 64))
@@ -474,7 +501,7 @@ def quant_mma_swiglu() -> None:
     W8)."""
     from ninfer.artifact import codec
     from ninfer.artifact.formats import Q4G64, W8G32
-    from ninfer.kernels_numba import elementwise
+    from ninfer.kernels_numba import elementwise, quant_linear
     from ninfer.kernels_numba import quant_mma as qm
     from ninfer.kernels_numba.numba_setup import cuda
     from tests.support import cuda_simulator
@@ -484,11 +511,14 @@ def quant_mma_swiglu() -> None:
     rng = np.random.default_rng(11)
     inter, k = 64, 128
     for fmt in (Q4G64, W8G32):
+        # the epilogues are the same code in every format: Q4's alone; every format's rows come back in order
+        epilogues = fmt == Q4G64
         shape = (2 * inter, k)
         payload = codec.encode_buffer(rng.standard_normal(shape).astype(np.float32) * 0.05, fmt)
-        plain, stored = qm.upload_quant_mma(fmt, shape, payload), qm.upload_quant_mma(fmt, shape, payload,
-                                                                                      swiglu_rows=2 * inter)
-        for rows in (3, 10) if fmt == Q4G64 else ():  # (the epilogue is the same code in every format)
+        if epilogues:
+            plain = qm.upload_quant_mma(fmt, shape, payload)
+            stored = qm.upload_quant_mma(fmt, shape, payload, swiglu_rows=2 * inter)
+        for rows in (3, 10) if epilogues else ():
             x = rng.standard_normal((rows, k)).astype(np.float32)
             xf = np.zeros(qm.x_sets(rows) * qm.x_fragment_words(k), np.uint32)
             qm.x_fragments(x, xf, stream=0)
@@ -509,13 +539,13 @@ def quant_mma_swiglu() -> None:
         experts, slots, rows = 3, 2, 2
         stacked = (experts * 2 * inter, k)
         payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
-        plain = qm.upload_quant_mma(fmt, stacked, payload)
         stored = qm.upload_quant_mma(fmt, stacked, payload, swiglu_rows=2 * inter)
-        ids = np.array([[2, 0], [1, 2]], np.int32)
-        x = rng.standard_normal((rows, k)).astype(np.float32)
-        xf = np.zeros(qm.x_fragment_words(k), np.uint32)
-        qm.x_fragments(x, xf, stream=0)
-        if fmt == Q4G64:
+        if epilogues:
+            plain = qm.upload_quant_mma(fmt, stacked, payload)
+            ids = np.array([[2, 0], [1, 2]], np.int32)
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            xf = np.zeros(qm.x_fragment_words(k), np.uint32)
+            qm.x_fragments(x, xf, stream=0)
             fused = np.zeros(slots * qm.x_fragment_words(inter), np.uint32)
             shape_only = np.zeros((rows, slots, 2 * inter), np.float32)
             qm.linear_quant_mma_gathered_swiglu(xf, stored, ids, shape_only, fused, rows_per_expert=2 * inter,
@@ -528,10 +558,11 @@ def quant_mma_swiglu() -> None:
                                        out_fragments=want)
             assert np.count_nonzero(want) > want.size // 8
             np.testing.assert_array_equal(fused, want, err_msg=f"{fmt} gathered")
-        back, original = np.zeros(stacked, np.uint16), np.zeros(stacked, np.uint16)
+        # against the host twin of the unpermuted weight (`quant_mma` checks the kernel on that one)
+        back = np.zeros(stacked, np.uint16)
         qm.dequantize_mma_bf16(stored, back, stream=0)
-        qm.dequantize_mma_bf16(plain, original, stream=0)
-        np.testing.assert_array_equal(back, original, err_msg=f"{fmt} dequantized")
+        np.testing.assert_array_equal(back, quant_linear.dequantize_bf16_reference(fmt, stacked, payload),
+                                      err_msg=f"{fmt} dequantized")
         print("ok quant_mma_swiglu", fmt, flush=True)
 
 
@@ -607,10 +638,12 @@ def _decode_matches_twin(attention, rng, pools, tables, row_lane, row_pos, *, he
 
 
 def attention_decode() -> None:
-    """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row
-    (the combine's lanes hold several splits each), then 8 splits of at least 60 keys, rows of 1, 150 and 400 keys
-    over pages of 16 tokens (the head_dim 256 kernel: `attention_decode_staged`); then the combine's bf16 copy and
-    x fragments of the output, bitwise the host twin's conversions of it."""
+    """The split decode kernel and the combine against the exact twin on a tiny head geometry with 96 splits a row,
+    rows of 1 and 150 keys (38 splits: the combine's lanes hold several splits each), then 8 splits of at least 60
+    keys, rows of 1, 150 and 400 keys, over pages of 16 tokens (the head_dim 256 kernel: `attention_decode_staged`),
+    the combine also writing its bf16 copy and x fragments of the output, bitwise the host twin's conversions of it.
+    (Each split is a block of 128 simulated threads, empty ones too: at 96 splits the row of 400 keys, 50 splits,
+    showed what the row of 150 does at three times the cost.)"""
     from ninfer.artifact.codec import f32_to_bf16_bits
     from ninfer.backends.cuda import host_kernels
     from ninfer.kernels_numba import attention
@@ -623,17 +656,17 @@ def attention_decode() -> None:
     heads, kv_heads, d, splits = 4, 2, 32, 96
     pools = _random_pools(rng, 32, 16, kv_heads, d, "bf16")
     tables = np.stack([rng.permutation(32)[:26] for _ in range(2)]).astype(np.int32)
-    # then 8 splits at least 60 keys each: 1, 3 and 7 splits of 60 keys where the shares would be 4, 20 and 52
-    for splits, floor in ((splits, 0), (8, 60)):
-        _decode_matches_twin(attention, rng, pools, tables, np.array([0, 1, 0], np.int32),
-                             np.array([0, 149, 399], np.int32), heads=heads, kv_heads=kv_heads, head_dim=d,
-                             splits=splits, min_split_keys=floor)
-        print("ok attention_decode", heads, kv_heads, d, splits, "floor", floor, flush=True)
+    _decode_matches_twin(attention, rng, pools, tables, np.array([0, 1], np.int32), np.array([0, 149], np.int32),
+                         heads=heads, kv_heads=kv_heads, head_dim=d, splits=splits)
+    print("ok attention_decode", heads, kv_heads, d, splits, "floor", 0, flush=True)
+    # then 8 splits at least 60 keys each: 1, 3 and 7 splits of 60 keys where the shares would be 4, 20 and 52; the
+    # combine's bf16 copy and fragments with them (the output above was the combine's without)
     bf16 = np.zeros((3, heads * d), np.uint16)
     fragments = np.zeros(x_fragment_words(heads * d), np.uint32)
     out = _decode_matches_twin(attention, rng, pools, tables, np.array([0, 1, 0], np.int32),
                                np.array([0, 149, 399], np.int32), heads=heads, kv_heads=kv_heads, head_dim=d,
-                               splits=8, out_bf16=bf16, out_fragments=fragments)
+                               splits=8, min_split_keys=60, out_bf16=bf16, out_fragments=fragments)
+    print("ok attention_decode", heads, kv_heads, d, 8, "floor", 60, flush=True)
     want_bf16, want_fragments = np.zeros_like(bf16), np.zeros_like(fragments)
     host_kernels._bf16_copy(out, want_bf16)
     host_kernels._fragment_rows(out, want_fragments)
@@ -894,46 +927,75 @@ def moe_padded() -> None:
         print("ok moe_padded", rows, experts, k, hidden, flush=True)
 
 
+# moe_layout's cases, (counts, choice, room) per expert count. Each launch is a block of 1024 simulated threads, so
+# instead of 6 rooms under every pattern (36 launches, most outcomes repeated): at 256 experts every pattern laid out
+# padded (the scan of the largest count) and chunked (the scan of the chunks), at 8 (fewer than a warp) the uneven
+# patterns; over both, every choice, auto choosing padded (rows == room) and chunked (padding past PADDED_LIMIT), and
+# grouped where the rows do not fit (padded, chunked, auto either way) or chosen.
+MOE_LAYOUT_CASES = {
+    256: (("balanced", "padded", "ample"), ("balanced", "chunked", "ample"), ("balanced", "auto", "under routed"),
+          ("skewed", "padded", "ample"), ("skewed", "auto", "twice routed"), ("skewed", "chunked", "under chunked"),
+          ("skewed", "grouped", "ample"), ("crowded", "padded", "ample"), ("crowded", "auto", "40 an expert"),
+          ("crowded", "auto", "routed")),
+    8: (("balanced", "auto", "routed"), ("skewed", "auto", "twice routed"), ("skewed", "padded", "ample"),
+        ("crowded", "chunked", "ample"), ("crowded", "padded", "ample"), ("crowded", "padded", "under padded")),
+}
+
+
 def moe_layout() -> None:
     """moe_layout's one block (scans of the experts' chunks and counts) against its twin: balanced, skewed and
-    crowded counts under each choice, 8 and 256 experts; then moe_chunk_groups (steps 1 and 7) and chunk_addresses
-    on its output."""
+    crowded counts, 8 and 256 experts, every choice and every outcome of the rule (`MOE_LAYOUT_CASES`); then
+    moe_chunk_groups (steps 1 and 7) and chunk_addresses on its output."""
     from ninfer.kernels_numba import moe
     from tests.support import cuda_simulator
 
     cuda_simulator.install(vars(moe))
     rng = np.random.default_rng(2)
     cases = 0
+    outcomes = set()
     for experts in (8, 256):
-        for counts in (np.full(experts, 20), rng.integers(0, 300, experts), np.eye(1, experts, 3)[0] * 900):
+        patterns = {"balanced": np.full(experts, 20), "skewed": rng.integers(0, 300, experts),
+                    "crowded": np.eye(1, experts, 3)[0] * 900}
+        for pattern, choice, room_name in MOE_LAYOUT_CASES[experts]:
+            counts = patterns[pattern]
             offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-            for choice, room in (("auto", 40 * experts), ("auto", 2 * int(offsets[-1])), ("padded", 10 ** 6),
-                                 ("chunked", 10 ** 6), ("grouped", 10 ** 6), ("auto", int(offsets[-1]))):
-                info = np.full(moe.LAYOUT_INFO, -1, np.int32)
-                starts = np.full(experts, -1, np.int32)
-                moe.moe_layout(offsets, info, starts, choice=choice, chunk=128, room=room, max_chunks=8192, stream=0)
-                want_info, want_starts = moe.moe_layout_reference(offsets, choice=choice, chunk=128, room=room,
-                                                                  max_chunks=8192)
-                np.testing.assert_array_equal(info, want_info)
-                np.testing.assert_array_equal(starts, want_starts)
-                # the chunked layout's chunk -> expert map (another layout leaves it alone), its step's surplus,
-                # and the pointer-array GEMM's address table from it
-                for step in (1, 7):
-                    groups, want_groups = np.full(9000, -1, np.int32), np.full(9000, -1, np.int32)
-                    moe.moe_chunk_groups(info, offsets, starts, groups, chunk=128, step=step, room=room, stream=0)
-                    moe.moe_chunk_groups_reference(info, offsets, starts, want_groups, chunk=128, step=step,
-                                                   room=room)
-                    np.testing.assert_array_equal(groups, want_groups)
-                    assert (want_groups >= 0).sum() == (0 if info[0] != moe.LAYOUT_CHUNKED else moe.stepped_chunks(
-                        int(info[2]), step, room, 128))
-                used = groups[groups >= 0]
-                table = np.zeros(3 * len(used) + 5, np.uint64)
-                addresses = dict(w_address=1 << 40, x_address=3 << 40, y_address=5 << 40, n=48, k=64, chunk=128)
-                moe.chunk_addresses(groups, table, chunks=len(used), stream=0, **addresses)
-                np.testing.assert_array_equal(table[:3 * len(used)],
-                                              moe.chunk_addresses_reference(used, **addresses))
-                assert not table[3 * len(used):].any()
-                cases += 1
+            routed = int(offsets[-1])
+            room = {"ample": 10 ** 6, "routed": routed, "under routed": routed - 1, "twice routed": 2 * routed,
+                    "40 an expert": 40 * experts, "under padded": experts * int(counts.max()) - 1,
+                    "under chunked": 128 * int((-(-counts // 128)).sum()) - 1}[room_name]
+            info = np.full(moe.LAYOUT_INFO, -1, np.int32)
+            starts = np.full(experts, -1, np.int32)
+            moe.moe_layout(offsets, info, starts, choice=choice, chunk=128, room=room, max_chunks=8192, stream=0)
+            want_info, want_starts = moe.moe_layout_reference(offsets, choice=choice, chunk=128, room=room,
+                                                              max_chunks=8192)
+            np.testing.assert_array_equal(info, want_info)
+            np.testing.assert_array_equal(starts, want_starts)
+            outcomes.add((experts, pattern, choice, int(info[0])))
+            # the chunked layout's chunk -> expert map (another layout leaves it alone), its step's surplus,
+            # and the pointer-array GEMM's address table from it
+            for step in (1, 7):
+                groups, want_groups = np.full(9000, -1, np.int32), np.full(9000, -1, np.int32)
+                moe.moe_chunk_groups(info, offsets, starts, groups, chunk=128, step=step, room=room, stream=0)
+                moe.moe_chunk_groups_reference(info, offsets, starts, want_groups, chunk=128, step=step,
+                                               room=room)
+                np.testing.assert_array_equal(groups, want_groups)
+                assert (want_groups >= 0).sum() == (0 if info[0] != moe.LAYOUT_CHUNKED else moe.stepped_chunks(
+                    int(info[2]), step, room, 128))
+            used = groups[groups >= 0]
+            table = np.zeros(3 * len(used) + 5, np.uint64)
+            addresses = dict(w_address=1 << 40, x_address=3 << 40, y_address=5 << 40, n=48, k=64, chunk=128)
+            moe.chunk_addresses(groups, table, chunks=len(used), stream=0, **addresses)
+            np.testing.assert_array_equal(table[:3 * len(used)], moe.chunk_addresses_reference(used, **addresses))
+            assert not table[3 * len(used):].any()
+            cases += 1
+    # the coverage MOE_LAYOUT_CASES promises
+    layouts = {(experts, pattern, layout) for experts, pattern, _, layout in outcomes}
+    assert all({(experts, pattern, moe.LAYOUT_PADDED), (experts, pattern, moe.LAYOUT_CHUNKED)} <= layouts
+               for experts, pattern in ((256, "balanced"), (256, "skewed"), (256, "crowded"), (8, "skewed"),
+                                        (8, "crowded"))), layouts
+    chosen = {(choice, layout) for *_, choice, layout in outcomes}
+    assert {("auto", moe.LAYOUT_PADDED), ("auto", moe.LAYOUT_CHUNKED)} | {
+        (choice, moe.LAYOUT_GROUPED) for choice in moe.LAYOUT_CODES} <= chosen, chosen
     print("ok moe_layout", cases, flush=True)
 
 
