@@ -163,14 +163,8 @@ GATHERED_BF16_VARIANTS = ((2, 8), (1, 8), (4, 8), (2, 4))
 GATHERED_FLIGHT_VARIANTS = {False: ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4)), True: ((2, 4), (4, 4), (4, 8), (8, 4))}
 
 
-@functools.lru_cache(maxsize=None)
-def gathered_bf16_variant(rows_per_warp: int, swiglu: bool = False):
-    return L.make_linear_bf16_gathered_kernel(rows_per_warp, swiglu=swiglu)
-
-
-@functools.lru_cache(maxsize=None)
-def gathered_flight_variant(rows_per_warp: int, swiglu: bool):
-    return L.make_linear_bf16_gathered_flight_kernel(rows_per_warp, L.GATHERED_FLIGHT[swiglu][1], swiglu=swiglu)
+gathered_bf16_variant = functools.lru_cache(L.gathered_stepping)  # (rows a warp, swiglu): compiled once
+gathered_flight_variant = functools.lru_cache(L.gathered_in_flight)  # (rows a warp, steps, swiglu)
 
 
 def bench_gathered(timer, rows, rng):
@@ -182,22 +176,21 @@ def bench_gathered(timer, rows, rng):
         x = cuda.to_device(rng.standard_normal((M, S, 2 * K) if swiglu else (M, K)).astype(np.float32))
         dy = cuda.device_array((M, S, rpe), np.float32)
         dw = cuda.to_device(np.full(shape, 0x3C80, np.uint16))
-        stepping_default = (L.GATHERED_ROWS_PER_WARP, L.GATHERED_WARPS)
-        cases = [("stepping", r, warps, gathered_bf16_variant(r, swiglu), False)
-                 for r, warps in (stepping_default,) + GATHERED_BF16_VARIANTS]
-        cases += [("flight", r, warps, gathered_flight_variant(r, swiglu), True)
+        cases = [("stepping", L.GATHERED_WARPS, L.GATHERED_STEPPING_KERNELS[swiglu])]
+        cases += [("stepping", warps, gathered_bf16_variant(r, swiglu)) for r, warps in GATHERED_BF16_VARIANTS]
+        cases += [("flight", warps, gathered_flight_variant(r, L.GATHERED_FLIGHT[swiglu][1], swiglu))
                   for r, warps in GATHERED_FLIGHT_VARIANTS[swiglu]]
-        for kind, r, warps, kern, flight in cases:
-            def launch(i, s, r=r, warps=warps, kern=kern, flight=flight):
+        for kind, warps, kern in cases:
+            def launch(i, s, warps=warps, kern=kern):
                 if swiglu:
-                    L.linear_bf16_gathered_swiglu(x, dw, id_sets[i], dy, rows_per_expert=rpe, stream=s,
-                                                  rows_per_warp=r, warps=warps, _kernel=kern, _flight=flight)
+                    L.linear_bf16_gathered_swiglu(x, dw, id_sets[i], dy, rows_per_expert=rpe, stream=s, warps=warps,
+                                                  _kernel=kern)
                 else:
                     L.linear_bf16_gathered(x, dw, id_sets[i], dy, rows_per_expert=rpe, x_per_slot=False, stream=s,
-                                           rows_per_warp=r, warps=warps, _kernel=kern, _flight=flight)
+                                           warps=warps, _kernel=kern)
 
             t = timer.time(launch, len(id_sets))
-            report(rows, f"linear_bf16_gathered({name})_{kind}_r{r}_w{warps}", M, shape, t,
+            report(rows, f"linear_bf16_gathered({name})_{kind}_r{kern.rows_per_warp}_w{warps}", M, shape, t,
                    S * rpe * K * 2 + S * rpe * 4, 2 * S * rpe * K)
         dw = None
     rpe, K = 1024, 2048  # the quantized gathered kernels at the gate|up shape

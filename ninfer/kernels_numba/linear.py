@@ -19,6 +19,7 @@ position; NVVM still contracts a*b+c into FMA.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -261,7 +262,6 @@ def stage_swiglu_bf16(xs, gate_up, row, c0, width):
         c += cuda.blockDim.x * 8
 
 
-
 @device_function
 def gathered_start(swiglu, w, ids, rows_per_expert, rows_per_warp):
     """A gathered kernel's start: it waits for the kernels before it where `make_linear_bf16_gathered_kernel` says
@@ -349,7 +349,6 @@ def make_linear_bf16_gathered_kernel(R: int, swiglu: bool = False):
     return linear_bf16_gathered_kernel
 
 
-
 def make_linear_bf16_gathered_flight_kernel(R: int, STEPS: int, swiglu: bool = False):
     """`make_linear_bf16_gathered_kernel` for K <= 256 STEPS (compile-time): each lane issues the loads of all its
     R rows' K columns (R STEPS 16-byte words) before it stages x, so a warp pays one DRAM round trip instead of one a
@@ -394,12 +393,30 @@ def make_linear_bf16_gathered_flight_kernel(R: int, STEPS: int, swiglu: bool = F
 
     return linear_bf16_gathered_flight_kernel
 
+
+class GatheredKernel(NamedTuple):
+    """A gathered kernel and what its launch needs of how it was made: its rows a warp, and whether it is an
+    all-in-flight one (`make_linear_bf16_gathered_flight_kernel`: one x chunk, no chunk argument)."""
+    kernel: Any
+    rows_per_warp: int
+    in_flight: bool
+
+
+def gathered_stepping(rows_per_warp: int, swiglu: bool) -> GatheredKernel:
+    return GatheredKernel(make_linear_bf16_gathered_kernel(rows_per_warp, swiglu=swiglu), rows_per_warp, False)
+
+
+def gathered_in_flight(rows_per_warp: int, steps: int, swiglu: bool) -> GatheredKernel:
+    return GatheredKernel(make_linear_bf16_gathered_flight_kernel(rows_per_warp, steps, swiglu=swiglu),
+                          rows_per_warp, True)
+
+
 linear_bf16_kernel = make_linear_bf16_kernel(BF16_ROWS_PER_WARP)
 linear_bf16_kernel_m1 = make_linear_bf16_kernel(BF16_ROWS_PER_WARP, 1)
-linear_bf16_gathered_kernel = make_linear_bf16_gathered_kernel(GATHERED_ROWS_PER_WARP)
-linear_bf16_gathered_swiglu_kernel = make_linear_bf16_gathered_kernel(GATHERED_ROWS_PER_WARP, swiglu=True)
-GATHERED_FLIGHT_KERNELS = {swiglu: make_linear_bf16_gathered_flight_kernel(*GATHERED_FLIGHT[swiglu][:2],
-                                                                          swiglu=swiglu) for swiglu in (False, True)}
+# the gathered kernels the launches pick from, for the gate | up (False) and the SwiGLU down (True)
+GATHERED_STEPPING_KERNELS = {swiglu: gathered_stepping(GATHERED_ROWS_PER_WARP, swiglu) for swiglu in (False, True)}
+GATHERED_FLIGHT_KERNELS = {swiglu: gathered_in_flight(*GATHERED_FLIGHT[swiglu][:2], swiglu)
+                           for swiglu in (False, True)}
 
 
 def chunk_columns(rows: int, K: int, span: int, budget: int = SHARED_BUDGET) -> int:
@@ -430,12 +447,11 @@ def linear_bf16(x, w, y, *, stream, accumulate: bool = False, rows_per_warp: int
 
 
 def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slot: bool, stream,
-                         rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
-                         programmatic: bool = False, _kernel=None, _flight: bool = False) -> None:
+                         warps: int = GATHERED_WARPS, programmatic: bool = False,
+                         _kernel: GatheredKernel | None = None) -> None:
     """y[m, s, :] = X(m, s) @ W_{expert_ids[m, s]}^T, W_e = w[e*rpe:(e+1)*rpe]; X(m, s) = x[m] ([M, K]) or x[m, s]
     ([M, S, K]) when x_per_slot. expert_ids int32 [M, S] on the device, y float32 [M, S, rpe]. `programmatic`: see
-    `make_linear_bf16_gathered_kernel`. `_kernel` (benchmarks): another geometry of the stepping kernel, or of the
-    all-in-flight one with `_flight`; `rows_per_warp` must be the one it was made with."""
+    `make_linear_bf16_gathered_kernel`. `_kernel` (benchmarks, tests): another kernel than the launch would pick."""
     M, S = expert_ids.shape
     K = x.shape[2] if x_per_slot else x.shape[1]
     rpe = int(rows_per_expert)
@@ -448,30 +464,27 @@ def linear_bf16_gathered(x, w, expert_ids, y, *, rows_per_expert: int, x_per_slo
     assert x2.shape[0] == (M * S if x_per_slot else M)
     y2 = y.reshape(M * S, rpe)
     ids = expert_ids.reshape(M * S)
-    _launch_gathered(x2, w64, ids, y2, rpe, 1 if x_per_slot else S, K, rows_per_warp, warps, stream, programmatic,
-                     False, _kernel, _flight)
+    _launch_gathered(x2, w64, ids, y2, rpe, 1 if x_per_slot else S, K, warps, stream, programmatic, False, _kernel)
 
 
-def _launch_gathered(x2, w64, ids, y2, rpe: int, xdiv: int, K: int, rows_per_warp: int, warps: int, stream,
-                     programmatic: bool, swiglu: bool, kernel, flight: bool) -> None:
+def _launch_gathered(x2, w64, ids, y2, rpe: int, xdiv: int, K: int, warps: int, stream, programmatic: bool,
+                     swiglu: bool, chosen: GatheredKernel | None) -> None:
     """A gathered kernel's launch: blocks of `warps` warps over the rpe rows, one grid row a slot, x staged in
     shared memory in chunks of a single row (one chunk for the all-in-flight kernel, taken where K fits it and the
     launch has enough slots: `GATHERED_FLIGHT`)."""
-    if kernel is None:
-        flight_rows, steps, fewest_slots = GATHERED_FLIGHT[swiglu]
-        flight = K <= steps * BF16_SPAN and ids.shape[0] >= fewest_slots
-        kernel = (GATHERED_FLIGHT_KERNELS[swiglu] if flight else
-                  linear_bf16_gathered_swiglu_kernel if swiglu else linear_bf16_gathered_kernel)
-        rows_per_warp = flight_rows if flight else GATHERED_ROWS_PER_WARP
+    if chosen is None:
+        _, steps, fewest_slots = GATHERED_FLIGHT[swiglu]
+        in_flight = K <= steps * BF16_SPAN and ids.shape[0] >= fewest_slots
+        chosen = (GATHERED_FLIGHT_KERNELS if in_flight else GATHERED_STEPPING_KERNELS)[swiglu]
     kc = chunk_columns(1, K, BF16_SPAN)
-    chunk = () if flight else (int32(kc),)
-    launch(kernel, (math.ceil(rpe / (warps * rows_per_warp)), ids.shape[0]), 32 * warps, stream, kc * 4,
-           x2, w64, ids, y2, int32(rpe), int32(xdiv), *chunk, programmatic=programmatic)
+    chunk = () if chosen.in_flight else (int32(kc),)
+    launch(chosen.kernel, (math.ceil(rpe / (warps * chosen.rows_per_warp)), ids.shape[0]), 32 * warps, stream,
+           kc * 4, x2, w64, ids, y2, int32(rpe), int32(xdiv), *chunk, programmatic=programmatic)
 
 
 def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: int, stream,
-                                rows_per_warp: int = GATHERED_ROWS_PER_WARP, warps: int = GATHERED_WARPS,
-                                programmatic: bool = False, _kernel=None, _flight: bool = False) -> None:
+                                warps: int = GATHERED_WARPS, programmatic: bool = False,
+                                _kernel: GatheredKernel | None = None) -> None:
     """y[m, s, :] = (silu(g) * u) @ W_{expert_ids[m, s]}^T for gate_up[m, s] = g | u ([M, S, 2K] fp32): one launch
     for `silu_mul_slots` then `linear_bf16_gathered(..., x_per_slot=True)`, the same bits."""
     M, S = expert_ids.shape
@@ -483,7 +496,7 @@ def linear_bf16_gathered_swiglu(gate_up, w, expert_ids, y, *, rows_per_expert: i
     if M * S == 0:
         return
     _launch_gathered(gate_up.reshape(M * S, 2 * K), w64, expert_ids.reshape(M * S), y.reshape(M * S, rpe), rpe, 1,
-                     K, rows_per_warp, warps, stream, programmatic, True, _kernel, _flight)
+                     K, warps, stream, programmatic, True, _kernel)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------------------------------

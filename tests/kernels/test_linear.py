@@ -113,15 +113,14 @@ def test_linear_bf16_gathered_gpu(per_slot, M, S, E, rpe, K):
     plain = _gpu_linear(row[None, :], w[e * rpe:(e + 1) * rpe])[0]
     assert np.array_equal(plain, got[0, 0])
     # the all-in-flight kernel (where K fits it) and the stepping one give the same bits whatever the slots
-    rows, steps, _ = L.GATHERED_FLIGHT[False]
-    kernels = [dict(rows_per_warp=L.GATHERED_ROWS_PER_WARP, _kernel=L.linear_bf16_gathered_kernel)]
-    if K <= 256 * steps:
-        kernels.append(dict(rows_per_warp=rows, _kernel=L.GATHERED_FLIGHT_KERNELS[False], _flight=True))
+    kernels = [L.GATHERED_STEPPING_KERNELS[False]]
+    if K <= 256 * L.GATHERED_FLIGHT[False][1]:
+        kernels.append(L.GATHERED_FLIGHT_KERNELS[False])
     for kernel in kernels:
         dy = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
         L.linear_bf16_gathered(cuda.to_device(x, stream=stream), cuda.to_device(w, stream=stream),
                                cuda.to_device(ids, stream=stream), dy, rows_per_expert=rpe, x_per_slot=per_slot,
-                               stream=stream, **kernel)
+                               stream=stream, _kernel=kernel)
         assert np.array_equal(dy.copy_to_host(stream=stream), got)
 
 
@@ -150,7 +149,7 @@ def test_linear_bf16_gathered_swiglu_gpu(M, S, E, rpe, K):
     # the stepping kernel gives the same bits as the all-in-flight one the launch takes where K fits it
     stepping = cuda.to_device(np.full((M, S, rpe), np.nan, np.float32), stream=stream)
     L.linear_bf16_gathered_swiglu(d_gate_up, dw, d_ids, stepping, rows_per_expert=rpe, stream=stream,
-                                  rows_per_warp=L.GATHERED_ROWS_PER_WARP, _kernel=L.linear_bf16_gathered_swiglu_kernel)
+                                  _kernel=L.GATHERED_STEPPING_KERNELS[True])
     assert np.array_equal(stepping.copy_to_host(stream=stream), got)
     assert _rel(got, L.linear_bf16_gathered_swiglu_reference(gate_up, w, ids, rows_per_expert=rpe)) < 1e-5
 

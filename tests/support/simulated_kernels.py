@@ -61,18 +61,14 @@ def linear() -> None:
         x = rng.standard_normal((M, S, k)).astype(np.float32)
         gate_up = rng.standard_normal((M, S, 2 * k)).astype(np.float32)
         # the all-in-flight kernels and the stepping ones (`linear._launch_gathered` picks by K and slots)
-        stepping = {"rows_per_warp": L.GATHERED_ROWS_PER_WARP}
-        plain_flight, swiglu_flight = ({"rows_per_warp": L.GATHERED_FLIGHT[swiglu][0], "_flight": True,
-                                        "_kernel": L.GATHERED_FLIGHT_KERNELS[swiglu]} for swiglu in (False, True))
-        for name, plain, swiglu in (("in flight", plain_flight, swiglu_flight),
-                                    ("stepping", {**stepping, "_kernel": L.linear_bf16_gathered_kernel},
-                                     {**stepping, "_kernel": L.linear_bf16_gathered_swiglu_kernel})):
+        for name, kernels in (("in flight", L.GATHERED_FLIGHT_KERNELS), ("stepping", L.GATHERED_STEPPING_KERNELS)):
             y = np.full((M, S, rpe), np.nan, np.float32)
-            L.linear_bf16_gathered(x, w, ids, y, rows_per_expert=rpe, x_per_slot=True, stream=0, **plain)
+            L.linear_bf16_gathered(x, w, ids, y, rows_per_expert=rpe, x_per_slot=True, stream=0,
+                                   _kernel=kernels[False])
             _check(f"bf16 gathered, {name}", y, L.linear_bf16_gathered_reference(x, w, ids, rows_per_expert=rpe,
                                                                                   x_per_slot=True))
             y = np.full((M, S, rpe), np.nan, np.float32)
-            L.linear_bf16_gathered_swiglu(gate_up, w, ids, y, rows_per_expert=rpe, stream=0, **swiglu)
+            L.linear_bf16_gathered_swiglu(gate_up, w, ids, y, rows_per_expert=rpe, stream=0, _kernel=kernels[True])
             _check(f"bf16 gathered swiglu, {name}", y, L.linear_bf16_gathered_swiglu_reference(
                 gate_up, w, ids, rows_per_expert=rpe))
         for fmt in (Q4G64, Q5G64, Q6G64, W8G32):
