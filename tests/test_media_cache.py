@@ -22,6 +22,7 @@ from ninfer.media.cache import (
     default_size_of,
 )
 from ninfer.media.image import ProcessedImage
+from tests.support.waiting import wait_until
 
 
 def key(name: str, modality: str = "image") -> MediaKey:
@@ -35,12 +36,6 @@ def blob(n: int) -> bytes:
 def get(cache: PreparedMediaCache, name: str, n: int, **kwargs) -> MediaHandle:
     return cache.get_or_prepare(key(name), lambda: blob(n), **kwargs)
 
-
-def wait_until(predicate, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.001)
 
 
 def assert_empty(cache: PreparedMediaCache) -> None:

@@ -18,6 +18,7 @@ from ninfer.observability.request_log import ARTIFACT_TYPE, SCHEMA_VERSION
 from ninfer.observability.stats import ThroughputMeter
 from tests.support import server_harness
 from tests.support.server_harness import build_tiny_artifact
+from tests.support.waiting import wait_until
 
 SLOW = {"text": "hello", "max_tokens": 25, "round_delay_ms": 40}  # about a second in the engine
 
@@ -32,12 +33,6 @@ def start(artifact):
     with server_harness.server_starter(artifact, "--max-context", "512") as started:
         yield started
 
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def read_log(path) -> list[dict]:
