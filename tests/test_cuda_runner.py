@@ -856,10 +856,22 @@ def test_int8_kv_matches_the_cpu_runner(device_kind, artifacts, kind):
 def test_greedy_mtp_is_token_identical_to_greedy(device_kind, artifacts, k):
     path = artifacts[("dense", "predictable")]
     prompts = [prompt(9, 12), prompt(10, 40)]
-    plain = run_lanes(cuda_build(device_kind, path, lanes=2).runner, prompts, 30)
+    plain_build = cuda_build(device_kind, path, lanes=2)
+    plain = run_lanes(plain_build.runner, prompts, 30)
     build = cuda_build(device_kind, path, lanes=2, draft_tokens=k)
     speculative = run_lanes(build.runner, prompts, 30)
     assert speculative == plain
+    # the recurrence records k of a verify's k + 1 columns (the last one's state is the running state), and no
+    # column at all without speculation
+    assert build.model.gdn_bank.ssm_columns.shape[2] == k and plain_build.model.gdn_bank.ssm_columns.shape[2] == 0
+
+
+def test_a_selection_of_the_unrecorded_last_column_is_refused(artifacts):
+    model = cuda_build("host", artifacts[("dense", "predictable")], lanes=2, draft_tokens=3).model
+    model.stage_selection([0, 1], [2, 1], [True, True])  # recorded columns
+    model.stage_selection([0], [3], [False])  # the last column: the running states stay, nothing is copied
+    with pytest.raises(ValueError, match="only columns below 3 are recorded"):
+        model.stage_selection([0], [3], [True])
 
 
 @pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-core", "staged"])

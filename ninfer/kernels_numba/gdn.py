@@ -5,9 +5,10 @@ reference, and each launcher has a NumPy twin `<launcher>_reference` computing t
 Work is organised by SEGMENTS: a segment is `seg_count[s]` consecutive rows starting at `seg_row[s]` that belong to
 lane `seg_lane[s]` (decode: 1 row; MTP verify: k+1 rows; prefill: up to 8192 rows). A lane appears in at most one
 segment per launch (its state is read at the start and written at the end of the launch). `seg_record[s] == 1` asks
-for the state after every row of the segment in the column buffers (`conv_columns[lane, t]`, `ssm_columns[lane, t]`,
-t = row index inside the segment); max_cols >= any recording segment's count. Rows not covered by a segment are not
-written.
+for the state after the rows of the segment in the column buffers, t = row index inside the segment: the conv's after
+every row (`conv_columns[lane, t]`, at least the segment's count of them), the recurrence's after every row but the
+last (`ssm_columns[lane, t]`, t < count - 1), which the running state holds: a verify's selection never copies it,
+and on the 27B it is 3 MB a layer a lane. Rows not covered by a segment are not written.
 
 Batch invariance: every output element is computed by one thread (or one fixed group of lanes) with a fixed order of
 operations that depends only on its own segment, never on the number of rows/segments in the launch or the grid.
@@ -813,7 +814,7 @@ def gdn_recurrent_kernel_dk{k_dim}_g{groups}{suffix}({inputs}, ssm_state, ssm_co
             if active:
                 if g == 0:
                     out[start + base + r, h, col] = o
-                if record != 0:
+                if record != 0 and base + r + 1 < count:  # the last row's state is the running state
                     for ii in range({ni}):
                         ssm_columns[uslot, uint64(base + r), uh, uint64(ii * {groups} + g), ucol] = st[ii]
 
@@ -881,7 +882,8 @@ def gdn_recurrent(q, k, mixed, log_decay, beta, ssm_state, ssm_columns, seg_lane
                   out, *, qk_heads, v_heads, k_dim, v_dim, channels_qk, stream, groups=REC_DEFAULT_GROUPS):
     """Per segment row and v head h (qk head h // (Hv/Hqk), v = mixed[:, channels_qk + h*Dv ...]):
     S = exp(g) S; u = beta (v - S^T k); S += k u^T; out[r, h] = S^T q. Updates ssm_state [lanes, Hv, Dk, Dv] in
-    place; records S after each row of recording segments into ssm_columns[lane, t]. `groups` (4 or 8) is the number
+    place; records S after each row but the last of recording segments into ssm_columns[lane, t] (the last row's is
+    the new ssm_state). `groups` (4 or 8) is the number
     of lanes sharing one value column's Dk reduction; it changes the summation order, so keep it fixed per deployment
     (batch invariance holds for a fixed `groups`). k_dim must be 16, 32, 64 or 128."""
     if (k_dim, groups) not in _RECURRENT_KERNELS:
@@ -962,7 +964,7 @@ def gdn_recurrent_reference(q, k, mixed, log_decay, beta, ssm_state, ssm_columns
         lane, start, count = int(seg_lane[s]), int(seg_row[s]), int(seg_count[s])
         rows = slice(start, start + count)
         v = mixed[rows, channels_qk:channels_qk + v_heads * v_dim].reshape(count, v_heads, v_dim)
-        columns = ssm_columns[lane, :count] if seg_record[s] else None
+        columns = ssm_columns[lane, :count - 1] if seg_record[s] else None
         out[rows], ssm_state[lane] = gated_delta_rule(
             np.repeat(q[rows], repeat, axis=1), np.repeat(k[rows], repeat, axis=1), v, log_decay[rows], beta[rows],
             ssm_state[lane], column_states=columns)

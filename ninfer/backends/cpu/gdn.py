@@ -44,7 +44,7 @@ def gated_delta_rule(
     log_decay (g) and beta: `[T, H]`; state: `[H, Dk, Dv]`. Per token and head:
         S = exp(g) * S;  u = beta * (v - S^T k);  S = S + k u^T;  o = S^T q
     The decay is applied BEFORE the delta error is measured. Returns (`[T, H, Dv]` outputs, the new state).
-    `column_states` (`[T, H, Dk, Dv]`), when given, receives the state after each token.
+    `column_states` (`[T', H, Dk, Dv]`, T' <= T), when given, receives the state after each of the first T' tokens.
     """
     s = state.astype(F32, copy=True)
     decay = np.exp(log_decay.astype(F32, copy=False))
@@ -55,6 +55,6 @@ def gated_delta_rule(
         update = beta[t][:, None] * (v[t] - predicted)
         s += k[t][:, :, None] * update[:, None, :]
         out[t] = np.matmul(q[t][:, None, :], s)[:, 0, :]
-        if column_states is not None:
+        if column_states is not None and t < len(column_states):
             column_states[t] = s
     return out, s

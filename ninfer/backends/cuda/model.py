@@ -453,7 +453,7 @@ class GdnLayerState:
     conv_checkpoints: Any  # [lanes, slots, K-1, C]
     ssm_checkpoints: Any  # [lanes, slots, Hv, Dk, Dv]
     conv_columns: Any  # [lanes, max(1, columns), K-1, C]
-    ssm_columns: Any  # [lanes, max(1, columns), Hv, Dk, Dv]
+    ssm_columns: Any  # [lanes, columns - 1, Hv, Dk, Dv]: the last column's state is the running one (none without MTP)
 
 
 @attrs.frozen
@@ -492,8 +492,8 @@ class GdnStateBank:
 
     conv: Any  # [layers, lanes, (K-1) C]
     ssm: Any  # [layers, lanes, Hv Dk Dv]
-    conv_columns: Any  # [layers, lanes, columns, (K-1) C]
-    ssm_columns: Any  # [layers, lanes, columns, Hv Dk Dv]
+    conv_columns: Any  # [layers, lanes, max(1, columns), (K-1) C]
+    ssm_columns: Any  # [layers, lanes, columns - 1, Hv Dk Dv]
 
 
 def _gdn_states(device: Device, dims: QwenDims, cap: Capacity, slots: int,
@@ -505,15 +505,18 @@ def _gdn_states(device: Device, dims: QwenDims, cap: Capacity, slots: int,
     conv = (dims.conv_kernel - 1, dims.gdn_conv_channels)
     ssm = (dims.gdn_v_heads, dims.gdn_k_dim, dims.gdn_v_dim)
     lanes, columns, count = cap.lanes, max(1, cap.verify_columns), len(layers)
+    # the recurrence records every verify column but the last (gdn.py): 3 MB a layer a lane less on the 27B, and
+    # nothing at all without speculative decoding (~1.2 GB at 8 lanes)
+    records = max(0, cap.verify_columns - 1)
     bank = GdnStateBank(device.zeros((count, lanes, math.prod(conv)), np.float32, "state"),
                         device.zeros((count, lanes, math.prod(ssm)), np.float32, "state"),
                         device.zeros((count, lanes, columns, math.prod(conv)), np.float32, "state"),
-                        device.zeros((count, lanes, columns, math.prod(ssm)), np.float32, "state"))
+                        device.zeros((count, lanes, records, math.prod(ssm)), np.float32, "state"))
     states = {layer: GdnLayerState(
         bank.conv[j].reshape((lanes,) + conv), bank.ssm[j].reshape((lanes,) + ssm),
         device.zeros((lanes, slots) + conv, np.float32, "state"),
         device.zeros((lanes, slots) + ssm, np.float32, "state"),
-        bank.conv_columns[j].reshape((lanes, columns) + conv), bank.ssm_columns[j].reshape((lanes, columns) + ssm))
+        bank.conv_columns[j].reshape((lanes, columns) + conv), bank.ssm_columns[j].reshape((lanes, records) + ssm))
         for j, layer in enumerate(layers)}
     return states, bank
 
@@ -2004,6 +2007,10 @@ class CudaQwen:
         """Before `select_staged(len(lanes), any(states))`: each of these distinct lanes continues from its verify
         column, its tail row from verify_hidden and, where `states`, every recurrent layer's conv and SSM state from
         the layer's columns (the verify leaves the running states at its last column: a lane there passes False)."""
+        records = self.gdn_bank.ssm_columns.shape[2] if self.gdn_bank is not None else 0
+        if self.gdn_bank is not None and any(state and column >= records for state, column in zip(states, columns)):
+            raise ValueError(f"verify columns {columns} with states {states}: only columns below {records} are "
+                             f"recorded (the last column's state is the running one)")
         picks = np.full(self.selection.shape, -1, np.int32)
         picks[0, : len(lanes)], picks[1, : len(lanes)] = lanes, columns
         picks[2, : len(lanes)] = np.where(states, columns, -1)
