@@ -46,14 +46,15 @@ class LaunchError(RuntimeError):
 
 def _array_entry(array: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
     """(weak reference, numba type, ABI slot values) of a numba device array, or None where numba's own launch must
-    handle it (empty: numba passes a null pointer its own way)."""
+    handle it. An empty array's data slot is a null pointer, as numba's launch passes it (a model without speculative
+    decoding passes its recurrence an empty column buffer every step)."""
     from numba.core.typing.typeof import Purpose, typeof
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-    if not isinstance(array, DeviceNDArray) or array.size == 0:  # (the workspace's are ViewMemoArrays)
+    if not isinstance(array, DeviceNDArray):  # (the workspace's are ViewMemoArrays)
         return None
     numba_type = typeof(array, Purpose.argument)
-    values = (0, 0, int(array.size), int(array.dtype.itemsize), int(array.device_ctypes_pointer.value),
+    values = (0, 0, int(array.size), int(array.dtype.itemsize), int(array.device_ctypes_pointer.value or 0),
               *(int(n) for n in array.shape), *(int(s) for s in array.strides))
     return weakref.ref(array), numba_type, values
 

@@ -167,6 +167,22 @@ def test_fast_launch_gives_numba_launch_bits(mix, strided):
 
 
 @pytest.mark.gpu
+def test_an_empty_array_is_packed_with_a_null_pointer(mix):
+    """After numba's first launch of these kinds, an empty array goes through the packed launch too (numba's launch
+    is taken away to show it), with no item and a null data pointer."""
+    stream = cuda.stream()
+    da, db, out = _arrays(stream)
+    empty = cuda.device_array((0, out.shape[1]), np.float32, stream=stream)  # no row: the kernel writes nothing
+    scalars = (np.float32(1.5), np.int32(-7), np.uint32(3), True, 12)
+    fast = fast_launch.FastKernel(mix.dispatcher)
+    fast[da.shape[0], 32, stream](da, db, out, *scalars)  # numba's launch: it picks the overload
+    fast.dispatcher = None  # any fallback to numba's launch now fails
+    fast[da.shape[0], 32, stream](da, db, empty, *scalars)
+    stream.synchronize()
+    assert fast_launch._array_entry(empty)[2][2:5] == (0, 4, 0)
+
+
+@pytest.mark.gpu
 def test_other_argument_kinds_launch_as_numba_launches_them(mix):
     stream = cuda.stream()
     da, db, out = _arrays(stream)
