@@ -192,18 +192,20 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  conv_in_projections: tuple[bool, ...] = (True,),
                  ab_in_recurrences: tuple[bool | None, ...] = (None,),
                  recurrence_groups: tuple[int | None, ...] = (None,),
-                 tensor_core_decodes: tuple[bool, ...] = (True,)) -> dict:
+                 tensor_core_decodes: tuple[bool, ...] = (True,), prefill_chunk: int | None = None) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change; `mtp_only`: the decode steps and the MTP
-    rounds, no prefill."""
+    rounds, no prefill. `prefill_chunk`: the prompt prefilled in chunks of this many tokens, as the server does
+    (--prefill-chunk, 1024 by default), with the workspace sized for a chunk; None: in one chunk."""
     dims = dims or MODELS[dims_name]
     if prefill_only:
         batches = ()
     device = device or CudaDevice(0)
     specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
     capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
-                        prefill_rows=prefill_tokens, draft_tokens=3, tensor_core_attention=True,
+                        prefill_rows=min(prefill_chunk or prefill_tokens, prefill_tokens), draft_tokens=3,
+                        tensor_core_attention=True,
                         decode_quant=decode_quant, draft_head=draft_head, attention_splits=attention_splits[0],
                         split_k_norm=max(split_k_norms))
     began = time.perf_counter()
@@ -315,17 +317,28 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                               profile=profile)
         return result
 
-    # Prefill: one lane, 8192 tokens from position 0, eager.
+    # Prefill: one lane, 8192 tokens from position 0, eager, in chunks of capacity.prefill_rows (each chunk's inputs
+    # written inside the timing when there are several, as the server writes them)
     table = np.arange(capacity.max_pages_per_lane, dtype=np.int32)
     model.inputs.set_page_table(0, table)
     ids = np.random.default_rng(0).integers(0, dims.vocab_ids, prefill_tokens)
-    model.inputs.fill(token_ids=ids, positions=np.tile(np.arange(prefill_tokens), (3, 1)),
-                      row_lane=np.zeros(prefill_tokens), row_pos=np.arange(prefill_tokens), seg_lane=[0],
-                      seg_row=[0], seg_count=[prefill_tokens], seg_record=[0])
+    chunks = [(start, min(capacity.prefill_rows, prefill_tokens - start))
+              for start in range(0, prefill_tokens, capacity.prefill_rows)]
+
+    def fill(start: int, count: int) -> None:
+        rows = np.arange(start, start + count)
+        model.inputs.fill(token_ids=ids[start : start + count], positions=np.tile(rows, (3, 1)),
+                          row_lane=np.zeros(count), row_pos=rows, seg_lane=[0], seg_row=[0], seg_count=[count],
+                          seg_record=[0])
+
+    fill(*chunks[0])
 
     def prefill():
-        final = model.forward(prefill_tokens, 1, PrefillSpan(0, 0))
-        model.greedy(model.head_logits(final[prefill_tokens - 1 :]))
+        for n, (start, count) in enumerate(chunks):
+            if n or len(chunks) > 1:
+                fill(start, count)
+            final = model.forward(count, 1, PrefillSpan(0, start))
+        model.greedy(model.head_logits(final[count - 1 :]))
 
     result["prefill"] = []
     serving_chunk, serving_step, serving_sync_free = model.moe_chunk_rows, model.moe_chunk_step, model.moe_sync_free
@@ -346,6 +359,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}") + (
             "" if ahead is None else f" dequant ahead {ahead}")
         hits_before = dequantizer.hits if dequantizer is not None else 0
+        dequantized_before = dequantizer.hits + dequantizer.misses if dequantizer is not None else 0
         for _ in range(PREFILL_WARMUPS):
             prefill()
         device.synchronize()
@@ -359,12 +373,16 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                   "moe_sync_free": model.moe_sync_free,
                                   "dequant_ahead": ahead_timed,
                                   "dequant_hits": (dequantizer.hits - hits_before) if dequantizer is not None else 0,
-                                  "tokens": prefill_tokens,
+                                  # matrices dequantized in all the prefills timed (each chunk dequantizes its own)
+                                  "dequantized": (dequantizer.hits + dequantizer.misses - dequantized_before
+                                                  if dequantizer is not None else 0),
+                                  "tokens": prefill_tokens, "chunk": capacity.prefill_rows,
                                   "seconds": seconds, "all_seconds": [float(t) for t in times],
                                   "tok_s": prefill_tokens / seconds, "flops": flops,
                                   "ratio_to_gemm_peak": flops / seconds / gemm, "gc_pauses": gc_pauses})
-        print(f"  prefill [{label}] {prefill_tokens}: {seconds * 1e3:8.1f} ms  {prefill_tokens / seconds:8.0f} "
-              f"tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}  (of "
+        chunked = f" in chunks of {capacity.prefill_rows}" if len(chunks) > 1 else ""
+        print(f"  prefill [{label}] {prefill_tokens}{chunked}: {seconds * 1e3:8.1f} ms  "
+              f"{prefill_tokens / seconds:8.0f} tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  ratio {flops / seconds / gemm:.2f}  (of "
               f"{PREFILL_REPEATS}: {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms; the collector paused the host "
               f"{gc_pauses['collections']} times, {gc_pauses['total_ms']:.1f} ms, longest {gc_pauses['max_ms']:.1f})",
               flush=True)
@@ -648,6 +666,9 @@ def main() -> None:
     parser.add_argument("--lm-head-draft", action="store_true",
                         help="load the shortlist proposal head too and time the MTP rounds with it as well")
     parser.add_argument("--context", type=int, default=CONTEXT, help="tokens each decode row attends to")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="prefill the 8K prompt in chunks of this many tokens, as the server does (its "
+                             "--prefill-chunk, 1024 by default), the workspace sized for one; default: one chunk")
     parser.add_argument("--attention-splits", default="default",
                         help="decode with these most key splits a row (a list times each; default: the model's; the "
                              "MTP rounds use the last)")
@@ -724,7 +745,8 @@ def main() -> None:
                                                           recurrence_groups=counts_or_default(
                                                               args.recurrence_groups),
                                                           tensor_core_decodes=on_off(parser, "--tensor-core-decode",
-                                                                                     args.tensor_core_decode)))
+                                                                                     args.tensor_core_decode),
+                                                          prefill_chunk=args.prefill_chunk))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

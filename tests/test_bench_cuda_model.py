@@ -125,6 +125,21 @@ def test_prefill_only_times_the_prefill_and_nothing_else(bench):
     assert "suffix_prefill" not in result and "mtp_round" not in result
 
 
+def test_the_prefill_in_server_sized_chunks(bench):
+    """--prefill-chunk: the prompt prefilled chunk after chunk into one lane, the workspace sized for a chunk; a
+    quantized model dequantizes its weights again for every chunk past the skinny rows."""
+    from ninfer.backends.cuda.host import HostDevice
+
+    runs = {chunk: bench.bench_config("tiny", "ninfer-v2", "bf16", 1e12, 1e14, device=HostDevice(),
+                                      dims=cuda_tiny_dims(moe=True), context=70, prefill_tokens=192, repeats=4,
+                                      prefill_attentions=("gemm",), prefill_only=True, prefill_chunk=chunk)
+            for chunk in (None, 96)}
+    assert [(row["tokens"], row["chunk"]) for row in runs[96]["prefill"]] == [(192, 96)]
+    assert [(row["tokens"], row["chunk"]) for row in runs[None]["prefill"]] == [(192, 192)]
+    assert runs[96]["ledger_bytes"]["workspace"] < runs[None]["ledger_bytes"]["workspace"]
+    assert runs[96]["prefill"][0]["dequantized"] == 2 * runs[None]["prefill"][0]["dequantized"] > 0
+
+
 def test_mtp_only_times_decode_and_the_rounds_with_each_graph_apart(bench):
     from ninfer.backends.cuda.host import HostDevice
 
