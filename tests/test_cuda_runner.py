@@ -598,6 +598,26 @@ def test_split_projections_prefill_into_their_columns_without_a_join(artifacts, 
     assert got == run_lanes(cpu_runner(path), prompts, 6)
 
 
+def test_split_projections_join_short_rows_in_the_skinny_scratch(artifacts, monkeypatch):
+    """On the SIMT quantized path each block of a split projection writes its rows into the workspace's scratch
+    (SKINNY_ROWS rows a block, whatever the prefill chunk), then one join: decode steps and a short prompt, the CPU
+    runner's tokens."""
+    from ninfer.backends.cuda import host_kernels
+    from ninfer.backends.cuda.model import SKINNY_ROWS
+
+    joins = []
+    concat = host_kernels.concat_columns
+    monkeypatch.setattr(host_kernels, "concat_columns", lambda a, b, y, **k: (joins.append(y.shape[0]),
+                                                                                 concat(a, b, y, **k)))
+    path = artifacts[("dense", "ninfer-v2")]
+    prompts = [prompt(16, SKINNY_ROWS), prompt(17, 9)]
+    build, smaller = cuda_build("host", path, prefill_chunk=256), cuda_build("host", path, prefill_chunk=128)
+    assert build.model.workspace.split_a.size == smaller.model.workspace.split_a.size
+    got = run_lanes(build.runner, prompts, 6)
+    assert joins and max(joins) == SKINNY_ROWS
+    assert got == run_lanes(cpu_runner(path), prompts, 6)
+
+
 @pytest.mark.parametrize("kind,recipe", [("moe", "ninfer-v2"), ("dense", "ninfer-v2"), ("moe", "bf16"),
                                          ("dense", "bf16")])
 def test_programmatic_launch_changes_no_token(device_kind, artifacts, kind, recipe):

@@ -651,9 +651,11 @@ class Workspace:
             self.beta = buf(rows, d.gdn_v_heads)
             self.gdn_cum = buf(rows, d.gdn_v_heads)
             self.gdn_mats = buf(rows, d.gdn_v_heads, GDN_CHUNK)
-        # Split projections (27B ninfer-v2): q|k and gate|v of attention, q|k and v|z of Gated DeltaNet.
+        # Split projections (27B ninfer-v2): q|k and gate|v of attention, q|k and v|z of Gated DeltaNet. Their
+        # blocks meet in this scratch only up to SKINNY_ROWS rows (past them each block's GEMM writes its columns).
         split = max(d.q_width + d.kv_width, 2 * d.gdn_qk_width, 2 * d.gdn_v_width)
-        self.split_a, self.split_b = buf(rows * split), buf(rows * split)
+        split_rows = min(rows, SKINNY_ROWS)
+        self.split_a, self.split_b = buf(split_rows * split), buf(split_rows * split)
         widths = [h, d.q_width, d.gdn_v_width, 2 * h if mtp else h]
         if d.is_moe:
             s, e = d.moe_top_k, d.moe_experts
@@ -972,7 +974,10 @@ class Linear:
                 self.blas.gemm_bf16(x_bf16, self.bf16_weight(part), y[:gemm_rows], first_column=column)
                 column += part.shape[0]
             return
-        capacity, outputs = min(x.shape[0], y.shape[0]), []
+        widest = max(part.shape[0] for part in w.parts)
+        capacity, outputs = min(x.shape[0], y.shape[0], self._ws.split_a.shape[0] // widest), []
+        if rows > capacity:
+            raise ValueError(f"a split projection of {rows} rows: its blocks' scratch holds {capacity}")
         if x_fragments is None and rows <= self.mma_launch_rows and self._reads_fragments(w, rows):
             x_fragments = self._ws.x_fragments  # one conversion for both blocks
             self._k.x_fragments(x[:rows], x_fragments, stream=self._stream)
