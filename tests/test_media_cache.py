@@ -37,7 +37,6 @@ def get(cache: PreparedMediaCache, name: str, n: int, **kwargs) -> MediaHandle:
     return cache.get_or_prepare(key(name), lambda: blob(n), **kwargs)
 
 
-
 def assert_empty(cache: PreparedMediaCache) -> None:
     cache.clear()
     cache.audit()
@@ -325,7 +324,7 @@ def test_a_waiting_reservation_opens_when_live_bytes_are_released():
     got = []
     waiter = threading.Thread(target=lambda: got.append(cache.reserve(500, timeout=5)))
     waiter.start()
-    wait_until(lambda: cache.stats().waiting == 1)
+    wait_until(lambda: cache.stats().waiting == 1, timeout=5.0)
     assert not got
     held.release()
     waiter.join(5)
@@ -344,10 +343,10 @@ def test_the_gate_is_first_in_first_out():
 
     big = threading.Thread(target=reserve, args=("big", 500))
     big.start()
-    wait_until(lambda: cache.stats().waiting == 1)
+    wait_until(lambda: cache.stats().waiting == 1, timeout=5.0)
     small = threading.Thread(target=reserve, args=("small", 100))  # would fit now, but queues behind big
     small.start()
-    wait_until(lambda: cache.stats().waiting == 2)
+    wait_until(lambda: cache.stats().waiting == 2, timeout=5.0)
     time.sleep(0.02)
     assert order == []
     held.release()
@@ -364,7 +363,7 @@ def test_a_waiter_that_gives_up_lets_the_next_through():
     first = threading.Thread(target=lambda: result.append(pytest.raises(MediaWaitTimeout, cache.reserve, 500,
                                                                         timeout=0.1)))
     first.start()
-    wait_until(lambda: cache.stats().waiting == 1)
+    wait_until(lambda: cache.stats().waiting == 1, timeout=5.0)
     second = threading.Thread(target=lambda: result.append(cache.reserve(150, timeout=5)))
     second.start()
     first.join(5)
@@ -416,7 +415,8 @@ def test_single_flight_runs_prepare_once_for_concurrent_identical_misses():
 
     def prepare():
         calls.append(threading.get_ident())
-        wait_until(lambda: cache.stats().single_flight_joins == n - 1)  # everyone else is waiting on this build
+        # everyone else is waiting on this build
+        wait_until(lambda: cache.stats().single_flight_joins == n - 1, timeout=5.0)
         return blob(100)
 
     def request(_):
@@ -442,7 +442,7 @@ def test_single_flight_with_zero_retention_still_hands_every_joiner_a_reference(
     barrier = threading.Barrier(n)
 
     def prepare():
-        wait_until(lambda: cache.stats().single_flight_joins == n - 1)
+        wait_until(lambda: cache.stats().single_flight_joins == n - 1, timeout=5.0)
         return blob(100)
 
     def request(_):
@@ -469,7 +469,7 @@ def test_a_failed_build_propagates_to_every_waiter():
 
     def prepare():
         calls.append(1)
-        wait_until(lambda: cache.stats().single_flight_joins == n - 1)
+        wait_until(lambda: cache.stats().single_flight_joins == n - 1, timeout=5.0)
         raise DecodeError("corrupt")
 
     def request(_):
@@ -498,7 +498,7 @@ def test_a_joiner_that_times_out_leaks_no_reference():
 
     builder = threading.Thread(target=lambda: built.append(cache.get_or_prepare(key("a"), prepare)))
     builder.start()
-    wait_until(lambda: cache.stats().in_flight == 1)
+    wait_until(lambda: cache.stats().in_flight == 1, timeout=5.0)
     with pytest.raises(MediaWaitTimeout):
         cache.get_or_prepare(key("a"), prepare, timeout=0.05)
     cancel = threading.Event()

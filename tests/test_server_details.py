@@ -69,7 +69,6 @@ def server(artifact):
     running.stop()
 
 
-
 def post(server, path: str, body, **kwargs) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, timeout=60, **kwargs)
 

@@ -34,7 +34,6 @@ def start(artifact):
         yield started
 
 
-
 def read_log(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

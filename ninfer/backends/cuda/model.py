@@ -2012,10 +2012,11 @@ class CudaQwen:
         """Before `select_staged(len(lanes), any(states))`: each of these distinct lanes continues from its verify
         column, its tail row from verify_hidden and, where `states`, every recurrent layer's conv and SSM state from
         the layer's columns (the verify leaves the running states at its last column: a lane there passes False)."""
-        records = self.gdn_bank.ssm_columns.shape[2] if self.gdn_bank is not None else 0
-        if self.gdn_bank is not None and any(state and column >= records for state, column in zip(states, columns)):
-            raise ValueError(f"verify columns {columns} with states {states}: only columns below {records} are "
-                             f"recorded (the last column's state is the running one)")
+        if self.gdn_bank is not None:
+            records = self.gdn_bank.ssm_columns.shape[2]
+            if any(state and column >= records for state, column in zip(states, columns)):
+                raise ValueError(f"verify columns {columns} with states {states}: only columns below {records} are "
+                                 f"recorded (the last column's state is the running one)")
         picks = np.full(self.selection.shape, -1, np.int32)
         picks[0, : len(lanes)], picks[1, : len(lanes)] = lanes, columns
         picks[2, : len(lanes)] = np.where(states, columns, -1)
