@@ -192,12 +192,15 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  conv_in_projections: tuple[bool, ...] = (True,),
                  ab_in_recurrences: tuple[bool | None, ...] = (None,),
                  recurrence_groups: tuple[int | None, ...] = (None,),
-                 tensor_core_decodes: tuple[bool, ...] = (True,), prefill_chunk: int | None = None) -> dict:
+                 tensor_core_decodes: tuple[bool, ...] = (True,), prefill_chunk: int | None = None,
+                 prefill_graphs: tuple[bool, ...] = (True,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change; `mtp_only`: the decode steps and the MTP
     rounds, no prefill. `prefill_chunk`: the prompt prefilled in chunks of this many tokens, as the server does
-    (--prefill-chunk, 1024 by default), with the workspace sized for a chunk; None: in one chunk."""
+    (--prefill-chunk, 1024 by default), with the workspace sized for a chunk; None: in one chunk. `prefill_graphs`:
+    the full-size chunks replay graphs captured in pieces where the model can (`CudaQwen.capture_prefill`, as the
+    server's runner does), off and/or on."""
     dims = dims or MODELS[dims_name]
     if prefill_only:
         batches = ()
@@ -332,12 +335,17 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                           seg_record=[0])
 
     fill(*chunks[0])
+    pieces = None  # the full-size chunk's graphs while a setting replays them
 
     def prefill():
         for start, count in chunks:
             if len(chunks) > 1:  # one chunk's inputs were written once, before the timing
                 fill(start, count)
-            final = model.forward(count, 1, PrefillSpan(0, start))
+            if pieces is not None and count == capacity.prefill_rows:
+                pieces.replay(device.stream_handle, PrefillSpan(0, start))
+                final = model.workspace.final[:count]
+            else:
+                final = model.forward(count, 1, PrefillSpan(0, start))
         model.greedy(model.head_logits(final[count - 1 :]))
 
     result["prefill"] = []
@@ -347,10 +355,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     dequantizer = model.linear.dequantizer  # None: nothing to dequantize (bf16), and so nothing to time ahead
     serving_ahead = dequantizer.ahead if dequantizer is not None else 0
     aheads = dequant_aheads if dequantizer is not None else (None,)
-    for attention, (moe_gemm, chunk, step, sync_free), ahead in ((a, m, d) for a in prefill_attentions
-                                                                 for m in moe_settings for d in aheads):
+    serving_free_chunk = model.moe_sync_free_chunk_rows
+    for attention, (moe_gemm, chunk, step, sync_free), ahead, graphs in (
+            (a, m, d, g) for a in prefill_attentions for m in moe_settings for d in aheads for g in prefill_graphs):
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
         model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
+        model.moe_sync_free_chunk_rows = chunk or serving_free_chunk
         model.moe_sync_free = serving_sync_free if sync_free is None else sync_free
         model.set_dequant_ahead(serving_ahead if ahead is None else ahead)
         ahead_timed = dequantizer.ahead if dequantizer is not None else 0
@@ -358,11 +368,18 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}") + (
             "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}") + (
             "" if ahead is None else f" dequant ahead {ahead}")
-        hits_before = dequantizer.hits if dequantizer is not None else 0
-        dequantized_before = dequantizer.hits + dequantizer.misses if dequantizer is not None else 0
-        for _ in range(PREFILL_WARMUPS):
+        for _ in range(PREFILL_WARMUPS):  # eager (compiles the kernels)
             prefill()
         device.synchronize()
+        if graphs and model.piecewise_prefill(capacity.prefill_rows):
+            fill(*chunks[0])
+            pieces = model.capture_prefill(capacity.prefill_rows)
+            label += " graphs"
+            prefill()
+            device.synchronize()
+        # (replayed graphs dequantize without asking the dequantizer: its counts are the eager calls')
+        hits_before = dequantizer.hits if dequantizer is not None else 0
+        dequantized_before = dequantizer.hits + dequantizer.misses if dequantizer is not None else 0
         with GcPauses() as pauses:
             times = event_time(device.stream, prefill, PREFILL_REPEATS)
         seconds = float(np.median(times))
@@ -371,6 +388,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
                                   "moe_chunk_rows": model.moe_chunk_rows, "moe_chunk_step": model.moe_chunk_step,
                                   "moe_sync_free": model.moe_sync_free,
+                                  "moe_sync_free_chunk_rows": model.moe_sync_free_chunk_rows,
+                                  "prefill_graphs": pieces is not None,
                                   "dequant_ahead": ahead_timed,
                                   "dequant_hits": (dequantizer.hits - hits_before) if dequantizer is not None else 0,
                                   # matrices dequantized in all the prefills timed (each chunk dequantizes its own)
@@ -402,7 +421,11 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(result["prefill"][-1]["host_profile"], flush=True)
             if dims.is_moe:
                 result["prefill"][-1]["moe_host"] = trace_moe_host(model, lambda: (prefill(), device.synchronize()))
+        if pieces is not None:
+            pieces.close()
+            pieces = None
     model.prefill_attention, model.moe_prefill_gemm, model.moe_chunk_rows = "kernel", "auto", serving_chunk
+    model.moe_sync_free_chunk_rows = serving_free_chunk
     model.moe_chunk_step, model.moe_sync_free = serving_step, serving_sync_free
     model.set_dequant_ahead(serving_ahead)
     if prefill_only:
@@ -610,8 +633,8 @@ def on_off(parser: argparse.ArgumentParser, option: str, value: str) -> tuple[bo
 
 
 def on_off_or_default(parser: argparse.ArgumentParser, option: str, value: str) -> tuple[bool | None, ...]:
-    """`on_off`, or (None,) for "default" (the model's own setting)."""
-    return (None,) if value == "default" else on_off(parser, option, value)
+    """`on_off` where "default" (None: the model's own setting) may stand in the list too (e.g. default,off)."""
+    return tuple(None if choice == "default" else on_off(parser, option, choice)[0] for choice in value.split(","))
 
 
 def counts_or_default(value: str) -> tuple[int | None, ...]:
@@ -692,6 +715,9 @@ def main() -> None:
     parser.add_argument("--tensor-core-decode", default="on",
                         help="decode attention over bf16 KV on the tensor cores off and/or on (off,on; default: on, "
                              "the serving default); the MTP rounds run with each")
+    parser.add_argument("--prefill-graphs", default="on",
+                        help="the prefill's full-size chunks replaying graphs captured in pieces off and/or on "
+                             "(off,on; default: on, as the server's runner does where the model can)")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
@@ -747,7 +773,9 @@ def main() -> None:
                                                               args.recurrence_groups),
                                                           tensor_core_decodes=on_off(parser, "--tensor-core-decode",
                                                                                      args.tensor_core_decode),
-                                                          prefill_chunk=args.prefill_chunk))
+                                                          prefill_chunk=args.prefill_chunk,
+                                                          prefill_graphs=on_off(parser, "--prefill-graphs",
+                                                                                args.prefill_graphs)))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

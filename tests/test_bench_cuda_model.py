@@ -41,8 +41,12 @@ def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     assert all(row["context"] == 70 for row in result["decode"])
     assert result["branches_after_decode"] is True and result["programmatic_after_decode"] is True
     assert result["narrow_after_decode"] is True
-    assert [(row["moe_chunk_rows"], row["moe_chunk_step"], row["moe_sync_free"]) for row in result["prefill"]] == [
-        (chunk, step, free) for chunk in (128, 16) for step in (1, 4) for free in (False, True)]
+    # the sync-free layout takes the chunk rows asked for too; a 128-row chunk is sync-free by default (None), so
+    # every setting's chunk replays graphs in pieces
+    assert [(row["moe_chunk_rows"], row["moe_sync_free_chunk_rows"], row["moe_chunk_step"], row["moe_sync_free"],
+             row["prefill_graphs"]) for row in result["prefill"]] == [
+        (chunk, 32 if chunk == 128 else chunk, step, free, True) for chunk in (128, 16) for step in (1, 4)
+        for free in (None, True)]
     from bench.kernel_profile import host_profile
 
     assert "function calls" in host_profile(lambda: sum(range(100)), sort="tottime", top=3)
@@ -66,7 +70,7 @@ def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_qu
     assert all(row["path"] in row["us"] and row["us"][row["path"]] == min(row["us"].values()) for row in tuned)
     assert all(row["bytes"] > 0 and row["step_ms"] > 0 and row["graph_device_bytes"] >= 0 for row in result["decode"])
     assert [row["attention"] for row in result["prefill"]] == ["kernel", "gemm"]
-    assert all(row["tokens"] == 128 and row["flops"] > 0 for row in result["prefill"])
+    assert all(row["tokens"] == 128 and row["flops"] > 0 and row["prefill_graphs"] for row in result["prefill"])
     suffix = result["suffix_prefill"]
     assert suffix["context"] == 128 and suffix["seconds"] > 0 and suffix["graph_seconds"] > 0
     # the MTP rounds with each serving decode linear asked for (the bench passes the quantized recipes cublas only)

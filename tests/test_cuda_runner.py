@@ -53,7 +53,8 @@ def artifacts(tmp_path_factory) -> dict[tuple[str, str], Path]:
     return out
 
 
-def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0,
+def cuda_build(kind: str, path: Path, *, lanes: int = 3, max_context: int = 256, kv_dtype: str = "bf16",
+               draft_tokens: int = 0,
                graphs: bool = True, prefill_chunk: int = 128, lm_head_draft: bool = False,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
@@ -61,8 +62,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, kv_dtype: str = "bf16",
                ab_in_recurrence: bool | None = True, recurrence_groups: int = 4):
     from ninfer.backends.cuda.build import build_cuda_runner
 
-    config = EngineConfig(max_concurrency=lanes, max_context=256, prefill_chunk=prefill_chunk,
-                          kv_capacity=lanes * 256, kv_dtype=kv_dtype, spec="mtp" if draft_tokens else None,
+    config = EngineConfig(max_concurrency=lanes, max_context=max_context, prefill_chunk=prefill_chunk,
+                          kv_capacity=lanes * max_context, kv_dtype=kv_dtype, spec="mtp" if draft_tokens else None,
                           draft_tokens=draft_tokens, lm_head_draft=lm_head_draft)
     return build_cuda_runner(Artifact.open(path), config, cuda_graphs=graphs,
                              device=make_device(kind, side_work_last=side_work_last),
@@ -336,6 +337,49 @@ def test_short_prefill_chunks_replay_graphs_with_the_tokens_of_the_tiled_path(de
         assert_same_or_near_tie(g, w, cpu, p)
 
 
+@pytest.mark.parametrize("case", CASES, ids=["-".join(case) for case in CASES])
+def test_full_prefill_chunks_replay_graph_pieces_with_the_eager_bits(device_kind, artifacts, case):
+    """A 300-token prompt in the runner's 128-row chunks: the two full ones replay the graphs captured at startup in
+    pieces, each attention layer's prefill attention run eagerly between them at the chunk's own KV start; the
+    44-row remainder runs eagerly. The tokens, and the lane's last hidden row bit for bit, are those of a build
+    without graphs (the same launches)."""
+    path = artifacts[case]
+    prompts = [prompt(7, 300)]
+    eager = cuda_build(device_kind, path, graphs=False, max_context=512)
+    assert not any(key[0] == "prefill pieces" for key in eager.runner._graphs)
+    built = cuda_build(device_kind, path, max_context=512)
+    pieces = built.runner._graphs.get(("prefill pieces", 128))
+    if device_kind == "cuda":  # a graph before each attention layer's attention, and one after the last
+        attention_layers = sum(layer.attention is not None for layer in built.model.layers)
+        assert pieces.pieces == attention_layers + 1
+    spans, replay = [], pieces.replay
+    pieces.replay = lambda handle, span: (spans.append(span), replay(handle, span))
+
+    def tokens(runner) -> list[int]:
+        lane = Lane(runner, 0, prompts[0], sampling=GREEDY, budget=8)
+        lane.prefill(128, 128)  # and the 44 left
+        while not lane.done:
+            decode_round(runner, [lane])
+        return lane.tokens
+
+    assert tokens(built.runner) == tokens(eager.runner)
+    assert [(span.lane, span.kv_start) for span in spans] == [(0, 0), (0, 128)]
+    np.testing.assert_array_equal(built.model.device.read(built.model.tails),
+                                  eager.model.device.read(eager.model.tails))
+
+
+def test_capture_prefill_refuses_a_chunk_that_reads_the_group_sizes_back(artifacts):
+    """A MoE model's long chunk whose expert GEMMs read the group sizes back cannot be captured (the read would
+    wait on the host mid-graph): piecewise_prefill says so and capture_prefill raises; no graph is held for it."""
+    model = cuda_build("host", artifacts[("moe", "bf16")], graphs=False).model
+    assert model.piecewise_prefill(128) and model.piecewise_prefill(1)
+    assert not model.piecewise_prefill(0) and not model.piecewise_prefill(129)  # past the capacity's chunk
+    model.moe_sync_free = False
+    assert not model.piecewise_prefill(128) and model.piecewise_prefill(64)  # (64: SKINNY_ROWS, no grouping)
+    with pytest.raises(ValueError, match="sync"):
+        model.capture_prefill(128)
+
+
 def test_a_bounded_graph_cache_frees_old_shapes_and_changes_no_token(device_kind, artifacts):
     """With room for 2 shapes beyond the pinned decode graphs, a run through many shapes (prefill lengths, verify
     rounds, MTP head) frees the least recently used ones and recaptures them when they return; tokens are those of
@@ -349,6 +393,7 @@ def test_a_bounded_graph_cache_frees_old_shapes_and_changes_no_token(device_kind
     cache = bounded.runner._graphs
     assert cache.evictions > 0
     pinned = {("decode", size, size, False) for size in range(1, bounded.runner.info.lanes + 1)}
+    pinned.add(("prefill pieces", bounded.model.capacity.prefill_rows))  # the full-size prefill chunk's
     assert pinned <= set(cache) and len(cache) <= len(pinned) + 2
 
 
@@ -387,12 +432,13 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     kernels), and the CPU model's within bf16 tolerance; so do 64-row chunks, also with their batch count rounded up
     to a multiple of 5, or at the most chunks the rows can make (no read of the counts). "auto" gives the logits of
     the layout its rule picks for this routing; both fall back to the grouped call when their rows pass the
-    scratch."""
+    scratch. (The counts read back: a chunk this short is sync-free by default, `moe_sync_free` None.)"""
     from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
 
     path = artifacts[("moe", recipe)]
     build = cuda_build(device_kind, path, prefill_chunk=256)
     model, cpu = build.model, load_model(path)
+    model.moe_sync_free = False
     blas, calls = model.linear.blas, []
     for name in ("batched_gemm_bf16", "chunked_gemm_bf16"):  # (the groups of a batched call, a chunked one's rows)
         call = getattr(blas, name)
@@ -432,6 +478,7 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
             assert np.linalg.norm(got[step] - logits["grouped"]) / np.linalg.norm(logits["grouped"]) < 5e-3
     # and sized without reading the counts back: each call at the most chunks the rows can make
     model.moe_chunk_step, model.moe_sync_free, batch_counts["free"] = 1, True, []
+    model.moe_sync_free_chunk_rows = MOE_CHUNK_ROWS // 2
     blas.chunked_gemm_bf16 = lambda *args, **kw: (batch_counts["free"].append(kw["chunks"]), chunked(*args, **kw))
     free, _ = prompt_logits(model, cpu, ids)
     model.moe_sync_free = False

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--lm-head-draft", action="store_true", help="optimized proposal head (needs --spec)")
     eng.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching")
     eng.add_argument("--device", type=_integer(0), default=0, metavar="N", help="CUDA device index (default 0)")
-    eng.add_argument("--no-cuda-graph", action="store_true", help="disable CUDA Graph decode graphs")
+    eng.add_argument("--no-cuda-graph", action="store_true",
+                     help="run without CUDA graphs (decode steps and full-size prefill chunks): slower, same tokens")
 
     media = p.add_argument_group("media")
     media.add_argument("--vision", action="store_true", help="enable image and video input (default off)")

@@ -115,6 +115,7 @@ def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_
     before_graphs = device.info.free_bytes
     if cuda_graphs:
         runner.capture_decode_graphs()
+        runner.capture_prefill_graph()
     device.synchronize()
     free_after = device.info.free_bytes
     return CudaBuild(device=device, model=model, runner=runner, ledger=dict(device.ledger),

@@ -61,7 +61,7 @@ class WeightDequantizer:
         """How many matrices to dequantize ahead (at most one per spare buffer). What is in flight finishes first."""
         if not 0 <= ahead <= self.spare_buffers:
             raise ValueError(f"dequant ahead {ahead}: the dequantizer has {self.spare_buffers} spare buffers")
-        self._drain()
+        self.drain()
         self._ahead = ahead
 
     def weight(self, w: Any) -> Any:
@@ -71,7 +71,7 @@ class WeightDequantizer:
             self._streams.serving_waits(index)
             self.hits += 1
         else:  # not the predicted matrix: whatever was queued ahead finishes, then the serving stream dequantizes
-            self._drain()
+            self.drain()
             index = 0
             self._dequantize(w, self._view(index, w), self._serving)
             self.misses += 1
@@ -101,7 +101,7 @@ class WeightDequantizer:
             busy.add(free)
             last = following
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """The serving stream waits for every queued dequantization, which is dropped."""
         while self._queue:
             self._streams.serving_waits(self._queue.popleft().buffer)

@@ -58,6 +58,8 @@ class Device(Protocol):
 
     def capture(self, record: Any) -> Any: ...
 
+    def capture_pieces(self, record: Any) -> Any: ...
+
 
 class CudaUnavailableError(RuntimeError):
     """No usable NVIDIA GPU (or the requested index does not exist)."""
@@ -186,6 +188,14 @@ class CudaDevice:
         # while a stream captures and would invalidate the graph, so the batch waits until the capture ends.
         with cuda.defer_cleanup():
             return capture(self.stream_handle, record)
+
+    def capture_pieces(self, record: Any) -> Any:
+        """`graphs.capture_pieces` on the serving stream (frees deferred as in `capture`)."""
+        from ninfer.backends.cuda.graphs import capture_pieces
+        from ninfer.kernels_numba.numba_setup import cuda
+
+        with cuda.defer_cleanup():
+            return capture_pieces(self.stream_handle, record)
 
 
 class SideStream:

@@ -90,6 +90,10 @@ class HostDevice:
     def capture(self, record: Callable[[], None]) -> "HostGraph":
         return HostGraph(record)
 
+    def capture_pieces(self, record: Callable[[Callable[[Callable[[Any], None]], None]], None]
+                       ) -> "HostPiecewiseGraph":
+        return HostPiecewiseGraph(record)
+
 
 class HostBlas:
     def gemm_bf16(self, x: np.ndarray, w: np.ndarray, y: np.ndarray, *, accumulate: bool = False,
@@ -196,6 +200,20 @@ class HostGraph:
 
     def replay(self, stream_handle: int) -> None:
         self._record()
+
+    def close(self) -> None:
+        pass
+
+
+class HostPiecewiseGraph:
+    """A step 'captured' in pieces (`graphs.capture_pieces`): replaying calls the recorded function again, each cut
+    running its eager work with the replay's argument where the graphs would stop for it."""
+
+    def __init__(self, record: Callable[[Callable[[Callable[[Any], None]], None]], None]) -> None:
+        self._record = record
+
+    def replay(self, stream_handle: int, argument: Any) -> None:
+        self._record(lambda run_between: run_between(argument))
 
     def close(self) -> None:
         pass

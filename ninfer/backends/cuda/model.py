@@ -73,6 +73,16 @@ SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill
 # then: padded within 2x, else grouped) to 230.5.
 MOE_CHUNK_ROWS = 128  # rows a batch entry of the chunked layout
 MOE_CHUNK_STEP = 1  # the chunked layout's batch count rounded up to a multiple of this (see CudaQwen.moe_chunk_step)
+# Prefill chunks of up to MOE_SYNC_FREE_ROWS rows size their expert GEMMs without reading the group sizes back: the
+# chunked layout at its most chunks for the rows, MOE_SYNC_FREE_CHUNK_ROWS rows a chunk (the surplus chunks, rows
+# nothing reads, take the last expert's weights, which stay in L2). Then nothing waits on the host mid-chunk, so
+# such a chunk replays as graphs (`CudaQwen.capture_prefill`). At the server's 1024-row chunks the 35B-A3B's 8K
+# prefill is host-bound (H200, bf16, eager, counts read back in chunks of 128: 232 ms of GPU work in 300 ms of wall;
+# results/cuda_model_35b_prefill_chunk1024_*_session38.*). Eager, the sync-free layout took 277 ms in chunks of 32
+# rows (64: 295, 16: 309, 128: 309) against 303 read back in chunks of 128; replayed as graphs, 269 ms. Measured
+# at 1024 rows only: longer chunks keep the read (2048: 192 ms eager, less host-bound).
+MOE_SYNC_FREE_ROWS = 1024
+MOE_SYNC_FREE_CHUNK_ROWS = 32
 
 
 @attrs.frozen
@@ -81,6 +91,11 @@ class PrefillSpan:
 
     lane: int
     kv_start: int
+
+
+# the span `capture_prefill` records with: only the attention calls read a span, and they run at each replay with
+# the replay's
+CAPTURED_SPAN = PrefillSpan(-1, -1)
 
 
 @attrs.frozen
@@ -1052,8 +1067,12 @@ class CudaQwen:
         self.moe_chunk_step = MOE_CHUNK_STEP
         # the prefill's expert GEMMs without reading the counts back: the chunked layout at its most chunks for the
         # rows (up to E - 1 surplus chunks over rows nothing reads, ~20% more expert FLOPs at the 35B-A3B's 8K), so
-        # the host never waits on the GPU mid-prefill; --moe-sync-free times it
-        self.moe_sync_free = False
+        # the host never waits on the GPU mid-prefill. None: for chunks of up to MOE_SYNC_FREE_ROWS rows; True or
+        # False: for every chunk or none (--moe-sync-free times them)
+        self.moe_sync_free: bool | None = None
+        self.moe_sync_free_chunk_rows = MOE_SYNC_FREE_CHUNK_ROWS  # the sync-free layout's rows a chunk
+        # set while `capture_prefill` records: each prefill attention call is handed to it instead of issued
+        self._attention_cut: Callable[[Callable[[PrefillSpan], None]], None] | None = None
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
@@ -1339,6 +1358,34 @@ class CudaQwen:
         the runner captures as graphs (`forward` without a PrefillSpan; see SHORT_PREFILL_ROW_KEYS)."""
         return 0 < rows <= self.capacity.short_prefill_rows and rows * (kv_start + rows) <= SHORT_PREFILL_ROW_KEYS
 
+    def piecewise_prefill(self, rows: int) -> bool:
+        """Whether a prefill chunk of `rows` rows can be captured in pieces (`capture_prefill`): nothing in it but
+        its attention calls waits on the host (a MoE model's long chunk must size its expert GEMMs sync-free)."""
+        if not 0 < rows <= self.capacity.prefill_rows:
+            return False
+        return not self.dims.is_moe or rows <= SKINNY_ROWS or self._moe_sync_free(rows)
+
+    def capture_prefill(self, rows: int) -> Any:
+        """`forward(rows, 1, span)` of a prefill chunk (one lane, no embedding overrides), for any span, captured as
+        graphs between its prefill attention calls, which read the span's KV start and so run eagerly between the
+        pieces at each replay: `replay(stream_handle, span)` (`graphs.capture_pieces`). Long chunks are eager
+        launches otherwise, ~1,200 a 1024-row chunk of the 35B-A3B, which the host issues slower than the GPU runs
+        them. The graphs read the inputs (`inputs.fill`) and write `workspace.final[:rows]`, as `forward` does."""
+        if not self.piecewise_prefill(rows):
+            raise ValueError(f"a prefill chunk of {rows} rows cannot be captured: it must have 1..."
+                             f"{self.capacity.prefill_rows} rows and a MoE model's long chunk must size its expert "
+                             f"GEMMs without reading the group sizes back (moe_sync_free)")
+
+        def record(cut: Callable[[Callable[[PrefillSpan], None]], None]) -> None:
+            self._attention_cut = cut
+            try:
+                self.forward(rows, 1, CAPTURED_SPAN)
+                self._drain_dequantizer()  # nothing of the pieces may stay on the dequantizer's stream
+            finally:
+                self._attention_cut = None
+
+        return self.device.capture_pieces(record)
+
     def forward(self, rows: int, segments: int, prefill: PrefillSpan | None = None,
                 embeddings: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
         """Run the target decoder over `rows` rows of `inputs`; returns the final-norm hidden rows [rows, H].
@@ -1593,16 +1640,39 @@ class CudaQwen:
                                   kv_heads=d.kv_heads, head_dim=d.head_dim, stream=stream,
                                   min_split_keys=self.attention_min_split_keys, out_bf16=out_bf16,
                                   out_fragments=out_frag, tensor_cores=self.tensor_core_decode)
-        elif self.prefill_attention == "gemm":
+        else:
+            if self.prefill_attention == "flash":  # writes the output projection's bf16 input itself
+                out_bf16 = self.linear.bf16_input(rows, out.shape[1], w.output)
+            attention = self.prefill_attention
+
+            def attend(span: PrefillSpan) -> None:
+                self._prefill_attention(attention, kv, span, rows, out_bf16)
+
+            if self._attention_cut is None:
+                attend(prefill)
+            else:  # capturing: the span's KV start is known only at each replay
+                self._drain_dequantizer()
+                self._attention_cut(attend)
+        self._add_to_residual(ws.attended, w.output, rows, out_bf16, out_frag)
+
+    def _prefill_attention(self, attention: str, kv: KvPool, prefill: PrefillSpan, rows: int, out_bf16: Any) -> None:
+        """A prefill chunk's attention over its lane's KV up to the chunk's last row (the chunk's rows written by
+        `attention_prepare`), by `attention`: "gemm", "flash" (the output in bf16 into `out_bf16`) or "kernel"."""
+        ws, d = self.workspace, self.dims
+        if attention == "gemm":
             self._prefill_attention_gemm(kv, prefill, rows)
-        elif self.prefill_attention == "flash":  # writes the output projection's bf16 input itself
-            out_bf16 = self.linear.bf16_input(rows, out.shape[1], w.output)
+        elif attention == "flash":
             self._prefill_attention_flash(kv, prefill, rows, out_bf16)
         else:
-            self.k.attention_prefill(q, qkgv, inputs.page_tables, prefill.lane, prefill.kv_start, rows, kv.k, kv.v,
-                                   kv.k_scale, kv.v_scale, out, heads=d.attn_heads, kv_heads=d.kv_heads,
-                                   head_dim=d.head_dim, stream=stream)
-        self._add_to_residual(ws.attended, w.output, rows, out_bf16, out_frag)
+            self.k.attention_prefill(ws.q[:rows], ws.qkgv[:rows], self.inputs.page_tables, prefill.lane,
+                                     prefill.kv_start, rows, kv.k, kv.v, kv.k_scale, kv.v_scale, ws.attended[:rows],
+                                     heads=d.attn_heads, kv_heads=d.kv_heads, head_dim=d.head_dim,
+                                     stream=self.device.stream)
+
+    def _drain_dequantizer(self) -> None:
+        """The serving stream waits for every dequantization queued ahead (a captured piece must end joined)."""
+        if self.linear.dequantizer is not None:
+            self.linear.dequantizer.drain()
 
     def _prefill_attention_gemm(self, kv: KvPool, prefill: PrefillSpan, rows: int) -> None:
         """Prefill attention on the tensor cores (`attention_gemm`): K/V of the lane gathered once into contiguous
@@ -1951,11 +2021,9 @@ class CudaQwen:
         placed = ws.moe_padded_position_of[: rows * s]
         self.k.moe_group(ids, ws.moe_counts, ws.moe_offsets, slot_of, experts=e, position_of=position_of,
                          block_counts=ws.moe_block_counts, stream=stream)
-        chunk, room = self.moe_chunk_rows, ws.perm_in.shape[0]
-        # Without the read, the chunked layout at its most chunks: every expert's rows rounded up to whole chunks
-        # come to at most (R S + E (chunk - 1)) / chunk, and the map's surplus entries fill the rest.
-        bound = (rows * s + e * (chunk - 1)) // chunk
-        sync_free = self.moe_sync_free and bound * chunk <= room and bound <= MAX_CHUNKS
+        sync_free = self._moe_sync_free(rows)
+        chunk, room = self.moe_sync_free_chunk_rows if sync_free else self.moe_chunk_rows, ws.perm_in.shape[0]
+        bound = self._moe_chunk_bound(rows, chunk)
         self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts,
                           choice="chunked" if sync_free else self.moe_prefill_gemm, chunk=chunk, room=room,
                           max_chunks=MAX_CHUNKS, stream=stream)
@@ -1998,6 +2066,20 @@ class CudaQwen:
         shared_out, gate_logit = shared_gate or (None, None)
         self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream,
                                    shared_out=shared_out, gate_logit=gate_logit)
+
+    def _moe_chunk_bound(self, rows: int, chunk: int) -> int:
+        """The chunked layout's most chunks for `rows` rows: every expert's rows rounded up to whole chunks come to
+        at most (R S + E (chunk - 1)) / chunk (the sync-free layout takes that many; the map's surplus entries fill
+        the rest)."""
+        return (rows * self.dims.moe_top_k + self.dims.moe_experts * (chunk - 1)) // chunk
+
+    def _moe_sync_free(self, rows: int) -> bool:
+        """Whether a grouped MoE prefill of `rows` rows sizes its expert GEMMs without reading the counts back
+        (`moe_sync_free`), which it can where the sync-free layout's most chunks fit the permuted scratch."""
+        wanted = rows <= MOE_SYNC_FREE_ROWS if self.moe_sync_free is None else self.moe_sync_free
+        chunk = self.moe_sync_free_chunk_rows
+        bound = self._moe_chunk_bound(rows, chunk)
+        return wanted and bound * chunk <= self.workspace.perm_in.shape[0] and bound <= MAX_CHUNKS
 
     # ---- state operations ----
 

@@ -6,9 +6,10 @@ with the same counts shares a graph), the MTP head over a round's produced colum
 step by its lane count, and a DFlash drafter call by its lane and block counts. The first call of a shape runs
 eagerly (compiling the kernels) and captures the graph for the next one; ordinary decode graphs are captured at
 startup. A short prefill chunk (`CudaQwen.short_prefill`: at most 64 rows, few enough keys) runs the decode path
-and is captured by its row count, as is the MTP head over its columns; longer chunks, and chunks with Vision
-embeddings, run eagerly with the tiled prefill attention. Graphs other than startup's are kept up to a bound, least
-recently used freed first (`GraphCache`). The host keeps only what the engine contract needs per lane: the page
+and is captured by its row count, as is the MTP head over its columns. A full-size longer chunk replays graphs
+captured at startup in pieces, its tiled prefill attention calls eager between them (`CudaQwen.capture_prefill`);
+other long chunks, and chunks with Vision embeddings, run eagerly. Graphs other than startup's are kept up to a
+bound, least recently used freed first (`GraphCache`). The host keeps only what the engine contract needs per lane: the page
 table, the sampler, the drafts, whether the last round verified and, with DFlash, how far the drafter's context
 reaches; all tensors stay on the device.
 
@@ -203,8 +204,12 @@ class CudaRunner:
             model.inputs.fill(token_ids=chunk.token_ids, positions=chunk.positions,
                               row_lane=np.full(count, lane), row_pos=start + np.arange(count),
                               seg_lane=[lane], seg_row=[0], seg_count=[count], seg_record=[0])
+            pieces = self._graphs.get(("prefill pieces", count)) if embeddings is None else None
             if embeddings is None and model.short_prefill(count, start):  # a graph per row count: launches cost most
                 self._step(("prefill", count), lambda: model.forward(count, 1))
+                final = model.workspace.final[:count]
+            elif pieces is not None:
+                pieces.replay(model.device.stream_handle, PrefillSpan(lane, start))
                 final = model.workspace.final[:count]
             else:
                 final = model.forward(count, 1, PrefillSpan(lane, start), embeddings)
@@ -363,6 +368,23 @@ class CudaRunner:
             if ("decode", size, size, False) not in self._graphs:
                 self._step(("decode", size, size, False), lambda size=size: self._decode_step(size, size),
                            pinned=True)
+
+    def capture_prefill_graph(self) -> None:
+        """Capture the full-size prefill chunk (Capacity.prefill_rows rows) in pieces now (startup), where the model
+        can (`CudaQwen.piecewise_prefill`): a long prompt's chunks are all full but its last. Only that size: a
+        capture costs the host about what an eager chunk does, wasted on a remainder's length that never recurs.
+        It first runs once eagerly on placeholder rows (token 0 at positions 0.. of lane 0), which compiles the
+        kernels: lane state is reset before any sequence uses it."""
+        model = self._model
+        rows = model.capacity.prefill_rows
+        key = ("prefill pieces", rows)
+        if not self._graphs_on or key in self._graphs or not model.piecewise_prefill(rows):
+            return
+        positions = np.arange(rows)
+        model.inputs.fill(token_ids=np.zeros(rows), positions=np.tile(positions, (3, 1)), row_lane=np.zeros(rows),
+                          row_pos=positions, seg_lane=[0], seg_row=[0], seg_count=[rows], seg_record=[0])
+        model.forward(rows, 1, PrefillSpan(0, 0))
+        self._graphs.add(key, model.capture_prefill(rows), pinned=True)
 
     # ---- internals ----
 
