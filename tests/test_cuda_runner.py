@@ -1053,7 +1053,8 @@ def test_the_engine_serves_batched_requests_on_the_cuda_runner(device_kind, arti
 def test_kv_capacity_auto_is_sized_from_the_free_memory_after_the_whole_layout(artifacts):
     """On HostDevice (64 GiB reported): auto takes what the weights, lane state, workspace, inputs, graph allowance
     and 1 GiB leave, capped at what the lanes can use; an explicit capacity is kept exactly or refused."""
-    from ninfer.backends.cuda.build import KvCapacityDoesNotFit, build_cuda_runner
+    from ninfer.backends.cuda.build import GRAPH_ALLOWANCE_PER_SHAPE, KvCapacityDoesNotFit, build_cuda_runner
+    from ninfer.backends.cuda.graph_cache import SPARE_GRAPHS
     from ninfer.backends.cuda.host import HostDevice
     from ninfer.engine.kv_pool import AUTO_HEADROOM_BYTES
 
@@ -1069,6 +1070,9 @@ def test_kv_capacity_auto_is_sized_from_the_free_memory_after_the_whole_layout(a
     reserved = sum(size for purpose, size in auto.ledger.items() if purpose not in ("weights", "kv"))
     assert sizing["runtime_reservation_bytes"] == reserved > 0
     assert sizing["headroom_bytes"] == AUTO_HEADROOM_BYTES
+    # a graph's allowance for each lane's decode graph, the 2 pieces of the prefill chunk (one attention layer) and
+    # each spare shape
+    assert sizing["graph_allowance_bytes"] == GRAPH_ALLOWANCE_PER_SHAPE * (2 + 2 + SPARE_GRAPHS)
     assert auto.ledger["kv"] == sizing["pool_bytes"] == sizing["pages"] * 64 * sizing["bytes_per_token"]
     assert sizing["free_after_startup_bytes"] <= sizing["free_after_weights_bytes"] - reserved - sizing["pool_bytes"]
     explicit = build(300)

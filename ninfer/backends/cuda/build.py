@@ -93,10 +93,15 @@ def vision_max_patches(vision: VisionDims, config: EngineConfig) -> int:
 def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_graphs: bool,
                  vision_tower: VisionTower | CudaVisionTower | None = None) -> CudaBuild:
     """Size and allocate the KV pool on a model whose other arenas are allocated, build the runner and capture its
-    decode graphs. The page count is a direct calculation: free memory after the weights, minus the exact bytes of
-    the rest of the runtime layout (lane state, workspace, inputs: the ledger), the graph allowance and 1 GiB."""
+    decode graphs and its full-size prefill chunk's pieces. The page count is a direct calculation: free memory after
+    the weights, minus the exact bytes of the rest of the runtime layout (lane state, workspace, inputs: the
+    ledger), the graph allowance and 1 GiB."""
     capacity = model.capacity
-    graph_allowance = GRAPH_ALLOWANCE_PER_SHAPE * (capacity.lanes + SPARE_GRAPHS) if cuda_graphs else 0
+    # the prefill chunk's pieces: one graph before each attention layer's attention and one after the last
+    prefill_pieces = (sum(layer.attention is not None for layer in model.layers) + 1
+                      if model.piecewise_prefill(capacity.prefill_rows) else 0)
+    graph_allowance = (GRAPH_ALLOWANCE_PER_SHAPE * (capacity.lanes + prefill_pieces + SPARE_GRAPHS) if cuda_graphs
+                       else 0)
     reservation = sum(size for purpose, size in device.ledger.items() if purpose not in ("weights", "kv"))
     per_token = model.kv_bytes_per_token
     plan = plan_kv_pool(kv_capacity=config.kv_capacity, max_context=config.max_context, lanes=capacity.lanes,
