@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -193,21 +194,22 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  ab_in_recurrences: tuple[bool | None, ...] = (None,),
                  recurrence_groups: tuple[int | None, ...] = (None,),
                  tensor_core_decodes: tuple[bool, ...] = (True,), prefill_chunk: int | None = None,
-                 prefill_graphs: tuple[bool, ...] = (True,)) -> dict:
+                 prefill_graphs: tuple[bool, ...] = (True,), prefill_buckets: tuple[bool, ...] = (False,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change; `mtp_only`: the decode steps and the MTP
     rounds, no prefill. `prefill_chunk`: the prompt prefilled in chunks of this many tokens, as the server does
     (--prefill-chunk, 1024 by default), with the workspace sized for a chunk; None: in one chunk. `prefill_graphs`:
     the full-size chunks replay graphs captured in pieces where the model can (`CudaQwen.capture_prefill`, as the
-    server's runner does), off and/or on."""
+    server's runner does), off and/or on. `prefill_buckets`: shorter chunks padded to their row buckets
+    (Capacity.prefill_buckets), off and/or on."""
     dims = dims or MODELS[dims_name]
     if prefill_only:
         batches = ()
     device = device or CudaDevice(0)
     specs = [s for s in plan_qwen_tensor_specs(dims) if not s.name.startswith("vision/")]
     capacity = Capacity(lanes=8, max_context=max(prefill_tokens, context) + 64, kv_dtype=kv_dtype,
-                        prefill_rows=min(prefill_chunk or prefill_tokens, prefill_tokens), draft_tokens=3,
+                        prefill_rows=prefill_chunk or prefill_tokens, draft_tokens=3,
                         tensor_core_attention=True,
                         decode_quant=decode_quant, draft_head=draft_head, attention_splits=attention_splits[0],
                         split_k_norm=max(split_k_norms))
@@ -320,32 +322,31 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                               profile=profile)
         return result
 
-    # Prefill: one lane, 8192 tokens from position 0, eager, in chunks of capacity.prefill_rows (each chunk's inputs
-    # written inside the timing when there are several, as the server writes them)
+    # Prefill: one lane, `prefill_tokens` from position 0, in chunks of capacity.prefill_rows, each staged as the
+    # server's runner stages it (`stage_prefill`: padded to its bucket with prefill buckets; inside the timing when
+    # there are several chunks)
     table = np.arange(capacity.max_pages_per_lane, dtype=np.int32)
     model.inputs.set_page_table(0, table)
     ids = np.random.default_rng(0).integers(0, dims.vocab_ids, prefill_tokens)
     chunks = [(start, min(capacity.prefill_rows, prefill_tokens - start))
               for start in range(0, prefill_tokens, capacity.prefill_rows)]
 
-    def fill(start: int, count: int) -> None:
-        rows = np.arange(start, start + count)
-        model.inputs.fill(token_ids=ids[start : start + count], positions=np.tile(rows, (3, 1)),
-                          row_lane=np.zeros(count), row_pos=rows, seg_lane=[0], seg_row=[0], seg_count=[count],
-                          seg_record=[0])
+    def stage(start: int, count: int) -> tuple[int, PrefillSpan]:
+        positions = np.tile(np.arange(start, start + count), (3, 1))
+        return model.stage_prefill(0, start, ids[start : start + count], positions)
 
-    fill(*chunks[0])
-    pieces = None  # the full-size chunk's graphs while a setting replays them
+    staged = [stage(*chunks[0])]  # one chunk's inputs, written before the timing (again for each setting)
+    pieces: dict[int, Any] = {}  # padded rows -> their graph pieces while a setting replays them
 
     def prefill():
         for start, count in chunks:
-            if len(chunks) > 1:  # one chunk's inputs were written once, before the timing
-                fill(start, count)
-            if pieces is not None and count == capacity.prefill_rows:
-                pieces.replay(device.stream_handle, PrefillSpan(0, start))
+            rows, span = stage(start, count) if len(chunks) > 1 else staged[0]
+            graph = pieces.get(rows)
+            if graph is not None:
+                graph.replay(device.stream_handle, span)
                 final = model.workspace.final[:count]
             else:
-                final = model.forward(count, 1, PrefillSpan(0, start))
+                final = model.forward(rows, 1, span)[:count]
         model.greedy(model.head_logits(final[count - 1 :]))
 
     result["prefill"] = []
@@ -356,24 +357,30 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     serving_ahead = dequantizer.ahead if dequantizer is not None else 0
     aheads = dequant_aheads if dequantizer is not None else (None,)
     serving_free_chunk = model.moe_sync_free_chunk_rows
-    for attention, (moe_gemm, chunk, step, sync_free), ahead, graphs in (
-            (a, m, d, g) for a in prefill_attentions for m in moe_settings for d in aheads for g in prefill_graphs):
+    for attention, (moe_gemm, chunk, step, sync_free), ahead, buckets, graphs in (
+            (a, m, d, b, g) for a in prefill_attentions for m in moe_settings for d in aheads
+            for b in prefill_buckets for g in prefill_graphs):
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
         model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
         model.moe_sync_free_chunk_rows = chunk or serving_free_chunk
         model.moe_sync_free = serving_sync_free if sync_free is None else sync_free
         model.set_dequant_ahead(serving_ahead if ahead is None else ahead)
+        model.prefill_buckets = buckets
+        staged[0] = stage(*chunks[0])
+        padded = [model.padded_prefill_rows(count) for _, count in chunks]
         ahead_timed = dequantizer.ahead if dequantizer is not None else 0
         label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
             "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}") + (
             "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}") + (
-            "" if ahead is None else f" dequant ahead {ahead}")
+            "" if ahead is None else f" dequant ahead {ahead}") + (" buckets" if buckets else "")
         for _ in range(PREFILL_WARMUPS):  # eager (compiles the kernels)
             prefill()
         device.synchronize()
-        if graphs and model.piecewise_prefill(capacity.prefill_rows):
-            fill(*chunks[0])
-            pieces = model.capture_prefill(capacity.prefill_rows)
+        # graphs of the full-size chunk and the buckets, as the runner captures them (`capture_prefill_graph`)
+        captured = [rows for rows in set(padded) if graphs and model.piecewise_prefill(rows)
+                    and (rows == capacity.prefill_rows or rows in model.prefill_buckets_rows())]
+        if captured:
+            pieces.update((rows, model.capture_prefill(rows)) for rows in captured)
             label += " graphs"
             prefill()
             device.synchronize()
@@ -389,7 +396,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                   "moe_chunk_rows": model.moe_chunk_rows, "moe_chunk_step": model.moe_chunk_step,
                                   "moe_sync_free": model.moe_sync_free,
                                   "moe_sync_free_chunk_rows": model.moe_sync_free_chunk_rows,
-                                  "prefill_graphs": pieces is not None,
+                                  "prefill_graphs": sorted(pieces), "prefill_buckets": buckets,
+                                  "padded_rows": padded,
                                   "dequant_ahead": ahead_timed,
                                   "dequant_hits": (dequantizer.hits - hits_before) if dequantizer is not None else 0,
                                   # matrices dequantized in all the prefills timed (each chunk dequantizes its own)
@@ -421,11 +429,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(result["prefill"][-1]["host_profile"], flush=True)
             if dims.is_moe:
                 result["prefill"][-1]["moe_host"] = trace_moe_host(model, lambda: (prefill(), device.synchronize()))
-        if pieces is not None:
-            pieces.close()
-            pieces = None
+        for graph in pieces.values():
+            graph.close()
+        pieces.clear()
     model.prefill_attention, model.moe_prefill_gemm, model.moe_chunk_rows = "kernel", "auto", serving_chunk
     model.moe_sync_free_chunk_rows = serving_free_chunk
+    model.prefill_buckets = capacity.prefill_buckets
     model.moe_chunk_step, model.moe_sync_free = serving_step, serving_sync_free
     model.set_dequant_ahead(serving_ahead)
     if prefill_only:
@@ -715,6 +724,12 @@ def main() -> None:
     parser.add_argument("--tensor-core-decode", default="on",
                         help="decode attention over bf16 KV on the tensor cores off and/or on (off,on; default: on, "
                              "the serving default); the MTP rounds run with each")
+    parser.add_argument("--prefill-tokens", type=int, default=PREFILL,
+                        help="the prompt the prefill timings run (8192 by default); with --prefill-chunk longer, the "
+                             "workspace is still the chunk's, as the server's")
+    parser.add_argument("--prefill-buckets", default="off",
+                        help="prefill chunks shorter than --prefill-chunk padded to their row buckets off and/or on "
+                             "(off,on; default: off, the serving default)")
     parser.add_argument("--prefill-graphs", default="on",
                         help="the prefill's full-size chunks replaying graphs captured in pieces off and/or on "
                              "(off,on; default: on, as the server's runner does where the model can)")
@@ -775,7 +790,10 @@ def main() -> None:
                                                                                      args.tensor_core_decode),
                                                           prefill_chunk=args.prefill_chunk,
                                                           prefill_graphs=on_off(parser, "--prefill-graphs",
-                                                                                args.prefill_graphs)))
+                                                                                args.prefill_graphs),
+                                                          prefill_buckets=on_off(parser, "--prefill-buckets",
+                                                                                 args.prefill_buckets),
+                                                          prefill_tokens=args.prefill_tokens))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

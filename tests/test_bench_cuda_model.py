@@ -45,11 +45,23 @@ def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     # every setting's chunk replays graphs in pieces
     assert [(row["moe_chunk_rows"], row["moe_sync_free_chunk_rows"], row["moe_chunk_step"], row["moe_sync_free"],
              row["prefill_graphs"]) for row in result["prefill"]] == [
-        (chunk, 32 if chunk == 128 else chunk, step, free, True) for chunk in (128, 16) for step in (1, 4)
+        (chunk, 32 if chunk == 128 else chunk, step, free, [128]) for chunk in (128, 16) for step in (1, 4)
         for free in (None, True)]
     from bench.kernel_profile import host_profile
 
     assert "function calls" in host_profile(lambda: sum(range(100)), sort="tottime", top=3)
+
+
+def test_a_prompt_shorter_than_the_chunk_runs_eagerly_or_padded_to_its_bucket_in_graphs(bench):
+    """A 100-token prompt with a 128-row chunk (the server's workspace): unpadded it runs eagerly (no graph has
+    its length); with prefill buckets it runs the full-size chunk's graphs, padded to 128 rows."""
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
+                                context=70, prefill_tokens=100, prefill_chunk=128, repeats=4, prefill_only=True,
+                                prefill_attentions=("flash",), prefill_buckets=(False, True))
+    assert [(row["prefill_buckets"], row["padded_rows"], row["prefill_graphs"], row["chunk"], row["tokens"])
+            for row in result["prefill"]] == [(False, [100], [], 128, 100), (True, [128], [128], 128, 100)]
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -59,7 +59,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, max_context: int = 256,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
                narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True,
-               ab_in_recurrence: bool | None = True, recurrence_groups: int = 4):
+               ab_in_recurrence: bool | None = True, recurrence_groups: int = 4, prefill_buckets: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=max_context, prefill_chunk=prefill_chunk,
@@ -71,7 +71,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, max_context: int = 256,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
                              narrow_decode=narrow_decode, split_k_norm=split_k_norm,
                              conv_in_projection=conv_in_projection, ab_in_recurrence=ab_in_recurrence,
-                             recurrence_groups=recurrence_groups)
+                             recurrence_groups=recurrence_groups, prefill_buckets=prefill_buckets)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -366,6 +366,65 @@ def test_full_prefill_chunks_replay_graph_pieces_with_the_eager_bits(device_kind
     assert [(span.lane, span.kv_start) for span in spans] == [(0, 0), (0, 128)]
     np.testing.assert_array_equal(built.model.device.read(built.model.tails),
                                   eager.model.device.read(eager.model.tails))
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(case) for case in CASES])
+def test_padded_prefill_chunks_replay_their_buckets_graphs_and_leave_other_lanes_alone(device_kind, artifacts, case):
+    """With prefill buckets (256-row chunks: shorter ones past 64 rows padded to 128, or to 256), three lanes
+    prefill 100 tokens (padded to 128), 200 (to 256) and 70 + 80 (to 128 twice, the second at KV start 70), each
+    chunk replaying the graph pieces of its padded rows with its real rows in the span; then decode rounds of all
+    three. The padded rows write no KV (a lane's unassigned page-table entries name page 0, lane 0's first page) and
+    leave the recurrent state alone: the tokens and every lane's last hidden row are those of the same padding
+    without graphs bit for bit, and the tokens those of an unpadded build up to a near-tie (a GEMM's rounding
+    follows its row count, even NumPy's on the host), the hidden rows close."""
+    path = artifacts[case]
+    prompts = [prompt(11, 100), prompt(12, 200), prompt(13, 150)]
+    plain = cuda_build(device_kind, path, graphs=False, prefill_chunk=256)
+    eager = cuda_build(device_kind, path, graphs=False, prefill_chunk=256, prefill_buckets=True)
+    bucketed = cuda_build(device_kind, path, prefill_chunk=256, prefill_buckets=True)
+    assert bucketed.model.prefill_buckets_rows() == [128] and plain.model.padded_prefill_rows(100) == 100
+    spans: dict[int, list] = {128: [], 256: []}
+    for rows, replayed in spans.items():
+        pieces = bucketed.runner._graphs.get(("prefill pieces", rows))
+        pieces.replay = lambda handle, span, replay=pieces.replay, replayed=replayed: (replayed.append(span),
+                                                                                       replay(handle, span))
+
+    def tokens(runner) -> list[list[int]]:
+        lanes = [Lane(runner, i, p, sampling=GREEDY, budget=6) for i, p in enumerate(prompts)]
+        lanes[0].prefill(256)
+        lanes[1].prefill(256)
+        lanes[2].prefill(70)  # and the 80 left
+        while not all(lane.done for lane in lanes):
+            decode_round(runner, [lane for lane in lanes if not lane.done])
+        return [lane.tokens for lane in lanes]
+
+    got = tokens(bucketed.runner)
+    assert [(span.lane, span.kv_start, span.rows) for span in spans[128]] == [(0, 0, 100), (2, 0, 70), (2, 70, 80)]
+    assert [(span.lane, span.kv_start, span.rows) for span in spans[256]] == [(1, 0, 200)]
+    assert tokens(eager.runner) == got
+    tails = bucketed.model.device.read(bucketed.model.tails)
+    np.testing.assert_array_equal(tails, eager.model.device.read(eager.model.tails))
+    cpu = load_model(path)
+    for g, w, p in zip(got, tokens(plain.runner), prompts):
+        assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
+    assert np.linalg.norm(tails - plain.model.device.read(plain.model.tails)) < 2e-2 * np.linalg.norm(tails)
+
+
+def test_padded_prefill_rows_are_powers_of_two_between_the_skinny_rows_and_the_chunk(artifacts):
+    model = cuda_build("host", artifacts[("dense", "bf16")], graphs=False, prefill_chunk=256,
+                       prefill_buckets=True).model
+    assert [model.padded_prefill_rows(n) for n in (1, 64, 65, 128, 129, 255, 256)] == [1, 64, 128, 128, 256, 256,
+                                                                                       256]
+    rows, span = model.stage_prefill(1, 30, np.arange(5, 105), text_positions(30, 100))
+    assert rows == 128 and (span.lane, span.kv_start, span.rows) == (1, 30, 100)
+    read = model.device.read
+    assert list(read(model.inputs.row_pos[:rows])) == list(range(30, 130)) + [-1] * 28
+    assert list(read(model.inputs.token_ids[:rows])) == list(range(5, 105)) + [0] * 28
+    assert list(read(model.inputs.seg_count[:1])) == [100]
+    rows, span = model.stage_prefill(1, 30, np.arange(5, 105), text_positions(30, 100), pad=False)
+    assert rows == 100 and span.rows is None
+    model.prefill_buckets = False
+    assert model.padded_prefill_rows(100) == 100 and model.prefill_buckets_rows() == []
 
 
 def test_capture_prefill_refuses_a_chunk_that_reads_the_group_sizes_back(artifacts):

@@ -183,6 +183,8 @@ def _make_prepare_kernel(head_dim: int):
             return
         kvh = slot - heads
         pos = row_pos[r]
+        if pos < 0:  # a padded row of a prefill chunk: no KV (the whole warp leaves)
+            return
         page_tokens = k_pool.shape[1]
         page = page_tables[row_lane[r], pos // page_tokens]
         off = pos % page_tokens
@@ -252,7 +254,8 @@ def _quant_args(k_pool, v_pool, k_scale, v_scale):
 def attention_prepare(qkgv, q_norm, k_norm, inv_freq, positions, row_lane, row_pos, page_tables, k_pool, v_pool,
                       k_scale, v_scale, q_out, *, heads, kv_heads, head_dim, rotary_dim, sections, eps, stream):
     """One launch: q_out[R, Hq, D] = rope(offset_rmsnorm(q)); pool[row's page, row_pos % page] = encode(rope(norm(k)))
-    and encode(v). bf16 pools: pass k_scale = v_scale = None."""
+    and encode(v). A row with row_pos < 0 (a padded prefill chunk's padding) writes no KV. bf16 pools: pass k_scale =
+    v_scale = None."""
     _check_dims(heads, kv_heads, head_dim)
     rows = qkgv.shape[0]
     if rows == 0:
@@ -289,6 +292,8 @@ def attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, row_l
     (kc, ksc), (vc, vsc) = _encode_rows(k, v, quant, group)
     for r in range(rows):
         pos = int(row_pos[r])
+        if pos < 0:  # a padded row: no KV
+            continue
         page, off = page_tables[row_lane[r], pos // page_tokens], pos % page_tokens
         k_pool[page, off], v_pool[page, off] = kc[r], vc[r]
         if quant:

@@ -847,8 +847,11 @@ def _prepare_chunk(k: np.ndarray, q: np.ndarray, log_decay: np.ndarray, beta: np
 def gdn_chunked_reference(q, k, mixed, log_decay, beta, ssm_state, seg_lane, seg_row, seg_count, out, cum, mats, *,
                           rows, qk_heads, v_heads, k_dim, v_dim, channels_qk):
     """The twin of `gdn_chunked`: the same chunk formulas with the same TF32-rounded operands (`mats` receives the
-    packed T / P, `cum` the cumulative log decay). q and k must hold TF32 values, as the kernels require."""
-    for name, values in (("q", q), ("k", k)):
+    packed T / P, `cum` the cumulative log decay). q and k must hold TF32 values in the segments' rows, as the
+    kernels require (rows outside every segment, a padded prefill chunk's padding, are not read)."""
+    read = [row for first, count in zip(np.asarray(seg_row).tolist(), np.asarray(seg_count).tolist())
+            for row in range(first, first + count)]
+    for name, values in (("q", q[read]), ("k", k[read])):
         if not np.array_equal(tf32_round_host(values), values):
             raise ValueError(f"gdn_chunked takes TF32 values of {name} (gdn_gates(..., tf32=True) makes them)")
     repeat = v_heads // qk_heads

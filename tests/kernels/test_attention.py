@@ -111,6 +111,32 @@ def test_twins_match_cpu_gated_attention_over_paged_kv(cfg, dtype):
         length += count
 
 
+def test_a_padded_row_gets_its_q_and_writes_no_kv():
+    """A row with row_pos < 0 (a prefill chunk padded to its bucket) is normed and rotated like any row, and leaves
+    every pool untouched."""
+    rng = np.random.default_rng(6)
+    cfg = TINY[0]
+    heads, kv_heads, d, rotary, sections = cfg
+    q_norm, k_norm, inv_freq = _weights(cfg, rng)
+    for dtype in ("bf16", "int8"):
+        pools = _pools(4, 4, kv_heads, d, dtype)
+        before = [None if p is None else p.copy() for p in pools]
+        qkgv = rng.standard_normal((2, 2 * (heads + kv_heads) * d)).astype(F32)
+        positions = np.zeros((3, 2), np.int32)
+        dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rotary, sections=sections, eps=1e-6)
+        q = A.attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, np.zeros(2, np.int32),
+                                          np.array([-1, -1], np.int32), np.zeros((1, 4), np.int32), *pools,
+                                          np.full((2, heads, d), np.nan, F32), **dims)
+        alone = A.attention_prepare_reference(qkgv, q_norm, k_norm, inv_freq, positions, np.zeros(2, np.int32),
+                                              np.array([0, 1], np.int32), np.zeros((1, 4), np.int32),
+                                              *_pools(4, 4, kv_heads, d, dtype), np.full((2, heads, d), np.nan, F32),
+                                              **dims)
+        np.testing.assert_array_equal(q, alone)
+        for got, want in zip(pools, before):
+            if want is not None:
+                np.testing.assert_array_equal(got, want)
+
+
 def test_decode_twin_against_float64_formula():
     rng = np.random.default_rng(2)
     heads, kv_heads, d = 4, 2, 32
@@ -359,10 +385,10 @@ def test_gpu_prepare_matches_twin(cfg, dtype):
     heads, kv_heads, d, rotary, sections = cfg
     q_norm, k_norm, inv_freq = _weights(cfg, rng)
     pages, page_tokens = 8, 64
-    rows = 5
+    rows = 6
     tables = np.stack([rng.permutation(pages)[:4] for _ in range(2)]).astype(np.int32)
-    row_lane = np.array([0, 1, 1, 1, 0], np.int32)
-    row_pos = np.array([3, 63, 64, 65, 200], np.int32)
+    row_lane = np.array([0, 1, 1, 1, 0, 1], np.int32)
+    row_pos = np.array([3, 63, 64, 65, 200, -1], np.int32)  # the last: a padded prefill row, its q only
     positions = np.stack([row_pos, row_pos + 7, row_pos * 2]).astype(np.int32)
     width = 2 * (heads + kv_heads) * d
 

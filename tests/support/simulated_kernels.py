@@ -567,17 +567,19 @@ def quant_mma_swiglu() -> None:
 
 
 def attention_prepare_case(cfg, dtype, seed=4):
-    """Inputs of one prepare launch (5 rows over 2 lanes, page boundaries crossed), for the simulator and by hand."""
+    """Inputs of one prepare launch (5 rows over 2 lanes, page boundaries crossed, and a padded row: no KV), for the
+    simulator and by hand."""
     from tests.kernels.test_attention import _pools, _weights
 
     rng = np.random.default_rng(seed)
     heads, kv_heads, d, rotary, sections = cfg
     q_norm, k_norm, inv_freq = _weights(cfg, rng)
     pages, page_tokens = 8, 64
-    row_pos = np.array([3, 63, 64, 65, 200], np.int32)
+    row_pos = np.array([3, 63, 64, 65, 200, -1], np.int32)
     positions = np.stack([row_pos, row_pos + 7, row_pos * 2]).astype(np.int32)
-    args = dict(qkgv=rng.standard_normal((5, 2 * (heads + kv_heads) * d)).astype(np.float32), q_norm=q_norm,
-                k_norm=k_norm, inv_freq=inv_freq, positions=positions, row_lane=np.array([0, 1, 1, 1, 0], np.int32),
+    args = dict(qkgv=rng.standard_normal((6, 2 * (heads + kv_heads) * d)).astype(np.float32), q_norm=q_norm,
+                k_norm=k_norm, inv_freq=inv_freq, positions=positions,
+                row_lane=np.array([0, 1, 1, 1, 0, 1], np.int32),
                 row_pos=row_pos, page_tables=np.stack([rng.permutation(pages)[:4] for _ in range(2)]).astype(np.int32))
     return args, _pools(pages, page_tokens, kv_heads, d, dtype)
 
@@ -598,8 +600,8 @@ def attention_prepare() -> None:
             _, want_pools = attention_prepare_case(cfg, dtype)
             dims = dict(heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rotary, sections=sections, eps=1e-6)
             want = attention.attention_prepare_reference(*args.values(), *want_pools,
-                                                         np.zeros((5, heads, d), np.float32), **dims)
-            got = np.full((5, heads, d), np.nan, np.float32)
+                                                         np.zeros((6, heads, d), np.float32), **dims)
+            got = np.full((6, heads, d), np.nan, np.float32)
             # device arrays: a bf16 launch passes each pool twice (as its unused scale too), and host arrays would
             # be copied back twice, the second copy undoing the first
             device_pools = [None if p is None else cuda.to_device(p) for p in pools]

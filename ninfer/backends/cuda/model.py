@@ -87,10 +87,12 @@ MOE_SYNC_FREE_CHUNK_ROWS = 32
 
 @attrs.frozen
 class PrefillSpan:
-    """A prefill chunk: rows 0..count-1 are tokens kv_start.. of `lane`."""
+    """A prefill chunk: rows 0..count-1 are tokens kv_start.. of `lane`. `rows`: the chunk's real rows when it runs
+    padded to more (`CudaQwen.stage_prefill`), None when it runs as it is."""
 
     lane: int
     kv_start: int
+    rows: int | None = None
 
 
 # the span `capture_prefill` records with: only the attention calls read a span, and they run at each replay with
@@ -213,6 +215,12 @@ class Capacity:
     # many: the 35B-A3B's B=8 recurrence ran 23.8 us a layer against 6.8 at B=1, ~0.3 of copy). It fixes the
     # sums' order: one value a deployment. Not yet timed on the H200 (bench/cuda_model.py --recurrence-groups 4,8).
     recurrence_groups: int = REC_DEFAULT_GROUPS
+    # Prefill chunks between SKINNY_ROWS and prefill_rows rows padded to the next power of two
+    # (`CudaQwen.padded_prefill_rows`), so that graphs captured at startup for those few row counts serve every such
+    # chunk: a prompt shorter than a chunk, and every prompt's remainder, run eagerly otherwise (host-bound on the
+    # 35B-A3B: ~1,200 launches a chunk whatever its rows). Off until timed on the GPU (bench/cuda_model.py
+    # --prefill-tokens N --prefill-buckets off,on).
+    prefill_buckets: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -1071,6 +1079,7 @@ class CudaQwen:
         # False: for every chunk or none (--moe-sync-free times them)
         self.moe_sync_free: bool | None = None
         self.moe_sync_free_chunk_rows = MOE_SYNC_FREE_CHUNK_ROWS  # the sync-free layout's rows a chunk
+        self.prefill_buckets = capacity.prefill_buckets  # switchable between chunks (the bench times each)
         # set while `capture_prefill` records: each prefill attention call is handed to it instead of issued
         self._attention_cut: Callable[[Callable[[PrefillSpan], None]], None] | None = None
         fused = dims.is_moe
@@ -1357,6 +1366,40 @@ class CudaQwen:
         """Whether a prefill chunk of `rows` rows after `kv_start` cached tokens runs the decode path, whose steps
         the runner captures as graphs (`forward` without a PrefillSpan; see SHORT_PREFILL_ROW_KEYS)."""
         return 0 < rows <= self.capacity.short_prefill_rows and rows * (kv_start + rows) <= SHORT_PREFILL_ROW_KEYS
+
+    def padded_prefill_rows(self, count: int) -> int:
+        """The rows a prefill chunk of `count` rows runs as: with `prefill_buckets`, a chunk of more than SKINNY_ROWS
+        rows and fewer than the capacity's runs padded to the next power of two (at most the capacity's rows);
+        otherwise as it is."""
+        if not self.prefill_buckets or count <= SKINNY_ROWS or count >= self.capacity.prefill_rows:
+            return count
+        return min(1 << (count - 1).bit_length(), self.capacity.prefill_rows)
+
+    def prefill_buckets_rows(self) -> list[int]:
+        """Every row count `padded_prefill_rows` pads a chunk to, short of the capacity's rows."""
+        if not self.prefill_buckets:
+            return []
+        return sorted({self.padded_prefill_rows(count) for count in range(SKINNY_ROWS + 1, self.capacity.prefill_rows)}
+                      - {self.capacity.prefill_rows})
+
+    def stage_prefill(self, lane: int, kv_start: int, token_ids: Any, positions: np.ndarray, *,
+                      pad: bool = True) -> tuple[int, PrefillSpan]:
+        """Write a prefill chunk's inputs (tokens kv_start.. of `lane`, their MRoPE positions [3, count]) padded to
+        `padded_prefill_rows` where `pad`; returns the rows to run `forward` (or the graph pieces of those rows) over
+        and the span. A padded row is token 0 at position 0 outside every segment, with row_pos -1: it writes no KV
+        and leaves the recurrent state alone, its attention output is zeros, and the rows after it reach nothing
+        of the real rows' (row-wise work; the MoE's expert GEMMs are sized by the padded rows, so the real rows' bits
+        depend on the padded count only)."""
+        count = len(token_ids)
+        rows = self.padded_prefill_rows(count) if pad else count
+        padding = rows - count
+        ids = np.concatenate([np.asarray(token_ids, np.int64), np.zeros(padding, np.int64)])
+        placed = np.zeros((3, rows), np.int32)
+        placed[:, :count] = positions
+        row_pos = np.concatenate([kv_start + np.arange(count), np.full(padding, -1)])
+        self.inputs.fill(token_ids=ids, positions=placed, row_lane=np.full(rows, lane), row_pos=row_pos,
+                         seg_lane=[lane], seg_row=[0], seg_count=[count], seg_record=[0])
+        return rows, PrefillSpan(lane, kv_start, count if padding else None)
 
     def piecewise_prefill(self, rows: int) -> bool:
         """Whether a prefill chunk of `rows` rows can be captured in pieces (`capture_prefill`): nothing in it but
@@ -1657,17 +1700,26 @@ class CudaQwen:
 
     def _prefill_attention(self, attention: str, kv: KvPool, prefill: PrefillSpan, rows: int, out_bf16: Any) -> None:
         """A prefill chunk's attention over its lane's KV up to the chunk's last row (the chunk's rows written by
-        `attention_prepare`), by `attention`: "gemm", "flash" (the output in bf16 into `out_bf16`) or "kernel"."""
+        `attention_prepare`), by `attention`: "gemm", "flash" (the output in bf16 into `out_bf16`) or "kernel". A
+        padded chunk's (`prefill.rows` of the `rows`) runs over its real rows, the padded rows' output zeros."""
         ws, d = self.workspace, self.dims
+        real = rows if prefill.rows is None else prefill.rows
+        if not 0 < real <= rows:
+            raise ValueError(f"a prefill span of {prefill.rows} real rows in a chunk of {rows}")
+        real_bf16 = None if out_bf16 is None else out_bf16[:real]
         if attention == "gemm":
-            self._prefill_attention_gemm(kv, prefill, rows)
+            self._prefill_attention_gemm(kv, prefill, real)
         elif attention == "flash":
-            self._prefill_attention_flash(kv, prefill, rows, out_bf16)
+            self._prefill_attention_flash(kv, prefill, real, real_bf16)
         else:
-            self.k.attention_prefill(ws.q[:rows], ws.qkgv[:rows], self.inputs.page_tables, prefill.lane,
-                                     prefill.kv_start, rows, kv.k, kv.v, kv.k_scale, kv.v_scale, ws.attended[:rows],
+            self.k.attention_prefill(ws.q[:real], ws.qkgv[:real], self.inputs.page_tables, prefill.lane,
+                                     prefill.kv_start, real, kv.k, kv.v, kv.k_scale, kv.v_scale, ws.attended[:real],
                                      heads=d.attn_heads, kv_heads=d.kv_heads, head_dim=d.head_dim,
                                      stream=self.device.stream)
+        if real < rows:  # whichever the output projection reads
+            self.device.clear(ws.attended[real:rows])
+            if out_bf16 is not None:
+                self.device.clear(out_bf16[real:rows])
 
     def _drain_dequantizer(self) -> None:
         """The serving stream waits for every dequantization queued ahead (a captured piece must end joined)."""

@@ -8,10 +8,11 @@ eagerly (compiling the kernels) and captures the graph for the next one; ordinar
 startup. A short prefill chunk (`CudaQwen.short_prefill`: at most 64 rows, few enough keys) runs the decode path
 and is captured by its row count, as is the MTP head over its columns. A full-size longer chunk replays graphs
 captured at startup in pieces, its tiled prefill attention calls eager between them (`CudaQwen.capture_prefill`);
-other long chunks, and chunks with Vision embeddings, run eagerly. Graphs other than startup's are kept up to a
-bound, least recently used freed first (`GraphCache`). The host keeps only what the engine contract needs per lane: the page
-table, the sampler, the drafts, whether the last round verified and, with DFlash, how far the drafter's context
-reaches; all tensors stay on the device.
+with Capacity.prefill_buckets so does a shorter one, padded to its row bucket (`CudaQwen.stage_prefill`); other
+long chunks, and chunks with Vision embeddings, run eagerly. Graphs other than startup's are kept up to a
+bound, least recently used freed first (`GraphCache`). The host keeps only what the engine contract needs per
+lane: the page table, the sampler, the drafts, whether the last round verified and, with DFlash, how far the
+drafter's context reaches; all tensors stay on the device.
 
 DFlash rounds follow the CPU runner (`ninfer.backends.cpu.runner`): a decode call starts with one drafter call that
 projects every batch lane's pending committed columns into its context (k+1 context rows a lane, those past its
@@ -201,18 +202,17 @@ class CudaRunner:
         if self._dflash:
             self._start_drafter_call(lane, start)
         if count:
-            model.inputs.fill(token_ids=chunk.token_ids, positions=chunk.positions,
-                              row_lane=np.full(count, lane), row_pos=start + np.arange(count),
-                              seg_lane=[lane], seg_row=[0], seg_count=[count], seg_record=[0])
-            pieces = self._graphs.get(("prefill pieces", count)) if embeddings is None else None
+            # (Vision rows replace embeddings row by row: such a chunk runs unpadded)
+            rows, span = model.stage_prefill(lane, start, chunk.token_ids, chunk.positions, pad=embeddings is None)
+            pieces = self._graphs.get(("prefill pieces", rows)) if embeddings is None else None
             if embeddings is None and model.short_prefill(count, start):  # a graph per row count: launches cost most
                 self._step(("prefill", count), lambda: model.forward(count, 1))
                 final = model.workspace.final[:count]
             elif pieces is not None:
-                pieces.replay(model.device.stream_handle, PrefillSpan(lane, start))
+                pieces.replay(model.device.stream_handle, span)
                 final = model.workspace.final[:count]
             else:
-                final = model.forward(count, 1, PrefillSpan(lane, start), embeddings)
+                final = model.forward(rows, 1, span, embeddings)[:count]
             # The chunk's last row becomes the tail only after the MTP bridge column has read the old tail.
             model.device.copy(self._model.last_row, final[count - 1 :])
             if self._dflash:  # the chunk's columns are committed: project their captured features now
@@ -370,21 +370,21 @@ class CudaRunner:
                            pinned=True)
 
     def capture_prefill_graph(self) -> None:
-        """Capture the full-size prefill chunk (Capacity.prefill_rows rows) in pieces now (startup), where the model
-        can (`CudaQwen.piecewise_prefill`): a long prompt's chunks are all full but its last. Only that size: a
-        capture costs the host about what an eager chunk does, wasted on a remainder's length that never recurs.
-        It first runs once eagerly on placeholder rows (token 0 at positions 0.. of lane 0), which compiles the
-        kernels: lane state is reset before any sequence uses it."""
+        """Capture the full-size prefill chunk (Capacity.prefill_rows rows) in pieces now (startup), and each row
+        bucket shorter chunks are padded to (`CudaQwen.padded_prefill_rows`), where the model can
+        (`CudaQwen.piecewise_prefill`): a long prompt's chunks are all full but its last. No other size: a capture
+        costs the host about what an eager chunk does, wasted on a length that never recurs. Each first runs once
+        eagerly on placeholder rows (token 0 at positions 0.. of lane 0), which compiles the kernels: lane state is
+        reset before any sequence uses it."""
         model = self._model
-        rows = model.capacity.prefill_rows
-        key = ("prefill pieces", rows)
-        if not self._graphs_on or key in self._graphs or not model.piecewise_prefill(rows):
-            return
-        positions = np.arange(rows)
-        model.inputs.fill(token_ids=np.zeros(rows), positions=np.tile(positions, (3, 1)), row_lane=np.zeros(rows),
-                          row_pos=positions, seg_lane=[0], seg_row=[0], seg_count=[rows], seg_record=[0])
-        model.forward(rows, 1, PrefillSpan(0, 0))
-        self._graphs.add(key, model.capture_prefill(rows), pinned=True)
+        for rows in (model.capacity.prefill_rows, *model.prefill_buckets_rows()):
+            key = ("prefill pieces", rows)
+            if not self._graphs_on or key in self._graphs or not model.piecewise_prefill(rows):
+                continue
+            positions = np.tile(np.arange(rows), (3, 1))
+            _, span = model.stage_prefill(0, 0, np.zeros(rows), positions, pad=False)
+            model.forward(rows, 1, span)
+            self._graphs.add(key, model.capture_prefill(rows), pinned=True)
 
     # ---- internals ----
 
