@@ -377,8 +377,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             prefill()
         device.synchronize()
         # graphs of the full-size chunk and the buckets, as the runner captures them (`capture_prefill_graph`)
-        captured = [rows for rows in set(padded) if graphs and model.piecewise_prefill(rows)
-                    and (rows == capacity.prefill_rows or rows in model.prefill_buckets_rows())]
+        captured = sorted(set(padded) & set(model.captured_prefill_rows())) if graphs else []
         if captured:
             pieces.update((rows, model.capture_prefill(rows)) for rows in captured)
             label += " graphs"

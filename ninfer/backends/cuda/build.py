@@ -100,9 +100,7 @@ def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_
     capacity = model.capacity
     # the prefill chunks' pieces (the full size's and each bucket's): one graph before each attention layer's
     # attention and one after the last
-    captured = [rows for rows in (capacity.prefill_rows, *model.prefill_buckets_rows())
-                if model.piecewise_prefill(rows)]
-    prefill_pieces = len(captured) * (sum(layer.attention is not None for layer in model.layers) + 1)
+    prefill_pieces = len(model.captured_prefill_rows()) * (sum(layer.attention is not None for layer in model.layers) + 1)
     graph_allowance = (GRAPH_ALLOWANCE_PER_SHAPE * (capacity.lanes + prefill_pieces + SPARE_GRAPHS) if cuda_graphs
                        else 0)
     reservation = sum(size for purpose, size in device.ledger.items() if purpose not in ("weights", "kv"))

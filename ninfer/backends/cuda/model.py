@@ -1382,6 +1382,12 @@ class CudaQwen:
         return sorted({self.padded_prefill_rows(count) for count in range(SKINNY_ROWS + 1, self.capacity.prefill_rows)}
                       - {self.capacity.prefill_rows})
 
+    def captured_prefill_rows(self) -> list[int]:
+        """The prefill chunk sizes graphs serve (`capture_prefill`): the capacity's chunk and each bucket, where the
+        model can capture them (`piecewise_prefill`)."""
+        return [rows for rows in (self.capacity.prefill_rows, *self.prefill_buckets_rows())
+                if self.piecewise_prefill(rows)]
+
     def stage_prefill(self, lane: int, kv_start: int, token_ids: Any, positions: np.ndarray, *,
                       pad: bool = True) -> tuple[int, PrefillSpan]:
         """Write a prefill chunk's inputs (tokens kv_start.. of `lane`, their MRoPE positions [3, count]) padded to

@@ -377,9 +377,9 @@ class CudaRunner:
         eagerly on placeholder rows (token 0 at positions 0.. of lane 0), which compiles the kernels: lane state is
         reset before any sequence uses it."""
         model = self._model
-        for rows in (model.capacity.prefill_rows, *model.prefill_buckets_rows()):
+        for rows in model.captured_prefill_rows():
             key = ("prefill pieces", rows)
-            if not self._graphs_on or key in self._graphs or not model.piecewise_prefill(rows):
+            if not self._graphs_on or key in self._graphs:
                 continue
             positions = np.tile(np.arange(rows), (3, 1))
             _, span = model.stage_prefill(0, 0, np.zeros(rows), positions, pad=False)
