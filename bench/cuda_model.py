@@ -194,7 +194,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  ab_in_recurrences: tuple[bool | None, ...] = (None,),
                  recurrence_groups: tuple[int | None, ...] = (None,),
                  tensor_core_decodes: tuple[bool, ...] = (True,), prefill_chunk: int | None = None,
-                 prefill_graphs: tuple[bool, ...] = (True,), prefill_buckets: tuple[bool, ...] = (False,)) -> dict:
+                 prefill_graphs: tuple[bool, ...] = (True,), prefill_buckets: tuple[bool, ...] = (False,),
+                 direct_quant_experts: tuple[bool, ...] = (False,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change; `mtp_only`: the decode steps and the MTP
@@ -202,7 +203,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     (--prefill-chunk, 1024 by default), with the workspace sized for a chunk; None: in one chunk. `prefill_graphs`:
     the full-size chunks replay graphs captured in pieces where the model can (`CudaQwen.capture_prefill`, as the
     server's runner does), off and/or on. `prefill_buckets`: shorter chunks padded to their row buckets
-    (Capacity.prefill_buckets), off and/or on."""
+    (Capacity.prefill_buckets), off and/or on. `direct_quant_experts`: a MoE model's quantized routed experts
+    multiplied from their codes (Capacity.direct_quant_experts), off and/or on."""
     dims = dims or MODELS[dims_name]
     if prefill_only:
         batches = ()
@@ -357,22 +359,25 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     serving_ahead = dequantizer.ahead if dequantizer is not None else 0
     aheads = dequant_aheads if dequantizer is not None else (None,)
     serving_free_chunk = model.moe_sync_free_chunk_rows
-    for attention, (moe_gemm, chunk, step, sync_free), ahead, buckets, graphs in (
-            (a, m, d, b, g) for a in prefill_attentions for m in moe_settings for d in aheads
-            for b in prefill_buckets for g in prefill_graphs):
+    directs = direct_quant_experts if dims.is_moe and dequantizer is not None else (False,)
+    for attention, (moe_gemm, chunk, step, sync_free), ahead, buckets, direct, graphs in (
+            (a, m, d, b, q, g) for a in prefill_attentions for m in moe_settings for d in aheads
+            for b in prefill_buckets for q in directs for g in prefill_graphs):
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
         model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
         model.moe_sync_free_chunk_rows = chunk or serving_free_chunk
         model.moe_sync_free = serving_sync_free if sync_free is None else sync_free
         model.set_dequant_ahead(serving_ahead if ahead is None else ahead)
         model.prefill_buckets = buckets
+        model.direct_quant_experts = direct
         staged[0] = stage(*chunks[0])
         padded = [model.padded_prefill_rows(count) for _, count in chunks]
         ahead_timed = dequantizer.ahead if dequantizer is not None else 0
         label = attention + ("" if moe_gemm == "auto" else f" moe {moe_gemm}") + (
             "" if chunk is None else f" chunk {chunk}") + ("" if step is None else f" step {step}") + (
             "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}") + (
-            "" if ahead is None else f" dequant ahead {ahead}") + (" buckets" if buckets else "")
+            "" if ahead is None else f" dequant ahead {ahead}") + (" buckets" if buckets else "") + (
+            " direct experts" if direct else "")
         for _ in range(PREFILL_WARMUPS):  # eager (compiles the kernels)
             prefill()
         device.synchronize()
@@ -396,6 +401,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                   "moe_sync_free": model.moe_sync_free,
                                   "moe_sync_free_chunk_rows": model.moe_sync_free_chunk_rows,
                                   "prefill_graphs": sorted(pieces), "prefill_buckets": buckets,
+                                  "direct_quant_experts": direct,
                                   "padded_rows": padded,
                                   "dequant_ahead": ahead_timed,
                                   "dequant_hits": (dequantizer.hits - hits_before) if dequantizer is not None else 0,
@@ -434,6 +440,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     model.prefill_attention, model.moe_prefill_gemm, model.moe_chunk_rows = "kernel", "auto", serving_chunk
     model.moe_sync_free_chunk_rows = serving_free_chunk
     model.prefill_buckets = capacity.prefill_buckets
+    model.direct_quant_experts = capacity.direct_quant_experts
     model.moe_chunk_step, model.moe_sync_free = serving_step, serving_sync_free
     model.set_dequant_ahead(serving_ahead)
     if prefill_only:
@@ -729,6 +736,9 @@ def main() -> None:
     parser.add_argument("--prefill-buckets", default="off",
                         help="prefill chunks shorter than --prefill-chunk padded to their row buckets off and/or on "
                              "(off,on; default: off, the serving default)")
+    parser.add_argument("--direct-quant-experts", default="off",
+                        help="a MoE model's quantized routed experts multiplied from their codes in prefill chunks "
+                             "off and/or on (off,on; default: off, the serving default)")
     parser.add_argument("--prefill-graphs", default="on",
                         help="the prefill's full-size chunks replaying graphs captured in pieces off and/or on "
                              "(off,on; default: on, as the server's runner does where the model can)")
@@ -792,6 +802,9 @@ def main() -> None:
                                                                                 args.prefill_graphs),
                                                           prefill_buckets=on_off(parser, "--prefill-buckets",
                                                                                  args.prefill_buckets),
+                                                          direct_quant_experts=on_off(
+                                                              parser, "--direct-quant-experts",
+                                                              args.direct_quant_experts),
                                                           prefill_tokens=args.prefill_tokens))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()

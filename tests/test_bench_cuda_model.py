@@ -64,6 +64,22 @@ def test_a_prompt_shorter_than_the_chunk_runs_eagerly_or_padded_to_its_bucket_in
             for row in result["prefill"]] == [(False, [100], [], 128, 100), (True, [128], [128], 128, 100)]
 
 
+def test_direct_quant_experts_are_timed_beside_the_dequantizing_path(bench):
+    """--direct-quant-experts off,on on a ninfer-v2 MoE model: one prefill row each, the second without
+    dequantizing the experts (fewer matrices dequantized: the routed gate|up and down of every layer)."""
+    from ninfer.backends.cuda.host import HostDevice
+
+    dims = cuda_tiny_dims(moe=True)
+    result = bench.bench_config("tiny", "ninfer-v2", "bf16", 1e12, 1e14, device=HostDevice(), dims=dims, context=70,
+                                prefill_tokens=256, prefill_chunk=128, repeats=4, prefill_only=True,
+                                prefill_attentions=("flash",), prefill_graphs=(False,), decode_quant="mma",
+                                direct_quant_experts=(False, True))
+    rows = result["prefill"]
+    assert [row["direct_quant_experts"] for row in rows] == [False, True]
+    chunks_timed = rows[0]["dequantized"] - rows[1]["dequantized"]
+    assert chunks_timed > 0 and chunks_timed % (2 * len(dims.layer_types)) == 0, rows
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("recipe,decode_quant", [("bf16", "simt"), ("ninfer-v2", "simt"), ("ninfer-v2", "mma")])
 def test_every_measurement_runs_on_the_host_device(bench, moe, recipe, decode_quant):

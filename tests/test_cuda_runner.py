@@ -59,7 +59,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, max_context: int = 256,
                tensor_core_attention: bool = False, decode_linear: str = "kernels", decode_quant: str = "simt",
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
                narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True,
-               ab_in_recurrence: bool | None = True, recurrence_groups: int = 4, prefill_buckets: bool = False):
+               ab_in_recurrence: bool | None = True, recurrence_groups: int = 4, prefill_buckets: bool = False,
+               direct_quant_experts: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=max_context, prefill_chunk=prefill_chunk,
@@ -71,7 +72,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, max_context: int = 256,
                              decode_quant=decode_quant, branches=branches, programmatic_launch=programmatic_launch,
                              narrow_decode=narrow_decode, split_k_norm=split_k_norm,
                              conv_in_projection=conv_in_projection, ab_in_recurrence=ab_in_recurrence,
-                             recurrence_groups=recurrence_groups, prefill_buckets=prefill_buckets)
+                             recurrence_groups=recurrence_groups, prefill_buckets=prefill_buckets,
+                             direct_quant_experts=direct_quant_experts)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -942,6 +944,44 @@ def test_swiglu_epilogue_replaces_the_silu_mul_launches(device_kind, artifacts, 
             assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
     if device_kind == "host":
         assert fused and silu_rows and min(silu_rows) > SKINNY_ROWS, silu_rows  # only the long chunk's
+
+def test_direct_quant_experts_multiply_the_codes_and_keep_the_tokens(device_kind, artifacts, monkeypatch):
+    """With direct_quant_experts, a ninfer-v2 MoE prefill chunk past SKINNY_ROWS multiplies its routed experts from
+    their codes (`linear_quant_mma_chunked`: the gate|up writing silu(gate) * up, then the down) and dequantizes no
+    expert matrix; the sync-free layout (graph pieces or eager, the same tokens) and the read-back one (the layout
+    forced to chunks of 128) give the dequantizing build's tokens up to bf16 near ties (the activation is rounded
+    once from fp32 instead of from bf16 gate and up)."""
+    from ninfer.backends.cuda import host_kernels
+    from ninfer.backends.cuda.model import SKINNY_ROWS
+
+    chunked, dequantized = [], []
+    original_chunked, original_dequantize = host_kernels.linear_quant_mma_chunked, host_kernels.dequantize_mma_bf16
+    monkeypatch.setattr(host_kernels, "linear_quant_mma_chunked", lambda *a, **k: (
+        chunked.append((a[0].shape[1], k["swiglu"], k["chunk"])), original_chunked(*a, **k)))
+    monkeypatch.setattr(host_kernels, "dequantize_mma_bf16", lambda qw, out, **k: (
+        dequantized.append(qw.shape), original_dequantize(qw, out, **k)))
+    path = artifacts[("moe", "ninfer-v2")]
+    prompts = [prompt(21, 200), prompt(22, SKINNY_ROWS + 30), prompt(23, 40)]
+    want = run_lanes(cuda_build(device_kind, path, decode_quant="mma").runner, prompts, 8, chunk=128)
+    build = cuda_build(device_kind, path, decode_quant="mma", direct_quant_experts=True)
+    experts = {m.shape for layer in build.model.layers for m in (layer.ffn.routed_gate_up, layer.ffn.routed_down)}
+    dequantized.clear()
+    got = run_lanes(build.runner, prompts, 8, chunk=128)
+    eager = cuda_build(device_kind, path, decode_quant="mma", direct_quant_experts=True, graphs=False)
+    assert run_lanes(eager.runner, prompts, 8, chunk=128) == got
+    eager.model.moe_sync_free = False
+    eager.model.moe_prefill_gemm = "padded"  # (the direct path takes chunks whatever this says)
+    read_back = run_lanes(eager.runner, prompts, 8, chunk=128)
+    cpu = load_model(path)
+    for g, r, w, p in zip(got, read_back, want, prompts):
+        assert_same_or_near_tie(g, w, cpu, p, tie=BF16_NEAR_TIE)
+        assert_same_or_near_tie(r, w, cpu, p, tie=BF16_NEAR_TIE)
+    if device_kind == "host":
+        d = build.model.dims
+        assert set(chunked) == {(d.hidden, True, 32), (d.moe_intermediate, False, 32), (d.hidden, True, 128),
+                                (d.moe_intermediate, False, 128)}, set(chunked)
+        assert not experts & set(dequantized), dequantized
+
 
 def test_more_attention_splits_keep_the_greedy_tokens(device_kind, artifacts):
     """Capacity.attention_splits past 32 (the combine's lanes then merge several splits each): eager decode with the

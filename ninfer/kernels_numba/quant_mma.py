@@ -74,7 +74,7 @@ BF16_ONE_PAIR = 0x3F803F80
 BF16_128_PAIR = 0x43004300
 
 
-def _minus_pair(offset: int) -> int:
+def offset_pair(offset: int) -> int:
     """The bf16 pair of -(128 + offset) (offset < 128: exact)."""
     bits = int(codec.f32_to_bf16_bits(np.array([-(128.0 + offset)], np.float32))[0])
     return bits | (bits << 16)
@@ -187,6 +187,23 @@ def code_pair(word, h0, h1, j, s, bits, minus_pair):
     magic = uint32(BF16_128_PAIR) if bits == 4 else high_magic(h0, h1, j, s, bits)
     raw = and_or(word >> uint32(4 * s), uint32(0x000F000F), magic)
     return fma_bf16x2(raw, uint32(BF16_ONE_PAIR), minus_pair)
+
+
+@device_function
+def code_fragment(word, h0, h1, j, bits, minus_pair):
+    """The A fragment (4 registers) of k-step j for Q4/Q5/Q6 (`code_pair` of each register)."""
+    return (code_pair(word, h0, h1, j, 0, bits, minus_pair), code_pair(word, h0, h1, j, 1, bits, minus_pair),
+            code_pair(word, h0, h1, j, 2, bits, minus_pair), code_pair(word, h0, h1, j, 3, bits, minus_pair))
+
+
+@device_function
+def w8_fragments(high_word, low_word, minus_pair, minus_low):
+    """The two A fragments of a W8 k-step: its high nibbles' (offset 8) and its low nibbles' (offset 0), 8
+    registers; the exact code is 16 high + low."""
+    return (nibble_pair(high_word, 0, minus_pair), nibble_pair(high_word, 1, minus_pair),
+            nibble_pair(high_word, 2, minus_pair), nibble_pair(high_word, 3, minus_pair),
+            nibble_pair(low_word, 0, minus_low), nibble_pair(low_word, 1, minus_low),
+            nibble_pair(low_word, 2, minus_low), nibble_pair(low_word, 3, minus_low))
 
 
 # ---- host repack --------------------------------------------------------------------------------------------------
@@ -418,8 +435,8 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
     XS = 8 * unroll * sets  # xs[8 (u sets + s) + w]: word w of block u's fragments of set s
     CHAIN = 4 * sets  # an mma chain's C registers, per set
     warps_sum = make_warps_sum(ACC, warps)
-    MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)  # W8: the high nibble's offset
-    MINUS_LOW = _minus_pair(0)
+    MINUS = offset_pair(1 << (bits - 1)) if bits != 8 else offset_pair(8)  # W8: the high nibble's offset
+    MINUS_LOW = offset_pair(0)
     # bytes per K block of each stream, for one lane's slot of a (tile, block)
     BASE_BLOCK = 32 * 4 * 4  # 32 lanes x 4 words
     HIGH_BLOCK = 32 * HW * 4
@@ -483,16 +500,8 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                                 chain_low[c] = float32(0.0)
                             for jj in range(2):
                                 j = 2 * k + jj
-                                hw = highs[h0 + j]
-                                lw = words[w0 + j]
-                                a0 = nibble_pair(hw, 0, minus)
-                                a1 = nibble_pair(hw, 1, minus)
-                                a2 = nibble_pair(hw, 2, minus)
-                                a3 = nibble_pair(hw, 3, minus)
-                                e0 = nibble_pair(lw, 0, minus_low)
-                                e1 = nibble_pair(lw, 1, minus_low)
-                                e2 = nibble_pair(lw, 2, minus_low)
-                                e3 = nibble_pair(lw, 3, minus_low)
+                                a0, a1, a2, a3, e0, e1, e2, e3 = w8_fragments(highs[h0 + j], words[w0 + j], minus,
+                                                                              minus_low)
                                 for t in range(sets):
                                     b0 = xs[8 * (u * sets + t) + 2 * j]
                                     b1 = xs[8 * (u * sets + t) + 2 * j + 1]
@@ -521,11 +530,7 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                             hw0 = highs[h0]
                             hw1 = highs[h0 + 1]
                         for j in range(4):
-                            w = words[w0 + j]
-                            a0 = code_pair(w, hw0, hw1, j, 0, bits, minus)
-                            a1 = code_pair(w, hw0, hw1, j, 1, bits, minus)
-                            a2 = code_pair(w, hw0, hw1, j, 2, bits, minus)
-                            a3 = code_pair(w, hw0, hw1, j, 3, bits, minus)
+                            a0, a1, a2, a3 = code_fragment(words[w0 + j], hw0, hw1, j, bits, minus)
                             for t in range(sets):
                                 chain[4 * t], chain[4 * t + 1], chain[4 * t + 2], chain[4 * t + 3] = (
                                     mma_bf16_m16n8k16(a0, a1, a2, a3, xs[8 * (u * sets + t) + 2 * j],
@@ -999,7 +1004,7 @@ def _stored_target(tile, row, rows, swiglu_rows):
 
 
 @device_function
-def _block_words(base, high, scales, slot, lane, g, bits, scale_words):
+def block_words(base, high, scales, slot, lane, g, bits, scale_words):
     """A lane's codes, high-plane words and scale words (the k-steps' first and last) of (tile, block) `slot`."""
     w0, w1, w2, w3 = load4(base, (slot * 32 + lane) * 4)
     h0, h1, h2, h3 = load_high_words(high, slot * 32 + lane, bits)
@@ -1032,8 +1037,8 @@ def make_dequantize_mma_kernel(bits: int, threads: int = DEQUANTIZE_THREADS):
     """The dequantization kernel of one format for blocks of `threads` threads (each warp its own staged tile)."""
     SW = SCALE_WORDS[bits]
     STAGE = (threads // 32) * TILE_ROWS * STAGE_ROW_WORDS
-    MINUS = _minus_pair(1 << (bits - 1)) if bits != 8 else _minus_pair(8)
-    MINUS_LOW = _minus_pair(0)
+    MINUS = offset_pair(1 << (bits - 1)) if bits != 8 else offset_pair(8)
+    MINUS_LOW = offset_pair(0)
 
     @kernel((uint32[::1], uint32[::1], uint32[::1], uint32[:, ::1], int32, int32, int32), fastmath=False)
     def dequantize_mma_kernel(base, high, scales, out, blocks, swiglu_rows, parts):
@@ -1078,11 +1083,11 @@ def make_dequantize_mma_kernel(bits: int, threads: int = DEQUANTIZE_THREADS):
         # so without them in flight each block waited out a whole load latency (the last block reloads itself
         # rather than branch). Two blocks in flight (80 registers) gave the same bits and ran 4-14% slower (H200,
         # session 21).
-        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(base, high, scales, first_slot, lane, g, bits,
+        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = block_words(base, high, scales, first_slot, lane, g, bits,
                                                                     SW)
         for q in range(steps):
             w0, w1, w2, w3, hw0, hw1, hw2, hw3, sc0, sc1 = n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1
-            n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = _block_words(
+            n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = block_words(
                 base, high, scales, first_slot + min(q + 1, steps - 1), lane, g, bits, SW)
             cuda.syncwarp()  # the previous block's rows are stored before the stage is written again
             # one call a k-step with its word as a constant: in a loop over j the selects of w and h and a 64-bit

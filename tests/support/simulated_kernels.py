@@ -566,6 +566,80 @@ def quant_mma_swiglu() -> None:
         print("ok quant_mma_swiglu", fmt, flush=True)
 
 
+def quant_mma_chunked_case(rng, fmt: str, *, counts, chunk: int, rpe: int, k: int, swiglu: bool,
+                           upload: bool = True) -> dict:
+    """One chunked expert GEMM's launch arguments and its twin's output: `counts` routed rows an expert in the
+    chunked layout of `chunk` rows (moe_layout's twin places them) plus one surplus chunk (the sync-free layout's),
+    x rows nothing routes NaN, y's rows the sentinel 0xFFFF; `want` is y after the twin, `payload` the experts'
+    codec bytes, `weight` their tensor-core upload (`upload`: needs a GPU or the simulator)."""
+    from ninfer.artifact import codec
+    from ninfer.kernels_numba import moe
+    from ninfer.kernels_numba import quant_mma as qm
+    from ninfer.kernels_numba import quant_mma_chunked as qc
+
+    experts = len(counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    info, starts = moe.moe_layout_reference(offsets, choice="chunked", chunk=chunk, room=1 << 20, max_chunks=1 << 20)
+    chunks = int(info[2]) + 1
+    chunk_groups = np.full(chunks, experts - 1, np.int32)
+    for e, (start, count) in enumerate(zip(starts.tolist(), counts)):
+        chunk_groups[start // chunk:start // chunk + -(-count // chunk)] = e
+    rows = chunks * chunk
+    x = np.full((rows, k), 0x7FC0, np.uint16)  # NaN: no routed row reads these
+    for e, count in enumerate(counts):
+        x[starts[e]:starts[e] + count] = codec.f32_to_bf16_bits(rng.standard_normal((count, k)).astype(np.float32))
+    stacked = (experts * rpe, k)
+    payload = codec.encode_buffer(rng.standard_normal(stacked).astype(np.float32) * 0.05, fmt)
+    weight = qm.upload_quant_mma(fmt, stacked, payload, swiglu_rows=rpe if swiglu else 0) if upload else None
+    width = rpe // 2 if swiglu else rpe
+    y = np.full((rows, width), 0xFFFF, np.uint16)
+    want = y.copy()
+    qc.linear_quant_mma_chunked_reference(x, codec.decode(payload, fmt, stacked), chunk_groups, offsets, starts, want,
+                                          rows_per_expert=rpe, chunk=chunk, chunks=chunks, swiglu=swiglu)
+    return dict(x=x, weight=weight, chunk_groups=chunk_groups, offsets=offsets, starts=starts.astype(np.int32), y=y,
+                want=want, payload=payload, rows_per_expert=rpe, chunk=chunk, chunks=chunks, swiglu=swiglu)
+
+
+def check_chunked_output(got: np.ndarray, want: np.ndarray, name: str) -> None:
+    """Routed rows within bf16 rounding of the twin (sums in another order may round a value the other way), every
+    other row untouched."""
+    from ninfer.artifact.codec import bf16_bits_to_f32
+
+    untouched = want == 0xFFFF
+    assert np.array_equal(got[untouched], want[untouched]), name
+    g, w = bf16_bits_to_f32(got[~untouched]), bf16_bits_to_f32(want[~untouched])
+    assert np.isfinite(g).all() and g.size, name
+    assert np.abs(g - w).max() <= 2 ** -7 * np.abs(w).max(), (name, float(np.abs(g - w).max()))
+    assert _rel(g, w) < 4e-3, (name, _rel(g, w))
+
+
+def quant_mma_chunked() -> None:
+    """The prefill's chunked expert GEMM from quantized experts against its twin: experts with 5, 40, 0 and 33 routed
+    rows in chunks of 32 (a chunk of 5 rows: one fragment set; 40: a full piece and one of 8; no chunk; a piece of
+    one row) and a surplus chunk, over K of 4 blocks (the three x stages wrap; the weights' two-ahead ring clamps):
+    plain outputs of 2 tiles an expert (warps past them store nothing) and Q4's SwiGLU output in chunks of 64 (two
+    pieces a chunk). Every format's decode once; the rest is format-independent code, run for Q4."""
+    from ninfer.artifact.formats import Q4G64, Q5G64, Q6G64, W8G32
+    from ninfer.kernels_numba import quant_mma as qm
+    from ninfer.kernels_numba import quant_mma_chunked as qc
+    from tests.support import cuda_simulator
+
+    for module in (qm, qc):
+        cuda_simulator.install(vars(module))
+    rng = np.random.default_rng(12)
+    cases = [(Q4G64, 32, 32, 256, False), (Q4G64, 64, 128, 128, True)] + [
+        (fmt, 32, 32, 128, False) for fmt in (Q5G64, Q6G64, W8G32)]
+    for fmt, chunk, rpe, k, swiglu in cases:
+        case = quant_mma_chunked_case(rng, fmt, counts=[5, 40, 0, 33], chunk=chunk, rpe=rpe, k=k, swiglu=swiglu)
+        want = case.pop("want")
+        del case["payload"]
+        qc.linear_quant_mma_chunked(case.pop("x"), case.pop("weight"), case.pop("chunk_groups"), case.pop("offsets"),
+                                    case.pop("starts"), case["y"], **{k: v for k, v in case.items() if k != "y"},
+                                    stream=0)
+        check_chunked_output(case["y"], want, f"{fmt} chunk {chunk} swiglu {swiglu}")
+        print("ok quant_mma_chunked", fmt, chunk, "swiglu" if swiglu else "plain", flush=True)
+
+
 def attention_prepare_case(cfg, dtype, seed=4):
     """Inputs of one prepare launch (5 rows over 2 lanes, page boundaries crossed, and a padded row: no KV), for the
     simulator and by hand."""
@@ -1187,7 +1261,8 @@ CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_na
           "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated,
           "gdn_recurrent_projected": gdn_recurrent_projected, "quant_mma": quant_mma,
-          "quant_mma_swiglu": quant_mma_swiglu, "elementwise": elementwise, "attention_prepare": attention_prepare,
+          "quant_mma_swiglu": quant_mma_swiglu, "quant_mma_chunked": quant_mma_chunked, "elementwise": elementwise,
+          "attention_prepare": attention_prepare,
           "attention_decode": attention_decode, "attention_decode_staged": attention_decode_staged,
           "attention_decode_mma": attention_decode_mma,
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,

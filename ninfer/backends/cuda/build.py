@@ -55,11 +55,12 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                       programmatic_launch: bool = True, narrow_decode: bool | None = None,
                       split_k_norm: int = DEFAULT_SPLIT_K_NORM, conv_in_projection: bool = True,
                       ab_in_recurrence: bool | None = None,
-                      recurrence_groups: int = REC_DEFAULT_GROUPS, prefill_buckets: bool = False) -> CudaBuild:
+                      recurrence_groups: int = REC_DEFAULT_GROUPS, prefill_buckets: bool = False,
+                      direct_quant_experts: bool = False) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`,
     `programmatic_launch`, `narrow_decode`, `split_k_norm`, `conv_in_projection`, `ab_in_recurrence`,
-    `recurrence_groups`, `prefill_buckets`: see `Capacity`.
+    `recurrence_groups`, `prefill_buckets`, `direct_quant_experts`: see `Capacity`.
     `vision` builds the Vision tower: on the GPU (`CudaVisionTower`, its scratch arena sized for the largest item
     serving admits: `vision_max_patches`), or on the host with `vision_on_device=False`."""
     dims = artifact_dims(artifact)
@@ -77,7 +78,7 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                         programmatic_launch=programmatic_launch, narrow_decode=narrow_decode,
                         split_k_norm=split_k_norm, conv_in_projection=conv_in_projection,
                         ab_in_recurrence=ab_in_recurrence, recurrence_groups=recurrence_groups,
-                        prefill_buckets=prefill_buckets)
+                        prefill_buckets=prefill_buckets, direct_quant_experts=direct_quant_experts)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity, dflash=drafter)
     tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
     if tower is not None and vision_on_device:
@@ -100,7 +101,8 @@ def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_
     capacity = model.capacity
     # the prefill chunks' pieces (the full size's and each bucket's): one graph before each attention layer's
     # attention and one after the last
-    prefill_pieces = len(model.captured_prefill_rows()) * (sum(layer.attention is not None for layer in model.layers) + 1)
+    attention_layers = sum(layer.attention is not None for layer in model.layers)
+    prefill_pieces = len(model.captured_prefill_rows()) * (attention_layers + 1)
     graph_allowance = (GRAPH_ALLOWANCE_PER_SHAPE * (capacity.lanes + prefill_pieces + SPARE_GRAPHS) if cuda_graphs
                        else 0)
     reservation = sum(size for purpose, size in device.ledger.items() if purpose not in ("weights", "kv"))

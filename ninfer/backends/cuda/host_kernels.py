@@ -25,6 +25,7 @@ from ninfer.kernels_numba import linear_mma as _linear_mma
 from ninfer.kernels_numba import linear_narrow as _linear_narrow
 from ninfer.kernels_numba import moe as _moe
 from ninfer.kernels_numba import quant_mma as _quant_mma
+from ninfer.kernels_numba import quant_mma_chunked as _quant_mma_chunked
 from ninfer.kernels_numba import quant_mma_conv as _quant_mma_conv
 from ninfer.kernels_numba import sampling as _sampling
 from ninfer.kernels_numba import vision as _vision
@@ -178,6 +179,15 @@ def linear_quant_mma_gathered_swiglu(xf, qw, expert_ids, y, act, *, rows_per_exp
     gate_up = _linear.gathered_reference(_quant_mma.x_from_fragments(xf, rows, K), qw.decoded(), expert_ids,
                                          rows_per_expert=rows_per_expert, x_per_slot=False)
     _fragment_rows(_elementwise.silu_mul_rows_reference(gate_up), act, slots)
+
+
+def linear_quant_mma_chunked(x, qw, chunk_groups, offsets, starts, y, *, rows_per_expert, chunk, chunks, swiglu,
+                             stream):
+    _quant_mma_chunked.check_chunked_shapes(x.shape, qw, y.shape, rows_per_expert=rows_per_expert, chunk=chunk,
+                                            chunks=chunks, swiglu=swiglu)
+    _quant_mma_chunked.linear_quant_mma_chunked_reference(x, qw.decoded(), chunk_groups, offsets, starts, y,
+                                                          rows_per_expert=rows_per_expert, chunk=chunk, chunks=chunks,
+                                                          swiglu=swiglu)
 
 
 def dequantize_mma_bf16(qw, out, *, stream):

@@ -27,6 +27,7 @@ from ninfer.kernels_numba.quant_mma import (ROW_SETS, dequantize_mma_bf16, has_p
                                             linear_quant_mma_pair, linear_quant_mma_swiglu, repack_quant_mma,
                                             upload_quant_mma,
                                             upload_quant_mma_planes, x_fragment_words, x_fragments, x_slot_fragments)
+from ninfer.kernels_numba.quant_mma_chunked import linear_quant_mma_chunked
 from ninfer.kernels_numba.quant_mma_conv import has_conv_kernel, linear_quant_mma_conv
 from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
 from ninfer.kernels_numba.vision import (add_rows, bias_gelu_bf16, layer_norm_bf16, vision_heads, vision_merge_heads,
@@ -106,6 +107,7 @@ __all__ = [
     "linear_quant_mma_swiglu",
     "linear_quant_mma_pair",
     "has_pair_kernel",
+    "linear_quant_mma_chunked",
     "linear_quant_mma_conv",
     "has_conv_kernel",
     "repack_quant_mma",

@@ -44,6 +44,7 @@ from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT
                                      PADDED_LIMIT, stepped_chunks)
 from ninfer.kernels_numba.moe import GROUP_ROWS as MOE_GROUP_ROWS
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
+from ninfer.kernels_numba.quant_mma_chunked import CHUNK_ROWS as QUANT_CHUNK_ROWS
 from ninfer.backends.cuda.blas import MAX_CHUNKS
 from ninfer.backends.cuda.dequant_ahead import WeightDequantizer
 from ninfer.backends.cuda.device import CudaDevice, Device
@@ -221,6 +222,13 @@ class Capacity:
     # 35B-A3B: ~1,200 launches a chunk whatever its rows). Off until timed on the GPU (bench/cuda_model.py
     # --prefill-tokens N --prefill-buckets off,on).
     prefill_buckets: bool = False
+    # Prefill MoE chunks whose routed experts are tensor-core quantized (ninfer-v2) multiply them straight from their
+    # codes over the chunked layout (`quant_mma_chunked`: 32 rows a block, the gate|up GEMM writing silu(gate) * up)
+    # instead of dequantizing every expert to bf16 for cuBLAS: the 35B-A3B ninfer-v2 writes ~64 GB of bf16 experts
+    # a 1024-row chunk that way (~27 ms on the H200 against ~12 ms of expert GEMMs; its served 8K prefill 545 ms
+    # against bf16's 269-311). The layout is then chunked whatever moe_prefill_gemm says. Off until timed on the GPU
+    # (bench/cuda_model.py --prefill-only --prefill-chunk 1024 --direct-quant-experts off,on).
+    direct_quant_experts: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.attention_splits is not None:
@@ -1080,6 +1088,7 @@ class CudaQwen:
         self.moe_sync_free: bool | None = None
         self.moe_sync_free_chunk_rows = MOE_SYNC_FREE_CHUNK_ROWS  # the sync-free layout's rows a chunk
         self.prefill_buckets = capacity.prefill_buckets  # switchable between chunks (the bench times each)
+        self.direct_quant_experts = capacity.direct_quant_experts  # switchable between chunks, likewise
         # set while `capture_prefill` records: each prefill attention call is handed to it instead of issued
         self._attention_cut: Callable[[Callable[[PrefillSpan], None]], None] | None = None
         fused = dims.is_moe
@@ -2081,9 +2090,10 @@ class CudaQwen:
                          block_counts=ws.moe_block_counts, stream=stream)
         sync_free = self._moe_sync_free(rows)
         chunk, room = self.moe_sync_free_chunk_rows if sync_free else self.moe_chunk_rows, ws.perm_in.shape[0]
+        direct = self._direct_experts(w, chunk)
         bound = self._moe_chunk_bound(rows, chunk)
         self.k.moe_layout(ws.moe_offsets, ws.moe_sizes[e + 1:], ws.moe_starts,
-                          choice="chunked" if sync_free else self.moe_prefill_gemm, chunk=chunk, room=room,
+                          choice="chunked" if sync_free or direct else self.moe_prefill_gemm, chunk=chunk, room=room,
                           max_chunks=MAX_CHUNKS, stream=stream)
         self.k.moe_chunk_groups(ws.moe_sizes[e + 1:], ws.moe_offsets, ws.moe_starts, ws.moe_chunk_groups,
                                 chunk=chunk, step=bound if sync_free else self.moe_chunk_step,
@@ -2094,7 +2104,7 @@ class CudaQwen:
                           position_of=placed)
         if beside_the_read is not None:
             beside_the_read()
-        gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
+        gate_up_w = None if direct else self.linear.bf16_weight(w.routed_gate_up)
         if sync_free:
             offsets, layout, stepped = None, LAYOUT_CHUNKED, bound
         else:
@@ -2104,6 +2114,21 @@ class CudaQwen:
                 stepped = stepped_chunks(extent, self.moe_chunk_step, room, chunk)
         # rows the expert GEMMs run over: the layout's, or its chunks' rounded up
         gemm_rows = stepped * chunk if layout == LAYOUT_CHUNKED else count
+        shared_out, gate_logit = shared_gate or (None, None)
+        if direct and layout == LAYOUT_CHUNKED:
+            inter = self.dims.moe_intermediate
+            maps = (ws.moe_chunk_groups, ws.moe_offsets, ws.moe_starts)
+            self.k.linear_quant_mma_chunked(ws.perm_in, w.routed_gate_up, *maps, ws.perm_act_bf16,
+                                            rows_per_expert=2 * inter, chunk=chunk, chunks=stepped, swiglu=True,
+                                            stream=stream)
+            self.k.linear_quant_mma_chunked(ws.perm_act_bf16, w.routed_down, *maps, ws.perm_out,
+                                            rows_per_expert=self.dims.hidden, chunk=chunk, chunks=stepped,
+                                            swiglu=False, stream=stream)
+            self.k.moe_scatter_combine(ws.perm_out[:gemm_rows], slot_of, weights, s, ws.x[:rows], position_of=placed,
+                                       stream=stream, shared_out=shared_out, gate_logit=gate_logit)
+            return
+        if gate_up_w is None:  # the layout fell back from chunked (its rows did not fit)
+            gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
 
         def expert_gemm(x: Any, weight: Any, y: Any) -> None:
             """x, y: whole workspace buffers. Only the padded call needs views of the count's rows: numba builds a
@@ -2121,9 +2146,15 @@ class CudaQwen:
         gate_up, act_bf16, out = ws.perm_gate_up[:gemm_rows], ws.perm_act_bf16[:gemm_rows], ws.perm_out[:gemm_rows]
         self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
         expert_gemm(ws.perm_act_bf16, self.linear.bf16_weight(w.routed_down), ws.perm_out)
-        shared_out, gate_logit = shared_gate or (None, None)
         self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream,
                                    shared_out=shared_out, gate_logit=gate_logit)
+
+    def _direct_experts(self, w: MoeFfn, chunk: int) -> bool:
+        """Whether this chunk's routed experts multiply from their codes (`direct_quant_experts`): both matrices in
+        the tensor-core layout, the gate|up stored for the SwiGLU output, the layout's chunks whole 32-row pieces."""
+        gate_up, down = w.routed_gate_up, w.routed_down
+        return (self.direct_quant_experts and _tensor_core(gate_up) and _tensor_core(down)
+                and gate_up.swiglu_rows == 2 * self.dims.moe_intermediate and chunk % QUANT_CHUNK_ROWS == 0)
 
     def _moe_chunk_bound(self, rows: int, chunk: int) -> int:
         """The chunked layout's most chunks for `rows` rows: every expert's rows rounded up to whole chunks come to
