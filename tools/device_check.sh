@@ -10,6 +10,8 @@
 #   bash tools/device_check.sh quant [BENCH ARGS]   bench/quant_gemv.py (SIMT vs tensor-core quantized GEMV)
 #   bash tools/device_check.sh dflash [BENCH ARGS]  bench/dflash_round.py (the DFlash round at the real 35B shape)
 #   bash tools/device_check.sh moe [--sweep]        bench/moe_gathered.py (SIMT vs tensor-core gathered MoE experts)
+#   bash tools/device_check.sh moe-chunked [--caps 80]  bench/moe_chunked.py (a v2 prefill chunk's routed experts
+#                                                   from their codes vs dequantized for cuBLAS)
 #   bash tools/device_check.sh linear [--sweep]     bench/kernel_linear.py (the decode GEMVs, bf16 gathered geometries)
 #   bash tools/device_check.sh probes               the MoE prefill's cuBLAS probes: bench/cublas_host_cost.py (host
 #                                                   time of the chunked call) and bench/grouped_lt_probe.py
@@ -67,6 +69,8 @@ case "$what" in
     python3 bench/dflash_round.py "$@" 2>&1 | quiet | tee "$OUT/dflash_round.log" | tail -20 ;;
   moe)
     python3 bench/moe_gathered.py "$@" 2>&1 | quiet | tee "$OUT/moe_gathered.log" | tail -20 ;;
+  moe-chunked)
+    python3 bench/moe_chunked.py "$@" 2>&1 | quiet | tee "$OUT/moe_chunked.log" | tail -20 ;;
   linear)
     python3 bench/kernel_linear.py "$@" 2>&1 | quiet | tee "$OUT/kernel_linear.log" | tail -60 ;;
   probes)

@@ -30,7 +30,7 @@ from numba import float32, int32, int64, uint16, uint32
 from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_prior, shared_address
 from ninfer.kernels_numba.common import (FULL_MASK, address_of, half_pair_to_f32, load_matrix_x4, pack_bf16x2,
                                          silu_times)
-from ninfer.kernels_numba.numba_setup import cuda, kernel
+from ninfer.kernels_numba.numba_setup import cuda, kernel, register_options
 from ninfer.kernels_numba.quant_mma import (BLOCK, FORMAT_BITS, MAX_X_ROWS, SCALE_WORDS, TILE_ROWS, QuantMmaWeight,
                                             block_words, code_fragment, mma_bf16_m16n8k16, offset_pair, w8_fragments)
 
@@ -47,15 +47,16 @@ STAGE_BYTES = CHUNK_ROWS * ROW_BYTES
 SHARED_BYTES = STAGES * STAGE_BYTES
 
 
-def make_quant_mma_chunked_kernel(bits: int):
-    """The kernel of one format (module docstring); `swiglu` is an argument (block-uniform), not a variant."""
+def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
+    """The kernel of one format (module docstring); `swiglu` is an argument (block-uniform), not a variant.
+    `max_registers`: a register cap (bench/moe_chunked.py times what more blocks an SM give)."""
     SW = SCALE_WORDS[bits]
     MINUS = offset_pair(1 << (bits - 1)) if bits != 8 else offset_pair(8)  # W8: the high nibble's offset
     MINUS_LOW = offset_pair(0)
     ACC = 4 * CHUNK_SETS
 
     @kernel((uint16[:, ::1], uint32[::1], uint32[::1], uint32[::1], int32[::1], int32[::1], int32[::1],
-             uint32[:, ::1], int32, int32, int32, int32), fastmath=False)
+             uint32[:, ::1], int32, int32, int32, int32), fastmath=False, **register_options(max_registers))
     def quant_mma_chunked_kernel(x, base, high, scales, chunk_groups, offsets, starts, y, blocks, rpe, chunk, swiglu):
         """Block (tile group, piece): rows piece * 32 .. + 31 of x (bf16 [rows, K]) times tiles 8 group .. of
         expert chunk_groups[piece // (chunk / 32)]; y (bf16 pairs [rows, N / 2]) as the module docstring says."""
@@ -225,21 +226,22 @@ def check_chunked_shapes(x_shape: tuple[int, int], qw: QuantMmaWeight, y_shape: 
 
 
 def linear_quant_mma_chunked(x, qw: QuantMmaWeight, chunk_groups, offsets, starts, y, *, rows_per_expert: int,
-                             chunk: int, chunks: int, swiglu: bool, stream) -> None:
+                             chunk: int, chunks: int, swiglu: bool, stream, _kernel=None) -> None:
     """The MoE prefill's expert GEMMs over the chunked layout (module docstring), straight from the quantized
     stacked experts qw [E * rpe, K]: for each of the first `chunks` chunks i (expert e = chunk_groups[i]) and each of
     its rows p that holds a routed row (p - starts[e] below expert e's count, offsets[e + 1] - offsets[e]),
     y[p] = bf16(x[p] @ W_e^T) (y uint16 [rows, rpe]), or with `swiglu` (qw stored in swiglu_order)
     y[p] = bf16(silu(gate) * up) (y uint16 [rows, rpe / 2]). x uint16 [rows, K] (bf16 bits); chunk_groups, offsets
     (int32 [E + 1]) and starts (int32 [E]) on the device, as moe_layout and moe_chunk_groups write them. Other rows of
-    y keep their contents. Capture-safe."""
+    y keep their contents. Capture-safe. (`_kernel`: a variant from `make_quant_mma_chunked_kernel`, for
+    benchmarks.)"""
     check_chunked_shapes(x.shape, qw, y.shape, rows_per_expert=rows_per_expert, chunk=chunk, chunks=chunks,
                          swiglu=swiglu)
     if chunks == 0:
         return
     groups = -(-(int(rows_per_expert) // TILE_ROWS) // WARPS)
-    QUANT_MMA_CHUNKED_KERNELS[FORMAT_BITS[qw.fmt]][(groups, chunks * (chunk // CHUNK_ROWS)), THREADS, stream,
-                                                   SHARED_BYTES](
+    function = _kernel if _kernel is not None else QUANT_MMA_CHUNKED_KERNELS[FORMAT_BITS[qw.fmt]]
+    function[(groups, chunks * (chunk // CHUNK_ROWS)), THREADS, stream, SHARED_BYTES](
         x, qw.base, qw.high, qw.scales, chunk_groups, offsets, starts, y.view(np.uint32), np.int32(qw.blocks),
         np.int32(rows_per_expert), np.int32(chunk), np.int32(1 if swiglu else 0))
 
