@@ -28,11 +28,12 @@ import numpy as np
 from numba import float32, int32, int64, uint16, uint32
 
 from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_prior, shared_address
-from ninfer.kernels_numba.common import (FULL_MASK, address_of, half_pair_to_f32, load_matrix_x4, pack_bf16x2,
-                                         silu_times)
-from ninfer.kernels_numba.numba_setup import cuda, kernel, register_options
-from ninfer.kernels_numba.quant_mma import (BLOCK, FORMAT_BITS, MAX_X_ROWS, SCALE_WORDS, TILE_ROWS, QuantMmaWeight,
-                                            block_words, code_fragment, mma_bf16_m16n8k16, offset_pair, w8_fragments)
+from ninfer.kernels_numba.common import (FULL_MASK, address_of, half_pair_to_f32, load_matrix_x4, load_word_at,
+                                         load_words2_at, load_words4_at, pack_bf16x2, silu_times)
+from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, register_options
+from ninfer.kernels_numba.quant_mma import (BLOCK, FORMAT_BITS, HIGH_WORDS, MAX_X_ROWS, SCALE_WORDS, TILE_ROWS,
+                                            QuantMmaWeight, code_fragment, mma_bf16_m16n8k16, offset_pair,
+                                            w8_fragments)
 
 CHUNK_ROWS = 32  # x rows a block multiplies: 4 fragment sets
 CHUNK_SETS = CHUNK_ROWS // MAX_X_ROWS
@@ -50,10 +51,35 @@ SHARED_BYTES = STAGES * STAGE_BYTES
 def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
     """The kernel of one format (module docstring); `swiglu` is an argument (block-uniform), not a variant.
     `max_registers`: a register cap (bench/moe_chunked.py times what more blocks an SM give)."""
+    HW = HIGH_WORDS[bits]
     SW = SCALE_WORDS[bits]
     MINUS = offset_pair(1 << (bits - 1)) if bits != 8 else offset_pair(8)  # W8: the high nibble's offset
     MINUS_LOW = offset_pair(0)
     ACC = 4 * CHUNK_SETS
+    # bytes of a (tile, block) slot in each plane, for one lane (`repack_quant_mma`)
+    BASE_SLOT = 32 * 4 * 4
+    HIGH_SLOT = 32 * HW * 4
+    SCALE_SLOT = SW * 8 * 4
+
+    @device_function
+    def block_at(w_at, h_at, s_at, q):
+        """A lane's code words, high-plane words (zeros past the format's) and first / last scale words of K block
+        q of its tile, from the tile's block-0 addresses (raw loads: one multiply-add a plane a block)."""
+        q64 = int64(q)
+        w0, w1, w2, w3 = load_words4_at(w_at + q64 * BASE_SLOT)
+        h0 = uint32(0)
+        h1 = uint32(0)
+        h2 = uint32(0)
+        h3 = uint32(0)
+        if bits == 5:
+            h0 = load_word_at(h_at + q64 * HIGH_SLOT)
+        elif bits == 6:
+            h0, h1 = load_words2_at(h_at + q64 * HIGH_SLOT)
+        elif bits == 8:
+            h0, h1, h2, h3 = load_words4_at(h_at + q64 * HIGH_SLOT)
+        s0 = load_word_at(s_at + q64 * SCALE_SLOT)
+        s1 = load_word_at(s_at + q64 * SCALE_SLOT + 32 * (SW - 1))
+        return w0, w1, w2, w3, h0, h1, h2, h3, s0, s1
 
     @kernel((uint16[:, ::1], uint32[::1], uint32[::1], uint32[::1], int32[::1], int32[::1], int32[::1],
              uint32[:, ::1], int32, int32, int32, int32), fastmath=False, **register_options(max_registers))
@@ -66,10 +92,10 @@ def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
         c = piece // pieces
         e = chunk_groups[c]
         first = c * chunk - starts[e] + (piece - c * pieces) * CHUNK_ROWS  # inside expert e's rows
-        rows = min(int32(CHUNK_ROWS), offsets[e + 1] - offsets[e] - first)
+        rows = int32(min(CHUNK_ROWS, offsets[e + 1] - offsets[e] - first))
         if rows <= 0:  # block-uniform: no barrier waits for it
             return
-        sets = (rows + MAX_X_ROWS - 1) // MAX_X_ROWS
+        sets = (rows + int32(MAX_X_ROWS - 1)) >> int32(3)  # fragment sets of 8 rows
         row0 = piece * CHUNK_ROWS  # the block's rows of x and y
         tid = int32(cuda.threadIdx.x)
         lane = tid & 31
@@ -78,7 +104,10 @@ def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
         t = lane & 3
         expert_tiles = rpe >> 4
         tile = int32(cuda.blockIdx.x) * WARPS + warp  # inside the expert; past its last, a warp reloads the last
-        slot0 = (e * expert_tiles + min(tile, expert_tiles - 1)) * blocks  # (tile, block 0)
+        slot0 = int64(e * expert_tiles + min(tile, expert_tiles - 1)) * int64(blocks)  # (tile, block 0)
+        w_at = address_of(base) + slot0 * BASE_SLOT + lane * 16
+        h_at = address_of(high) + slot0 * HIGH_SLOT + lane * (HW * 4)
+        s_at = address_of(scales) + slot0 * SCALE_SLOT + g * 4
 
         shared = shared_address(address_of(sh))
         # thread (row r, 16-byte piece p) stages x[row0 + r, 64 q + 8 p ..] of every K block q
@@ -89,10 +118,11 @@ def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
         # ldmatrix rows: lane l gives row l % 8 of matrix l // 8 = (k-step 2 jj + (l >> 4), half (l >> 3) & 1)
         read_at = shared + uint32((lane & 7) * ROW_BYTES + (lane >> 3) * 16)
 
-        for q in range(2):  # the first two K blocks' x
-            if q < blocks:
-                copy_async_16(copy_to + uint32(q * STAGE_BYTES), copy_from + q * (BLOCK * 2), copy_bytes)
-            copy_async_commit()
+        copy_async_16(copy_to, copy_from, copy_bytes)  # the first two K blocks' x (K has at least one)
+        copy_async_commit()
+        if blocks > 1:
+            copy_async_16(copy_to + uint32(STAGE_BYTES), copy_from + BLOCK * 2, copy_bytes)
+        copy_async_commit()
         minus = uint32(MINUS)
         minus_low = uint32(MINUS_LOW)
         acc = cuda.local.array(ACC, float32)
@@ -103,23 +133,27 @@ def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
         hd = cuda.local.array(4, uint32)
         for a in range(ACC):
             acc[a] = float32(0.0)
-        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = block_words(base, high, scales, slot0, lane, g, bits, SW)
-        m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1 = block_words(base, high, scales, slot0 + min(1, blocks - 1),
-                                                                   lane, g, bits, SW)
-        for q in range(blocks):
+        last = int32(blocks - 1)
+        n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = block_at(w_at, h_at, s_at, int32(0))
+        m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1 = block_at(w_at, h_at, s_at, min(int32(1), last))
+        # the stages (byte offsets) block q reads and block q + 2 is copied into: q % 3 and (q + 2) % 3
+        read_stage = uint32(0)
+        write_stage = uint32(2 * STAGE_BYTES)
+        q = int32(0)
+        while q < blocks:
             wd[0], wd[1], wd[2], wd[3], hd[0], hd[1], hd[2], hd[3], sc0, sc1 = (n0, n1, n2, n3, nh0, nh1, nh2, nh3,
                                                                                 ns0, ns1)
             n0, n1, n2, n3, nh0, nh1, nh2, nh3, ns0, ns1 = m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1
-            m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1 = block_words(base, high, scales,
-                                                                       slot0 + min(q + 2, blocks - 1), lane, g,
-                                                                       bits, SW)
+            ahead = int32(q + 2)  # (int32 arithmetic: numba widens int32 sums to int64)
+            m0, m1, m2, m3, mh0, mh1, mh2, mh3, ms0, ms1 = block_at(w_at, h_at, s_at, min(ahead, last))
             copy_async_wait_prior()  # x of block q landed (q + 1's may be in flight)
             cuda.syncthreads()  # ... for every thread; and every warp is done reading block q - 1's stage
-            if q + 2 < blocks:  # into the stage block q - 1 used
-                copy_async_16(copy_to + uint32(((q + 2) % STAGES) * STAGE_BYTES),
-                              copy_from + (q + 2) * (BLOCK * 2), copy_bytes)
+            if ahead < blocks:  # into the stage block q - 1 used
+                copy_async_16(copy_to + write_stage, copy_from + int64(ahead) * (BLOCK * 2), copy_bytes)
             copy_async_commit()  # (empty past the last block: the wait above counts groups)
-            stage = read_at + uint32((q % STAGES) * STAGE_BYTES)
+            stage = read_at + read_stage
+            read_stage = uint32(0) if read_stage == uint32(2 * STAGE_BYTES) else read_stage + uint32(STAGE_BYTES)
+            write_stage = uint32(0) if write_stage == uint32(2 * STAGE_BYTES) else write_stage + uint32(STAGE_BYTES)
             for s in range(CHUNK_SETS):
                 if s < sets:
                     at = stage + uint32(s * MAX_X_ROWS * ROW_BYTES)
@@ -161,6 +195,7 @@ def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
                 s_lo, s_hi = half_pair_to_f32(sc0)
                 for a in range(ACC):
                     acc[a] += (s_hi if (a & 3) >= 2 else s_lo) * chain[a]
+            q = int32(q + 1)
 
         # C of set s: acc[4 s + i] = tile row g (+ 8 for i >= 2) by x row 8 s + 2 t (+ 1 for odd i). Lanes of even g
         # write the bf16 pair of output columns (g, g + 1) of their rows, g + 1's values from lane + 4.
