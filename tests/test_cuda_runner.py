@@ -945,14 +945,16 @@ def test_swiglu_epilogue_replaces_the_silu_mul_launches(device_kind, artifacts, 
     if device_kind == "host":
         assert fused and silu_rows and min(silu_rows) > SKINNY_ROWS, silu_rows  # only the long chunk's
 
+
 def test_direct_quant_experts_multiply_the_codes_and_keep_the_tokens(device_kind, artifacts, monkeypatch):
     """With direct_quant_experts, a ninfer-v2 MoE prefill chunk past SKINNY_ROWS multiplies its routed experts from
     their codes (`linear_quant_mma_chunked`: the gate|up writing silu(gate) * up, then the down) and dequantizes no
     expert matrix; the sync-free layout (graph pieces or eager, the same tokens) and the read-back one (the layout
     forced to chunks of 128) give the dequantizing build's tokens up to bf16 near ties (the activation is rounded
-    once from fp32 instead of from bf16 gate and up)."""
+    once from fp32 instead of from bf16 gate and up). Its dequantization scratch leaves the experts out."""
     from ninfer.backends.cuda import host_kernels
     from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.weights import is_quantized
 
     chunked, dequantized = [], []
     original_chunked, original_dequantize = host_kernels.linear_quant_mma_chunked, host_kernels.dequantize_mma_bf16
@@ -962,9 +964,13 @@ def test_direct_quant_experts_multiply_the_codes_and_keep_the_tokens(device_kind
         dequantized.append(qw.shape), original_dequantize(qw, out, **k)))
     path = artifacts[("moe", "ninfer-v2")]
     prompts = [prompt(21, 200), prompt(22, SKINNY_ROWS + 30), prompt(23, 40)]
-    want = run_lanes(cuda_build(device_kind, path, decode_quant="mma").runner, prompts, 8, chunk=128)
+    dequantizing = cuda_build(device_kind, path, decode_quant="mma")
+    want = run_lanes(dequantizing.runner, prompts, 8, chunk=128)
     build = cuda_build(device_kind, path, decode_quant="mma", direct_quant_experts=True)
     experts = {m.shape for layer in build.model.layers for m in (layer.ffn.routed_gate_up, layer.ffn.routed_down)}
+    # the dequantization scratch holds the largest other quantized matrix, not the stacked experts
+    others = [m.shape[0] * m.shape[1] for m in build.model._matrices() if is_quantized(m) and m.shape not in experts]
+    assert build.model.workspace.w_bf16.shape[0] == max(others) < dequantizing.model.workspace.w_bf16.shape[0]
     dequantized.clear()
     got = run_lanes(build.runner, prompts, 8, chunk=128)
     eager = cuda_build(device_kind, path, decode_quant="mma", direct_quant_experts=True, graphs=False)

@@ -126,3 +126,14 @@ def test_ahead_needs_its_buffers():
         dequantizer.set_ahead(1)
     with pytest.raises(ValueError, match="at least one buffer"):
         WeightDequantizer([], lambda w, out, stream: None, SERVING)
+
+
+def test_a_matrix_past_the_buffers_is_refused_before_anything_is_dequantized():
+    """The buffers hold the largest matrix prefill dequantizes (without the routed experts when they multiply from
+    their codes): a larger one is a clear error, not a short view."""
+    calls = []
+    dequantizer = WeightDequantizer([np.zeros(8, np.uint16)], lambda w, out, stream: calls.append(w), SERVING)
+    with pytest.raises(ValueError, match="does not fit the dequantization buffers of 8 elements"):
+        dequantizer.weight(Matrix("experts", (3, 4)))
+    assert not calls
+    assert dequantizer.weight(Matrix("fits", (2, 4))).shape == (2, 4) and len(calls) == 1

@@ -66,6 +66,11 @@ class WeightDequantizer:
 
     def weight(self, w: Any) -> Any:
         """w's bf16 copy ([N, K] uint16), valid for readers the caller queues before its next request."""
+        n, k = w.shape
+        if n * k > self._buffers[0].shape[0]:
+            raise ValueError(f"a [{n}, {k}] matrix does not fit the dequantization buffers of "
+                             f"{self._buffers[0].shape[0]} elements (sized for the matrices prefill dequantizes: with "
+                             "direct_quant_experts, not the routed experts)")
         if self._queue and self._queue[0].matrix is w:
             index = self._queue.popleft().buffer
             self._streams.serving_waits(index)

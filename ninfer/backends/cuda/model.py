@@ -1334,8 +1334,14 @@ class CudaQwen:
         self.pages = pages
 
     def _dequant_elements(self) -> int:
-        """The largest quantized matrix a prefill GEMM dequantizes (the head runs on the last row only)."""
-        return max([m.shape[0] * m.shape[1] for m in self._matrices() if is_quantized(m)], default=0)
+        """The largest quantized matrix a prefill GEMM dequantizes (the head runs on the last row only; with
+        Capacity.direct_quant_experts the routed experts that multiply from their codes never do: the 35B-A3B's
+        stacked gate|up alone is 1 GiB of bf16)."""
+        layers = self.layers + ([self.mtp.layer] if self.mtp else [])
+        direct = {id(m) for layer in layers if isinstance(layer.ffn, MoeFfn) and self._direct_capable(layer.ffn)
+                  for m in (layer.ffn.routed_gate_up, layer.ffn.routed_down)} if self.direct_quant_experts else set()
+        return max([m.shape[0] * m.shape[1] for m in self._matrices() if is_quantized(m) and id(m) not in direct],
+                   default=0)
 
     def _fragment_words(self) -> int:
         """x-fragment words of the widest input a tensor-core quantized matrix reads, for the sets of one launch."""
@@ -2150,11 +2156,15 @@ class CudaQwen:
                                    shared_out=shared_out, gate_logit=gate_logit)
 
     def _direct_experts(self, w: MoeFfn, chunk: int) -> bool:
-        """Whether this chunk's routed experts multiply from their codes (`direct_quant_experts`): both matrices in
-        the tensor-core layout, the gate|up stored for the SwiGLU output, the layout's chunks whole 32-row pieces."""
+        """Whether this chunk's routed experts multiply from their codes (`direct_quant_experts`): they can
+        (`_direct_capable`) and the layout's chunks are whole 32-row pieces."""
+        return self.direct_quant_experts and self._direct_capable(w) and chunk % QUANT_CHUNK_ROWS == 0
+
+    def _direct_capable(self, w: MoeFfn) -> bool:
+        """Both routed matrices in the tensor-core layout, the gate|up stored for the SwiGLU output."""
         gate_up, down = w.routed_gate_up, w.routed_down
-        return (self.direct_quant_experts and _tensor_core(gate_up) and _tensor_core(down)
-                and gate_up.swiglu_rows == 2 * self.dims.moe_intermediate and chunk % QUANT_CHUNK_ROWS == 0)
+        return (_tensor_core(gate_up) and _tensor_core(down)
+                and getattr(gate_up, "swiglu_rows", 0) == 2 * self.dims.moe_intermediate)
 
     def _moe_chunk_bound(self, rows: int, chunk: int) -> int:
         """The chunked layout's most chunks for `rows` rows: every expert's rows rounded up to whole chunks come to
