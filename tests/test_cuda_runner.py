@@ -60,7 +60,7 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, max_context: int = 256,
                branches: bool | None = None, side_work_last: bool = False, programmatic_launch: bool = False,
                narrow_decode: bool | None = False, split_k_norm: int = 0, conv_in_projection: bool = True,
                ab_in_recurrence: bool | None = True, recurrence_groups: int = 4, prefill_buckets: bool = False,
-               direct_quant_experts: bool = False):
+               direct_quant_experts: bool = False, tensor_core_decode_int8: bool = False):
     from ninfer.backends.cuda.build import build_cuda_runner
 
     config = EngineConfig(max_concurrency=lanes, max_context=max_context, prefill_chunk=prefill_chunk,
@@ -73,7 +73,8 @@ def cuda_build(kind: str, path: Path, *, lanes: int = 3, max_context: int = 256,
                              narrow_decode=narrow_decode, split_k_norm=split_k_norm,
                              conv_in_projection=conv_in_projection, ab_in_recurrence=ab_in_recurrence,
                              recurrence_groups=recurrence_groups, prefill_buckets=prefill_buckets,
-                             direct_quant_experts=direct_quant_experts)
+                             direct_quant_experts=direct_quant_experts,
+                             tensor_core_decode_int8=tensor_core_decode_int8)
 
 
 def cpu_runner(path: Path, *, lanes: int = 3, kv_dtype: str = "bf16", draft_tokens: int = 0) -> CpuRunner:
@@ -1014,14 +1015,22 @@ def test_graph_replay_equals_eager_decode_and_batching_changes_nothing(device_ki
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_int8_kv_matches_the_cpu_runner(device_kind, artifacts, kind):
-    path = artifacts[(kind, "bf16")]
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["staged", "tensor-cores"])
+def test_int8_kv_matches_the_cpu_runner(device_kind, artifacts, tmp_path, kind, tensor_cores):
+    """INT8 KV through the staged SIMT decode kernel or (`tensor_core_decode_int8`, head dim 256) the tensor-core
+    one: the CPU runner's tokens up to near ties, and greedy MTP (verify runs of 4 rows a lane) its own greedy
+    tokens."""
+    path = artifacts[(kind, "bf16")] if not tensor_cores else write_tiny_qwen_artifact(
+        tmp_path / "d256.ninfer", moe=kind == "moe", recipe="bf16", head_dim=256)
     prompts = [prompt(7, 40), prompt(8, 3)]
-    got = run_lanes(cuda_build(device_kind, path, lanes=2, kv_dtype="int8").runner, prompts, 16)
+    settings = dict(lanes=2, kv_dtype="int8", tensor_core_decode_int8=tensor_cores)
+    got = run_lanes(cuda_build(device_kind, path, **settings).runner, prompts, 16)
     want = run_lanes(cpu_runner(path, lanes=2, kv_dtype="int8"), prompts, 16)
     model = load_model(path)
     for g, w, p in zip(got, want, prompts):
         assert_same_or_near_tie(g, w, model, p)
+    if tensor_cores:
+        assert run_lanes(cuda_build(device_kind, path, draft_tokens=3, **settings).runner, prompts, 16) == got
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

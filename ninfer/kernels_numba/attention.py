@@ -902,9 +902,9 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     `min_split_keys` each, then combine). `partials` from decode_partials_shape(>= R, heads, head_dim, S); blocks
     past a row's last split exit at once. A row's bits depend on its own data, S and min_split_keys only, so keep
     both for every batch size / graph (batch invariance). head_dim 256 (pages of a multiple of STEP_KEYS tokens):
-    the kernel that stages K/V tiles in shared memory, or with `tensor_cores` and bf16 pools the tensor-core kernel
-    (`attention_decode_mma`: a block serves the rows of one lane together; the choice depends on the pool's dtype,
-    never on the rows); other head dims: the split kernel. With `out_bf16` (uint16
+    the kernel that stages K/V tiles in shared memory, or with `tensor_cores` the tensor-core kernel
+    (`attention_decode_mma`, bf16 or INT8 pools: a block serves the rows of one lane together; the choice never
+    depends on the rows); other head dims: the split kernel. With `out_bf16` (uint16
     [R, Hq*D]) the combine also writes out's bf16 bits, with `out_fragments` (R <= 8) its tensor-core x fragments
     (`quant_mma.x_fragments` of out): the output projection's input without a conversion launch."""
     _check_dims(heads, kv_heads, head_dim)
@@ -915,11 +915,12 @@ def attention_decode(q, qkgv, page_tables, row_lane, row_pos, k_pool, v_pool, k_
     quant, ks, vs = _quant_args(k_pool, v_pool, k_scale, v_scale)
     splits = partials.shape[2]
     check_splits(splits)
-    if head_dim == 256 and tensor_cores and not quant:
-        from ninfer.kernels_numba.attention_decode_mma import decode_mma  # (it imports split_keys and _pool_row from here)
+    if head_dim == 256 and tensor_cores:
+        # (imported here: it imports split_keys and _pool_row from this module)
+        from ninfer.kernels_numba.attention_decode_mma import decode_mma
 
         decode_mma(q, page_tables, row_lane, row_pos, k_pool, v_pool, partials, heads=heads, kv_heads=kv_heads,
-                   min_split_keys=min_split_keys, stream=stream)
+                   min_split_keys=min_split_keys, stream=stream, k_scale=k_scale, v_scale=v_scale)
     elif head_dim == 256 and k_pool.shape[1] % STEP_KEYS == 0:
         group = heads // kv_heads
         staged_kernel, shared_bytes = DECODE_STAGED_KERNELS[bool(quant)], STAGED_SHARED_BYTES[bool(quant)]

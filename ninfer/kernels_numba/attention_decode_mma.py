@@ -30,10 +30,11 @@ import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 from numba.cuda import libdevice
 
-from ninfer.kernels_numba.async_copy import copy_async_16, copy_async_commit, copy_async_wait_all, shared_address
+from ninfer.kernels_numba.async_copy import (copy_async_8, copy_async_16, copy_async_commit, copy_async_wait_all,
+                                             shared_address)
 from ninfer.kernels_numba.attention import _pool_row, split_keys
-from ninfer.kernels_numba.common import (LOG2E, address_of, exp2_approx, load_matrix_x4, load_matrix_x4_trans,
-                                         load_words4_at, pack_bf16x2, quad_softmax_step, quad_sum)
+from ninfer.kernels_numba.common import (LOG2E, address_of, exp2_approx, half_pair_to_f32, load_matrix_x4,
+                                         load_matrix_x4_trans, load_words4_at, pack_bf16x2, quad_softmax_step, quad_sum)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
 from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16
 
@@ -55,6 +56,21 @@ SHARED_BYTES = 4 * (S_OFF + M_ROWS * S_WORDS)  # 103.5 KiB: two blocks an SM
 ROW_PIECES = HEAD_DIM // 8  # 16-byte pieces of a K or V row
 COPY_STEP = THREADS // ROW_PIECES  # keys between the pieces one thread copies
 COPY_KEYS = TILE_KEYS // COPY_STEP  # keys a thread copies a piece of, a tile
+# INT8-G64 pools (int8 codes, an fp16 scale per 64 dims: 4 a head): the tile's codes and scales land by cp.async in
+# one of two raw stages, then each thread turns the codes it copied into exact bf16 (|code| <= 128) in the one bf16
+# stage the mma read; the scales stay in the raw stage. The same shared memory as the bf16 kernel's two stages.
+GROUPS = 4  # scale groups of a head (64 dims: a warp's quarter of the P V dims is one group)
+RAW_ROW_WORDS = HEAD_DIM // 4  # a row of int8 codes
+RAW_SCALES = 2 * TILE_KEYS * RAW_ROW_WORDS  # word offset of the K scales in a raw stage (2 words a key), then V's
+RAW_WORDS = RAW_SCALES + 2 * 2 * TILE_KEYS
+RAW0 = STAGE0 + STAGE_WORDS  # the two raw stages, after the one bf16 stage
+S_OFF8 = RAW0 + 2 * RAW_WORDS
+SHARED_BYTES8 = 4 * (S_OFF8 + M_ROWS * S_WORDS)  # 103.5 KiB
+ROW_PIECES8 = HEAD_DIM // 16
+COPY_STEP8 = THREADS // ROW_PIECES8
+COPY_KEYS8 = TILE_KEYS // COPY_STEP8
+CODE_MAGIC = 0x4B000000  # fp32 2^23: OR an unsigned byte u into its mantissa for 2^23 + u exactly
+CODE_OFFSET = float32(8388608.0 + 128.0)  # 2^23 + 128: (2^23 + (code ^ 0x80)) - this = the signed code
 Q_ROW_PIECES = HEAD_DIM // 4  # 16-byte pieces of an fp32 query row
 Q_ROW_SHIFT = 6  # log2(Q_ROW_PIECES)
 Q_ROW_STEP = THREADS // Q_ROW_PIECES  # query rows between a thread's pieces
@@ -107,6 +123,67 @@ def _copy_tile(shared, stage, k_at, v_at, page_tables, lane_id, key0, lo, hi, pa
 
 
 @device_function
+def _copy_raw_tile(shared, raw, k_at, v_at, ks_at, vs_at, page_tables, lane_id, key0, lo, hi, page_tokens,
+                   token_bytes, scale_token_bytes):
+    """`_copy_tile` for INT8 pools, into the raw stage at word `raw`: a thread copies one 16-byte piece of the codes
+    of COPY_KEYS8 keys, K and V; threads 0..31 copy key tid's 4 K scales, 32..63 its V scales (8 bytes). Keys
+    outside [lo, hi) read nothing and land as zeros."""
+    tid = cuda.threadIdx.x
+    piece = tid & (ROW_PIECES8 - 1)
+    first = tid // ROW_PIECES8
+    for j in range(COPY_KEYS8):
+        i = first + COPY_STEP8 * j
+        key = key0 + i
+        row = _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens)
+        size = uint32(16) if lo <= key and key < hi else uint32(0)
+        dst = shared + uint32((raw + i * RAW_ROW_WORDS + piece * 4) * 4)
+        copy_async_16(dst, k_at + row * token_bytes + piece * 16, size)
+        copy_async_16(dst + uint32(TILE_KEYS * RAW_ROW_WORDS * 4), v_at + row * token_bytes + piece * 16, size)
+    if tid < 2 * TILE_KEYS:
+        i = tid & (TILE_KEYS - 1)
+        key = key0 + i
+        row = _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens)
+        size = uint32(8) if lo <= key and key < hi else uint32(0)
+        source = (ks_at if tid < TILE_KEYS else vs_at) + row * scale_token_bytes
+        copy_async_8(shared + uint32((raw + RAW_SCALES + 2 * tid) * 4), source, size)
+
+
+@device_function
+def _code_pair(word, half):
+    """The bf16 pair of int8 codes 2 half and 2 half + 1 of a word (low byte first), exactly."""
+    u0 = (word >> uint32(16 * half)) & uint32(0xFF)
+    u1 = (word >> uint32(16 * half + 8)) & uint32(0xFF)
+    c0 = libdevice.int_as_float(int32(uint32(CODE_MAGIC) | (u0 ^ uint32(0x80)))) - CODE_OFFSET
+    c1 = libdevice.int_as_float(int32(uint32(CODE_MAGIC) | (u1 ^ uint32(0x80)))) - CODE_OFFSET
+    return pack_bf16x2(c0, c1)
+
+
+@device_function
+def _convert_raw_tile(sh, raw):
+    """The codes this thread copied into the raw stage at word `raw` (its pieces of K and V), as bf16 rows of the
+    bf16 stage (STAGE0): a 16-code piece becomes 8 words."""
+    tid = cuda.threadIdx.x
+    piece = tid & (ROW_PIECES8 - 1)
+    first = tid // ROW_PIECES8
+    for j in range(COPY_KEYS8):
+        i = first + COPY_STEP8 * j
+        for kv in range(2):
+            src = raw + (kv * TILE_KEYS + i) * RAW_ROW_WORDS + piece * 4
+            dst = STAGE0 + (kv * TILE_KEYS + i) * ROW_WORDS + piece * 8
+            for w in range(4):
+                word = sh[src + w]
+                sh[dst + 2 * w] = _code_pair(word, 0)
+                sh[dst + 2 * w + 1] = _code_pair(word, 1)
+
+
+@device_function
+def _scale(sh, raw, kv, key, group):
+    """The fp32 scale of group `group` of `key` (K: kv 0, V: 1) in the raw stage at word `raw`."""
+    low, high = half_pair_to_f32(sh[raw + RAW_SCALES + 2 * (kv * TILE_KEYS + key) + (group >> 1)])
+    return high if group & 1 else low
+
+
+@device_function
 def _row_range(row_pos, row, split, splits, min_keys):
     """Keys [start, stop) of `row`'s split (empty when start >= stop), as the SIMT kernels cut them."""
     length = row_pos[row] + 1
@@ -116,244 +193,304 @@ def _row_range(row_pos, row, split, splits, min_keys):
 
 
 _SIGNATURE = (float32[:, :, ::1], int32[:, ::1], int32[::1], int32[::1], uint64[:, :, :, ::1],
-              uint64[:, :, :, ::1], float32[:, :, :, ::1], int32, int32, int32)
+              uint64[:, :, :, ::1], uint64[:, :, :, ::1], uint64[:, :, :, ::1], float32[:, :, :, ::1], int32, int32,
+              int32)
 
 
-@kernel(_SIGNATURE, fastmath=True, max_registers=128)  # two blocks of 256 threads an SM
-def decode_mma_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, partials, heads, kv_heads, min_keys):
-    """grid (splits, Hkv, R), block THREADS: the block of row r serves rows r .. r + n - 1 when r leads its group
-    (runs of rows on one lane cut every `group_rows`), else exits; writes each served row's (max, sum, accumulators)
-    partial of its split, as `attention._store_step_partials` does."""
-    sh = cuda.shared.array(0, uint32)
-    split = cuda.blockIdx.x
-    kvh = cuda.blockIdx.y
-    r = cuda.blockIdx.z
-    rows = q.shape[0]
-    splits = partials.shape[2]
-    group_heads = heads // kv_heads
-    cap = group_rows(group_heads)
-    lane_id = row_lane[r]
-    first = r
-    while first > 0 and row_lane[first - 1] == lane_id:
-        first -= 1
-    if (r - first) % cap != 0:
-        return
-    n = 1
-    while n < cap and r + n < rows and row_lane[r + n] == lane_id:
-        n += 1
-    lo = int32(2147483647)
-    hi = int32(0)
-    for i in range(n):
-        start, stop = _row_range(row_pos, r + i, split, splits, min_keys)
-        if start < stop:
-            lo = min(lo, start)
-            hi = max(hi, stop)
-    if lo >= hi:
-        return
+def _make_decode_mma_kernel(quant: bool):
+    """The kernel for bf16 pools, or (`quant`) INT8-G64 pools: their codes turned into exact bf16 in shared memory,
+    each 64-dim group's partial scores times its keys' K scales, a key's V scale (the warp's quarter of the dims is
+    one group) folded into its probability before P V."""
+    QUANT = quant
+    CODE_BYTES = 1 if quant else 2  # bytes a K or V element in the pool
+    KK_STEPS = HEAD_DIM // 32 // (GROUPS if quant else 1)  # 32-dim steps of S summed before a scale
 
-    tid = cuda.threadIdx.x
-    warp = tid >> 5
-    lane = tid & 31
-    gq = lane >> 2
-    t = lane & 3
-    mt = warp >> 2
-    quarter = warp & 3
-    served = n * group_heads  # query rows in use
-    active = mt * 16 < served  # warp-uniform: this m-tile holds a served row
-    # this thread's two query rows (mma rows gq and gq + 8 of its m-tile): their keys, empty for padding
-    m_lo = mt * 16 + gq
-    m_hi = m_lo + 8
-    st_lo = sp_lo = st_hi = sp_hi = int32(0)
-    if m_lo < served:
-        st_lo, sp_lo = _row_range(row_pos, r + m_lo // group_heads, split, splits, min_keys)
-    if m_hi < served:
-        st_hi, sp_hi = _row_range(row_pos, r + m_hi // group_heads, split, splits, min_keys)
+    @kernel(_SIGNATURE, fastmath=True, max_registers=128)  # two blocks of 256 threads an SM
+    def decode_mma_kernel(q, page_tables, row_lane, row_pos, k_words, v_words, k_scales, v_scales, partials, heads,
+                          kv_heads, min_keys):
+        """grid (splits, Hkv, R), block THREADS: the block of row r serves rows r .. r + n - 1 when r leads its
+        group (runs of rows on one lane cut every `group_rows`), else exits; writes each served row's (max, sum,
+        accumulators) partial of its split, as `attention._store_step_partials` does. k_scales / v_scales: an INT8
+        pool's scales as one word a (token, kv head); for bf16 pools unused stand-ins."""
+        sh = cuda.shared.array(0, uint32)
+        split = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        r = cuda.blockIdx.z
+        rows = q.shape[0]
+        splits = partials.shape[2]
+        group_heads = heads // kv_heads
+        cap = group_rows(group_heads)
+        lane_id = row_lane[r]
+        first = r
+        while first > 0 and row_lane[first - 1] == lane_id:
+            first -= 1
+        if (r - first) % cap != 0:
+            return
+        n = 1
+        while n < cap and r + n < rows and row_lane[r + n] == lane_id:
+            n += 1
+        lo = int32(2147483647)
+        hi = int32(0)
+        for i in range(n):
+            start, stop = _row_range(row_pos, r + i, split, splits, min_keys)
+            if start < stop:
+                lo = min(lo, start)
+                hi = max(hi, stop)
+        if lo >= hi:
+            return
 
-    shared = shared_address(address_of(sh))
-    page_tokens = int32(k_words.shape[1])
-    token_bytes = int64(k_words.shape[2] * HEAD_DIM * 2)
-    k_at = address_of(k_words) + int64(kvh * HEAD_DIM * 2)
-    v_at = address_of(v_words) + int64(kvh * HEAD_DIM * 2)
-    t_first = lo // TILE_KEYS
-    tiles = (hi + TILE_KEYS - 1) // TILE_KEYS - t_first
-    # tile 0 now; tile t + 1 in iteration t, once every warp has left tile t - 1, whose stage it takes
-    _copy_tile(shared, STAGE0, k_at, v_at, page_tables, lane_id, t_first * TILE_KEYS, lo, hi, page_tokens,
-               token_bytes)
-    copy_async_commit()
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        gq = lane >> 2
+        t = lane & 3
+        mt = warp >> 2
+        quarter = warp & 3
+        served = n * group_heads  # query rows in use
+        active = mt * 16 < served  # warp-uniform: this m-tile holds a served row
+        # this thread's two query rows (mma rows gq and gq + 8 of its m-tile): their keys, empty for padding
+        m_lo = mt * 16 + gq
+        m_hi = m_lo + 8
+        st_lo = sp_lo = st_hi = sp_hi = int32(0)
+        if m_lo < served:
+            st_lo, sp_lo = _row_range(row_pos, r + m_lo // group_heads, split, splits, min_keys)
+        if m_hi < served:
+            st_hi, sp_hi = _row_range(row_pos, r + m_hi // group_heads, split, splits, min_keys)
 
-    # Q of the served rows, scaled by 1/sqrt(D) (a power of two: exact), as bf16 hi and lo rows; padding rows zero.
-    # A thread takes Q_PIECES 16-byte pieces (query rows m0, m0 + 4, ...; the same 4 dims), every load issued before
-    # any is converted: the prologue's dependent loads and divisions were ~45% of the kernel's stalls (ncu, 4 rows of
-    # one lane at 8K, results/ncu_decode_mma_verify_session34_summary.txt).
-    piece = tid & (Q_ROW_PIECES - 1)
-    m0 = tid >> Q_ROW_SHIFT
-    words = cuda.local.array(Q_WORDS, uint32)
-    head_of = m0 % group_heads  # (row, head) of query row m, stepped by Q_ROW_STEP rows without a division
-    row_of = m0 // group_heads
-    q_at = address_of(q) + int64(piece * 16)
-    last = served - 1  # padding rows read the last served row and store zeros
-    last_at = q_at + (int64(r + last // group_heads) * heads + kvh * group_heads + last % group_heads) * (HEAD_DIM * 4)
-    for j in range(Q_PIECES):
-        at = q_at + (int64(r + row_of) * heads + kvh * group_heads + head_of) * (HEAD_DIM * 4)
-        if m0 + Q_ROW_STEP * j > last:
-            at = last_at
-        words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load_words4_at(at)
-        head_of += Q_ROW_STEP
-        while head_of >= group_heads:
-            head_of -= group_heads
-            row_of += 1
-    scale = float32(1.0) / float32(16.0)
-    for j in range(Q_PIECES):
-        m = m0 + Q_ROW_STEP * j
-        x = cuda.local.array(4, float32)
-        for i in range(4):
-            x[i] = libdevice.int_as_float(int32(words[4 * j + i])) * scale
-        hi0, lo0 = _bf16_split(x[0], x[1])
-        hi1, lo1 = _bf16_split(x[2], x[3])
-        if m >= served:
-            hi0 = lo0 = hi1 = lo1 = uint32(0)
-        sh[Q_HI + m * ROW_WORDS + 2 * piece] = hi0
-        sh[Q_HI + m * ROW_WORDS + 2 * piece + 1] = hi1
-        sh[Q_LO + m * ROW_WORDS + 2 * piece] = lo0
-        sh[Q_LO + m * ROW_WORDS + 2 * piece + 1] = lo1
+        shared = shared_address(address_of(sh))
+        page_tokens = int32(k_words.shape[1])
+        token_bytes = int64(k_words.shape[2] * HEAD_DIM * CODE_BYTES)
+        k_at = address_of(k_words) + int64(kvh * HEAD_DIM * CODE_BYTES)
+        v_at = address_of(v_words) + int64(kvh * HEAD_DIM * CODE_BYTES)
+        scale_token_bytes = int64(k_scales.shape[2] * 8)  # (INT8: a word of 4 fp16 scales a kv head)
+        ks_at = address_of(k_scales) + int64(kvh * 8)
+        vs_at = address_of(v_scales) + int64(kvh * 8)
+        t_first = lo // TILE_KEYS
+        tiles = (hi + TILE_KEYS - 1) // TILE_KEYS - t_first
+        # tile 0 now; tile t + 1 in iteration t, once every warp has left tile t - 1, whose stage it takes
+        if QUANT:
+            _copy_raw_tile(shared, RAW0, k_at, v_at, ks_at, vs_at, page_tables, lane_id, t_first * TILE_KEYS, lo, hi,
+                           page_tokens, token_bytes, scale_token_bytes)
+        else:
+            _copy_tile(shared, STAGE0, k_at, v_at, page_tables, lane_id, t_first * TILE_KEYS, lo, hi, page_tokens,
+                       token_bytes)
+        copy_async_commit()
 
-    o = cuda.local.array(32, float32)  # O rows gq, gq + 8 over the quarter's 8 dim n-tiles (mma C layout)
-    s = cuda.local.array(16, float32)  # the tile's scores, then P: 4 key n-tiles
-    for e in range(32):
-        o[e] = float32(0.0)
-    mx_lo = NEG_INF
-    mx_hi = NEG_INF
-    l_lo = float32(0.0)
-    l_hi = float32(0.0)
-    # ldmatrix row addresses (bytes). Q (A fragments): rows gq / gq + 8 by lanes' halves, columns by lane >> 4.
-    # K (B fragments of the quarter's n-tile, two k-steps an instruction): key rows lane & 7, dims 8 (lane >> 3).
-    # V (B fragments by .trans, two dim n-tiles an instruction): key rows (lane & 7) + 8 ((lane >> 3) & 1), dims
-    # 8 (lane >> 4) of the pair.
-    q_row = (mt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ROW_WORDS + ((lane >> 4) << 2)
-    q_hi_lds = shared + uint32(4 * (Q_HI + q_row))
-    q_lo_lds = shared + uint32(4 * (Q_LO + q_row))
-    k_row = (quarter * 8 + (lane & 7)) * ROW_WORDS + ((lane >> 3) << 2)
-    v_row = (TILE_KEYS + (lane & 7) + (((lane >> 3) & 1) << 3)) * ROW_WORDS + quarter * 32 + ((lane >> 4) << 2)
-    s_lo = S_OFF + m_lo * S_WORDS
-    s_hi = S_OFF + m_hi * S_WORDS
+        # Q of the served rows, scaled by 1/sqrt(D) (a power of two: exact), as bf16 hi and lo rows; padding rows
+        # zero. A thread takes Q_PIECES 16-byte pieces (query rows m0, m0 + 4, ...; the same 4 dims), every load
+        # issued before any is converted: the prologue's dependent loads and divisions were ~45% of the kernel's
+        # stalls (ncu, 4 rows of one lane at 8K, results/ncu_decode_mma_verify_session34_summary.txt).
+        piece = tid & (Q_ROW_PIECES - 1)
+        m0 = tid >> Q_ROW_SHIFT
+        words = cuda.local.array(Q_WORDS, uint32)
+        head_of = m0 % group_heads  # (row, head) of query row m, stepped by Q_ROW_STEP rows without a division
+        row_of = m0 // group_heads
+        q_at = address_of(q) + int64(piece * 16)
+        last = served - 1  # padding rows read the last served row and store zeros
+        last_at = q_at + (int64(r + last // group_heads) * heads + kvh * group_heads + last % group_heads) * (
+            HEAD_DIM * 4)
+        for j in range(Q_PIECES):
+            at = q_at + (int64(r + row_of) * heads + kvh * group_heads + head_of) * (HEAD_DIM * 4)
+            if m0 + Q_ROW_STEP * j > last:
+                at = last_at
+            words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = load_words4_at(at)
+            head_of += Q_ROW_STEP
+            while head_of >= group_heads:
+                head_of -= group_heads
+                row_of += 1
+        scale = float32(1.0) / float32(16.0)
+        for j in range(Q_PIECES):
+            m = m0 + Q_ROW_STEP * j
+            x = cuda.local.array(4, float32)
+            for i in range(4):
+                x[i] = libdevice.int_as_float(int32(words[4 * j + i])) * scale
+            hi0, lo0 = _bf16_split(x[0], x[1])
+            hi1, lo1 = _bf16_split(x[2], x[3])
+            if m >= served:
+                hi0 = lo0 = hi1 = lo1 = uint32(0)
+            sh[Q_HI + m * ROW_WORDS + 2 * piece] = hi0
+            sh[Q_HI + m * ROW_WORDS + 2 * piece + 1] = hi1
+            sh[Q_LO + m * ROW_WORDS + 2 * piece] = lo0
+            sh[Q_LO + m * ROW_WORDS + 2 * piece + 1] = lo1
 
-    for it in range(tiles):
-        copy_async_wait_all()
-        cuda.syncthreads()  # tile `it` (and Q) landed for every thread; every warp left tile it - 1 and its S
-        if it + 1 < tiles:
-            _copy_tile(shared, STAGE0 + ((it + 1) % STAGES) * STAGE_WORDS, k_at, v_at, page_tables, lane_id,
-                       (t_first + it + 1) * TILE_KEYS, lo, hi, page_tokens, token_bytes)
-            copy_async_commit()
-        stage = STAGE0 + (it % STAGES) * STAGE_WORDS
-        key0 = (t_first + it) * TILE_KEYS
-        if active:  # S of the m-tile's rows x the quarter's 8 keys, over all dims, Q as hi + lo
-            # four accumulator chains (hi / lo x even / odd k-steps) of 8 mma each, summed in a fixed order: one
-            # chain of 32 dependent mma was ~0.5 us a tile of latency
-            e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = float32(0.0)
-            g0 = g1 = g2 = g3 = h0 = h1 = h2 = h3 = float32(0.0)
-            k_lds = shared + uint32(4 * (stage + k_row))
-            for kk in range(HEAD_DIM // 32):
-                b0, b1, b2, b3 = load_matrix_x4(k_lds + uint32(64 * kk))
-                a0, a1, a2, a3 = load_matrix_x4(q_hi_lds + uint32(64 * kk))
-                e0, e1, e2, e3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, e0, e1, e2, e3)
-                a0, a1, a2, a3 = load_matrix_x4(q_lo_lds + uint32(64 * kk))
-                f0, f1, f2, f3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, f0, f1, f2, f3)
-                a0, a1, a2, a3 = load_matrix_x4(q_hi_lds + uint32(64 * kk + 32))
-                g0, g1, g2, g3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b2, b3, g0, g1, g2, g3)
-                a0, a1, a2, a3 = load_matrix_x4(q_lo_lds + uint32(64 * kk + 32))
-                h0, h1, h2, h3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b2, b3, h0, h1, h2, h3)
-            c0 = (e0 + g0) + (f0 + h0)
-            c1 = (e1 + g1) + (f1 + h1)
-            c2 = (e2 + g2) + (f2 + h2)
-            c3 = (e3 + g3) + (f3 + h3)
-            col = quarter * 8 + 2 * t
-            sh[s_lo + col] = uint32(libdevice.float_as_int(c0))
-            sh[s_lo + col + 1] = uint32(libdevice.float_as_int(c1))
-            sh[s_hi + col] = uint32(libdevice.float_as_int(c2))
-            sh[s_hi + col + 1] = uint32(libdevice.float_as_int(c3))
-        cuda.syncthreads()  # the tile's S complete
+        o = cuda.local.array(32, float32)  # O rows gq, gq + 8 over the quarter's 8 dim n-tiles (mma C layout)
+        s = cuda.local.array(16, float32)  # the tile's scores, then P: 4 key n-tiles
+        for e in range(32):
+            o[e] = float32(0.0)
+        mx_lo = NEG_INF
+        mx_hi = NEG_INF
+        l_lo = float32(0.0)
+        l_hi = float32(0.0)
+        # ldmatrix row addresses (bytes). Q (A fragments): rows gq / gq + 8 by lanes' halves, columns by lane >> 4.
+        # K (B fragments of the quarter's n-tile, two k-steps an instruction): key rows lane & 7, dims 8 (lane >> 3).
+        # V (B fragments by .trans, two dim n-tiles an instruction): key rows (lane & 7) + 8 ((lane >> 3) & 1), dims
+        # 8 (lane >> 4) of the pair.
+        q_row = (mt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ROW_WORDS + ((lane >> 4) << 2)
+        q_hi_lds = shared + uint32(4 * (Q_HI + q_row))
+        q_lo_lds = shared + uint32(4 * (Q_LO + q_row))
+        k_row = (quarter * 8 + (lane & 7)) * ROW_WORDS + ((lane >> 3) << 2)
+        v_row = (TILE_KEYS + (lane & 7) + (((lane >> 3) & 1) << 3)) * ROW_WORDS + quarter * 32 + ((lane >> 4) << 2)
+        s_lo = S_OFF + m_lo * S_WORDS
+        s_hi = S_OFF + m_hi * S_WORDS
+
+        for it in range(tiles):
+            copy_async_wait_all()
+            cuda.syncthreads()  # tile `it` (and Q) landed for every thread; every warp left tile it - 1 and its S
+            raw = RAW0 + (it % 2) * RAW_WORDS
+            if QUANT:  # the codes this thread copied, as bf16 rows; then tile it + 1 into the other raw stage
+                _convert_raw_tile(sh, raw)
+                if it + 1 < tiles:
+                    _copy_raw_tile(shared, RAW0 + ((it + 1) % 2) * RAW_WORDS, k_at, v_at, ks_at, vs_at, page_tables,
+                                   lane_id, (t_first + it + 1) * TILE_KEYS, lo, hi, page_tokens, token_bytes,
+                                   scale_token_bytes)
+                    copy_async_commit()
+                cuda.syncthreads()  # every thread's rows converted
+                stage = STAGE0
+            else:
+                if it + 1 < tiles:
+                    _copy_tile(shared, STAGE0 + ((it + 1) % STAGES) * STAGE_WORDS, k_at, v_at, page_tables, lane_id,
+                               (t_first + it + 1) * TILE_KEYS, lo, hi, page_tokens, token_bytes)
+                    copy_async_commit()
+                stage = STAGE0 + (it % STAGES) * STAGE_WORDS
+            key0 = (t_first + it) * TILE_KEYS
+            if active:  # S of the m-tile's rows x the quarter's 8 keys, over all dims, Q as hi + lo
+                # four accumulator chains (hi / lo x even / odd k-steps) summed in a fixed order: one chain of 32
+                # dependent mma was ~0.5 us a tile of latency. INT8: the chains of each 64-dim group (2 kk steps)
+                # times its keys' K scales (the C columns 2 t, 2 t + 1 are keys quarter * 8 + 2 t, + 1).
+                c0 = c1 = c2 = c3 = float32(0.0)
+                k_lds = shared + uint32(4 * (stage + k_row))
+                for grp in range(GROUPS if QUANT else 1):
+                    e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = float32(0.0)
+                    g0 = g1 = g2 = g3 = h0 = h1 = h2 = h3 = float32(0.0)
+                    for kk in range(grp * KK_STEPS, (grp + 1) * KK_STEPS):
+                        b0, b1, b2, b3 = load_matrix_x4(k_lds + uint32(64 * kk))
+                        a0, a1, a2, a3 = load_matrix_x4(q_hi_lds + uint32(64 * kk))
+                        e0, e1, e2, e3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, e0, e1, e2, e3)
+                        a0, a1, a2, a3 = load_matrix_x4(q_lo_lds + uint32(64 * kk))
+                        f0, f1, f2, f3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, f0, f1, f2, f3)
+                        a0, a1, a2, a3 = load_matrix_x4(q_hi_lds + uint32(64 * kk + 32))
+                        g0, g1, g2, g3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b2, b3, g0, g1, g2, g3)
+                        a0, a1, a2, a3 = load_matrix_x4(q_lo_lds + uint32(64 * kk + 32))
+                        h0, h1, h2, h3 = mma_bf16_m16n8k16(a0, a1, a2, a3, b2, b3, h0, h1, h2, h3)
+                    if QUANT:
+                        sa = _scale(sh, raw, 0, quarter * 8 + 2 * t, grp)
+                        sb = _scale(sh, raw, 0, quarter * 8 + 2 * t + 1, grp)
+                        c0 += sa * ((e0 + g0) + (f0 + h0))
+                        c1 += sb * ((e1 + g1) + (f1 + h1))
+                        c2 += sa * ((e2 + g2) + (f2 + h2))
+                        c3 += sb * ((e3 + g3) + (f3 + h3))
+                    else:
+                        c0 = (e0 + g0) + (f0 + h0)
+                        c1 = (e1 + g1) + (f1 + h1)
+                        c2 = (e2 + g2) + (f2 + h2)
+                        c3 = (e3 + g3) + (f3 + h3)
+                col = quarter * 8 + 2 * t
+                sh[s_lo + col] = uint32(libdevice.float_as_int(c0))
+                sh[s_lo + col + 1] = uint32(libdevice.float_as_int(c1))
+                sh[s_hi + col] = uint32(libdevice.float_as_int(c2))
+                sh[s_hi + col + 1] = uint32(libdevice.float_as_int(c3))
+            cuda.syncthreads()  # the tile's S complete
+            if active:
+                # the rows' scores over the whole tile in the C layout of 4 key n-tiles, masked to their own keys
+                for nt in range(4):
+                    for e in range(4):
+                        col = nt * 8 + 2 * t + (e & 1)
+                        key = key0 + col
+                        if e < 2:
+                            value = libdevice.int_as_float(int32(sh[s_lo + col]))
+                            s[4 * nt + e] = value if st_lo <= key and key < sp_lo else NEG_INF
+                        else:
+                            value = libdevice.int_as_float(int32(sh[s_hi + col]))
+                            s[4 * nt + e] = value if st_hi <= key and key < sp_hi else NEG_INF
+                top_lo = max(max(max(s[0], s[1]), max(s[4], s[5])), max(max(s[8], s[9]), max(s[12], s[13])))
+                top_hi = max(max(max(s[2], s[3]), max(s[6], s[7])), max(max(s[10], s[11]), max(s[14], s[15])))
+                new_lo, new_hi, keep_lo, keep_hi, base_lo, base_hi = quad_softmax_step(top_lo, top_hi, mx_lo, mx_hi)
+                sum_lo = float32(0.0)
+                sum_hi = float32(0.0)
+                for nt in range(4):
+                    for e in range(4):
+                        if e < 2:
+                            s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_lo)
+                            sum_lo += s[4 * nt + e]
+                        else:
+                            s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_hi)
+                            sum_hi += s[4 * nt + e]
+                l_lo = l_lo * keep_lo + quad_sum(sum_lo)
+                l_hi = l_hi * keep_hi + quad_sum(sum_hi)
+                if QUANT:  # each key's V scale of the warp's dims (group `quarter`), into its probability
+                    for nt in range(4):
+                        for e in range(2):
+                            v_scale = _scale(sh, raw, 1, nt * 8 + 2 * t + e, quarter)
+                            s[4 * nt + e] *= v_scale
+                            s[4 * nt + e + 2] *= v_scale
+                mx_lo = new_lo
+                mx_hi = new_hi
+                if keep_lo != float32(1.0) or keep_hi != float32(1.0):
+                    for nt in range(8):
+                        o[4 * nt] *= keep_lo
+                        o[4 * nt + 1] *= keep_lo
+                        o[4 * nt + 2] *= keep_hi
+                        o[4 * nt + 3] *= keep_hi
+                # O += P V over the quarter's dims: P (two key n-tiles a k-step) as hi + lo, V by ldmatrix .trans
+                v_lds = shared + uint32(4 * (stage + v_row))
+                for kk in range(2):
+                    p_hi0, p_lo0 = _bf16_split(s[8 * kk], s[8 * kk + 1])
+                    p_hi1, p_lo1 = _bf16_split(s[8 * kk + 2], s[8 * kk + 3])
+                    p_hi2, p_lo2 = _bf16_split(s[8 * kk + 4], s[8 * kk + 5])
+                    p_hi3, p_lo3 = _bf16_split(s[8 * kk + 6], s[8 * kk + 7])
+                    for pn in range(4):
+                        b0, b1, c0_, c1_ = load_matrix_x4_trans(v_lds + uint32(4 * (16 * kk * ROW_WORDS + 8 * pn)))
+                        o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3] = mma_bf16_m16n8k16(
+                            p_hi0, p_hi1, p_hi2, p_hi3, b0, b1, o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3])
+                        o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3] = mma_bf16_m16n8k16(
+                            p_lo0, p_lo1, p_lo2, p_lo3, b0, b1, o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3])
+                        o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7] = mma_bf16_m16n8k16(
+                            p_hi0, p_hi1, p_hi2, p_hi3, c0_, c1_, o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6],
+                            o[8 * pn + 7])
+                        o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7] = mma_bf16_m16n8k16(
+                            p_lo0, p_lo1, p_lo2, p_lo3, c0_, c1_, o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6],
+                            o[8 * pn + 7])
+
+        # the served rows' partials of this split (a row whose split is empty writes none: the combine never reads it)
         if active:
-            # the rows' scores over the whole tile in the C layout of 4 key n-tiles, masked to their own keys
-            for nt in range(4):
-                for e in range(4):
-                    col = nt * 8 + 2 * t + (e & 1)
-                    key = key0 + col
-                    if e < 2:
-                        value = libdevice.int_as_float(int32(sh[s_lo + col]))
-                        s[4 * nt + e] = value if st_lo <= key and key < sp_lo else NEG_INF
-                    else:
-                        value = libdevice.int_as_float(int32(sh[s_hi + col]))
-                        s[4 * nt + e] = value if st_hi <= key and key < sp_hi else NEG_INF
-            top_lo = max(max(max(s[0], s[1]), max(s[4], s[5])), max(max(s[8], s[9]), max(s[12], s[13])))
-            top_hi = max(max(max(s[2], s[3]), max(s[6], s[7])), max(max(s[10], s[11]), max(s[14], s[15])))
-            new_lo, new_hi, keep_lo, keep_hi, base_lo, base_hi = quad_softmax_step(top_lo, top_hi, mx_lo, mx_hi)
-            sum_lo = float32(0.0)
-            sum_hi = float32(0.0)
-            for nt in range(4):
-                for e in range(4):
-                    if e < 2:
-                        s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_lo)
-                        sum_lo += s[4 * nt + e]
-                    else:
-                        s[4 * nt + e] = exp2_approx(s[4 * nt + e] * LOG2E - base_hi)
-                        sum_hi += s[4 * nt + e]
-            l_lo = l_lo * keep_lo + quad_sum(sum_lo)
-            l_hi = l_hi * keep_hi + quad_sum(sum_hi)
-            mx_lo = new_lo
-            mx_hi = new_hi
-            if keep_lo != float32(1.0) or keep_hi != float32(1.0):
+            dim0 = quarter * 64 + 2 * t
+            if st_lo < sp_lo:
+                row = r + m_lo // group_heads
+                h = kvh * group_heads + m_lo % group_heads
                 for nt in range(8):
-                    o[4 * nt] *= keep_lo
-                    o[4 * nt + 1] *= keep_lo
-                    o[4 * nt + 2] *= keep_hi
-                    o[4 * nt + 3] *= keep_hi
-            # O += P V over the quarter's dims: P (two key n-tiles a k-step) as hi + lo, V by ldmatrix .trans
-            v_lds = shared + uint32(4 * (stage + v_row))
-            for kk in range(2):
-                p_hi0, p_lo0 = _bf16_split(s[8 * kk], s[8 * kk + 1])
-                p_hi1, p_lo1 = _bf16_split(s[8 * kk + 2], s[8 * kk + 3])
-                p_hi2, p_lo2 = _bf16_split(s[8 * kk + 4], s[8 * kk + 5])
-                p_hi3, p_lo3 = _bf16_split(s[8 * kk + 6], s[8 * kk + 7])
-                for pn in range(4):
-                    b0, b1, c0_, c1_ = load_matrix_x4_trans(v_lds + uint32(4 * (16 * kk * ROW_WORDS + 8 * pn)))
-                    o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3] = mma_bf16_m16n8k16(
-                        p_hi0, p_hi1, p_hi2, p_hi3, b0, b1, o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3])
-                    o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3] = mma_bf16_m16n8k16(
-                        p_lo0, p_lo1, p_lo2, p_lo3, b0, b1, o[8 * pn], o[8 * pn + 1], o[8 * pn + 2], o[8 * pn + 3])
-                    o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7] = mma_bf16_m16n8k16(
-                        p_hi0, p_hi1, p_hi2, p_hi3, c0_, c1_, o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6],
-                        o[8 * pn + 7])
-                    o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6], o[8 * pn + 7] = mma_bf16_m16n8k16(
-                        p_lo0, p_lo1, p_lo2, p_lo3, c0_, c1_, o[8 * pn + 4], o[8 * pn + 5], o[8 * pn + 6],
-                        o[8 * pn + 7])
+                    partials[row, h, split, 2 + dim0 + nt * 8] = o[4 * nt]
+                    partials[row, h, split, 3 + dim0 + nt * 8] = o[4 * nt + 1]
+                if quarter == 0 and t == 0:
+                    partials[row, h, split, 0] = mx_lo
+                    partials[row, h, split, 1] = l_lo
+            if st_hi < sp_hi:
+                row = r + m_hi // group_heads
+                h = kvh * group_heads + m_hi % group_heads
+                for nt in range(8):
+                    partials[row, h, split, 2 + dim0 + nt * 8] = o[4 * nt + 2]
+                    partials[row, h, split, 3 + dim0 + nt * 8] = o[4 * nt + 3]
+                if quarter == 0 and t == 0:
+                    partials[row, h, split, 0] = mx_hi
+                    partials[row, h, split, 1] = l_hi
 
-    # the served rows' partials of this split (a row whose split is empty writes none: the combine never reads it)
-    if active:
-        dim0 = quarter * 64 + 2 * t
-        if st_lo < sp_lo:
-            row = r + m_lo // group_heads
-            h = kvh * group_heads + m_lo % group_heads
-            for nt in range(8):
-                partials[row, h, split, 2 + dim0 + nt * 8] = o[4 * nt]
-                partials[row, h, split, 3 + dim0 + nt * 8] = o[4 * nt + 1]
-            if quarter == 0 and t == 0:
-                partials[row, h, split, 0] = mx_lo
-                partials[row, h, split, 1] = l_lo
-        if st_hi < sp_hi:
-            row = r + m_hi // group_heads
-            h = kvh * group_heads + m_hi % group_heads
-            for nt in range(8):
-                partials[row, h, split, 2 + dim0 + nt * 8] = o[4 * nt + 2]
-                partials[row, h, split, 3 + dim0 + nt * 8] = o[4 * nt + 3]
-            if quarter == 0 and t == 0:
-                partials[row, h, split, 0] = mx_hi
-                partials[row, h, split, 1] = l_hi
+    return decode_mma_kernel
+
+
+DECODE_MMA_KERNELS = {quant: _make_decode_mma_kernel(quant) for quant in (False, True)}
 
 
 def decode_mma(q, page_tables, row_lane, row_pos, k_pool, v_pool, partials, *, heads, kv_heads, min_split_keys,
-               stream) -> None:
-    """Launch the kernel over (splits, Hkv, rows): pools uint16 [pages, page_tokens, Hkv, 256] (bf16 bits)."""
-    allow_dynamic_shared(decode_mma_kernel, _SIGNATURE, SHARED_BYTES)
-    decode_mma_kernel[(partials.shape[2], kv_heads, q.shape[0]), THREADS, stream, SHARED_BYTES](
-        q, page_tables, row_lane, row_pos, k_pool.view(np.uint64), v_pool.view(np.uint64), partials,
-        np.int32(heads), np.int32(kv_heads), np.int32(min_split_keys))
+               stream, k_scale=None, v_scale=None) -> None:
+    """Launch the kernel over (splits, Hkv, rows): pools uint16 [pages, page_tokens, Hkv, 256] (bf16 bits), or
+    int8 codes with k_scale / v_scale uint16 [pages, page_tokens, Hkv, 4] (fp16 bits: INT8-G64)."""
+    quant = k_pool.dtype == np.int8
+    if quant and (k_scale is None or v_scale is None or k_scale.shape[-1] != GROUPS):
+        raise ValueError(f"an INT8 pool of head dim {HEAD_DIM} needs k_scale and v_scale of {GROUPS} groups")
+    function, shared = DECODE_MMA_KERNELS[quant], SHARED_BYTES8 if quant else SHARED_BYTES
+    allow_dynamic_shared(function, _SIGNATURE, shared)
+    k_words, v_words = k_pool.view(np.uint64), v_pool.view(np.uint64)
+    # (bf16 pools: the pools stand in for the scales no code reads)
+    scales = (k_scale.view(np.uint64), v_scale.view(np.uint64)) if quant else (k_words, v_words)
+    function[(partials.shape[2], kv_heads, q.shape[0]), THREADS, stream, shared](
+        q, page_tables, row_lane, row_pos, k_words, v_words, *scales, partials, np.int32(heads), np.int32(kv_heads),
+        np.int32(min_split_keys))

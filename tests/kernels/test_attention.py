@@ -225,10 +225,11 @@ def _long_rows(seed, cfg, dtype, last_pos):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", REAL)
-@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True)])
+@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True),
+                                                ("int8", False)])
 def test_gpu_decode_with_a_split_floor_matches_twin_and_is_batch_invariant(cfg, dtype, tensor_cores):
     """attention_decode with at least 64 or 256 keys a split (64 splits at most): the twin's result, and a row alone
-    the same bits as in the batch (tensor cores: the bf16 pools' default kernel; int8 pools keep the staged one)."""
+    the same bits as in the batch (the tensor-core kernel, bf16 or INT8 pools, or the staged one)."""
     from ninfer.kernels_numba.numba_setup import cuda
     heads, kv_heads, d, _, _ = cfg
     q, qkgv, tables, row_lane, row_pos, pools = _long_rows(5, cfg, dtype, 700)
@@ -275,7 +276,8 @@ def test_gpu_decode_writes_the_bf16_copy_and_x_fragments_of_its_output(cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", REAL)
-@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True)])
+@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True),
+                                                ("int8", False)])
 def test_gpu_head_dim_256_decode_matches_twin_at_every_split_count(cfg, dtype, tensor_cores):
     """The head_dim 256 kernel (K/V tiles through shared memory) at the real shapes against the exact twin, rows of
     1 to 2000 keys: one split (63 tiles in a block), the model's splits and the most splits (a few keys a block)."""
@@ -292,7 +294,8 @@ def test_gpu_head_dim_256_decode_matches_twin_at_every_split_count(cfg, dtype, t
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", TINY + REAL)
-@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True)])
+@pytest.mark.parametrize("dtype,tensor_cores", [("bf16", True), ("bf16", False), ("int8", True),
+                                                ("int8", False)])
 def test_gpu_decode_matches_twin_and_is_batch_invariant(cfg, dtype, tensor_cores):
     """Rows of three lanes, one a verify run of 6 (the tensor-core kernel serves up to 5 of a 27B lane's rows a
     block): the twin's result at 1 to 256 splits, and rows alone (one of them from inside the run) bitwise as in the
@@ -346,13 +349,14 @@ def test_head_dim_256_decode_kernel_in_cuda_simulator():
 
 
 def test_tensor_core_decode_kernel_in_cuda_simulator():
-    """The tensor-core decode kernel and the combine run thread by thread against the exact twin: a verify run of 6
+    """The tensor-core decode kernel (INT8 and bf16 pools) and the combine run thread by thread against the exact
+    twin: a verify run of 6
     rows in blocks of 5 and 1, rows cut at different keys, and a row alone bitwise as in the batch
     (`simulated_kernels.attention_decode_mma`)."""
     from tests.support.simulated_kernels import run
 
     assert [line for line in run("attention_decode_mma").splitlines() if line.startswith("ok ")] == [
-        "ok attention_decode_mma 2 floor 0", "ok attention_decode_mma row alone"]
+        "ok attention_decode_mma int8", "ok attention_decode_mma 2 floor 0", "ok attention_decode_mma row alone"]
 
 
 def test_prepare_kernel_in_cuda_simulator():

@@ -56,11 +56,11 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                       split_k_norm: int = DEFAULT_SPLIT_K_NORM, conv_in_projection: bool = True,
                       ab_in_recurrence: bool | None = None,
                       recurrence_groups: int = REC_DEFAULT_GROUPS, prefill_buckets: bool = False,
-                      direct_quant_experts: bool = False) -> CudaBuild:
+                      direct_quant_experts: bool = False, tensor_core_decode_int8: bool = False) -> CudaBuild:
     """The runner on GPU `device_index`, or on `device` when given (a `HostDevice` runs the same code on the
     kernels' NumPy twins). `tensor_core_attention`, `decode_linear`, `decode_quant`, `branches`,
     `programmatic_launch`, `narrow_decode`, `split_k_norm`, `conv_in_projection`, `ab_in_recurrence`,
-    `recurrence_groups`, `prefill_buckets`, `direct_quant_experts`: see `Capacity`.
+    `recurrence_groups`, `prefill_buckets`, `direct_quant_experts`, `tensor_core_decode_int8`: see `Capacity`.
     `vision` builds the Vision tower: on the GPU (`CudaVisionTower`, its scratch arena sized for the largest item
     serving admits: `vision_max_patches`), or on the host with `vision_on_device=False`."""
     dims = artifact_dims(artifact)
@@ -78,7 +78,8 @@ def build_cuda_runner(artifact: Artifact, config: EngineConfig, *, device_index:
                         programmatic_launch=programmatic_launch, narrow_decode=narrow_decode,
                         split_k_norm=split_k_norm, conv_in_projection=conv_in_projection,
                         ab_in_recurrence=ab_in_recurrence, recurrence_groups=recurrence_groups,
-                        prefill_buckets=prefill_buckets, direct_quant_experts=direct_quant_experts)
+                        prefill_buckets=prefill_buckets, direct_quant_experts=direct_quant_experts,
+                        tensor_core_decode_int8=tensor_core_decode_int8)
     model = CudaQwen(dims, ArtifactDeviceWeights(artifact, device), device, capacity, dflash=drafter)
     tower = build_vision_tower(dims, ArtifactWeights(artifact)) if vision else None
     if tower is not None and vision_on_device:

@@ -157,7 +157,7 @@ class Capacity:
     # Decode attention over bf16 KV (head_dim 256) on the tensor cores (`attention_decode_mma`: a block serves the
     # q heads of one kv head for the rows of one lane together, K and V tiles loaded once for all of them) instead
     # of the staged SIMT kernel (a warp a q head and row). Both are batch invariant; the choice depends on the KV
-    # dtype only (int8 pools keep the staged kernel), so greedy MTP stays greedy. Why: the SIMT kernel's time grows
+    # dtype only (INT8 pools: tensor_core_decode_int8), so greedy MTP stays greedy. Why: the SIMT kernel's time grows
     # with the rows of a lane, and an MTP verify step is k + 1 rows of one lane: 27B bf16 at 8K context, 4 rows,
     # 128 us a layer (results/cuda_model_27b_bf16_mtp_parts_session33.log). On, as measured on the H200 at 8K
     # context (bench/cuda_model.py --tensor-core-decode off,on; results/*tensor_core_decode_session33.json, ms):
@@ -166,6 +166,11 @@ class Capacity:
     # ninfer-v2 round 12.79 -> 11.33, B=1 / 8 7.65 / 14.34 -> 7.54 / 13.36; 35B-A3B ninfer-v2 round 5.70 -> 5.39,
     # B=1 / 8 2.91 / 6.55 -> 2.86 / 6.15.
     tensor_core_decode: bool = True
+    # The same for INT8-G64 pools (`attention_decode_mma`'s INT8 form: the tile's codes turned into exact bf16 in
+    # shared memory, each 64-dim group's scores times its K scales, a key's V scale folded into its probability).
+    # Off until timed on the GPU (bench/cuda_model.py --kv int8 --tensor-core-decode off,on): the staged SIMT kernel
+    # till then.
+    tensor_core_decode_int8: bool = False
     # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
     # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
     # weight load issued first; the router's GEMV and the expert routing in one launch) instead of decode_linear's
@@ -1202,7 +1207,9 @@ class CudaQwen:
             default_ahead = 0 if dims.is_moe else 2
             self.set_dequant_ahead(default_ahead if capacity.dequant_ahead is None else capacity.dequant_ahead)
         self.attention_min_split_keys = capacity.attention_min_split_keys
-        self.tensor_core_decode = capacity.tensor_core_decode
+        # the tensor-core decode attention for this model's pools (Capacity.tensor_core_decode / _int8)
+        self.tensor_core_decode = (capacity.tensor_core_decode_int8 if capacity.kv_dtype == "int8"
+                                   else capacity.tensor_core_decode)
         self._side_scratch = SideScratch(self.workspace.side_x_bf16, self.workspace.side_x_fragments)
         self.branches = False
         # a decode MoE combine `_moe` left for the next norm to launch (`_norm`), or None
@@ -1283,8 +1290,8 @@ class CudaQwen:
         self.attention_min_split_keys = keys
 
     def set_tensor_core_decode(self, on: bool) -> None:
-        """Capacity.tensor_core_decode, switchable between steps for benchmarks (graphs captured before keep what they
-        recorded)."""
+        """Capacity.tensor_core_decode (or _int8, for INT8 pools), switchable between steps for benchmarks (graphs
+        captured before keep what they recorded)."""
         self.tensor_core_decode = on
 
     def set_attention_splits(self, splits: int | None) -> None:
