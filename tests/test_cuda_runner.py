@@ -952,7 +952,8 @@ def test_direct_quant_experts_multiply_the_codes_and_keep_the_tokens(device_kind
     their codes (`linear_quant_mma_chunked`: the gate|up writing silu(gate) * up, then the down) and dequantizes no
     expert matrix; the sync-free layout (graph pieces or eager, the same tokens) and the read-back one (the layout
     forced to chunks of 128) give the dequantizing build's tokens up to bf16 near ties (the activation is rounded
-    once from fp32 instead of from bf16 gate and up). Its dequantization scratch leaves the experts out."""
+    once from fp32 instead of from bf16 gate and up), and greedy MTP (its head's MoE too) the same tokens. Its
+    dequantization scratch leaves the experts out."""
     from ninfer.backends.cuda import host_kernels
     from ninfer.backends.cuda.model import SKINNY_ROWS
     from ninfer.backends.cuda.weights import is_quantized
@@ -976,6 +977,9 @@ def test_direct_quant_experts_multiply_the_codes_and_keep_the_tokens(device_kind
     got = run_lanes(build.runner, prompts, 8, chunk=128)
     eager = cuda_build(device_kind, path, decode_quant="mma", direct_quant_experts=True, graphs=False)
     assert run_lanes(eager.runner, prompts, 8, chunk=128) == got
+    # the MTP layer's long prefill chunks take the same path; greedy MTP stays greedy
+    speculative = cuda_build(device_kind, path, decode_quant="mma", direct_quant_experts=True, draft_tokens=3)
+    assert run_lanes(speculative.runner, prompts, 8, chunk=128) == got
     eager.model.moe_sync_free = False
     eager.model.moe_prefill_gemm = "padded"  # (the direct path takes chunks whatever this says)
     read_back = run_lanes(eager.runner, prompts, 8, chunk=128)
