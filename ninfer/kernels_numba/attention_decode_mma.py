@@ -58,14 +58,13 @@ COPY_STEP = THREADS // ROW_PIECES  # keys between the pieces one thread copies
 COPY_KEYS = TILE_KEYS // COPY_STEP  # keys a thread copies a piece of, a tile
 # INT8-G64 pools (int8 codes, an fp16 scale per 64 dims: 4 a head): the tile's codes and scales land by cp.async in
 # one of two raw stages, then each thread turns the codes it copied into exact bf16 (|code| <= 128) in the one bf16
-# stage the mma read; the scales stay in the raw stage. The same shared memory as the bf16 kernel's two stages.
+# stage the mma read; the scales stay in the raw stage.
 GROUPS = 4  # scale groups of a head (64 dims: a warp's quarter of the P V dims is one group)
 RAW_ROW_WORDS = HEAD_DIM // 4  # a row of int8 codes
 RAW_SCALES = 2 * TILE_KEYS * RAW_ROW_WORDS  # word offset of the K scales in a raw stage (2 words a key), then V's
 RAW_WORDS = RAW_SCALES + 2 * 2 * TILE_KEYS
-RAW0 = STAGE0 + STAGE_WORDS  # the two raw stages, after the one bf16 stage
-S_OFF8 = RAW0 + 2 * RAW_WORDS
-SHARED_BYTES8 = 4 * (S_OFF8 + M_ROWS * S_WORDS)  # 103.5 KiB
+RAW0 = STAGE0 + STAGE_WORDS  # the two raw stages: where the bf16 kernel's second stage is, which they fill exactly
+assert 2 * RAW_WORDS == STAGE_WORDS  # (so S, at S_OFF, and SHARED_BYTES are the bf16 kernel's)
 ROW_PIECES8 = HEAD_DIM // 16
 COPY_STEP8 = THREADS // ROW_PIECES8
 COPY_KEYS8 = TILE_KEYS // COPY_STEP8
@@ -486,11 +485,11 @@ def decode_mma(q, page_tables, row_lane, row_pos, k_pool, v_pool, partials, *, h
     quant = k_pool.dtype == np.int8
     if quant and (k_scale is None or v_scale is None or k_scale.shape[-1] != GROUPS):
         raise ValueError(f"an INT8 pool of head dim {HEAD_DIM} needs k_scale and v_scale of {GROUPS} groups")
-    function, shared = DECODE_MMA_KERNELS[quant], SHARED_BYTES8 if quant else SHARED_BYTES
-    allow_dynamic_shared(function, _SIGNATURE, shared)
+    function = DECODE_MMA_KERNELS[quant]
+    allow_dynamic_shared(function, _SIGNATURE, SHARED_BYTES)
     k_words, v_words = k_pool.view(np.uint64), v_pool.view(np.uint64)
     # (bf16 pools: the pools stand in for the scales no code reads)
     scales = (k_scale.view(np.uint64), v_scale.view(np.uint64)) if quant else (k_words, v_words)
-    function[(partials.shape[2], kv_heads, q.shape[0]), THREADS, stream, shared](
+    function[(partials.shape[2], kv_heads, q.shape[0]), THREADS, stream, SHARED_BYTES](
         q, page_tables, row_lane, row_pos, k_words, v_words, *scales, partials, np.int32(heads), np.int32(kv_heads),
         np.int32(min_split_keys))
