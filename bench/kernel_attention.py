@@ -3,7 +3,7 @@
     python bench/kernel_attention.py            # prints a table; writes $OUT/kernel_attention.json when OUT is set
     python bench/kernel_attention.py flash      # only the flash prefill kernel (`attention_flash`) at 8K tokens
     python bench/kernel_attention.py verify [ROWS...]  # decode attention for MTP verify runs (rows of one lane),
-                                                       # staged vs tensor cores
+                                                       # staged vs tensor cores, bf16 and INT8 KV
 """
 
 from __future__ import annotations
@@ -140,18 +140,19 @@ def bench_decode(rows_out, stream):
 
 
 def bench_verify(rows_out, stream, ctx=8192, only=()):
-    """The 27B's bf16 decode attention at `ctx` keys for MTP verify runs (1, 2 and 4 rows of one lane: the tensor-core
-    kernel takes a run in one block) and 8 lanes of one row, staged SIMT kernel against tensor cores, both launches
-    (split, combine) timed together at the model's splits and split floor. `only`: those row counts alone."""
+    """The 27B's decode attention at `ctx` keys for MTP verify runs (1, 2 and 4 rows of one lane: the tensor-core
+    kernel takes a run in one block) and 8 lanes of one row, bf16 and INT8 pools, staged SIMT kernel against tensor
+    cores, both launches (split, combine) timed together at the model's splits and split floor. `only`: those row
+    counts alone."""
     rng = np.random.default_rng(1)
     heads, kv_heads, d = MODELS["27B"]
     splits = A.row_splits(kv_heads)
     max_pages = ctx // PAGE + 1
-    for rows, lanes in ((1, 1), (2, 1), (4, 1), (8, 8)):
+    for dtype, (rows, lanes) in ((t, shape) for t in ("bf16", "int8") for shape in ((1, 1), (2, 1), (4, 1), (8, 8))):
         if only and rows not in only:
             continue
         sets_n = 3
-        pools = make_pools(rng, sets_n * lanes * max_pages, kv_heads, d, "bf16")
+        pools = make_pools(rng, sets_n * lanes * max_pages, kv_heads, d, dtype)
         tables = cuda.to_device(np.arange(sets_n * lanes * max_pages, dtype=np.int32).reshape(sets_n * lanes,
                                                                                                max_pages))
         q = cuda.to_device(rng.standard_normal((rows, heads, d), dtype=np.float32))
@@ -162,7 +163,7 @@ def bench_verify(rows_out, stream, ctx=8192, only=()):
                      for s in range(sets_n)]
         out = cuda.device_array((rows, heads * d), np.float32)
         partials = cuda.device_array(A.decode_partials_shape(rows, heads, d, splits), np.float32)
-        entry = dict(kernel="decode_verify", model="27B", kv="bf16", ctx=ctx, rows=rows, lanes=lanes, splits=splits)
+        entry = dict(kernel="decode_verify", model="27B", kv=dtype, ctx=ctx, rows=rows, lanes=lanes, splits=splits)
         for tensor_cores in (False, True):
             def launch(row_lane, tensor_cores=tensor_cores):
                 A.attention_decode(q, qkgv, tables, row_lane, pos, *pools, out, partials, heads=heads,
@@ -172,7 +173,7 @@ def bench_verify(rows_out, stream, ctx=8192, only=()):
             entry["tensor_cores_us" if tensor_cores else "staged_us"] = timed(launch, row_lanes, stream)
         entry["us"] = entry["tensor_cores_us"]
         rows_out.append(entry)
-        print(f"decode_verify 27B bf16 ctx {ctx} rows {rows} lanes {lanes}: staged {entry['staged_us']:.1f} us, "
+        print(f"decode_verify 27B {dtype} ctx {ctx} rows {rows} lanes {lanes}: staged {entry['staged_us']:.1f} us, "
               f"tensor cores {entry['tensor_cores_us']:.1f} us", flush=True)
 
 
