@@ -36,7 +36,7 @@ from ninfer.kernels_numba.attention import _pool_row, split_keys
 from ninfer.kernels_numba.common import (LOG2E, address_of, exp2_approx, half_pair_to_f32, load_matrix_x4,
                                          load_matrix_x4_trans, load_words4_at, pack_bf16x2, quad_softmax_step, quad_sum)
 from ninfer.kernels_numba.numba_setup import allow_dynamic_shared, cuda, device_function, kernel
-from ninfer.kernels_numba.quant_mma import mma_bf16_m16n8k16
+from ninfer.kernels_numba.quant_mma import BF16_128_PAIR, BF16_ONE_PAIR, and_or, fma_bf16x2, mma_bf16_m16n8k16
 
 HEAD_DIM = 256
 TILE_KEYS = 32  # keys a tile: 4 quarters of an 8-key n-tile in S, 2 k-steps in P V
@@ -68,8 +68,7 @@ assert 2 * RAW_WORDS == STAGE_WORDS  # (so S, at S_OFF, and SHARED_BYTES are the
 ROW_PIECES8 = HEAD_DIM // 16
 COPY_STEP8 = THREADS // ROW_PIECES8
 COPY_KEYS8 = TILE_KEYS // COPY_STEP8
-CODE_MAGIC = 0x4B000000  # fp32 2^23: OR an unsigned byte u into its mantissa for 2^23 + u exactly
-CODE_OFFSET = float32(8388608.0 + 128.0)  # 2^23 + 128: (2^23 + (code ^ 0x80)) - this = the signed code
+MINUS_256_PAIR = 0xC380C380  # the bf16 pair (-256, -256)
 Q_ROW_PIECES = HEAD_DIM // 4  # 16-byte pieces of an fp32 query row
 Q_ROW_SHIFT = 6  # log2(Q_ROW_PIECES)
 Q_ROW_STEP = THREADS // Q_ROW_PIECES  # query rows between a thread's pieces
@@ -126,14 +125,18 @@ def _copy_raw_tile(shared, raw, k_at, v_at, ks_at, vs_at, page_tables, lane_id, 
                    token_bytes, scale_token_bytes):
     """`_copy_tile` for INT8 pools, into the raw stage at word `raw`: a thread copies one 16-byte piece of the codes
     of COPY_KEYS8 keys, K and V; threads 0..31 copy key tid's 4 K scales, 32..63 its V scales (8 bytes). Keys
-    outside [lo, hi) read nothing and land as zeros."""
+    outside [lo, hi) read nothing and land as zeros. Pages of whole tiles: one page-table read a tile, as there."""
     tid = cuda.threadIdx.x
     piece = tid & (ROW_PIECES8 - 1)
     first = tid // ROW_PIECES8
+    whole = page_tokens % TILE_KEYS == 0
+    start = min(max(key0, lo), hi - 1)  # keys are clamped into [lo, hi - 1]: inside this tile, so its page
+    row0 = _pool_row(page_tables, lane_id, start, hi, page_tokens) if whole else int64(0)
     for j in range(COPY_KEYS8):
         i = first + COPY_STEP8 * j
         key = key0 + i
-        row = _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens)
+        row = (row0 + (min(max(key, lo), hi - 1) - start) if whole
+               else _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens))
         size = uint32(16) if lo <= key and key < hi else uint32(0)
         dst = shared + uint32((raw + i * RAW_ROW_WORDS + piece * 4) * 4)
         copy_async_16(dst, k_at + row * token_bytes + piece * 16, size)
@@ -141,20 +144,29 @@ def _copy_raw_tile(shared, raw, k_at, v_at, ks_at, vs_at, page_tables, lane_id, 
     if tid < 2 * TILE_KEYS:
         i = tid & (TILE_KEYS - 1)
         key = key0 + i
-        row = _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens)
+        row = (row0 + (min(max(key, lo), hi - 1) - start) if whole
+               else _pool_row(page_tables, lane_id, max(key, lo), hi, page_tokens))
         size = uint32(8) if lo <= key and key < hi else uint32(0)
         source = (ks_at if tid < TILE_KEYS else vs_at) + row * scale_token_bytes
         copy_async_8(shared + uint32((raw + RAW_SCALES + 2 * tid) * 4), source, size)
 
 
 @device_function
-def _code_pair(word, half):
-    """The bf16 pair of int8 codes 2 half and 2 half + 1 of a word (low byte first), exactly."""
-    u0 = (word >> uint32(16 * half)) & uint32(0xFF)
-    u1 = (word >> uint32(16 * half + 8)) & uint32(0xFF)
-    c0 = libdevice.int_as_float(int32(uint32(CODE_MAGIC) | (u0 ^ uint32(0x80)))) - CODE_OFFSET
-    c1 = libdevice.int_as_float(int32(uint32(CODE_MAGIC) | (u1 ^ uint32(0x80)))) - CODE_OFFSET
-    return pack_bf16x2(c0, c1)
+def _code_pairs(word):
+    """The two bf16 pairs of a word's four int8 codes (low byte first), exactly: with u = code + 128 = 128 h + m,
+    bf16(128 + m) is 0x4300 | m, and code = (128 + m) - 256 + 128 h, each step exact in bf16 (|code| <= 128)."""
+    x = word ^ uint32(0x80808080)  # the bytes as u
+    low = (x & uint32(0xFF)) | ((x & uint32(0xFF00)) << uint32(8))  # u0, u1 in the two halves
+    high = ((x >> uint32(16)) & uint32(0xFF)) | ((x >> uint32(8)) & uint32(0xFF0000))
+    return _u_pair(low), _u_pair(high)
+
+
+@device_function
+def _u_pair(pair):
+    """The bf16 pair of the codes of a pair of u = code + 128 (one a half)."""
+    base = and_or(pair, uint32(0x007F007F), uint32(BF16_128_PAIR))  # 128 + m
+    above = (pair & uint32(0x00800080)) * uint32(0x86)  # bf16 128.0 (0x4300) where h = 1, else 0
+    return fma_bf16x2(above, uint32(BF16_ONE_PAIR), fma_bf16x2(base, uint32(BF16_ONE_PAIR), uint32(MINUS_256_PAIR)))
 
 
 @device_function
@@ -170,9 +182,7 @@ def _convert_raw_tile(sh, raw):
             src = raw + (kv * TILE_KEYS + i) * RAW_ROW_WORDS + piece * 4
             dst = STAGE0 + (kv * TILE_KEYS + i) * ROW_WORDS + piece * 8
             for w in range(4):
-                word = sh[src + w]
-                sh[dst + 2 * w] = _code_pair(word, 0)
-                sh[dst + 2 * w + 1] = _code_pair(word, 1)
+                sh[dst + 2 * w], sh[dst + 2 * w + 1] = _code_pairs(sh[src + w])
 
 
 @device_function

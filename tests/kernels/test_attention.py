@@ -356,7 +356,8 @@ def test_tensor_core_decode_kernel_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     assert [line for line in run("attention_decode_mma").splitlines() if line.startswith("ok ")] == [
-        "ok attention_decode_mma int8", "ok attention_decode_mma 2 floor 0", "ok attention_decode_mma row alone"]
+        "ok attention_decode_mma int8 16", "ok attention_decode_mma int8 32", "ok attention_decode_mma 2 floor 0",
+        "ok attention_decode_mma row alone"]
 
 
 def test_prepare_kernel_in_cuda_simulator():

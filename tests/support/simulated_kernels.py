@@ -772,8 +772,8 @@ def attention_decode_staged() -> None:
 
 
 def attention_decode_mma() -> None:
-    """The tensor-core decode kernel (`attention_decode_mma`) and the combine against the exact twin, INT8 and bf16 KV
-    over pages of 16 tokens: 6 q heads a kv head (5 rows a block, the second m16 tile in use), a verify run of 6 rows on
+    """The tensor-core decode kernel (`attention_decode_mma`) and the combine against the exact twin, INT8 KV over
+    pages of 16 and 32 tokens and bf16 KV over pages of 16: 6 q heads a kv head (5 rows a block, the second m16 tile in use), a verify run of 6 rows on
     lane 0 (a block of 5 and one of 1) after a row of lane 1, in 2 splits (rows of different lengths cut at
     different keys: per-row masks inside a tile); then one row of the run alone: bitwise its value in the batch.
     (The GPU tests take more splits, floors and the real shapes.)"""
@@ -792,10 +792,13 @@ def attention_decode_mma() -> None:
     row_pos = np.array([40, 95, 96, 97, 98, 99, 100], np.int32)
     # INT8-G64 pools first (codes turned into bf16 in shared memory, K scales a 64-dim group, V scales in P), then
     # bf16 ones, whose run the row-alone check below repeats
-    int8_pools = _random_pools(rng, 12, 16, 1, 256, "int8")
-    _decode_matches_twin(attention, rng, int8_pools, tables, row_lane, row_pos, heads=6, kv_heads=1, head_dim=256,
-                         splits=2)
-    print("ok attention_decode_mma int8", flush=True)
+    for page_tokens in (16, 32):  # a page a key's read, or one a tile (pages of whole tiles)
+        pages = 12 * 16 // page_tokens
+        int8_pools = _random_pools(rng, pages, page_tokens, 1, 256, "int8")
+        int8_tables = np.stack([rng.permutation(pages)[:pages - 2] for _ in range(2)]).astype(np.int32)
+        _decode_matches_twin(attention, rng, int8_pools, int8_tables, row_lane, row_pos, heads=6, kv_heads=1,
+                             head_dim=256, splits=2)
+        print("ok attention_decode_mma int8", page_tokens, flush=True)
     pools = _random_pools(rng, 12, 16, 1, 256, "bf16")
     for splits, floor in ((2, 0),):
         state = rng.bit_generator.state
