@@ -129,6 +129,29 @@ def test_small_writes_go_through_pinned_slots_in_stream_order(device):
     assert np.array_equal(device.read(big), values)
 
 
+def test_pitched_writes_fill_the_first_columns_of_some_rows_in_stream_order(device):
+    """`write_rows`: the first W columns of rows 2..4 of a wider array in one pitched copy, the rest untouched;
+    more such writes than there are slots, each host array changed once its write returns, the later write to a
+    cell winning; values past a slot go down a row at a time."""
+    from ninfer.backends.cuda.staging import SLOT_BYTES, SLOTS
+
+    a = device.upload(np.full((6, 16), -1, np.int32), "test")
+    host = np.zeros((3, 5), np.int32)
+    for r in range(3 * SLOTS):
+        host[:] = np.arange(15).reshape(3, 5) + 100 * r
+        device.write_rows(a[2:5, :5], host)
+        host[:] = -7
+    want = np.full((6, 16), -1, np.int32)
+    want[2:5, :5] = np.arange(15).reshape(3, 5) + 100 * (3 * SLOTS - 1)
+    assert device.read(a).tolist() == want.tolist()
+    wide = SLOT_BYTES // 8 + 16  # two rows of it pass a slot
+    big = device.zeros((3, wide + 4), np.int32, "test")
+    values = np.arange(2 * wide, dtype=np.int32).reshape(2, wide)
+    device.write_rows(big[:2, :wide], values)
+    got = device.read(big)
+    assert np.array_equal(got[:2, :wide], values) and not got[2].any() and not got[:, wide:].any()
+
+
 def test_grouped_gemm_multiplies_each_row_group_by_its_own_weight_block(device):
     """The MoE prefill's grouped GEMM: groups of varied size, empty ones included, bf16 outputs (fp32 sums rounded
     once), rows past the last group left as they were; the same call again on other sizes reuses the address table

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from ninfer.backends.cuda.staging import ReadValues, StagingSlots
+from ninfer.backends.cuda.staging import SLOT_BYTES, ReadValues, StagingSlots
 from ninfer.backends.cuda.views import remembering_views
 from ninfer.kernels_numba.numba_setup import cuda
 
@@ -41,6 +41,8 @@ class Device(Protocol):
     def synchronize(self) -> None: ...
 
     def write(self, destination: Any, host: np.ndarray, *, stream_handle: int | None = None) -> None: ...
+
+    def write_rows(self, destination: Any, host: np.ndarray) -> None: ...
 
     def read(self, source: Any) -> np.ndarray: ...
 
@@ -141,6 +143,22 @@ class CudaDevice:
             destination.copy_to_device(values, stream=self.stream)
         else:
             raise ValueError(f"a write of {values.nbytes} bytes on another stream than the serving one")
+
+    def write_rows(self, destination: Any, host: np.ndarray) -> None:
+        """`write` for a 2D device view whose rows are contiguous but need not follow each other (the first columns
+        of some rows of a wider array): one pitched copy through a pinned slot, in the serving stream's order, or a
+        write a row when the values pass a slot."""
+        values = np.ascontiguousarray(host, dtype=destination.dtype).reshape(destination.shape)
+        if values.size == 0:
+            return
+        if destination.ndim != 2 or destination.strides[1] != destination.dtype.itemsize:
+            raise ValueError(f"write_rows takes a 2D view with contiguous rows, got strides {destination.strides}")
+        if values.nbytes > SLOT_BYTES:
+            for row in range(values.shape[0]):
+                self.write(destination[row], values[row])
+            return
+        self._staging.write_rows(device_pointer(destination), int(destination.strides[0]), values,
+                                 self.stream_handle)
 
     def read(self, source: Any) -> np.ndarray:
         """A device array's values on the host, after everything queued before on the stream."""

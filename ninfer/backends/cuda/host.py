@@ -64,6 +64,9 @@ class HostDevice:
     def write(self, destination: np.ndarray, host: np.ndarray, *, stream_handle: int | None = None) -> None:
         destination[...] = np.asarray(host).reshape(destination.shape)
 
+    def write_rows(self, destination: np.ndarray, host: np.ndarray) -> None:
+        destination[...] = np.asarray(host).reshape(destination.shape)
+
     def read(self, source: np.ndarray) -> np.ndarray:
         return np.array(source, copy=True)
 

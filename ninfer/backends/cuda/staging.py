@@ -36,6 +36,9 @@ class StagingSlots:
         self._recorded = [False] * SLOTS
         self._reading: set[int] = set()  # slots whose read's values the caller has not taken yet
         self._next = 0
+        self._pitched = driver.CUDA_MEMCPY2D()  # `write_rows`' copy description, its per-copy fields set each time
+        self._pitched.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+        self._pitched.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
 
     @staticmethod
     def fits(array: Any) -> bool:
@@ -61,6 +64,20 @@ class StagingSlots:
         self._host[start:start + host.nbytes] = host.reshape(-1).view(np.uint8)
         self._check(self._driver.cuMemcpyHtoDAsync(destination_address, self._address + start, host.nbytes,
                                                    stream_handle), "cuMemcpyHtoDAsync")
+        self._check(self._driver.cuEventRecord(self._events[slot], stream_handle), "cuEventRecord")
+        self._recorded[slot] = True
+
+    def write_rows(self, destination_address: int, destination_pitch: int, host: np.ndarray,
+                   stream_handle: int) -> None:
+        """Queue a copy of `host` ([H, W], contiguous, at most a slot) to H device rows `destination_pitch` bytes
+        apart from the address: one pitched copy (`cuMemcpy2DAsync`) where H row writes took H copies."""
+        slot = self._slot()
+        start = slot * SLOT_BYTES
+        self._host[start:start + host.nbytes] = host.reshape(-1).view(np.uint8)
+        copy, width = self._pitched, host.shape[1] * host.itemsize
+        copy.srcHost, copy.srcPitch, copy.WidthInBytes, copy.Height = self._address + start, width, width, host.shape[0]
+        copy.dstDevice, copy.dstPitch = destination_address, destination_pitch
+        self._check(self._driver.cuMemcpy2DAsync(copy, stream_handle), "cuMemcpy2DAsync")
         self._check(self._driver.cuEventRecord(self._events[slot], stream_handle), "cuEventRecord")
         self._recorded[slot] = True
 

@@ -1,0 +1,89 @@
+"""The CUDA backend's per-call inputs (`InputRows`, `StepInputs`): a call's input rows go down in one pitched copy,
+rows not given keep what the device holds, and a decode round writes each fill once."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from ninfer.backends.cuda.host import HostDevice
+from ninfer.backends.cuda.model import InputRows, StepInputs
+
+
+class CountingDevice(HostDevice):
+    """A HostDevice that counts its host-to-device writes by kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.pitched: list[tuple[int, int]] = []
+
+    def write(self, destination, host, *, stream_handle=None) -> None:
+        self.calls["write"] += 1
+        super().write(destination, host, stream_handle=stream_handle)
+
+    def write_rows(self, destination, host) -> None:
+        self.calls["write_rows"] += 1
+        self.pitched.append(tuple(destination.shape))
+        super().write_rows(destination, host)
+
+
+def test_a_fill_is_one_pitched_copy_of_the_rows_up_to_the_last_given():
+    device = CountingDevice()
+    rows = InputRows(device, ("a", "b", "c"), 8)
+    rows.fill({"a": [1, 2, 3], "b": [4]})
+    assert device.calls == {"write_rows": 1} and device.pitched == [(2, 3)]
+    assert rows.block.tolist() == [[1, 2, 3, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0, 0, 0], [0] * 8]
+    rows.block[2, :2] = [9, 9]  # a kernel's write to the last row, which this fill does not name
+    rows.block[1, 5] = 7  # ... and past the columns it copies
+    rows.fill({"a": [5, 6], "b": None, "c": []})
+    assert device.pitched[-1] == (1, 2)
+    assert rows.block.tolist() == [[5, 6, 3, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 7, 0, 0], [9, 9, 0, 0, 0, 0, 0, 0]]
+    rows.fill({})
+    assert device.calls["write_rows"] == 2  # nothing given, nothing copied
+    with pytest.raises(ValueError, match="9 values of b exceed the 8"):
+        rows.fill({"b": np.arange(9)})
+
+
+def test_step_inputs_keep_the_device_written_next_ids_when_a_fill_gives_none():
+    """The MTP draft chain writes next_ids on the device; a decode fill (no next_ids) must not put the host's old
+    ones back, and positions are three rows of [3, rows]."""
+    device = CountingDevice()
+    inputs = StepInputs(device, rows=6, lanes=2, pages=4)
+    inputs.fill(token_ids=[7, 8], positions=np.array([[0, 1], [2, 3], [4, 5]]), row_lane=[0, 0], row_pos=[0, 1],
+                seg_lane=[0], seg_row=[0], seg_count=[2], seg_record=[0], next_ids=[8, 9])
+    inputs.next_ids[:2] = [11, 12]
+    inputs.fill(token_ids=[3], positions=np.array([[5], [6], [7]]), row_lane=[1], row_pos=[4], seg_lane=[1],
+                seg_row=[0], seg_count=[1], seg_record=[0])
+    assert device.calls == {"write_rows": 2} and device.pitched == [(11, 2), (10, 1)]
+    assert inputs.next_ids[:2].tolist() == [11, 12] and inputs.token_ids[:2].tolist() == [3, 8]
+    assert inputs.positions[:, :2].tolist() == [[5, 1], [6, 3], [7, 5]]
+    assert inputs.positions.shape == (3, 6) and inputs.positions.flags.c_contiguous
+    with pytest.raises(ValueError, match="7 rows exceed the 6"):
+        inputs.fill(token_ids=np.zeros(7), positions=np.zeros((3, 7)), row_lane=np.zeros(7), row_pos=np.zeros(7),
+                    seg_lane=[0], seg_row=[0], seg_count=[7], seg_record=[0])
+
+
+def test_an_mtp_round_at_one_lane_writes_each_fill_once(tmp_path):
+    """A greedy k = 3 round at one lane: the verify's inputs and the MTP rows' inputs one pitched copy each (they
+    were 7 and 5 writes, ~10 us of host time each on the GPU while it waited), besides the selection's write, the
+    draft rows' index and the draft chain's three staging writes."""
+    from tests.support.cuda_models import write_tiny_qwen_artifact
+    from tests.test_cuda_runner import GREEDY, Lane, cuda_build, decode_round, prompt
+
+    path = write_tiny_qwen_artifact(tmp_path / "dense.ninfer", moe=False, recipe="bf16")
+    build = cuda_build("host", path, lanes=1, draft_tokens=3)
+    device = build.model.device
+    calls = collections.Counter()
+    for name in ("write", "write_rows"):
+        original = getattr(device, name)
+        setattr(device, name, lambda *a, _name=name, _original=original, **k: (calls.update([_name]),
+                                                                             _original(*a, **k)))
+    lane = Lane(build.runner, 0, prompt(3, 30), sampling=GREEDY, budget=40)
+    lane.prefill(1000)
+    decode_round(build.runner, [lane])
+    calls.clear()
+    decode_round(build.runner, [lane])
+    assert calls["write_rows"] == 2 and calls["write"] <= 5, calls
