@@ -583,8 +583,9 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         def advance():
             model.mtp_forward(hidden[:1], 1)
 
-        def drafts():  # the runner's draft chain, one graph
-            model.draft_chain(model.workspace.final[rows - 1 : rows], hidden[:1], k, full_head=proposals == "full")
+        def drafts():  # the runner's draft chain, one graph: its first row gathered from the MTP output
+            model.draft_chain(model.mtp_hidden[1:2], model.mtp_hidden[:1], k, full_head=proposals == "full",
+                              gather=True)
 
         def select():  # the runner's column selection of a round that rejects its last draft (the states copied)
             model.select_staged(1, True)
@@ -611,7 +612,8 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
             graphs["select"].replay(device.stream_handle)
             device.copy(hidden, model.workspace.final[:rows])
             graphs["mtp"].replay(device.stream_handle)
-            model.stage_draft_steps(k, [0], [context + rows - 1], [context + rows - 1])  # as the runner does
+            model.stage_draft_steps(k, [0], [context + rows - 1], [context + rows - 1],  # as the runner does
+                                    sources=[rows - 1])
             graphs["drafts"].replay(device.stream_handle)
             device.read(model.draft_ids)
 

@@ -1194,13 +1194,14 @@ class CudaQwen:
         # Runner glue: MTP hidden rows gathered per round, a row index, a prefill chunk's last row.
         self.mtp_hidden = device.empty((rows + 1, dims.hidden), np.float32, "workspace") if capacity.mtp else None
         # The draft chain (one graph a round: k proposals and the k - 1 MTP steps between them): each proposal's
-        # ids, and each MTP step's positions and MTP KV indexes, written before the graph and copied into the
-        # step inputs inside it.
+        # ids; and, written before the graph in one copy (`stage_draft_steps`) and copied into the step inputs
+        # inside it, each row's lane, the MTP output row it starts from, and each MTP step's positions and MTP KV
+        # indexes (step s: rows 4 s .. 4 s + 2 positions, 4 s + 3 the index).
         steps, lanes = max(capacity.draft_tokens, 1), max(capacity.lanes, 1)
         self.draft_ids = device.zeros((steps, lanes), np.int32, "inputs") if capacity.mtp else None
-        self.chain_positions = device.zeros((steps, 3, lanes), np.int32, "inputs") if capacity.mtp else None
-        self.chain_row_pos = device.zeros((steps, lanes), np.int32, "inputs") if capacity.mtp else None
-        self.gather_index = device.empty(rows + 1, np.int32, "inputs")
+        self.chain = InputRows(device, ("row_lane", "sources") + tuple(
+            f"step {s} {part}" for s in range(steps) for part in ("positions", "positions 1", "positions 2",
+                                                                  "row_pos")), lanes) if capacity.mtp else None
         self.last_row = device.empty((1, dims.hidden), np.float32, "workspace")
         self.tails = device.zeros((capacity.lanes, dims.hidden), np.float32, "state")
         self.tail_checkpoints = device.zeros((capacity.lanes, CHECKPOINT_SLOTS, dims.hidden), np.float32, "state")
@@ -1543,29 +1544,30 @@ class CudaQwen:
         self.k.argmax_rows(logits, logits.shape[1], out, stream=self.device.stream, scratch=self.sampling_scratch)
         return out
 
-    def stage_draft_steps(self, k: int, lanes: Any, positions: Any, columns: Any) -> None:
-        """Before `draft_chain` over rows on these `lanes`: what its k - 1 MTP steps read but their tokens. Step s
-        (1..k-1) of row r runs at rope position positions[r] + s and MTP KV index columns[r] + s."""
-        n = len(lanes)
-        if k < 2:
-            return
-        steps = np.arange(1, k, dtype=np.int32)[:, None]
-        staged = np.zeros(self.chain_positions[: k - 1].shape, np.int32)
-        staged[:, :, :n] = (steps + np.asarray(positions, np.int32))[:, None]
-        self.device.write(self.chain_positions[: k - 1], staged)
-        staged = np.zeros(self.chain_row_pos[: k - 1].shape, np.int32)
-        staged[:, :n] = steps + np.asarray(columns, np.int32)
-        self.device.write(self.chain_row_pos[: k - 1], staged)
-        self.device.write(self.inputs.row_lane[:n], np.asarray(lanes, np.int32))
+    def stage_draft_steps(self, k: int, lanes: Any, positions: Any, columns: Any, sources: Any = None) -> None:
+        """Before `draft_chain` over rows on these `lanes`, in one copy: what its k - 1 MTP steps read but their
+        tokens (step s = 1..k-1 of row r runs at rope position positions[r] + s and MTP KV index columns[r] + s),
+        and with `sources` the rows of `workspace.final` (the MTP head's output) its rows start from."""
+        values = {"row_lane": lanes, "sources": sources}
+        for s in range(1, k):
+            values[f"step {s - 1} positions"] = np.tile(np.asarray(positions, np.int32) + s, (3, 1))
+            values[f"step {s - 1} row_pos"] = np.asarray(columns, np.int32) + s
+        self.chain.fill(values)
 
-    def draft_chain(self, current: Any, hidden: Any, k: int, *, full_head: bool = False) -> None:
+    def draft_chain(self, current: Any, hidden: Any, k: int, *, full_head: bool = False,
+                    gather: bool = False) -> None:
         """k greedy proposals from the drafter rows `current` [n, H] into draft_ids[:k, :n] (the shortlist's rows
         when the model loaded one and not `full_head`), with the k - 1 MTP steps between them (`hidden` [n, H]
-        their scratch input, `current` their output). Each step's token is copied on the device from the proposal
-        before it (a shortlist row through its id table), its positions from `stage_draft_steps`: no host work,
-        so a round's drafts are one graph and one read."""
-        n, inputs, device = current.shape[0], self.inputs, self.device
+        their scratch input, `current` their output). With `gather`, `current` is first gathered from the rows of
+        `workspace.final` that `stage_draft_steps` named. Each step's token is copied on the device from the
+        proposal before it (a shortlist row through its id table), its lanes and positions from
+        `stage_draft_steps`: no host work, so a round's drafts are one graph and one read."""
+        n, inputs, device, chain = current.shape[0], self.inputs, self.device, self.chain
         shortlist = self.draft_head is not None and not full_head
+        if gather:
+            self.k.gather_rows(self.workspace.final, chain.row("sources")[:n], current, stream=device.stream)
+        if k > 1:
+            device.copy(inputs.row_lane[:n], chain.row("row_lane")[:n])
         for step in range(k):
             proposed = self.propose(current) if shortlist else self.greedy(self.head_logits(current))
             device.copy(self.draft_ids[step, :n], proposed)
@@ -1576,9 +1578,9 @@ class CudaQwen:
                                    .reshape(n, 1), stream=device.stream)
             else:
                 device.copy(inputs.next_ids[:n], proposed)
-            for i in range(3):
-                device.copy(inputs.positions[i, :n], self.chain_positions[step, i, :n])
-            device.copy(inputs.row_pos[:n], self.chain_row_pos[step, :n])
+            for i, part in enumerate(("positions", "positions 1", "positions 2")):
+                device.copy(inputs.positions[i, :n], chain.row(f"step {step} {part}")[:n])
+            device.copy(inputs.row_pos[:n], chain.row(f"step {step} row_pos")[:n])
             device.copy(hidden, current)
             device.copy(current, self.mtp_forward(hidden, n))
 

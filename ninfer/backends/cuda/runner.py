@@ -238,10 +238,10 @@ class CudaRunner:
                 hidden_rows = [("tail", lane)] if start > 0 else []
                 hidden_rows += [("final", i) for i in range(n - len(hidden_rows))]
                 mtp_embeddings = chunk.mtp_embeddings() if chunk.has_embeddings else None
-                d = self._run_mtp([rows], hidden_rows, prefill=count > 0,
-                                  embeddings=mtp_embeddings if mtp_embeddings and len(mtp_embeddings[0]) else None)
+                self._run_mtp([rows], hidden_rows, prefill=count > 0,
+                              embeddings=mtp_embeddings if mtp_embeddings and len(mtp_embeddings[0]) else None)
                 if chunk.final and self._affords_a_round(chunk.remaining - 1):
-                    self._prepare_drafts([(lane, n - 1, rows.first + n - 1, int(rows.positions[0, -1]))], d)
+                    self._prepare_drafts([(lane, n - 1, rows.first + n - 1, int(rows.positions[0, -1]))])
                     drafts_ready = True
         if count:
             model.device.copy(model.tails[lane : lane + 1], self._model.last_row)
@@ -345,7 +345,7 @@ class CudaRunner:
         self._select_columns(verified_lanes, kept_columns)
         model.count_generated(counted_lanes, counted)
         if mtp_rows:
-            d = self._run_mtp(mtp_rows, mtp_hidden, prefill=False)
+            self._run_mtp(mtp_rows, mtp_hidden, prefill=False)
             wanted, row = [], 0
             for b, rows_b in enumerate(mtp_rows):
                 row += counts[b]
@@ -353,7 +353,7 @@ class CudaRunner:
                     wanted.append((rows_b.lane, row - 1, rows_b.first + counts[b] - 1, int(rows_b.positions[0, -1])))
                     drafts_ready[b] = True
             if wanted:
-                self._prepare_drafts(wanted, d)
+                self._prepare_drafts(wanted)
         return DecodeResult(tokens=tokens, counts=counts, accepted=accepted, drafts_ready=drafts_ready)
 
     def capture_decode_graphs(self) -> None:
@@ -536,20 +536,18 @@ class CudaRunner:
         self._step(("mtp", rows), lambda: model.mtp_forward(hidden, rows))
         return model.workspace.final[:rows]
 
-    def _prepare_drafts(self, wanted: list[tuple[int, int, int, int]], d: Any) -> None:
-        """k greedy proposals per lane from the MTP output row `row` of its last aligned column (MTP KV index
-        `column`, rope position `position`): draft 0 from that row, then k-1 autoregressive MTP steps (§3.8)."""
+    def _prepare_drafts(self, wanted: list[tuple[int, int, int, int]]) -> None:
+        """k greedy proposals per lane from the MTP output row `row` (of workspace.final, where `_run_mtp` leaves
+        it) of its last aligned column (MTP KV index `column`, rope position `position`): draft 0 from that row,
+        then k-1 autoregressive MTP steps (§3.8)."""
         model, k = self._model, self._k
         n = len(wanted)
-        index = np.array([row for _, row, _, _ in wanted], np.int32)
-        model.device.write(self._model.gather_index[:n], index)
-        current = self._model.mtp_hidden[n : 2 * n]
-        model.k.gather_rows(d, self._model.gather_index[:n], current, stream=model.device.stream)
-        hidden = self._model.mtp_hidden[:n]
-        # one graph a round: the k proposals and the MTP steps between them (`CudaQwen.draft_chain`), one read
+        current, hidden = model.mtp_hidden[n : 2 * n], model.mtp_hidden[:n]
+        # one graph a round: the rows' gather, the k proposals and the MTP steps between them
+        # (`CudaQwen.draft_chain`), its inputs in one copy before it, one read after it
         model.stage_draft_steps(k, [lane for lane, *_ in wanted], [p for *_, p in wanted],
-                                [column for _, _, column, _ in wanted])
-        self._step(("drafts", n), lambda: model.draft_chain(current, hidden, k))
+                                [column for _, _, column, _ in wanted], sources=[row for _, row, _, _ in wanted])
+        self._step(("drafts", n), lambda: model.draft_chain(current, hidden, k, gather=True))
         chosen = model.device.read(model.draft_ids)[:k, :n].T
         drafts = chosen if model.draft_head_ids is None else model.draft_head_ids[chosen]
         for (lane, *_), row in zip(wanted, drafts):
