@@ -87,3 +87,28 @@ def test_an_mtp_round_at_one_lane_writes_each_fill_once(tmp_path):
     calls.clear()
     decode_round(build.runner, [lane])
     assert calls == {"write_rows": 3, "write": 1}, calls
+
+
+def test_the_mtp_rows_of_a_prefill_chunk_take_one_copy_a_run_of_hidden_rows(tmp_path):
+    """With MTP on, a prefill chunk's MTP rows read the lane's tail and then the chunk's own output rows: one device
+    copy for each run into the MTP head's input rows, where there was one a row (200 here for a 128-row chunk and
+    a 72-row one, 1024 a chunk at the server's default)."""
+    from tests.support.cuda_models import write_tiny_qwen_artifact
+    from tests.test_cuda_runner import GREEDY, Lane, cuda_build, prompt
+
+    path = write_tiny_qwen_artifact(tmp_path / "dense.ninfer", moe=False, recipe="bf16")
+    build = cuda_build("host", path, lanes=1, draft_tokens=3, prefill_chunk=128)
+    model, copies = build.model, []
+    original = model.device.copy
+
+    def copy(destination, source) -> None:
+        if np.shares_memory(destination, model.mtp_hidden) and any(
+                np.shares_memory(source, rows) for rows in (model.tails, model.workspace.final)):
+            copies.append(destination.shape[0])
+        original(destination, source)
+
+    model.device.copy = copy
+    Lane(build.runner, 0, prompt(3, 200), sampling=GREEDY, budget=8).prefill(128)  # chunks of 128 and 72 rows
+    # the first chunk: no tail (its last row has no next token yet); the second: the tail and 72 rows; then the
+    # draft chain's two MTP steps, each output row into the chain's current row
+    assert copies == [127, 1, 72, 1, 1], copies
