@@ -257,8 +257,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         for batch in batches:
             setup_lanes(model, batch, context)
 
-            def step():
+            def step():  # as the runner's step (`CudaRunner._decode_step`)
                 model.forward(batch, batch)
+                model.keep_segment_rows(batch)
                 model.greedy(model.head_logits(model.workspace.final, batch))
 
             step()
@@ -570,6 +571,7 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
 
         def verify():
             model.forward(rows, 1)
+            model.keep_segment_rows(1)  # the lane's verify columns, as the runner's step keeps them
             model.greedy(model.head_logits(model.workspace.final, rows))
 
         def mtp():
@@ -607,7 +609,6 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
                               seg_row=[0], seg_count=[rows], seg_record=[1])
             graphs["verify"].replay(device.stream_handle)
             device.read(model.argmax[:rows])
-            device.copy(model.verify_hidden[0, :rows], model.workspace.final[:rows])
             model.stage_selection([0], [k - 1], [True])
             graphs["select"].replay(device.stream_handle)
             device.copy(hidden, model.workspace.final[:rows])

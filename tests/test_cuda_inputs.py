@@ -112,3 +112,40 @@ def test_the_mtp_rows_of_a_prefill_chunk_take_one_copy_a_run_of_hidden_rows(tmp_
     # the first chunk: no tail (its last row has no next token yet); the second: the tail and 72 rows; then the
     # draft chain's two MTP steps, each output row into the chain's current row
     assert copies == [127, 1, 72, 1, 1], copies
+
+
+def test_a_decode_step_keeps_its_lanes_rows_inside_its_graph(tmp_path):
+    """A plain decode step at eight lanes: one pitched copy of its inputs, the graph, one read of the tokens; each
+    lane's tail (and, in MTP rounds, its verify columns) is kept by the step's own graph (`keep_segment_rows`), where
+    the host made a device copy a lane after the read."""
+    from ninfer.backends.cuda import host as host_module
+    from tests.support.cuda_models import write_tiny_qwen_artifact
+    from tests.test_cuda_runner import GREEDY, Lane, cuda_build, decode_round, prompt
+
+    path = write_tiny_qwen_artifact(tmp_path / "dense.ninfer", moe=False, recipe="bf16")
+    build = cuda_build("host", path, lanes=8)
+    device, calls, replaying = build.model.device, collections.Counter(), []
+    for name in ("write", "write_rows", "copy", "read"):
+        original = getattr(device, name)
+        setattr(device, name, lambda *a, _name=name, _original=original, **k: (
+            calls.update([] if replaying else [_name]), _original(*a, **k))[1])
+    lanes = [Lane(build.runner, i, prompt(3 + i, 20), sampling=GREEDY, budget=8) for i in range(8)]
+    for lane in lanes:
+        lane.prefill(1000)
+    decode_round(build.runner, lanes)
+    replay = host_module.HostGraph.replay
+
+    def counted_replay(graph, *args):
+        replaying.append(graph)
+        try:
+            return replay(graph, *args)
+        finally:
+            replaying.pop()
+
+    host_module.HostGraph.replay = counted_replay
+    try:
+        calls.clear()
+        decode_round(build.runner, lanes)
+    finally:
+        host_module.HostGraph.replay = replay
+    assert calls == {"write_rows": 1, "read": 1}, calls

@@ -1,6 +1,6 @@
 """Data movement kernels the model glue needs: joining two row blocks side by side, gathering rows by an index held
-on the device (so graph-captured steps can pick rows chosen by earlier kernels), and restoring lanes' states from
-their verify columns for every layer in one launch."""
+on the device (so graph-captured steps can pick rows chosen by earlier kernels), keeping a decode step's rows per
+lane, and restoring lanes' states from their verify columns for every layer in one launch."""
 
 from __future__ import annotations
 
@@ -51,6 +51,40 @@ def gather_rows(source, index, out, *, stream) -> None:
 
 def gather_rows_reference(source: np.ndarray, index: np.ndarray) -> np.ndarray:
     return source[index].astype(np.float32)
+
+
+@kernel((float32[:, ::1], int32[::1], int32[::1], int32[::1], float32[:, ::1], float32[:, :, ::1]))
+def _keep_segment_rows(final, seg_lane, seg_row, seg_count, tails, columns):
+    segment = cuda.blockIdx.x
+    lane, first, count = seg_lane[segment], seg_row[segment], seg_count[segment]
+    for col in range(cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x, final.shape[1],
+                     cuda.gridDim.y * cuda.blockDim.x):
+        if count == 1:
+            tails[lane, col] = final[first, col]
+        else:
+            for c in range(count):
+                columns[lane, c, col] = final[first + c, col]
+
+
+def keep_segment_rows(final, seg_lane, seg_row, seg_count, tails, columns, *, stream) -> None:
+    """What a decode step keeps of its output rows, per segment b (lane seg_lane[b], rows seg_row[b] ..
+    + seg_count[b] - 1 of `final` [R, H]): one row: the lane's tail (tails [lanes, H]); a verify segment's rows: the
+    lane's verify columns (columns [lanes, C, H]). In the step's graph, where the host made a device copy a lane
+    after reading the step's tokens."""
+    segments = seg_lane.shape[0]
+    if segments:
+        _keep_segment_rows[(segments, blocks_for(final.shape[1], THREADS)), THREADS, stream](
+            final, seg_lane, seg_row, seg_count, tails, columns)
+
+
+def keep_segment_rows_reference(final, seg_lane, seg_row, seg_count, tails, columns) -> None:
+    """The twin, in place."""
+    for lane, first, count in zip(np.asarray(seg_lane).tolist(), np.asarray(seg_row).tolist(),
+                                  np.asarray(seg_count).tolist()):
+        if count == 1:
+            tails[lane] = final[first]
+        else:
+            columns[lane, :count] = final[first:first + count]
 
 
 SELECT_BLOCKS = 64  # blocks a (layer, lane) pair: a 27B GDN state (3 MB) is 48 floats a thread

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from ninfer.kernels_numba.layout import (concat_columns, concat_columns_reference, gather_rows,
-                                         gather_rows_reference, select_columns, select_columns_reference)
+                                         gather_rows_reference, keep_segment_rows, keep_segment_rows_reference,
+                                         select_columns, select_columns_reference)
 
 
 def test_references():
@@ -26,10 +27,28 @@ def test_select_columns_reference_restores_only_the_picked_lanes():
     assert np.array_equal(got[:, 1:3], live[:, 1:3])
 
 
+def _segments_case(rng):
+    """A step of 7 rows over 4 lanes of 3 verify columns: lane 2 one row (row 0), lane 0 a verify segment of 3 rows
+    (1..3), lane 3 one row (4), lane 1 two rows (5..6); tails and columns start as NaN."""
+    final = rng.standard_normal((7, 300)).astype(np.float32)
+    segments = (np.array([2, 0, 3, 1], np.int32), np.array([0, 1, 4, 5], np.int32), np.array([1, 3, 1, 2], np.int32))
+    return final, segments, np.full((4, 300), np.nan, np.float32), np.full((4, 3, 300), np.nan, np.float32)
+
+
+def test_keep_segment_rows_reference_keeps_tails_and_verify_columns():
+    final, segments, tails, columns = _segments_case(np.random.default_rng(2))
+    keep_segment_rows_reference(final, *segments, tails, columns)
+    assert np.array_equal(tails[2], final[0]) and np.array_equal(tails[3], final[4])
+    assert np.isnan(tails[[0, 1]]).all()  # verify segments' tails stay (the column selection sets them)
+    assert np.array_equal(columns[0], final[1:4]) and np.array_equal(columns[1, :2], final[5:7])
+    assert np.isnan(columns[[2, 3]]).all() and np.isnan(columns[1, 2]).all()
+
+
 def test_select_columns_kernel_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
-    assert "ok select_columns" in run("select_columns")
+    out = run("select_columns")
+    assert "ok select_columns" in out and "ok keep_segment_rows" in out
 
 
 @pytest.mark.gpu
@@ -44,6 +63,11 @@ def test_device_matches_reference():
     index = np.array([4, 0, 0, 2], np.int32)
     gathered = cuda.to_device(np.full((4, 300), np.nan, np.float32))
     gather_rows(cuda.to_device(a), cuda.to_device(index), gathered, stream=stream)
+    final, segments, tails, verify = _segments_case(rng)
+    kept_tails, kept_columns = cuda.to_device(tails), cuda.to_device(verify)
+    keep_segment_rows(cuda.to_device(final), *(cuda.to_device(a) for a in segments), kept_tails, kept_columns,
+                      stream=stream)
+    keep_segment_rows_reference(final, *segments, tails, verify)
     live, columns, lanes, chosen = _selection_case(rng)
     selected = cuda.to_device(live)
     select_columns(selected, cuda.to_device(columns), cuda.to_device(lanes), cuda.to_device(chosen), stream=stream)
@@ -51,3 +75,5 @@ def test_device_matches_reference():
     assert np.array_equal(out.copy_to_host(), concat_columns_reference(a, b))
     assert np.array_equal(gathered.copy_to_host(), gather_rows_reference(a, index))
     assert np.array_equal(selected.copy_to_host(), select_columns_reference(live, columns, lanes, chosen))
+    np.testing.assert_array_equal(kept_tails.copy_to_host(), tails)  # (NaN where nothing was kept, on both sides)
+    np.testing.assert_array_equal(kept_columns.copy_to_host(), verify)

@@ -773,9 +773,10 @@ def attention_decode_staged() -> None:
 
 def attention_decode_mma() -> None:
     """The tensor-core decode kernel (`attention_decode_mma`) and the combine against the exact twin, INT8 KV over
-    pages of 16 and 32 tokens and bf16 KV over pages of 16: 6 q heads a kv head (5 rows a block, the second m16 tile in use), a verify run of 6 rows on
-    lane 0 (a block of 5 and one of 1) after a row of lane 1, in 2 splits (rows of different lengths cut at
-    different keys: per-row masks inside a tile); then one row of the run alone: bitwise its value in the batch.
+    pages of 16 and 32 tokens and bf16 KV over pages of 16: 6 q heads a kv head (5 rows a block, the second m16
+    tile in use), a verify run of 6 rows on lane 0 (a block of 5 and one of 1) after a row of lane 1, in 2 splits
+    (rows of different lengths cut at different keys: per-row masks inside a tile); then one row of the run alone:
+    bitwise its value in the batch.
     (The GPU tests take more splits, floors and the real shapes.)"""
     from ninfer.kernels_numba import attention, attention_decode_mma
     from tests.kernels.test_attention import _random_pools
@@ -1253,7 +1254,7 @@ def moe_group() -> None:
 
 def select_columns() -> None:
     """select_columns' grid (layers on z, picks on y, a grid-stride loop on x) against its twin, bit for bit: more
-    elements than one pass of its blocks covers, a kept lane (-1) and an unlisted one."""
+    elements than one pass of its blocks covers, a kept lane (-1) and an unlisted one; keep_segment_rows likewise."""
     from ninfer.kernels_numba import layout
 
     rng = np.random.default_rng(3)
@@ -1264,6 +1265,18 @@ def select_columns() -> None:
     layout.select_columns(got, columns, lanes, chosen, stream=0)
     assert np.array_equal(got, layout.select_columns_reference(live, columns, lanes, chosen))
     print("ok select_columns", flush=True)
+    # keep_segment_rows: one-row segments into tails, verify segments into their lanes' columns, a row wider than a
+    # block's threads
+    final = rng.standard_normal((5, layout.THREADS + 3)).astype(np.float32)
+    segments = (np.array([1, 0, 2], np.int32), np.array([0, 1, 4], np.int32), np.array([1, 3, 1], np.int32))
+    tails = np.full((3, final.shape[1]), np.nan, np.float32)
+    kept = np.full((3, 3, final.shape[1]), np.nan, np.float32)
+    want_tails, want_kept = tails.copy(), kept.copy()
+    layout.keep_segment_rows(final, *segments, tails, kept, stream=0)
+    layout.keep_segment_rows_reference(final, *segments, want_tails, want_kept)
+    np.testing.assert_array_equal(tails, want_tails)
+    np.testing.assert_array_equal(kept, want_kept)
+    print("ok keep_segment_rows", flush=True)
 
 
 CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill,

@@ -422,6 +422,10 @@ def gather_rows(source, index, out, *, stream):
     out[...] = _layout.gather_rows_reference(source, index)
 
 
+def keep_segment_rows(final, seg_lane, seg_row, seg_count, tails, columns, *, stream):
+    _layout.keep_segment_rows_reference(final, seg_lane, seg_row, seg_count, tails, columns)
+
+
 def select_columns(live, columns, lanes, chosen, *, stream):
     live[...] = _layout.select_columns_reference(live, columns, lanes, chosen)
 

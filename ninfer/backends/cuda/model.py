@@ -1544,6 +1544,13 @@ class CudaQwen:
         self.k.argmax_rows(logits, logits.shape[1], out, stream=self.device.stream, scratch=self.sampling_scratch)
         return out
 
+    def keep_segment_rows(self, segments: int) -> None:
+        """After a decode step's forward over `segments` segments (`inputs`): each one-row segment's output row
+        becomes its lane's tail, each verify segment's rows its lane's verify columns (`layout.keep_segment_rows`)."""
+        inputs = self.inputs
+        self.k.keep_segment_rows(self.workspace.final, inputs.seg_lane[:segments], inputs.seg_row[:segments],
+                                 inputs.seg_count[:segments], self.tails, self.verify_hidden, stream=self.device.stream)
+
     def stage_draft_steps(self, k: int, lanes: Any, positions: Any, columns: Any, sources: Any = None) -> None:
         """Before `draft_chain` over rows on these `lanes`, in one copy: what its k - 1 MTP steps read but their
         tokens (step s = 1..k-1 of row r runs at rope position positions[r] + s and MTP KV index columns[r] + s),

@@ -290,7 +290,6 @@ class CudaRunner:
             model.device.write(model.presence[:rows], presence)
             model.device.write(model.frequency[:rows], frequency)
         self._step(("decode", rows, size, bool(sampled)), lambda: self._decode_step(rows, size, bool(sampled)))
-        final = model.workspace.final[:rows]
         argmax = model.device.read(model.argmax[:rows])
         if sampled:
             candidate_ids = model.device.read(model.candidate_ids[:rows])
@@ -313,8 +312,7 @@ class CudaRunner:
                 else:
                     logits = np.stack([host_logits[r] for r in range(first, first + k + 1)])
                     accepted[b], produced = verify_drafts(logits, state.drafts, sampler, start)
-                state.verified, state.live_column = True, k
-                model.device.copy(model.verify_hidden[lane], final[first : first + k + 1])
+                state.verified, state.live_column = True, k  # (its columns' rows: `keep_segment_rows`)
                 verified_lanes.append(lane)
                 kept_columns.append(int(accepted[b]))
             else:
@@ -323,8 +321,7 @@ class CudaRunner:
                 else:
                     produced = [sampler.sample_top(candidate_ids[first], candidate_values[first], start,
                                                    Purpose.DECODE)]
-                state.verified = False
-                model.device.copy(model.tails[lane], final[first])
+                state.verified = False  # (its row is its tail: `keep_segment_rows`)
             state.drafts = None
             n = len(produced)
             tokens[b, :n], counts[b] = produced, n
@@ -368,6 +365,7 @@ class CudaRunner:
             if ("decode", size, size, False) not in self._graphs:
                 self._step(("decode", size, size, False), lambda size=size: self._decode_step(size, size),
                            pinned=True)
+        self._model.device.clear(self._model.tails)  # the placeholder rows' (`keep_segment_rows`)
 
     def capture_prefill_graph(self) -> None:
         """Capture the full-size prefill chunk (Capacity.prefill_rows rows) in pieces now (startup), and each row
@@ -401,9 +399,11 @@ class CudaRunner:
             self._graphs.add(key, self._model.device.capture(body), pinned=pinned)
 
     def _decode_step(self, rows: int, segments: int, sampled: bool = False) -> None:
-        """A decode or verify round: decoder, head, argmax, and the penalised top candidates when a row samples."""
+        """A decode or verify round: decoder, what each lane keeps of its rows (its tail, or its verify columns),
+        head, argmax, and the penalised top candidates when a row samples."""
         model = self._model
         model.forward(rows, segments)
+        model.keep_segment_rows(segments)
         logits = model.head_logits(model.workspace.final, rows)
         model.greedy(logits)
         if sampled:
