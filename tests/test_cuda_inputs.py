@@ -57,7 +57,7 @@ def test_step_inputs_keep_the_device_written_next_ids_when_a_fill_gives_none():
     inputs.next_ids[:2] = [11, 12]
     inputs.fill(token_ids=[3], positions=np.array([[5], [6], [7]]), row_lane=[1], row_pos=[4], seg_lane=[1],
                 seg_row=[0], seg_count=[1], seg_record=[0])
-    assert device.calls == {"write_rows": 2} and device.pitched == [(11, 2), (10, 1)]
+    assert device.calls == {"write_rows": 2} and device.pitched == [(12, 2), (10, 1)]
     assert inputs.next_ids[:2].tolist() == [11, 12] and inputs.token_ids[:2].tolist() == [3, 8]
     assert inputs.positions[:, :2].tolist() == [[5, 1], [6, 3], [7, 5]]
     assert inputs.positions.shape == (3, 6) and inputs.positions.flags.c_contiguous
@@ -89,29 +89,39 @@ def test_an_mtp_round_at_one_lane_writes_each_fill_once(tmp_path):
     assert calls == {"write_rows": 3, "write": 1}, calls
 
 
-def test_the_mtp_rows_of_a_prefill_chunk_take_one_copy_a_run_of_hidden_rows(tmp_path):
-    """With MTP on, a prefill chunk's MTP rows read the lane's tail and then the chunk's own output rows: one device
-    copy for each run into the MTP head's input rows, where there was one a row (200 here for a 128-row chunk and
-    a 72-row one, 1024 a chunk at the server's default)."""
+def test_the_mtp_rows_of_a_prefill_chunk_are_gathered_on_the_device(tmp_path):
+    """With MTP on, a prefill chunk's MTP rows read the lane's tail and then the chunk's own output rows: one gather
+    launch on the device names them (`inputs.hidden_rows`: -1 - lane for a tail), where the host made a device copy
+    a row (1024 a chunk at the server's default). The only host copies into the MTP head's input rows left are the
+    draft chain's (its MTP steps' outputs, inside its graph)."""
+    from ninfer.backends.cuda import host_kernels
     from tests.support.cuda_models import write_tiny_qwen_artifact
     from tests.test_cuda_runner import GREEDY, Lane, cuda_build, prompt
 
     path = write_tiny_qwen_artifact(tmp_path / "dense.ninfer", moe=False, recipe="bf16")
     build = cuda_build("host", path, lanes=1, draft_tokens=3, prefill_chunk=128)
-    model, copies = build.model, []
-    original = model.device.copy
+    model, copies, gathers = build.model, [], []
+    original_copy, original_gather = model.device.copy, host_kernels.gather_two_sources
 
     def copy(destination, source) -> None:
         if np.shares_memory(destination, model.mtp_hidden) and any(
                 np.shares_memory(source, rows) for rows in (model.tails, model.workspace.final)):
             copies.append(destination.shape[0])
-        original(destination, source)
+        original_copy(destination, source)
+
+    def gather(first, second, index, out, *, stream) -> None:
+        gathers.append(list(index))
+        original_gather(first, second, index, out, stream=stream)
 
     model.device.copy = copy
-    Lane(build.runner, 0, prompt(3, 200), sampling=GREEDY, budget=8).prefill(128)  # chunks of 128 and 72 rows
-    # the first chunk: no tail (its last row has no next token yet); the second: the tail and 72 rows; then the
-    # draft chain's two MTP steps, each output row into the chain's current row
-    assert copies == [127, 1, 72, 1, 1], copies
+    host_kernels.gather_two_sources = gather
+    try:
+        Lane(build.runner, 0, prompt(3, 200), sampling=GREEDY, budget=8).prefill(128)  # chunks of 128 and 72 rows
+    finally:
+        host_kernels.gather_two_sources = original_gather
+    # the first chunk: its rows 0..126 (its last row has no next token yet); the second: lane 0's tail, then 72 rows
+    assert gathers == [list(range(127)), [-1] + list(range(72))], gathers
+    assert copies == [1, 1], copies  # the draft chain's two MTP steps
 
 
 def test_a_decode_step_keeps_its_lanes_rows_inside_its_graph(tmp_path):

@@ -53,6 +53,29 @@ def gather_rows_reference(source: np.ndarray, index: np.ndarray) -> np.ndarray:
     return source[index].astype(np.float32)
 
 
+@kernel((float32[:, ::1], float32[:, ::1], int32[::1], float32[:, ::1]))
+def _gather_two_sources(first, second, index, out):
+    row = cuda.blockIdx.x  # as in _concat_columns
+    src = index[row]
+    for col in range(cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x, out.shape[1],
+                     cuda.gridDim.y * cuda.blockDim.x):
+        out[row, col] = first[src, col] if src >= 0 else second[-1 - src, col]
+
+
+def gather_two_sources(first, second, index, out, *, stream) -> None:
+    """out[r] = first[index[r]] where index[r] >= 0, else second[-1 - index[r]] (fp32 rows; `index` int32 [R] on
+    the device): the MTP head's input rows, from the last forward's output or from lanes' tails."""
+    rows = out.shape[0]
+    if rows:
+        _gather_two_sources[(rows, blocks_for(out.shape[1], THREADS)), THREADS, stream](first, second, index, out)
+
+
+def gather_two_sources_reference(first: np.ndarray, second: np.ndarray, index: np.ndarray) -> np.ndarray:
+    index = np.asarray(index)
+    return np.where((index >= 0)[:, None], first[np.maximum(index, 0)], second[np.maximum(-1 - index, 0)]).astype(
+        np.float32)
+
+
 @kernel((float32[:, ::1], int32[::1], int32[::1], int32[::1], float32[:, ::1], float32[:, :, ::1]))
 def _keep_segment_rows(final, seg_lane, seg_row, seg_count, tails, columns):
     segment = cuda.blockIdx.x

@@ -2,14 +2,18 @@ import numpy as np
 import pytest
 
 from ninfer.kernels_numba.layout import (concat_columns, concat_columns_reference, gather_rows,
-                                         gather_rows_reference, keep_segment_rows, keep_segment_rows_reference,
-                                         select_columns, select_columns_reference)
+                                         gather_rows_reference, gather_two_sources, gather_two_sources_reference,
+                                         keep_segment_rows, keep_segment_rows_reference, select_columns,
+                                         select_columns_reference)
 
 
 def test_references():
     a, b = np.arange(6, dtype=np.float32).reshape(2, 3), -np.arange(4, dtype=np.float32).reshape(2, 2)
     assert concat_columns_reference(a, b).tolist() == [[0, 1, 2, 0, -1], [3, 4, 5, -2, -3]]
     assert gather_rows_reference(a, np.array([1, 1, 0])).tolist() == [[3, 4, 5], [3, 4, 5], [0, 1, 2]]
+    tails = -np.arange(9, dtype=np.float32).reshape(3, 3)
+    assert gather_two_sources_reference(a, tails, np.array([-3, 1, -1, 0])).tolist() == [
+        [-6, -7, -8], [3, 4, 5], [0, -1, -2], [0, 1, 2]]
 
 
 def _selection_case(rng):
@@ -48,7 +52,7 @@ def test_select_columns_kernel_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     out = run("select_columns")
-    assert "ok select_columns" in out and "ok keep_segment_rows" in out
+    assert "ok select_columns" in out and "ok keep_segment_rows" in out and "ok gather_two_sources" in out
 
 
 @pytest.mark.gpu
@@ -63,6 +67,11 @@ def test_device_matches_reference():
     index = np.array([4, 0, 0, 2], np.int32)
     gathered = cuda.to_device(np.full((4, 300), np.nan, np.float32))
     gather_rows(cuda.to_device(a), cuda.to_device(index), gathered, stream=stream)
+    two = np.array([-2, 3, 0, -1], np.int32)
+    gathered_two = cuda.to_device(np.full((4, 300), np.nan, np.float32))
+    tails_source = rng.standard_normal((2, 300), np.float32)
+    gather_two_sources(cuda.to_device(a), cuda.to_device(tails_source), cuda.to_device(two), gathered_two,
+                       stream=stream)
     final, segments, tails, verify = _segments_case(rng)
     kept_tails, kept_columns = cuda.to_device(tails), cuda.to_device(verify)
     keep_segment_rows(cuda.to_device(final), *(cuda.to_device(a) for a in segments), kept_tails, kept_columns,
@@ -75,5 +84,6 @@ def test_device_matches_reference():
     assert np.array_equal(out.copy_to_host(), concat_columns_reference(a, b))
     assert np.array_equal(gathered.copy_to_host(), gather_rows_reference(a, index))
     assert np.array_equal(selected.copy_to_host(), select_columns_reference(live, columns, lanes, chosen))
+    assert np.array_equal(gathered_two.copy_to_host(), gather_two_sources_reference(a, tails_source, two))
     np.testing.assert_array_equal(kept_tails.copy_to_host(), tails)  # (NaN where nothing was kept, on both sides)
     np.testing.assert_array_equal(kept_columns.copy_to_host(), verify)

@@ -1254,7 +1254,8 @@ def moe_group() -> None:
 
 def select_columns() -> None:
     """select_columns' grid (layers on z, picks on y, a grid-stride loop on x) against its twin, bit for bit: more
-    elements than one pass of its blocks covers, a kept lane (-1) and an unlisted one; keep_segment_rows likewise."""
+    elements than one pass of its blocks covers, a kept lane (-1) and an unlisted one; keep_segment_rows and
+    gather_two_sources likewise."""
     from ninfer.kernels_numba import layout
 
     rng = np.random.default_rng(3)
@@ -1277,6 +1278,11 @@ def select_columns() -> None:
     np.testing.assert_array_equal(tails, want_tails)
     np.testing.assert_array_equal(kept, want_kept)
     print("ok keep_segment_rows", flush=True)
+    index = np.array([-3, 4, 0, -1], np.int32)  # gather_two_sources: tails (negative) and final rows
+    out = np.full((4, final.shape[1]), np.nan, np.float32)
+    layout.gather_two_sources(final, want_tails, index, out, stream=0)
+    np.testing.assert_array_equal(out, layout.gather_two_sources_reference(final, want_tails, index))
+    print("ok gather_two_sources", flush=True)
 
 
 CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill,

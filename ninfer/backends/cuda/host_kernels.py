@@ -422,6 +422,10 @@ def gather_rows(source, index, out, *, stream):
     out[...] = _layout.gather_rows_reference(source, index)
 
 
+def gather_two_sources(first, second, index, out, *, stream):
+    out[...] = _layout.gather_two_sources_reference(first, second, index)
+
+
 def keep_segment_rows(final, seg_lane, seg_row, seg_count, tails, columns, *, stream):
     _layout.keep_segment_rows_reference(final, seg_lane, seg_row, seg_count, tails, columns)
 

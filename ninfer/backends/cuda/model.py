@@ -602,7 +602,7 @@ class StepInputs:
 
     # positions are three rows (MRoPE's sections); next_ids last (see InputRows)
     ROWS = ("token_ids", "row_lane", "row_pos", "positions", "positions 1", "positions 2", "seg_lane", "seg_row",
-            "seg_count", "seg_record", "next_ids")
+            "seg_count", "seg_record", "hidden_rows", "next_ids")
 
     def __init__(self, device: Device, rows: int, lanes: int, pages: int) -> None:
         self._device = device
@@ -612,12 +612,13 @@ class StepInputs:
         self.positions = self._inputs.block[3:6]  # [3, rows]
         self.seg_lane, self.seg_row = row("seg_lane"), row("seg_row")
         self.seg_count, self.seg_record = row("seg_count"), row("seg_record")
+        self.hidden_rows = row("hidden_rows")  # MTP: each row's target hidden row (`CudaQwen.gather_mtp_hidden`)
         self.next_ids = row("next_ids")  # MTP: the token after each row's token
         self.page_tables = device.zeros((lanes, pages), np.int32, "inputs")
         self.host_page_tables = np.zeros((lanes, pages), np.int32)
 
     def fill(self, *, token_ids: Any, positions: np.ndarray, row_lane: Any, row_pos: Any, seg_lane: Any,
-             seg_row: Any, seg_count: Any, seg_record: Any, next_ids: Any = None) -> None:
+             seg_row: Any, seg_count: Any, seg_record: Any, next_ids: Any = None, hidden_rows: Any = None) -> None:
         """Per-row inputs (rows = len(token_ids)) and per-segment inputs (segments = len(seg_lane)), in one copy."""
         if len(token_ids) > len(self.token_ids):
             raise ValueError(f"{len(token_ids)} rows exceed the {len(self.token_ids)} this model was sized for")
@@ -625,7 +626,7 @@ class StepInputs:
         self._inputs.fill({"token_ids": token_ids, "row_lane": row_lane, "row_pos": row_pos,
                            "positions": np.asarray(positions)[:, :rows] if rows else None, "seg_lane": seg_lane,
                            "seg_row": seg_row, "seg_count": seg_count, "seg_record": seg_record,
-                           "next_ids": next_ids})
+                           "hidden_rows": hidden_rows, "next_ids": next_ids})
 
     def set_page_table(self, lane: int, table: np.ndarray) -> None:
         pages = self.host_page_tables.shape[1]
@@ -1543,6 +1544,14 @@ class CudaQwen:
         out = self.argmax[:rows]
         self.k.argmax_rows(logits, logits.shape[1], out, stream=self.device.stream, scratch=self.sampling_scratch)
         return out
+
+    def gather_mtp_hidden(self, rows: int) -> Any:
+        """The MTP head's target hidden rows into mtp_hidden[:rows], as `inputs.hidden_rows` names them (i >= 0:
+        row i of workspace.final, the last forward's output; -1 - lane: that lane's tail). Returns the rows."""
+        hidden = self.mtp_hidden[:rows]
+        self.k.gather_two_sources(self.workspace.final, self.tails, self.inputs.hidden_rows[:rows], hidden,
+                                  stream=self.device.stream)
+        return hidden
 
     def keep_segment_rows(self, segments: int) -> None:
         """After a decode step's forward over `segments` segments (`inputs`): each one-row segment's output row

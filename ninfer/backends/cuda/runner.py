@@ -517,32 +517,23 @@ class CudaRunner:
         `embeddings` (next-token overrides of a prefill chunk's rows) make the call eager."""
         model = self._model
         rows = len(hidden_rows)
-        hidden = self._model.mtp_hidden[:rows]
-        # one device copy a run of consecutive rows of one source (a prefill chunk's columns: the lane's tail, then
-        # all but the last row of the chunk's output; a round's: each lane's accepted rows), not one a row: a copy
-        # costs ~5-10 us of host time, and a 1024-row chunk made 1024 of them
-        r = 0
-        while r < rows:
-            where, first = hidden_rows[r]
-            end = r + 1
-            while end < rows and hidden_rows[end] == (where, first + end - r):
-                end += 1
-            source = model.tails if where == "tail" else model.workspace.final
-            model.device.copy(hidden[r:end], source[first:first + end - r])
-            r = end
         next_ids = np.concatenate([item.next_ids for item in items])
         positions = np.concatenate([item.positions for item in items], axis=1)
         row_lane = np.concatenate([np.full(len(item.next_ids), item.lane) for item in items])
         row_pos = np.concatenate([item.first + np.arange(len(item.next_ids)) for item in items])
+        # the target hidden rows are gathered on the device by the step itself (`gather_mtp_hidden`), not copied a
+        # row or a run at a time by the host (~5-10 us of host time a copy: a 1024-row chunk made 1024 of them)
+        sources = [-1 - index if where == "tail" else index for where, index in hidden_rows]
         model.inputs.fill(token_ids=next_ids, next_ids=next_ids, positions=positions, row_lane=row_lane,
-                          row_pos=row_pos, seg_lane=[], seg_row=[], seg_count=[], seg_record=[])
+                          row_pos=row_pos, seg_lane=[], seg_row=[], seg_count=[], seg_record=[], hidden_rows=sources)
         if prefill and len(items) == 1 and rows > 1 and (embeddings is not None
                                                          or not model.short_prefill(rows, items[0].first)):
             # a long prefill chunk's columns: tiled attention, eager (short ones take the graph below)
-            return model.mtp_forward(hidden, rows, PrefillSpan(items[0].lane, items[0].first), embeddings)
+            return model.mtp_forward(model.gather_mtp_hidden(rows), rows, PrefillSpan(items[0].lane, items[0].first),
+                                     embeddings)
         if embeddings is not None:
-            return model.mtp_forward(hidden, rows, None, embeddings)
-        self._step(("mtp", rows), lambda: model.mtp_forward(hidden, rows))
+            return model.mtp_forward(model.gather_mtp_hidden(rows), rows, None, embeddings)
+        self._step(("mtp", rows), lambda: model.mtp_forward(model.gather_mtp_hidden(rows), rows))
         return model.workspace.final[:rows]
 
     def _prepare_drafts(self, wanted: list[tuple[int, int, int, int]]) -> None:
