@@ -5,8 +5,8 @@ One round as `CudaRunner.decode` runs it for B lanes at context L, every step a 
    as after a round that committed PENDING tokens) projected into the drafter's caches, then the proposal block
    [anchor, MASK x k] through the six layers (five over their 4096-slot rings, one over the paged context), the final
    norm and the full head with its argmax; a read of the proposals;
-2. the verify of the k+1 columns per lane (decoder with the context-feature capture, head, argmax); a read;
-3. the copy of each lane's verify features into its pending rows.
+2. the verify of the k+1 columns per lane (decoder with the context-feature capture, each lane's verify rows and
+   features kept in its pending rows, head, argmax); a read.
 Reported per batch and context: each graph's GPU time (events), the round's wall-clock time (host work and reads
 included, as in bench/cuda_model.py's `mtp_rounds`), and the tokens/s implied at 4.6 to 5.6 tokens per round.
 
@@ -94,8 +94,9 @@ def time_round(model: CudaQwen, batch: int, context: int, repeats: int) -> dict:
     def draft():
         model.dflash_step(block_rows, context_rows, from_pending=True)
 
-    def verify():
+    def verify():  # as the runner's step: each lane's verify rows and features kept inside it (`keep_segment_rows`)
         model.forward(rows, batch)
+        model.keep_segment_rows(batch)
         model.greedy(model.head_logits(model.workspace.final, rows))
 
     graphs = {}
@@ -112,8 +113,6 @@ def time_round(model: CudaQwen, batch: int, context: int, repeats: int) -> dict:
         fill_verify_inputs()
         graphs["verify"].replay(device.stream_handle)
         device.read(model.argmax[:rows])
-        for lane in range(batch):
-            device.copy(model.dflash_pending[lane], model.dflash_workspace.features[lane * width : (lane + 1) * width])
 
     gpu = {name: float(np.median(event_time(device.stream, lambda g=graph: g.replay(device.stream_handle),
                                             repeats)[1:])) for name, graph in graphs.items()}

@@ -110,6 +110,33 @@ def keep_segment_rows_reference(final, seg_lane, seg_row, seg_count, tails, colu
             columns[lane, :count] = final[first:first + count]
 
 
+@kernel((float32[:, ::1], int32[::1], int32[::1], int32[::1], float32[:, :, ::1]))
+def _copy_segments(source, seg_lane, seg_row, seg_count, slots):
+    segment = cuda.blockIdx.x
+    lane, first, count = seg_lane[segment], seg_row[segment], seg_count[segment]
+    for col in range(cuda.threadIdx.x + cuda.blockIdx.y * cuda.blockDim.x, source.shape[1],
+                     cuda.gridDim.y * cuda.blockDim.x):
+        for c in range(count):
+            slots[lane, c, col] = source[first + c, col]
+
+
+def copy_segments(source, seg_lane, seg_row, seg_count, slots, *, stream) -> None:
+    """slots[seg_lane[b], :seg_count[b]] = source[seg_row[b] : + seg_count[b]] for every segment b (source [R, W],
+    slots [lanes, C, W]): a step's rows into per-lane slots inside its graph (the DFlash drafter's pending
+    features), where the host made a device copy a lane."""
+    segments = seg_lane.shape[0]
+    if segments:
+        _copy_segments[(segments, blocks_for(source.shape[1], THREADS)), THREADS, stream](
+            source, seg_lane, seg_row, seg_count, slots)
+
+
+def copy_segments_reference(source, seg_lane, seg_row, seg_count, slots) -> None:
+    """The twin, in place."""
+    for lane, first, count in zip(np.asarray(seg_lane).tolist(), np.asarray(seg_row).tolist(),
+                                  np.asarray(seg_count).tolist()):
+        slots[lane, :count] = source[first:first + count]
+
+
 SELECT_BLOCKS = 64  # blocks a (layer, lane) pair: a 27B GDN state (3 MB) is 48 floats a thread
 
 

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from ninfer.kernels_numba.layout import (concat_columns, concat_columns_reference, gather_rows,
-                                         gather_rows_reference, gather_two_sources, gather_two_sources_reference,
-                                         keep_segment_rows, keep_segment_rows_reference, select_columns,
-                                         select_columns_reference)
+from ninfer.kernels_numba.layout import (concat_columns, concat_columns_reference, copy_segments,
+                                         copy_segments_reference, gather_rows, gather_rows_reference,
+                                         gather_two_sources, gather_two_sources_reference, keep_segment_rows,
+                                         keep_segment_rows_reference, select_columns, select_columns_reference)
 
 
 def test_references():
@@ -48,11 +48,20 @@ def test_keep_segment_rows_reference_keeps_tails_and_verify_columns():
     assert np.isnan(columns[[2, 3]]).all() and np.isnan(columns[1, 2]).all()
 
 
+def test_copy_segments_reference_fills_every_segments_lane_slots():
+    final, segments, _, slots = _segments_case(np.random.default_rng(3))
+    copy_segments_reference(final, *segments, slots)
+    assert np.array_equal(slots[2, 0], final[0]) and np.array_equal(slots[0], final[1:4])
+    assert np.array_equal(slots[3, 0], final[4]) and np.array_equal(slots[1, :2], final[5:7])
+    assert np.isnan(slots[[2, 3], 1:]).all() and np.isnan(slots[1, 2]).all()
+
+
 def test_select_columns_kernel_in_cuda_simulator():
     from tests.support.simulated_kernels import run
 
     out = run("select_columns")
-    assert "ok select_columns" in out and "ok keep_segment_rows" in out and "ok gather_two_sources" in out
+    assert all(f"ok {name}" in out for name in ("select_columns", "keep_segment_rows", "gather_two_sources",
+                                                "copy_segments"))
 
 
 @pytest.mark.gpu
@@ -73,6 +82,10 @@ def test_device_matches_reference():
     gather_two_sources(cuda.to_device(a), cuda.to_device(tails_source), cuda.to_device(two), gathered_two,
                        stream=stream)
     final, segments, tails, verify = _segments_case(rng)
+    slots = verify.copy()
+    copied = cuda.to_device(slots)
+    copy_segments(cuda.to_device(final), *(cuda.to_device(a) for a in segments), copied, stream=stream)
+    copy_segments_reference(final, *segments, slots)
     kept_tails, kept_columns = cuda.to_device(tails), cuda.to_device(verify)
     keep_segment_rows(cuda.to_device(final), *(cuda.to_device(a) for a in segments), kept_tails, kept_columns,
                       stream=stream)
@@ -87,3 +100,4 @@ def test_device_matches_reference():
     assert np.array_equal(gathered_two.copy_to_host(), gather_two_sources_reference(a, tails_source, two))
     np.testing.assert_array_equal(kept_tails.copy_to_host(), tails)  # (NaN where nothing was kept, on both sides)
     np.testing.assert_array_equal(kept_columns.copy_to_host(), verify)
+    np.testing.assert_array_equal(copied.copy_to_host(), slots)

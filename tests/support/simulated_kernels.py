@@ -1254,8 +1254,8 @@ def moe_group() -> None:
 
 def select_columns() -> None:
     """select_columns' grid (layers on z, picks on y, a grid-stride loop on x) against its twin, bit for bit: more
-    elements than one pass of its blocks covers, a kept lane (-1) and an unlisted one; keep_segment_rows and
-    gather_two_sources likewise."""
+    elements than one pass of its blocks covers, a kept lane (-1) and an unlisted one; keep_segment_rows,
+    gather_two_sources and copy_segments likewise."""
     from ninfer.kernels_numba import layout
 
     rng = np.random.default_rng(3)
@@ -1283,6 +1283,11 @@ def select_columns() -> None:
     layout.gather_two_sources(final, want_tails, index, out, stream=0)
     np.testing.assert_array_equal(out, layout.gather_two_sources_reference(final, want_tails, index))
     print("ok gather_two_sources", flush=True)
+    slots, want_slots = kept.copy(), kept.copy()  # copy_segments: every segment into its lane's slots
+    layout.copy_segments(final, *segments, slots, stream=0)
+    layout.copy_segments_reference(final, *segments, want_slots)
+    np.testing.assert_array_equal(slots, want_slots)
+    print("ok copy_segments", flush=True)
 
 
 CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill,

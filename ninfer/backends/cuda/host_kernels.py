@@ -426,6 +426,10 @@ def gather_two_sources(first, second, index, out, *, stream):
     out[...] = _layout.gather_two_sources_reference(first, second, index)
 
 
+def copy_segments(source, seg_lane, seg_row, seg_count, slots, *, stream):
+    _layout.copy_segments_reference(source, seg_lane, seg_row, seg_count, slots)
+
+
 def keep_segment_rows(final, seg_lane, seg_row, seg_count, tails, columns, *, stream):
     _layout.keep_segment_rows_reference(final, seg_lane, seg_row, seg_count, tails, columns)
 

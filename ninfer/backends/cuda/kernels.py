@@ -13,8 +13,8 @@ from ninfer.kernels_numba.fill import fill_uniform
 from ninfer.kernels_numba.gdn import (gdn_conv, gdn_conv_normed, gdn_gates, gdn_output, gdn_recurrent,
                                       gdn_recurrent_gated, gdn_recurrent_projected)
 from ninfer.kernels_numba.gdn_chunked import gdn_chunked
-from ninfer.kernels_numba.layout import (concat_columns, gather_rows, gather_two_sources, keep_segment_rows,
-                                         select_columns)
+from ninfer.kernels_numba.layout import (concat_columns, copy_segments, gather_rows, gather_two_sources,
+                                         keep_segment_rows, select_columns)
 from ninfer.kernels_numba.linear import linear_bf16, linear_bf16_gathered, linear_bf16_gathered_swiglu
 from ninfer.kernels_numba.linear_mma import linear_bf16_mma
 from ninfer.kernels_numba.linear_narrow import linear_bf16_narrow, linear_bf16_narrow_route
@@ -46,6 +46,7 @@ __all__ = [
     "attention_prepare",
     "attention_partials_shape",
     "concat_columns",
+    "copy_segments",
     "copy_columns",
     "count_tokens",
     "decode_partials_shape",

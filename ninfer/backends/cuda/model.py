@@ -1555,10 +1555,14 @@ class CudaQwen:
 
     def keep_segment_rows(self, segments: int) -> None:
         """After a decode step's forward over `segments` segments (`inputs`): each one-row segment's output row
-        becomes its lane's tail, each verify segment's rows its lane's verify columns (`layout.keep_segment_rows`)."""
-        inputs = self.inputs
-        self.k.keep_segment_rows(self.workspace.final, inputs.seg_lane[:segments], inputs.seg_row[:segments],
-                                 inputs.seg_count[:segments], self.tails, self.verify_hidden, stream=self.device.stream)
+        becomes its lane's tail, each verify segment's rows its lane's verify columns (`layout.keep_segment_rows`);
+        with a DFlash drafter every segment's captured features wait in its lane's pending rows (the committed ones
+        join the drafter's context at its next call)."""
+        inputs, stream = self.inputs, self.device.stream
+        segs = (inputs.seg_lane[:segments], inputs.seg_row[:segments], inputs.seg_count[:segments])
+        self.k.keep_segment_rows(self.workspace.final, *segs, self.tails, self.verify_hidden, stream=stream)
+        if self.dflash_pending is not None:
+            self.k.copy_segments(self.dflash_workspace.features, *segs, self.dflash_pending, stream=stream)
 
     def stage_draft_steps(self, k: int, lanes: Any, positions: Any, columns: Any, sources: Any = None) -> None:
         """Before `draft_chain` over rows on these `lanes`, in one copy: what its k - 1 MTP steps read but their

@@ -330,9 +330,8 @@ class CudaRunner:
                 counted += produced
             state.has_tail = True
             if self._dflash:
-                # The round's columns wait in the lane's pending rows; the committed ones join the context next call.
-                model.device.copy(model.dflash_pending[lane, : columns[b]],
-                                  model.dflash_workspace.features[first : first + columns[b]])
+                # the round's columns wait in the lane's pending rows (`keep_segment_rows`); the committed ones join
+                # the context next call
                 state.pending = n
                 drafts_ready[b] = batch.speculative[b] and self._affords_a_round(batch.remaining[b] - n)
             if self._mtp:
