@@ -580,21 +580,24 @@ class InputRows:
         return self.block[self._rows[name]]
 
     def fill(self, values: dict[str, Any]) -> None:
-        """Each named row's first len(value) entries; names given None or empty values keep their contents."""
-        last, width = -1, 0
+        """Each named row's first len(value) entries (a 2D value: its rows from the named row on); names given None
+        or empty values keep their contents. (Per call on the decode path: kept to plain slice assignments.)"""
+        last, width, mirror, capacity = -1, 0, self._mirror, self._mirror.shape[1]
         for name, value in values.items():
             if value is None or not len(value):
                 continue
-            value = np.asarray(value, dtype=np.int32)
             first = self._rows[name]
-            rows = value.reshape(-1, value.shape[-1])
-            if rows.shape[1] > self._mirror.shape[1]:
-                raise ValueError(f"{rows.shape[1]} values of {name} exceed the {self._mirror.shape[1]} this model was "
-                                 "sized for")
-            self._mirror[first:first + rows.shape[0], :rows.shape[1]] = rows
-            last, width = max(last, first + rows.shape[0] - 1), max(width, rows.shape[1])
+            value = value if isinstance(value, np.ndarray) else np.asarray(value)
+            count, columns = value.shape if value.ndim == 2 else (1, value.shape[0])
+            if columns > capacity:
+                raise ValueError(f"{columns} values of {name} exceed the {capacity} this model was sized for")
+            mirror[first:first + count, :columns] = value
+            if first + count - 1 > last:
+                last = first + count - 1
+            if columns > width:
+                width = columns
         if last >= 0:
-            self._device.write_rows(self.block[:last + 1, :width], self._mirror[:last + 1, :width])
+            self._device.write_rows(self.block[:last + 1, :width], mirror[:last + 1, :width])
 
 
 class StepInputs:
