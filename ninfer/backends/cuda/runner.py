@@ -271,8 +271,9 @@ class CudaRunner:
             seg_row.append(len(ids))
             ids += tokens
             row_lane += [lane] * n
-            row_pos += list(int(batch.kv_lengths[b]) + np.arange(n))
-            positions += list(int(batch.positions[b]) + np.arange(n))
+            kv_length, position = int(batch.kv_lengths[b]), int(batch.positions[b])
+            row_pos += range(kv_length, kv_length + n)
+            positions += range(position, position + n)
         rows = len(ids)
         positions = np.broadcast_to(np.asarray(positions, np.int32), (3, rows))
         model.inputs.fill(token_ids=ids, positions=positions, row_lane=row_lane,
