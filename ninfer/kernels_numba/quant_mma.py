@@ -206,6 +206,13 @@ def w8_fragments(high_word, low_word, minus_pair, minus_low):
             nibble_pair(low_word, 2, minus_low), nibble_pair(low_word, 3, minus_low))
 
 
+@device_function
+def mma_into(chain, c, a0, a1, a2, a3, b0, b1):
+    """chain[c..c+3] (a local array's C quad of one mma) += A . B: the tensor-core kernels' accumulate step."""
+    chain[c], chain[c + 1], chain[c + 2], chain[c + 3] = mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, chain[c],
+                                                                           chain[c + 1], chain[c + 2], chain[c + 3])
+
+
 # ---- host repack --------------------------------------------------------------------------------------------------
 
 def _fragment_offsets() -> tuple[np.ndarray, np.ndarray]:
@@ -505,13 +512,8 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                                 for t in range(sets):
                                     b0 = xs[8 * (u * sets + t) + 2 * j]
                                     b1 = xs[8 * (u * sets + t) + 2 * j + 1]
-                                    chain[4 * t], chain[4 * t + 1], chain[4 * t + 2], chain[4 * t + 3] = (
-                                        mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, chain[4 * t], chain[4 * t + 1],
-                                                          chain[4 * t + 2], chain[4 * t + 3]))
-                                    (chain_low[4 * t], chain_low[4 * t + 1], chain_low[4 * t + 2],
-                                     chain_low[4 * t + 3]) = mma_bf16_m16n8k16(
-                                        e0, e1, e2, e3, b0, b1, chain_low[4 * t], chain_low[4 * t + 1],
-                                        chain_low[4 * t + 2], chain_low[4 * t + 3])
+                                    mma_into(chain, 4 * t, a0, a1, a2, a3, b0, b1)
+                                    mma_into(chain_low, 4 * t, e0, e1, e2, e3, b0, b1)
                             s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u) + k])
                             for t in range(sets):
                                 a = 4 * (t * tiles + r)
@@ -532,10 +534,8 @@ def make_tile_sums(bits: int, tiles: int, warps: int, unroll: int, sets: int = 1
                         for j in range(4):
                             a0, a1, a2, a3 = code_fragment(words[w0 + j], hw0, hw1, j, bits, minus)
                             for t in range(sets):
-                                chain[4 * t], chain[4 * t + 1], chain[4 * t + 2], chain[4 * t + 3] = (
-                                    mma_bf16_m16n8k16(a0, a1, a2, a3, xs[8 * (u * sets + t) + 2 * j],
-                                                      xs[8 * (u * sets + t) + 2 * j + 1], chain[4 * t],
-                                                      chain[4 * t + 1], chain[4 * t + 2], chain[4 * t + 3]))
+                                mma_into(chain, 4 * t, a0, a1, a2, a3, xs[8 * (u * sets + t) + 2 * j],
+                                         xs[8 * (u * sets + t) + 2 * j + 1])
                         s_lo, s_hi = half_pair_to_f32(scale_pairs[SW * (r * unroll + u)])
                         for t in range(sets):
                             a = 4 * (t * tiles + r)

@@ -32,7 +32,7 @@ from ninfer.kernels_numba.common import (FULL_MASK, address_of, half_pair_to_f32
                                          load_words2_at, load_words4_at, pack_bf16x2, silu_times)
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel, register_options
 from ninfer.kernels_numba.quant_mma import (BLOCK, FORMAT_BITS, HIGH_WORDS, MAX_X_ROWS, SCALE_WORDS, TILE_ROWS,
-                                            QuantMmaWeight, code_fragment, mma_bf16_m16n8k16, offset_pair,
+                                            QuantMmaWeight, code_fragment, mma_into, offset_pair,
                                             w8_fragments)
 
 CHUNK_ROWS = 32  # x rows a block multiplies: 4 fragment sets
@@ -171,13 +171,8 @@ def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
                             if s < sets:
                                 b0 = xb[8 * s + 2 * j]
                                 b1 = xb[8 * s + 2 * j + 1]
-                                chain[4 * s], chain[4 * s + 1], chain[4 * s + 2], chain[4 * s + 3] = (
-                                    mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, chain[4 * s], chain[4 * s + 1],
-                                                      chain[4 * s + 2], chain[4 * s + 3]))
-                                (chain_low[4 * s], chain_low[4 * s + 1], chain_low[4 * s + 2],
-                                 chain_low[4 * s + 3]) = mma_bf16_m16n8k16(
-                                    e0, e1, e2, e3, b0, b1, chain_low[4 * s], chain_low[4 * s + 1],
-                                    chain_low[4 * s + 2], chain_low[4 * s + 3])
+                                mma_into(chain, 4 * s, a0, a1, a2, a3, b0, b1)
+                                mma_into(chain_low, 4 * s, e0, e1, e2, e3, b0, b1)
                     s_lo, s_hi = half_pair_to_f32(sc0 if k == 0 else sc1)
                     for a in range(ACC):
                         scale = s_hi if (a & 3) >= 2 else s_lo
@@ -189,9 +184,7 @@ def make_quant_mma_chunked_kernel(bits: int, max_registers: int | None = None):
                     a0, a1, a2, a3 = code_fragment(wd[j], hd[0], hd[1], j, bits, minus)
                     for s in range(CHUNK_SETS):
                         if s < sets:
-                            chain[4 * s], chain[4 * s + 1], chain[4 * s + 2], chain[4 * s + 3] = mma_bf16_m16n8k16(
-                                a0, a1, a2, a3, xb[8 * s + 2 * j], xb[8 * s + 2 * j + 1], chain[4 * s],
-                                chain[4 * s + 1], chain[4 * s + 2], chain[4 * s + 3])
+                            mma_into(chain, 4 * s, a0, a1, a2, a3, xb[8 * s + 2 * j], xb[8 * s + 2 * j + 1])
                 s_lo, s_hi = half_pair_to_f32(sc0)
                 for a in range(ACC):
                     acc[a] += (s_hi if (a & 3) >= 2 else s_lo) * chain[a]

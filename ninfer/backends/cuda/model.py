@@ -1279,7 +1279,7 @@ class CudaQwen:
         too) and the MTP input projection; not the MoE's stacked experts (the gathered kernels read them) nor the
         head (one cuBLAS GEMV at ~0.9 of copy)."""
         found = []
-        for layer in self.layers + ([self.mtp.layer] if self.mtp else []):
+        for layer in self._layers_with_mtp():
             if layer.attention is not None:
                 found += [layer.attention.in_proj, layer.attention.output]
             if layer.gdn is not None:
@@ -1380,7 +1380,7 @@ class CudaQwen:
         """The largest quantized matrix a prefill GEMM dequantizes (the head runs on the last row only; with
         Capacity.direct_quant_experts the routed experts that multiply from their codes never do: the 35B-A3B's
         stacked gate|up alone is 1 GiB of bf16)."""
-        layers = self.layers + ([self.mtp.layer] if self.mtp else [])
+        layers = self._layers_with_mtp()
         direct = {id(m) for layer in layers if isinstance(layer.ffn, MoeFfn) and self._direct_capable(layer.ffn)
                   for m in (layer.ffn.routed_gate_up, layer.ffn.routed_down)} if self.direct_quant_experts else set()
         return max([m.shape[0] * m.shape[1] for m in self._matrices() if is_quantized(m) and id(m) not in direct],
@@ -1395,13 +1395,17 @@ class CudaQwen:
     def _slot_fragment_words(self) -> int:
         """x-fragment words of the per-slot inputs of the MoE down projections, when they are tensor-core: one set
         per expert slot."""
-        layers = self.layers + ([self.mtp.layer] if self.mtp else [])
+        layers = self._layers_with_mtp()
         if not any(isinstance(layer.ffn, MoeFfn) and _tensor_core(layer.ffn.routed_down) for layer in layers):
             return 0
         return self.dims.moe_top_k * self.k.x_fragment_words(self.dims.moe_intermediate)
 
+    def _layers_with_mtp(self) -> list[LayerWeights]:
+        """The decoder's layers, and the MTP head's when it has one."""
+        return self.layers + ([self.mtp.layer] if self.mtp else [])
+
     def _matrices(self):
-        layers = self.layers + ([self.mtp.layer] if self.mtp else [])
+        layers = self._layers_with_mtp()
         found = []
         for layer in layers:
             for part in (layer.attention, layer.gdn, layer.ffn):
@@ -2183,40 +2187,43 @@ class CudaQwen:
                 stepped = stepped_chunks(extent, self.moe_chunk_step, room, chunk)
         # rows the expert GEMMs run over: the layout's, or its chunks' rounded up
         gemm_rows = stepped * chunk if layout == LAYOUT_CHUNKED else count
-        shared_out, gate_logit = shared_gate or (None, None)
         if direct and layout == LAYOUT_CHUNKED:
-            inter = self.dims.moe_intermediate
-            maps = (ws.moe_chunk_groups, ws.moe_offsets, ws.moe_starts)
-            self.k.linear_quant_mma_chunked(ws.perm_in, w.routed_gate_up, *maps, ws.perm_act_bf16,
-                                            rows_per_expert=2 * inter, chunk=chunk, chunks=stepped, swiglu=True,
-                                            stream=stream)
-            self.k.linear_quant_mma_chunked(ws.perm_act_bf16, w.routed_down, *maps, ws.perm_out,
-                                            rows_per_expert=self.dims.hidden, chunk=chunk, chunks=stepped,
-                                            swiglu=False, stream=stream)
-            self.k.moe_scatter_combine(ws.perm_out[:gemm_rows], slot_of, weights, s, ws.x[:rows], position_of=placed,
-                                       stream=stream, shared_out=shared_out, gate_logit=gate_logit)
-            return
-        if gate_up_w is None:  # the layout fell back from chunked (its rows did not fit)
-            gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
+            self._direct_expert_gemms(w, chunk, stepped)
+        else:
+            if gate_up_w is None:  # the direct path's layout fell back from chunked (its rows did not fit)
+                gate_up_w = self.linear.bf16_weight(w.routed_gate_up)
 
-        def expert_gemm(x: Any, weight: Any, y: Any) -> None:
-            """x, y: whole workspace buffers. Only the padded call needs views of the count's rows: numba builds a
-            view in ~50 us of host time, and this first call is what the GPU waits for once the counts arrive."""
-            if layout == LAYOUT_PADDED:
-                self.linear.blas.batched_gemm_bf16(x[:count], weight, y[:count], e)
-            elif layout == LAYOUT_CHUNKED:
-                self.linear.blas.chunked_gemm_bf16(x, weight, y, ws.moe_chunk_groups, chunk, chunks=stepped)
-            else:
-                self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
+            def expert_gemm(x: Any, weight: Any, y: Any) -> None:
+                """x, y: whole workspace buffers. Only the padded call needs views of the count's rows: numba builds
+                a view in ~50 us of host time, and this first call is what the GPU waits for once the counts
+                arrive."""
+                if layout == LAYOUT_PADDED:
+                    self.linear.blas.batched_gemm_bf16(x[:count], weight, y[:count], e)
+                elif layout == LAYOUT_CHUNKED:
+                    self.linear.blas.chunked_gemm_bf16(x, weight, y, ws.moe_chunk_groups, chunk, chunks=stepped)
+                else:
+                    self.linear.blas.grouped_gemm_bf16(x, weight, y, offsets, y.shape[1])
 
-        expert_gemm(ws.perm_in, gate_up_w, ws.perm_gate_up)
-        # (the surplus rows past the routed ones are never read; with a chunk step the counts, and so these views,
-        # recur, and the workspace's memo hands them back)
-        gate_up, act_bf16, out = ws.perm_gate_up[:gemm_rows], ws.perm_act_bf16[:gemm_rows], ws.perm_out[:gemm_rows]
-        self.k.silu_mul_bf16_rows(gate_up, act_bf16, stream=stream)
-        expert_gemm(ws.perm_act_bf16, self.linear.bf16_weight(w.routed_down), ws.perm_out)
-        self.k.moe_scatter_combine(out, slot_of, weights, s, ws.x[:rows], position_of=placed, stream=stream,
-                                   shared_out=shared_out, gate_logit=gate_logit)
+            expert_gemm(ws.perm_in, gate_up_w, ws.perm_gate_up)
+            # (the surplus rows past the routed ones are never read; with a chunk step the counts, and so these
+            # views, recur, and the workspace's memo hands them back)
+            self.k.silu_mul_bf16_rows(ws.perm_gate_up[:gemm_rows], ws.perm_act_bf16[:gemm_rows], stream=stream)
+            expert_gemm(ws.perm_act_bf16, self.linear.bf16_weight(w.routed_down), ws.perm_out)
+        shared_out, gate_logit = shared_gate or (None, None)
+        self.k.moe_scatter_combine(ws.perm_out[:gemm_rows], slot_of, weights, s, ws.x[:rows], position_of=placed,
+                                   stream=stream, shared_out=shared_out, gate_logit=gate_logit)
+
+    def _direct_expert_gemms(self, w: MoeFfn, chunk: int, chunks: int) -> None:
+        """The routed experts over the chunked layout straight from their codes (`direct_quant_experts`): the
+        gate|up writes the activation rows, the down the output rows."""
+        ws, inter, stream = self.workspace, self.dims.moe_intermediate, self.device.stream
+        maps = (ws.moe_chunk_groups, ws.moe_offsets, ws.moe_starts)
+        self.k.linear_quant_mma_chunked(ws.perm_in, w.routed_gate_up, *maps, ws.perm_act_bf16,
+                                        rows_per_expert=2 * inter, chunk=chunk, chunks=chunks, swiglu=True,
+                                        stream=stream)
+        self.k.linear_quant_mma_chunked(ws.perm_act_bf16, w.routed_down, *maps, ws.perm_out,
+                                        rows_per_expert=self.dims.hidden, chunk=chunk, chunks=chunks, swiglu=False,
+                                        stream=stream)
 
     def _direct_experts(self, w: MoeFfn, chunk: int) -> bool:
         """Whether this chunk's routed experts multiply from their codes (`direct_quant_experts`): they can

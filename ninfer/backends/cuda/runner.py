@@ -526,13 +526,12 @@ class CudaRunner:
         sources = [-1 - index if where == "tail" else index for where, index in hidden_rows]
         model.inputs.fill(token_ids=next_ids, next_ids=next_ids, positions=positions, row_lane=row_lane,
                           row_pos=row_pos, seg_lane=[], seg_row=[], seg_count=[], seg_record=[], hidden_rows=sources)
-        if prefill and len(items) == 1 and rows > 1 and (embeddings is not None
-                                                         or not model.short_prefill(rows, items[0].first)):
-            # a long prefill chunk's columns: tiled attention, eager (short ones take the graph below)
-            return model.mtp_forward(model.gather_mtp_hidden(rows), rows, PrefillSpan(items[0].lane, items[0].first),
-                                     embeddings)
-        if embeddings is not None:
-            return model.mtp_forward(model.gather_mtp_hidden(rows), rows, None, embeddings)
+        # a long prefill chunk's columns: tiled attention, eager (short ones take the graph below); embeddings: eager
+        tiled = prefill and len(items) == 1 and rows > 1 and (embeddings is not None
+                                                              or not model.short_prefill(rows, items[0].first))
+        if tiled or embeddings is not None:
+            span = PrefillSpan(items[0].lane, items[0].first) if tiled else None
+            return model.mtp_forward(model.gather_mtp_hidden(rows), rows, span, embeddings)
         self._step(("mtp", rows), lambda: model.mtp_forward(model.gather_mtp_hidden(rows), rows))
         return model.workspace.final[:rows]
 

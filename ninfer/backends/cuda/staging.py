@@ -59,25 +59,31 @@ class StagingSlots:
     def write(self, destination_address: int, host: np.ndarray, stream_handle: int) -> None:
         """Queue a copy of `host` (contiguous, the destination's dtype and size) to the device address on the
         stream."""
-        slot = self._slot()
-        start = slot * SLOT_BYTES
-        self._host[start:start + host.nbytes] = host.reshape(-1).view(np.uint8)
-        self._check(self._driver.cuMemcpyHtoDAsync(destination_address, self._address + start, host.nbytes,
-                                                   stream_handle), "cuMemcpyHtoDAsync")
-        self._check(self._driver.cuEventRecord(self._events[slot], stream_handle), "cuEventRecord")
-        self._recorded[slot] = True
+        slot, source = self._staged(host)
+        self._check(self._driver.cuMemcpyHtoDAsync(destination_address, source, host.nbytes, stream_handle),
+                    "cuMemcpyHtoDAsync")
+        self._mark(slot, stream_handle)
 
     def write_rows(self, destination_address: int, destination_pitch: int, host: np.ndarray,
                    stream_handle: int) -> None:
         """Queue a copy of `host` ([H, W], contiguous, at most a slot) to H device rows `destination_pitch` bytes
         apart from the address: one pitched copy (`cuMemcpy2DAsync`) where H row writes took H copies."""
+        slot, source = self._staged(host)
+        copy, width = self._pitched, host.shape[1] * host.itemsize
+        copy.srcHost, copy.srcPitch, copy.WidthInBytes, copy.Height = source, width, width, host.shape[0]
+        copy.dstDevice, copy.dstPitch = destination_address, destination_pitch
+        self._check(self._driver.cuMemcpy2DAsync(copy, stream_handle), "cuMemcpy2DAsync")
+        self._mark(slot, stream_handle)
+
+    def _staged(self, host: np.ndarray) -> tuple[int, int]:
+        """(slot, its host address) holding a copy of `host`'s bytes: the source of a write's driver copy."""
         slot = self._slot()
         start = slot * SLOT_BYTES
         self._host[start:start + host.nbytes] = host.reshape(-1).view(np.uint8)
-        copy, width = self._pitched, host.shape[1] * host.itemsize
-        copy.srcHost, copy.srcPitch, copy.WidthInBytes, copy.Height = self._address + start, width, width, host.shape[0]
-        copy.dstDevice, copy.dstPitch = destination_address, destination_pitch
-        self._check(self._driver.cuMemcpy2DAsync(copy, stream_handle), "cuMemcpy2DAsync")
+        return slot, self._address + start
+
+    def _mark(self, slot: int, stream_handle: int) -> None:
+        """The slot is free again once the stream passes this point (after the copy just queued from it)."""
         self._check(self._driver.cuEventRecord(self._events[slot], stream_handle), "cuEventRecord")
         self._recorded[slot] = True
 
@@ -88,8 +94,7 @@ class StagingSlots:
         slot = self._slot()
         self._check(self._driver.cuMemcpyDtoHAsync(self._address + slot * SLOT_BYTES, source_address, source.nbytes,
                                                    self._stream), "cuMemcpyDtoHAsync")
-        self._check(self._driver.cuEventRecord(self._events[slot], self._stream), "cuEventRecord")
-        self._recorded[slot] = True
+        self._mark(slot, self._stream)
         self._reading.add(slot)
         return PendingRead(self, slot, source.dtype, source.shape)
 
