@@ -4,3 +4,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || return 1
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# Compiled kernels go in .kernel-cache (git-ignored; ninfer/kernels_numba/kernel_cache.py): a warm machine keeps it
+# between calls, so a later call's processes load what an earlier one compiled (a cold 35B-A3B bench process spent
+# ~200 s compiling).
+export NINFER_KERNEL_CACHE="${NINFER_KERNEL_CACHE:-$PWD/.kernel-cache}"

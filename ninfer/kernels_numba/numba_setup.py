@@ -46,7 +46,8 @@ def register_options(max_registers: int | None) -> dict:
 def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`cuda.jit(**options)` that also records the kernel with the signatures its launchers use, so CI can compile
     each one to PTX. Signatures are those of real launches: a kernel launched with other argument types recompiles.
-    Launches go through `fast_launch.FastKernel` (8-11 us of host time a launch against numba's own 27-33)."""
+    Launches go through `fast_launch.FastKernel` (8-11 us of host time a launch against numba's own 27-33); each
+    specialization compiles once and is kept in the disk cache (`kernel_cache`)."""
 
     def wrap(function: Callable[..., Any]) -> Any:
         module = function.__module__
@@ -56,9 +57,12 @@ def kernel(*signatures: Any, **options: Any) -> Callable[[Callable[..., Any]], A
                                          (module, sequence)))
         if config.ENABLE_CUDASIM:  # the simulator runs Python: it takes no register cap
             return cuda.jit(**{k: v for k, v in options.items() if k != "max_registers"})(function)
+        from ninfer.kernels_numba import kernel_cache
         from ninfer.kernels_numba.fast_launch import FastKernel
 
-        return FastKernel(cuda.jit(**options)(function))
+        dispatcher = cuda.jit(**options)(function)
+        kernel_cache.attach(dispatcher, function, options)  # compiled once, then loaded by every later process
+        return FastKernel(dispatcher)
 
     return wrap
 

@@ -201,14 +201,16 @@ def load_model_stack(options: ServeOptions, artifact_path: Path) -> ModelStack:
         config = options.engine_config()
         if on_gpu:
             from ninfer.backends.cuda.build import build_cuda_runner, describe
+            from ninfer.kernels_numba import kernel_cache
 
             build = build_cuda_runner(artifact, config, device_index=options.device,
                                       cuda_graphs=not options.no_cuda_graph, vision=options.vision)
             model, runner, cuda = build.model, build.runner, describe(build)
             weights, budget = build.ledger["weights"], int(build.sizing["free_after_weights_bytes"])
-            log.info("CUDA %s: weights %.2f GiB, KV pool %s tokens (%s), free after startup %.2f GiB",
-                     cuda["device"]["name"], weights / 2**30, build.sizing["capacity_tokens"],
-                     build.sizing["policy"], int(build.sizing["free_after_startup_bytes"]) / 2**30)
+            log.info("CUDA %s: weights %.2f GiB, KV pool %s tokens (%s), free after startup %.2f GiB; kernel cache "
+                     "%s: %s", cuda["device"]["name"], weights / 2**30, build.sizing["capacity_tokens"],
+                     build.sizing["policy"], int(build.sizing["free_after_startup_bytes"]) / 2**30,
+                     cuda["kernel_cache"]["directory"] or "off", kernel_cache.COUNTS.summary())
         else:
             from ninfer.backends.cpu.runner import build_cpu_runner
             from ninfer.models.loader import build_model

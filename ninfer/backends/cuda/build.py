@@ -139,8 +139,11 @@ def finish_build(device: Device, model: CudaQwen, config: EngineConfig, *, cuda_
 
 
 def describe(build: CudaBuild) -> dict[str, Any]:
-    """The sizing ledger for the startup line and the server_start record."""
+    """The sizing ledger for the startup line and the server_start record, and what the kernel cache did (how many
+    of the kernels the startup launched were loaded, how many compiled)."""
+    from ninfer.kernels_numba import kernel_cache
+
     info = build.device.info
     return {"device": {"index": info.index, "name": info.name, "total_bytes": info.total_bytes,
                        "multiprocessors": info.multiprocessors},
-            "arenas_bytes": build.ledger, "kv_sizing": build.sizing}
+            "arenas_bytes": build.ledger, "kv_sizing": build.sizing, "kernel_cache": kernel_cache.report()}

@@ -1,0 +1,384 @@
+"""A disk cache of compiled kernels: a process loads the cubin of a kernel any earlier process compiled.
+
+Why: numba compiles each kernel specialization in every new process. A 35B-A3B server or bench process spends about
+200 s of CPU in numba before its first step on the H200 (bench/cuda_notes.md), on every start; a restarted server
+paid it again, and so did each GPU test worker and each device call of a measurement session.
+
+Where: the directory NINFER_KERNEL_CACHE names ("off" turns the cache off), else $XDG_CACHE_HOME/ninfer/kernels
+(~/.cache/ninfer/kernels). Entries go in a subdirectory named by a digest of every source file of
+ninfer/kernels_numba and ninfer/artifact and of the compiler versions: any edit to a kernel source starts a fresh
+subdirectory, and only the KEEP_GENERATIONS most recently used stay.
+
+What an entry is: one file per kernel specialization, named by the SHA-256 of its key, holding the key and the
+kernel's cubin with what numba needs to launch it (no LLVM IR, no PTX). The key holds the source digest, the NVVM
+version, the compute capability, the argument types, the `cuda.jit` options and a fingerprint of the Python function:
+its code objects (bytecode, constants, names, nested code), the values its closure holds and the globals its code
+names, each function or device function among them fingerprinted the same way, recursively. Kernels instantiated from
+templates (same name, other literal sizes) and factory kernels (same code, other closure values or register caps)
+therefore get keys of their own. A load compares the stored key with the asked one. Files are written under a
+temporary name and renamed, so concurrent processes (pytest-xdist workers, a bench beside a server) never read a
+partial file, and two writers of one key write equivalent kernels.
+
+numba's own cache (`cuda.jit(cache=True)`) does not fit: it finds entries by the defining file's path and modification
+time (kernels made from templates have no file: it refuses them), keys a function on its bytecode without constants
+or options, and numbers data files per index, which concurrent writers can give to two different keys.
+
+Not cached (compiled as before): a kernel whose closure or globals hold a value this module cannot fingerprint
+exactly (`UncacheableKernel`), a kernel numba refuses to serialise, and everything under the CUDA simulator.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+ENVIRONMENT = "NINFER_KERNEL_CACHE"
+OFF_VALUES = frozenset({"", "0", "off", "no", "false", "none"})
+KEEP_GENERATIONS = 3  # source digests kept under the cache root (the newest by use)
+FORMAT = 1  # of the entries' contents; part of every key
+_PACKAGE = Path(__file__).resolve().parent
+# every file device code can read: the kernels and the artifact formats they decode
+DIGESTED_SOURCES = (_PACKAGE, _PACKAGE.parent / "artifact")
+_VERSIONED = ("numba", "numba-cuda", "llvmlite", "cuda-bindings")
+# modules whose objects a kernel may name by qualified name alone (their versions are in the digest)
+_LIBRARIES = ("numba", "llvmlite", "numpy", "math", "cmath", "operator", "builtins")
+
+
+class UncacheableKernel(Exception):
+    """A kernel's function refers to a value that has no exact fingerprint here: it is compiled, not cached."""
+
+
+@attrs.define
+class CacheCounts:
+    """What this process's kernel compilations did with the cache."""
+
+    loaded: int = 0  # specializations loaded from disk
+    compiled: int = 0  # compiled here (and saved, where cacheable)
+    uncacheable: int = 0  # compiled here and not saved: no fingerprint, or numba refused to serialise them
+    failed: int = 0  # unreadable or mismatched entries, and saves that failed (each compiled here instead)
+
+    def summary(self) -> str:
+        return (f"{self.loaded} kernels loaded, {self.compiled} compiled, {self.uncacheable} not cacheable, "
+                f"{self.failed} failed")
+
+
+COUNTS = CacheCounts()
+
+
+def cache_root() -> Path | None:
+    """The cache's root directory, or None when NINFER_KERNEL_CACHE turns it off."""
+    value = os.environ.get(ENVIRONMENT)
+    if value is not None:
+        return None if value.strip().lower() in OFF_VALUES else Path(value).expanduser()
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except (RuntimeError, KeyError):  # no home directory to find: no default cache
+        return None
+    return Path(base) / "ninfer" / "kernels"
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of the digested sources (relative path and bytes of every .py file), the compilers' versions, the
+    Python version and FORMAT."""
+    hasher = hashlib.sha256(f"format {FORMAT} python {sys.version_info[:2]}\n".encode())
+    for name in _VERSIONED:
+        hasher.update(f"{name} {_version(name)}\n".encode())
+    for root in DIGESTED_SOURCES:
+        for path in sorted(root.rglob("*.py")):
+            hasher.update(f"{path.relative_to(_PACKAGE.parent)}\n".encode())
+            hasher.update(path.read_bytes())
+            hasher.update(b"\0")
+    return hasher.hexdigest()
+
+
+def device_identity() -> tuple[tuple[int, int], str]:
+    """(compute capability of the current device, NVVM version): what a cubin is compiled for and by."""
+    from ninfer.kernels_numba.numba_setup import cuda
+
+    return tuple(cuda.get_current_device().compute_capability), _nvvm_version()
+
+
+@functools.cache
+def _nvvm_version() -> str:
+    from numba.cuda.cudadrv import nvvm
+
+    return repr(nvvm.NVVM().get_version())
+
+
+class Fingerprints:
+    """Exact text fingerprints of the values a kernel's code reaches (see the module docstring). Memoised per
+    object; a function reached again while it is being fingerprinted (recursion) is named, not walked again."""
+
+    def __init__(self) -> None:
+        self._functions: dict[int, tuple[Any, str]] = {}  # id -> (the object, kept alive; its fingerprint)
+
+    def of(self, value: Any) -> str:
+        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            return f"{type(value).__name__}:{value!r}"
+        if isinstance(value, (tuple, list, frozenset, set)):
+            items = [self.of(item) for item in value]
+            return f"{type(value).__name__}(" + ",".join(sorted(items) if isinstance(value, (set, frozenset))
+                                                          else items) + ")"
+        if isinstance(value, dict):
+            return "dict(" + ",".join(sorted(f"{self.of(k)}={self.of(v)}" for k, v in value.items())) + ")"
+        if isinstance(value, np.ndarray):
+            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+            return f"ndarray:{value.dtype.str}:{value.shape}:{digest}"
+        if isinstance(value, (np.generic, np.dtype)):
+            return f"numpy:{type(value).__name__}:{value!r}"
+        if isinstance(value, types.CodeType):
+            return self.code(value)
+        if isinstance(value, types.ModuleType):
+            return self.module(value)
+        if isinstance(value, types.FunctionType):
+            return self.function(value)
+        py_func = getattr(value, "py_func", None)
+        if isinstance(py_func, types.FunctionType):  # a numba dispatcher (kernel or device function)
+            options = getattr(value, "targetoptions", {})
+            return f"dispatcher:{self.function(py_func)}:{self.of(dict(options))}"
+        dispatcher = getattr(value, "dispatcher", None)
+        if dispatcher is not None and getattr(dispatcher, "py_func", None) is not None:  # a FastKernel
+            return self.of(dispatcher)
+        definition = getattr(value, "_defn", None)
+        if isinstance(definition, types.FunctionType):  # a numba @intrinsic: its typing and codegen functions
+            return f"intrinsic:{self.function(definition)}"
+        module = getattr(value, "__module__", None) or getattr(type(value), "__module__", "")
+        if module.split(".")[0] in _LIBRARIES:
+            from numba.core import types as numba_types
+
+            if isinstance(value, numba_types.Type):
+                return f"numba-type:{value.name}"
+            name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+            if name is not None:  # a library function, class or builtin, by its qualified name
+                return f"library:{module}.{name}"
+        raise UncacheableKernel(f"no exact fingerprint for a {type(value).__module__}.{type(value).__qualname__}")
+
+    @staticmethod
+    def module(module: types.ModuleType) -> str:
+        """A module by its name: what device code reads through it is in the digested sources or a library (whose
+        version is digested). ninfer's other modules are not digested, so code that names one is not cached."""
+        name = module.__name__
+        if name.split(".")[0] in _LIBRARIES:
+            return f"module:{name}"
+        path = Path(getattr(module, "__file__", None) or "").resolve()
+        if not any(path.is_relative_to(root) for root in DIGESTED_SOURCES):
+            raise UncacheableKernel(f"names module {name}, whose source is not digested")
+        return f"module:{name}"
+
+    def code(self, code: types.CodeType) -> str:
+        constants = ",".join(self.of(constant) for constant in code.co_consts)
+        return (f"code:{code.co_name}:{hashlib.sha256(code.co_code).hexdigest()}:[{constants}]:"
+                f"{','.join(code.co_names)}:{','.join(code.co_freevars)}")
+
+    def function(self, function: types.FunctionType) -> str:
+        known = self._functions.get(id(function))
+        if known is not None and known[0] is function:
+            return known[1]
+        name = f"function:{function.__module__}.{function.__qualname__}"
+        self._functions[id(function)] = (function, name)  # while walking: a recursive reference is its name
+        try:
+            parts = [name, self.code(function.__code__)]
+            for cell in function.__closure__ or ():
+                parts.append(self.of(cell.cell_contents))
+            for global_name in sorted(_global_names(function.__code__)):
+                if global_name in function.__globals__:
+                    parts.append(f"{global_name}={self.of(function.__globals__[global_name])}")
+            for default in function.__defaults__ or ():
+                parts.append(self.of(default))
+        except UncacheableKernel:
+            del self._functions[id(function)]  # no fingerprint: not its name either
+            raise
+        fingerprint = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+        self._functions[id(function)] = (function, fingerprint)
+        return fingerprint
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Names the code (nested code objects included) may look up as globals."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _global_names(constant)
+    return names
+
+
+_FINGERPRINTS = Fingerprints()
+
+
+def function_fingerprint(function: types.FunctionType) -> str:
+    """The fingerprint of a kernel's Python function (raises UncacheableKernel)."""
+    return _FINGERPRINTS.function(function)
+
+
+def entry_key(function: types.FunctionType, options: dict[str, Any], argument_types: tuple, compute_capability: tuple,
+              nvvm_version: str) -> str:
+    """The key of one specialization (raises UncacheableKernel)."""
+    return "\n".join((f"ninfer kernel cache format {FORMAT}", source_digest(), f"nvvm {nvvm_version}",
+                      f"cc {tuple(compute_capability)}", function_fingerprint(function),
+                      f"options {_FINGERPRINTS.of(dict(options))}",
+                      "arguments " + ",".join(t.name for t in argument_types)))
+
+
+class KernelFiles:
+    """The entries of one cache generation: `save(key, payload)` and `load(key)` by the key's SHA-256, each file
+    holding its key."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._ready = False
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()}.kernel"
+
+    def load(self, key: str) -> Any | None:
+        """The payload saved under `key`, or None (no entry). Raises on an unreadable or mismatched entry."""
+        try:
+            data = self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        stored_key, payload = pickle.loads(data)
+        if stored_key != key:
+            raise ValueError(f"{self.path(key)} holds another key")
+        return payload
+
+    def save(self, key: str, data: bytes) -> None:
+        """Store `data` (the pickled (key, payload) pair) under `key`: a temporary file, then a rename."""
+        self._prepare()
+        descriptor, temporary = tempfile.mkstemp(dir=self.directory, suffix=".partial")
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(data)
+            os.replace(temporary, self.path(key))
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+    def _prepare(self) -> None:
+        """Create the generation's directory on the first save, and drop the generations past KEEP_GENERATIONS."""
+        if self._ready:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.utime(self.directory)
+        prune_generations(self.directory.parent, keep=KEEP_GENERATIONS)
+        self._ready = True
+
+
+def prune_generations(root: Path, *, keep: int) -> list[Path]:
+    """Remove all but the `keep` most recently used generation directories under `root`; returns those removed."""
+    generations = sorted((path for path in root.iterdir() if path.is_dir()), key=lambda p: p.stat().st_mtime,
+                         reverse=True)
+    removed = generations[keep:]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+@functools.cache
+def _generation(root: Path) -> KernelFiles:
+    """The current generation's files (one object a process, so pruning runs once)."""
+    return KernelFiles(root / source_digest()[:32])
+
+
+class KernelDiskCache:
+    """The cache numba's CUDADispatcher consults (`dispatcher._cache`): `compile(sig)` asks `load_overload` before
+    compiling a specialization and hands the kernel it compiled to `save_overload`. It duck-types numba's `Cache`
+    (load_overload, save_overload, flush, cache_path); not being a numba CUDACache, it also keeps numba's
+    launch-configuration-sensitive paths off, which no ninfer kernel uses."""
+
+    def __init__(self, function: types.FunctionType, options: dict[str, Any], files: KernelFiles) -> None:
+        self._function, self._options, self._files = function, dict(options), files
+
+    @property
+    def cache_path(self) -> str:
+        return str(self._files.directory)
+
+    def _key(self, sig: Any) -> str:
+        from numba.cuda.core import sigutils
+
+        argument_types, _ = sigutils.normalize_signature(sig)
+        return entry_key(self._function, self._options, tuple(argument_types), *device_identity())
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any | None:
+        # Any failure here means compiling, as without the cache: an unreadable or foreign entry is replaced by
+        # the save that follows.
+        try:
+            payload = self._files.load(self._key(sig))
+            kernel = None if payload is None else _rebuild(payload)
+        except UncacheableKernel:
+            return None
+        except Exception:
+            COUNTS.failed += 1
+            return None
+        if kernel is not None:
+            COUNTS.loaded += 1
+        return kernel
+
+    def save_overload(self, sig: Any, kernel: Any) -> None:
+        COUNTS.compiled += 1
+        try:
+            key = self._key(sig)
+            data = _serialise(key, kernel)
+        except Exception:  # UncacheableKernel, or numba refusing to serialise this kernel
+            COUNTS.uncacheable += 1
+            return
+        try:
+            self._files.save(key, data)
+        except OSError:  # a read-only or full disk: the kernel is compiled, the next process compiles it again
+            COUNTS.failed += 1
+
+    def flush(self) -> None:
+        """numba's `recompile` flushes its cache; entries here are exact, so nothing is dropped."""
+
+
+def _serialise(key: str, kernel: Any) -> bytes:
+    """The pickled (key, payload) of a compiled kernel: numba's own serialised states (what its cache stores), the
+    code library's LLVM IR and PTX left out (a launch needs the cubin alone)."""
+    from numba.cuda.serialize import dumps
+
+    states = dict(kernel._reduce_states())
+    library = dict(states.pop("codelibrary")._reduce_states())
+    if not library["cubin_cache"]:
+        raise ValueError("the kernel has no cubin yet")
+    library.update(llvm_strs=[], ptx_cache={})
+    return dumps((key, {"kernel": states, "library": library}))
+
+
+def _rebuild(payload: dict) -> Any:
+    from numba.cuda.codegen import CUDACodeLibrary
+    from numba.cuda.dispatcher import _Kernel
+
+    library = CUDACodeLibrary._rebuild(**payload["library"])
+    return _Kernel._rebuild(codelibrary=library, **payload["kernel"])
+
+
+def report() -> dict[str, Any]:
+    """This process's cache directory (None: off) and counts, for the server's startup record."""
+    root = cache_root()
+    return {"directory": None if root is None else str(_generation(root).directory), **attrs.asdict(COUNTS)}
+
+
+def attach(dispatcher: Any, function: types.FunctionType, options: dict[str, Any]) -> None:
+    """Give a kernel dispatcher the disk cache, where the cache is on."""
+    root = cache_root()
+    if root is not None:
+        dispatcher._cache = KernelDiskCache(function, options, _generation(root))
