@@ -315,6 +315,39 @@ def upload_quant_mma_planes(fmt: str, shape: tuple[int, int], planes: dict[str, 
                           int(swiglu_rows))
 
 
+def plane_words(fmt: str, shape: tuple[int, int]) -> dict[str, int]:
+    """The uint32 words of each plane `repack_quant_mma` makes for an [N, K] matrix."""
+    bits, tiles, blocks = FORMAT_BITS[fmt], -(-int(shape[0]) // TILE_ROWS), int(shape[1]) // BLOCK
+    return {"base": tiles * blocks * 32 * 4, "high": 1 if bits == 4 else tiles * blocks * 32 * HIGH_WORDS[bits],
+            "scales": tiles * blocks * SCALE_WORDS[bits] * 8}
+
+
+# binary16 scales in [2^-11, 2^-9) (about the 5e-4..2e-3 the benchmarks' host payloads draw): exponent field 4 or 5,
+# any mantissa, in each half of a scale-pair word
+RANDOM_SCALE_KEEP, RANDOM_SCALE_SET = 0x07FF07FF, 0x10001000
+
+
+def random_quant_mma_weight(fmt: str, shape: tuple[int, int], *, seed: int, stream=0,
+                            swiglu_rows: int = 0) -> QuantMmaWeight:
+    """A quantized matrix of random codes and scales generated on the device in the tensor-core layout (benchmarks
+    at the real shapes: the 35B-A3B's stacked experts took ~60 s of host repacking a build). Rows must fill whole
+    tiles (the repack gives padding rows scale 0). Random codes have no row order, so `swiglu_rows` only records
+    which launchers take the matrix."""
+    from ninfer.kernels_numba.fill import fill_words
+
+    N, K = (int(v) for v in shape)
+    if K % BLOCK or N % TILE_ROWS:
+        raise ValueError(f"random tensor-core weights need K % {BLOCK} == 0 and N % {TILE_ROWS} == 0, got {shape}")
+    planes = {name: cuda.device_array(words, np.uint32, stream=stream)
+              for name, words in plane_words(fmt, shape).items()}
+    for offset, (name, plane) in enumerate(planes.items()):
+        scales = name == "scales"
+        fill_words(plane, seed=seed * 3 + offset, keep=RANDOM_SCALE_KEEP if scales else 0xFFFFFFFF,
+                   set_bits=RANDOM_SCALE_SET if scales else 0, stream=stream)
+    return QuantMmaWeight(fmt, (N, K), planes["base"], planes["high"], planes["scales"], K // BLOCK,
+                          int(sum(plane.nbytes for plane in planes.values())), int(swiglu_rows))
+
+
 # ---- device code --------------------------------------------------------------------------------------------------
 
 FRAGMENT_WORDS = 8 * 32  # x fragment words per 64-column block: 32 lanes x (4 k-steps x 2 registers)

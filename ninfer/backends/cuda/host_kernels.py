@@ -30,7 +30,7 @@ from ninfer.kernels_numba import quant_mma_conv as _quant_mma_conv
 from ninfer.kernels_numba import sampling as _sampling
 from ninfer.kernels_numba import vision as _vision
 from ninfer.backends.cuda import kernels as _device_kernels
-from ninfer.kernels_numba.fill import fill_uniform_reference
+from ninfer.kernels_numba.fill import fill_uniform_reference, random_quant_payload
 
 
 __all__ = list(_device_kernels.__all__)  # the same launchers as the device set
@@ -85,6 +85,11 @@ def upload_quant_mma(fmt, shape, payload, *, stream=0, swiglu_rows=0) -> QuantMm
     if swiglu_rows:
         _quant_mma.swiglu_rows_order(shape[0], swiglu_rows)  # the device layout's check
     return QuantMmaWeight(fmt, tuple(shape), payload, int(payload.nbytes), swiglu_rows=int(swiglu_rows))
+
+
+def random_quant_mma_weight(fmt, shape, *, seed, stream=0, swiglu_rows=0) -> QuantMmaWeight:
+    """The device's random tensor-core weight, as a random payload the twins decode."""
+    return upload_quant_mma(fmt, shape, random_quant_payload(fmt, tuple(shape), seed=seed), swiglu_rows=swiglu_rows)
 
 
 def repack_quant_mma(fmt, shape, payload, *, swiglu_rows=0) -> dict[str, np.ndarray]:

@@ -25,9 +25,8 @@ from ninfer.kernels_numba.quant_linear import (QuantWeight, dequantize_bf16, lin
                                                upload_quant_weight)
 from ninfer.kernels_numba.quant_mma import (ROW_SETS, dequantize_mma_bf16, has_pair_kernel, linear_quant_mma,
                                             linear_quant_mma_gathered, linear_quant_mma_gathered_swiglu,
-                                            linear_quant_mma_pair, linear_quant_mma_swiglu, repack_quant_mma,
-                                            upload_quant_mma,
-                                            upload_quant_mma_planes, x_fragment_words, x_fragments, x_slot_fragments)
+                                            linear_quant_mma_pair, linear_quant_mma_swiglu, random_quant_mma_weight,
+                                            repack_quant_mma, upload_quant_mma, upload_quant_mma_planes, x_fragment_words, x_fragments, x_slot_fragments)
 from ninfer.kernels_numba.quant_mma_chunked import linear_quant_mma_chunked
 from ninfer.kernels_numba.quant_mma_conv import has_conv_kernel, linear_quant_mma_conv
 from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
@@ -114,6 +113,7 @@ __all__ = [
     "linear_quant_mma_chunked",
     "linear_quant_mma_conv",
     "has_conv_kernel",
+    "random_quant_mma_weight",
     "repack_quant_mma",
     "upload_quant_mma",
     "upload_quant_mma_planes",

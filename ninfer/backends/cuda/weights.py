@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from ninfer.artifact import codec
-from ninfer.artifact.formats import BF16, QUANT_FORMATS, row_split_geometry
+from ninfer.artifact.formats import BF16, QUANT_FORMATS
 from ninfer.artifact.reader import Artifact
 from ninfer.backends.cuda.device import Device
 
@@ -175,9 +175,16 @@ class RandomDeviceWeights:
         shape = (sum(s[0] for s in shapes), shapes[0][1])
         if fmt in QUANT_FORMATS:
             kernels, mma = self._device.kernels, tensor_core_layout(self.quant_layout, shape, gathered)
-            planes = self._random_planes(fmt, shape, mma)  # random codes: the stored row order is immaterial
-            weight = (kernels.upload_quant_mma_planes(fmt, shape, planes, swiglu_rows=swiglu_layout(swiglu_rows, shape))
-                      if mma else kernels.upload_quant_planes(fmt, shape, planes))
+            from ninfer.kernels_numba.quant_mma import TILE_ROWS
+
+            swiglu = swiglu_layout(swiglu_rows, shape)  # random codes: the stored row order is immaterial
+            if mma and shape[0] % TILE_ROWS == 0:  # generated on the device
+                weight = kernels.random_quant_mma_weight(fmt, shape, seed=self._next_seed(),
+                                                         stream=self._device.stream, swiglu_rows=swiglu)
+            else:
+                planes = self._random_planes(fmt, shape, mma)
+                weight = (kernels.upload_quant_mma_planes(fmt, shape, planes, swiglu_rows=swiglu) if mma
+                          else kernels.upload_quant_planes(fmt, shape, planes))
             self._device.ledger["weights"] += weight.nbytes
             return weight
         data = self._device.empty(shape, np.uint16, "weights")
@@ -207,17 +214,13 @@ class RandomDeviceWeights:
         return rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
 
     def _random_planes(self, fmt: str, shape: tuple[int, int], mma: bool) -> dict[str, np.ndarray]:
-        """A random payload per distinct (format, shape, layout), repacked once into the kernels' planes."""
+        """A random payload per distinct (format, shape, layout), repacked once into the kernels' planes (the
+        layouts the device does not fill itself)."""
+        from ninfer.kernels_numba.fill import random_quant_payload
+
         key = (fmt, shape, mma)
         if key not in self._planes:
-            g = row_split_geometry(fmt, shape)
-            rng = np.random.default_rng(len(self._planes) + 1)
-            payload = rng.integers(0, 256, g.total_bytes, dtype=np.uint8)
-            if fmt == "W8G32_F16S":  # 0x80 (-128) is not a legal W8 code
-                base = payload[: shape[0] * g.base_row_bytes]
-                base[base == 0x80] = 0x81
-            scales = rng.uniform(0.5e-3, 2e-3, shape[0] * g.groups_per_row).astype(np.float16)
-            payload[g.scale_offset : g.total_bytes] = scales.view(np.uint8)
+            payload = random_quant_payload(fmt, shape, seed=len(self._planes) + 1)
             kernels = self._device.kernels
             self._planes[key] = (kernels.repack_quant_mma if mma else kernels.repack_quant)(fmt, shape, payload)
         return self._planes[key]
