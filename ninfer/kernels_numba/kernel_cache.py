@@ -1,30 +1,34 @@
 """A disk cache of compiled kernels: a process loads the cubin of a kernel any earlier process compiled.
 
-Why: numba compiles each kernel specialization in every new process. A 35B-A3B server or bench process spends about
-200 s of CPU in numba before its first step on the H200 (bench/cuda_notes.md), on every start; a restarted server
-paid it again, and so did each GPU test worker and each device call of a measurement session.
+Why: numba compiles each kernel specialization in every new process. A fresh 35B-A3B bench process spent over 100 s
+compiling on the H200 before its first step (bench/cuda_notes.md, session 38); a restarted server paid it again, and
+so did each GPU test worker and each device call of a measurement session.
 
 Where: the directory NINFER_KERNEL_CACHE names ("off" turns the cache off), else $XDG_CACHE_HOME/ninfer/kernels
-(~/.cache/ninfer/kernels). Entries go in a subdirectory named by a digest of every source file of
-ninfer/kernels_numba and ninfer/artifact and of the compiler versions: any edit to a kernel source starts a fresh
-subdirectory, and only the KEEP_GENERATIONS most recently used stay.
+(~/.cache/ninfer/kernels). Entries go in a generation directory named by the compiler versions (numba, numba-cuda,
+llvmlite, cuda-bindings), the Python version and FORMAT; the KEEP_GENERATIONS most recently used generations stay,
+and an entry unused for STALE_DAYS goes.
 
 What an entry is: one file per kernel specialization, named by the SHA-256 of its key, holding the key and the
-kernel's cubin with what numba needs to launch it (no LLVM IR, no PTX). The key holds the source digest, the NVVM
-version, the compute capability, the argument types, the `cuda.jit` options and a fingerprint of the Python function:
-its code objects (bytecode, constants, names, nested code), the values its closure holds and the globals its code
-names, each function or device function among them fingerprinted the same way, recursively. Kernels instantiated from
-templates (same name, other literal sizes) and factory kernels (same code, other closure values or register caps)
-therefore get keys of their own. A load compares the stored key with the asked one. Files are written under a
-temporary name and renamed, so concurrent processes (pytest-xdist workers, a bench beside a server) never read a
-partial file, and two writers of one key write equivalent kernels.
+kernel's cubin with what numba needs to launch it (no LLVM IR, no PTX). The key holds the NVVM version, the compute
+capability, the argument types, the `cuda.jit` options, a fingerprint of the Python function and the bytes of every
+source file it draws on. The fingerprint covers the function's code objects (bytecode, constants, names, nested
+code), the values its closure holds and the globals its code names, each function, device function or intrinsic among
+them fingerprinted the same way, recursively; the source files are those of every function so reached. So an edit to
+a file changes the keys of the kernels that use something in it, and no others; kernels instantiated from templates
+(same name, other literal sizes) and factory kernels (same code, other closure values or register caps) get keys of
+their own. A load compares the stored key with the asked one. Files are written under a temporary name and renamed,
+so concurrent processes (pytest-xdist workers, a bench beside a server) never read a partial file, and two writers
+of one key write equivalent kernels.
 
 numba's own cache (`cuda.jit(cache=True)`) does not fit: it finds entries by the defining file's path and modification
-time (kernels made from templates have no file: it refuses them), keys a function on its bytecode without constants
-or options, and numbers data files per index, which concurrent writers can give to two different keys.
+time (kernels made from templates have no file: it refuses them), keys a function on its bytecode without constants,
+options or the functions it calls, and numbers data files per index, which concurrent writers can give to two
+different keys.
 
-Not cached (compiled as before): a kernel whose closure or globals hold a value this module cannot fingerprint
-exactly (`UncacheableKernel`), a kernel numba refuses to serialise, and everything under the CUDA simulator.
+Not cached (compiled as before): a kernel that reads through a module of its own (not a library) or holds a value
+this module cannot fingerprint exactly (`UncacheableKernel`), a kernel numba refuses to serialise, and everything
+under the CUDA simulator.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -46,13 +51,11 @@ import numpy as np
 
 ENVIRONMENT = "NINFER_KERNEL_CACHE"
 OFF_VALUES = frozenset({"", "0", "off", "no", "false", "none"})
-KEEP_GENERATIONS = 3  # source digests kept under the cache root (the newest by use)
-FORMAT = 1  # of the entries' contents; part of every key
-_PACKAGE = Path(__file__).resolve().parent
-# every file device code can read: the kernels and the artifact formats they decode
-DIGESTED_SOURCES = (_PACKAGE, _PACKAGE.parent / "artifact")
+KEEP_GENERATIONS = 3  # toolchains kept under the cache root (the most recently used)
+STALE_DAYS = 30  # an entry neither loaded nor saved for this long is removed
+FORMAT = 2  # of the keys and entries
 _VERSIONED = ("numba", "numba-cuda", "llvmlite", "cuda-bindings")
-# modules whose objects a kernel may name by qualified name alone (their versions are in the digest)
+# modules whose objects a kernel may name by qualified name alone (their versions are in the generation's name)
 _LIBRARIES = ("numba", "llvmlite", "numpy", "math", "cmath", "operator", "builtins")
 
 
@@ -97,18 +100,43 @@ def _version(distribution: str) -> str:
 
 
 @functools.cache
-def source_digest() -> str:
-    """SHA-256 of the digested sources (relative path and bytes of every .py file), the compilers' versions, the
-    Python version and FORMAT."""
-    hasher = hashlib.sha256(f"format {FORMAT} python {sys.version_info[:2]}\n".encode())
-    for name in _VERSIONED:
-        hasher.update(f"{name} {_version(name)}\n".encode())
-    for root in DIGESTED_SOURCES:
-        for path in sorted(root.rglob("*.py")):
-            hasher.update(f"{path.relative_to(_PACKAGE.parent)}\n".encode())
-            hasher.update(path.read_bytes())
-            hasher.update(b"\0")
-    return hasher.hexdigest()
+def toolchain_digest() -> str:
+    """SHA-256 of FORMAT, the Python version and the compilers' versions: the generation directory's name."""
+    text = f"format {FORMAT} python {sys.version_info[:2]}\n" + "".join(
+        f"{name} {_version(name)}\n" for name in _VERSIONED)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _digest_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# The kernel sources' digests as this process imports them: a file edited while the process runs must not key the
+# old code the process compiles (the kernels' modules are imported with this one; other files, such as a test's
+# own kernels, are read when first keyed).
+_PACKAGE = Path(__file__).resolve().parent
+_IMPORTED_SOURCES = {str(path.resolve()): _digest_of(path) for root in (_PACKAGE, _PACKAGE.parent / "artifact")
+                     for path in root.rglob("*.py")}
+
+
+@functools.cache
+def file_digest(path: str) -> str:
+    """SHA-256 of a source file's bytes as this process first saw them."""
+    known = _IMPORTED_SOURCES.get(path)
+    return known if known is not None else _digest_of(Path(path))
+
+
+def _source_file(function: types.FunctionType) -> str | None:
+    """The source file a function's code comes from (a template's: the module that instantiated it), or None for a
+    library's function (its version names the generation) or code with no file."""
+    name = function.__module__ or ""
+    if name.split(".")[0] in _LIBRARIES:
+        return None
+    module = sys.modules.get(name)
+    for candidate in (getattr(module, "__file__", None), function.__code__.co_filename):
+        if candidate and Path(candidate).is_file():
+            return str(Path(candidate).resolve())
+    return None
 
 
 def device_identity() -> tuple[tuple[int, int], str]:
@@ -130,7 +158,9 @@ class Fingerprints:
     object; a function reached again while it is being fingerprinted (recursion) is named, not walked again."""
 
     def __init__(self) -> None:
-        self._functions: dict[int, tuple[Any, str]] = {}  # id -> (the object, kept alive; its fingerprint)
+        # id -> (the function, kept alive; its fingerprint; the source files it draws on)
+        self._functions: dict[int, tuple[Any, str, frozenset[str]]] = {}
+        self._collecting: list[set[str]] = []  # source files of the functions being walked, innermost last
 
     def of(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
@@ -175,15 +205,11 @@ class Fingerprints:
 
     @staticmethod
     def module(module: types.ModuleType) -> str:
-        """A module by its name: what device code reads through it is in the digested sources or a library (whose
-        version is digested). ninfer's other modules are not digested, so code that names one is not cached."""
-        name = module.__name__
-        if name.split(".")[0] in _LIBRARIES:
-            return f"module:{name}"
-        path = Path(getattr(module, "__file__", None) or "").resolve()
-        if not any(path.is_relative_to(root) for root in DIGESTED_SOURCES):
-            raise UncacheableKernel(f"names module {name}, whose source is not digested")
-        return f"module:{name}"
+        """A library module by its name (its version names the generation). Device code that reads through one of
+        ninfer's modules would draw on attributes this walk does not follow: not cached."""
+        if module.__name__.split(".")[0] not in _LIBRARIES:
+            raise UncacheableKernel(f"reads through module {module.__name__}")
+        return f"module:{module.__name__}"
 
     def code(self, code: types.CodeType) -> str:
         constants = ",".join(self.of(constant) for constant in code.co_consts)
@@ -193,9 +219,13 @@ class Fingerprints:
     def function(self, function: types.FunctionType) -> str:
         known = self._functions.get(id(function))
         if known is not None and known[0] is function:
+            self._uses(known[2])
             return known[1]
         name = f"function:{function.__module__}.{function.__qualname__}"
-        self._functions[id(function)] = (function, name)  # while walking: a recursive reference is its name
+        # while walking: a recursive reference is its name (its files join the enclosing walk's)
+        self._functions[id(function)] = (function, name, frozenset())
+        source = _source_file(function)
+        self._collecting.append(set() if source is None else {source})
         try:
             parts = [name, self.code(function.__code__)]
             for cell in function.__closure__ or ():
@@ -208,9 +238,21 @@ class Fingerprints:
         except UncacheableKernel:
             del self._functions[id(function)]  # no fingerprint: not its name either
             raise
+        finally:
+            files = frozenset(self._collecting.pop())
         fingerprint = hashlib.sha256("\n".join(parts).encode()).hexdigest()
-        self._functions[id(function)] = (function, fingerprint)
+        self._functions[id(function)] = (function, fingerprint, files)
+        self._uses(files)
         return fingerprint
+
+    def sources(self, function: types.FunctionType) -> frozenset[str]:
+        """The source files a function draws on (itself and everything its fingerprint reaches)."""
+        self.function(function)
+        return self._functions[id(function)][2]
+
+    def _uses(self, files: frozenset[str]) -> None:
+        if self._collecting:
+            self._collecting[-1].update(files)
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -233,10 +275,11 @@ def function_fingerprint(function: types.FunctionType) -> str:
 def entry_key(function: types.FunctionType, options: dict[str, Any], argument_types: tuple, compute_capability: tuple,
               nvvm_version: str) -> str:
     """The key of one specialization (raises UncacheableKernel)."""
-    return "\n".join((f"ninfer kernel cache format {FORMAT}", source_digest(), f"nvvm {nvvm_version}",
-                      f"cc {tuple(compute_capability)}", function_fingerprint(function),
-                      f"options {_FINGERPRINTS.of(dict(options))}",
-                      "arguments " + ",".join(t.name for t in argument_types)))
+    fingerprint = function_fingerprint(function)
+    sources = "sources " + ",".join(sorted(file_digest(path) for path in _FINGERPRINTS.sources(function)))
+    return "\n".join((f"ninfer kernel cache format {FORMAT}", f"nvvm {nvvm_version}",
+                      f"cc {tuple(compute_capability)}", fingerprint, f"options {_FINGERPRINTS.of(dict(options))}",
+                      "arguments " + ",".join(t.name for t in argument_types), sources))
 
 
 class KernelFiles:
@@ -245,7 +288,8 @@ class KernelFiles:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._ready = False
+        self._ready = False  # made and pruned (at this process's first save)
+        self._used = False  # marked used (at this process's first load or save)
 
     def path(self, key: str) -> Path:
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()}.kernel"
@@ -259,7 +303,19 @@ class KernelFiles:
         stored_key, payload = pickle.loads(data)
         if stored_key != key:
             raise ValueError(f"{self.path(key)} holds another key")
+        self._mark_used(self.path(key))
         return payload
+
+    def _mark_used(self, entry: Path) -> None:
+        """The entry's and (once a process) the generation's modification time become now: what pruning reads as
+        their last use."""
+        try:
+            os.utime(entry)
+            if not self._used:
+                os.utime(self.directory)
+                self._used = True
+        except OSError:  # a read-only cache still serves loads
+            pass
 
     def save(self, key: str, data: bytes) -> None:
         """Store `data` (the pickled (key, payload) pair) under `key`: a temporary file, then a rename."""
@@ -274,12 +330,16 @@ class KernelFiles:
             raise
 
     def _prepare(self) -> None:
-        """Create the generation's directory on the first save, and drop the generations past KEEP_GENERATIONS."""
+        """On the first save: create the generation's directory, drop the generations past KEEP_GENERATIONS and
+        the entries unused for STALE_DAYS (kernels whose sources changed since), and partial files a crashed writer
+        left."""
         if self._ready:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         os.utime(self.directory)
+        self._used = True
         prune_generations(self.directory.parent, keep=KEEP_GENERATIONS)
+        prune_entries(self.directory, older_than=time.time() - STALE_DAYS * 86400)
         self._ready = True
 
 
@@ -293,10 +353,26 @@ def prune_generations(root: Path, *, keep: int) -> list[Path]:
     return removed
 
 
+def prune_entries(directory: Path, *, older_than: float) -> list[Path]:
+    """Remove the entries last used before `older_than` (seconds since the epoch), and partial files over a day
+    old; returns those removed."""
+    removed = []
+    partial_limit = time.time() - 86400
+    for path in directory.iterdir():
+        try:
+            used = path.stat().st_mtime
+            if (path.suffix == ".kernel" and used < older_than) or (path.suffix == ".partial" and used < partial_limit):
+                path.unlink()
+                removed.append(path)
+        except OSError:  # another process removed or replaced it meanwhile
+            pass
+    return removed
+
+
 @functools.cache
 def _generation(root: Path) -> KernelFiles:
     """The current generation's files (one object a process, so pruning runs once)."""
-    return KernelFiles(root / source_digest()[:32])
+    return KernelFiles(root / toolchain_digest()[:32])
 
 
 class KernelDiskCache:

@@ -116,12 +116,12 @@ def test_a_kernel_without_an_exact_fingerprint_is_compiled_and_not_saved(tmp_pat
     assert not (tmp_path / "generation").exists()
     with pytest.raises(kernel_cache.UncacheableKernel):
         kernel_cache.function_fingerprint(kernel)
-    # device code reading through a module of ninfer whose source is not digested
+    # device code reading through a module of ninfer: its attributes are not followed
     from ninfer.backends.cpu import ops
 
     reads_ops = types.FunctionType(compile("def f(x):\n    x[0] = ops.EPS\n", "<f>", "exec").co_consts[0],
                                    {"ops": ops}, "f")
-    with pytest.raises(kernel_cache.UncacheableKernel, match="not digested"):
+    with pytest.raises(kernel_cache.UncacheableKernel, match="reads through module"):
         kernel_cache.function_fingerprint(reads_ops)
 
 
@@ -193,19 +193,43 @@ def test_every_registered_kernel_has_one_key_of_its_own_the_same_in_every_proces
     assert int(count) > 150 and count == distinct
 
 
-def test_the_source_digest_follows_every_digested_file(tmp_path, monkeypatch):
-    package = tmp_path / "ninfer" / "kernels_numba"
-    package.mkdir(parents=True)
-    (package / "a.py").write_text("X = 1\n")
-    monkeypatch.setattr(kernel_cache, "_PACKAGE", package)
-    monkeypatch.setattr(kernel_cache, "DIGESTED_SOURCES", (package, tmp_path / "ninfer" / "artifact"))
-    digests = []
-    for change in ("X = 1\n", "X = 2\n"):
-        (package / "a.py").write_text(change)
-        kernel_cache.source_digest.cache_clear()
-        digests.append(kernel_cache.source_digest())
-    kernel_cache.source_digest.cache_clear()
-    assert digests[0] != digests[1]
+def test_a_kernels_key_follows_the_source_files_it_draws_on_and_no_others(tmp_path, monkeypatch):
+    """An edit to a file changes the keys of the kernels that use something in it (through any depth of device
+    functions), not the keys of the others."""
+    from ninfer.kernels_numba.numba_setup import device_function
+
+    (tmp_path / "cache_helpers.py").write_text("def one(x):\n    return x + 1\n")
+    (tmp_path / "cache_kernels.py").write_text(textwrap.dedent("""
+        from cache_helpers import one
+
+        def uses_helper(x):
+            x[0] = one(x[0])
+
+        def alone(x):
+            x[0] = 2
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import cache_helpers
+
+    cache_helpers.one = device_function(cache_helpers.one)  # as kernel modules decorate their helpers
+    import cache_kernels
+
+    cache_kernels.one = cache_helpers.one
+
+    def keys():
+        kernel_cache.file_digest.cache_clear()
+        fingerprints = kernel_cache.Fingerprints()
+        monkeypatch.setattr(kernel_cache, "_FINGERPRINTS", fingerprints)
+        return [kernel_cache.entry_key(getattr(cache_kernels, name), {}, ADD_ARGUMENTS[:1], *FAKE_DEVICE)
+                for name in ("uses_helper", "alone")]
+
+    before = keys()
+    assert kernel_cache.Fingerprints().sources(cache_kernels.uses_helper) == {
+        str(tmp_path / "cache_helpers.py"), str(tmp_path / "cache_kernels.py")}
+    (tmp_path / "cache_helpers.py").write_text("def one(x):\n    return x + 1  # edited\n")
+    after = keys()
+    assert after[0] != before[0] and after[1] == before[1]
+    kernel_cache.file_digest.cache_clear()
 
 
 def test_the_cache_root_from_the_environment(monkeypatch, tmp_path):
@@ -234,11 +258,27 @@ def test_the_first_save_makes_its_generation_the_newest_and_prunes(tmp_path):
         (tmp_path / f"old{age}").mkdir()
         stamp = time.time() - 1000 - age
         os.utime(tmp_path / f"old{age}", (stamp, stamp))
-    files = kernel_cache.KernelFiles(tmp_path / "current")
+    current = tmp_path / "current"
+    current.mkdir()
+    stale, crashed, recent = current / "stale.kernel", current / "crashed.partial", current / "recent.kernel"
+    for path, days in ((stale, kernel_cache.STALE_DAYS + 1), (crashed, 2), (recent, kernel_cache.STALE_DAYS - 1)):
+        path.write_bytes(b"")
+        stamp = time.time() - days * 86400
+        os.utime(path, (stamp, stamp))
+    files = kernel_cache.KernelFiles(current)
     files.save("key", __import__("pickle").dumps(("key", {"payload": 1})))
     assert files.load("key") == {"payload": 1} and files.load("other") is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "old0", "old1"]
-    assert not list((tmp_path / "current").glob("*.partial"))
+    assert sorted(p.name for p in current.iterdir()) == sorted([files.path("key").name, "recent.kernel"])
+
+
+def test_a_load_marks_its_entry_used(tmp_path):
+    files = kernel_cache.KernelFiles(tmp_path)
+    files.save("key", __import__("pickle").dumps(("key", 1)))
+    old = time.time() - 10 * 86400
+    os.utime(files.path("key"), (old, old))
+    assert files.load("key") == 1
+    assert files.path("key").stat().st_mtime > time.time() - 60
 
 
 _TWO_PROCESSES = textwrap.dedent("""
