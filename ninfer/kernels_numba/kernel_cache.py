@@ -264,21 +264,20 @@ def _global_names(code: types.CodeType) -> set[str]:
     return names
 
 
-_FINGERPRINTS = Fingerprints()
-
-
 def function_fingerprint(function: types.FunctionType) -> str:
     """The fingerprint of a kernel's Python function (raises UncacheableKernel)."""
-    return _FINGERPRINTS.function(function)
+    return Fingerprints().function(function)
 
 
 def entry_key(function: types.FunctionType, options: dict[str, Any], argument_types: tuple, compute_capability: tuple,
               nvvm_version: str) -> str:
-    """The key of one specialization (raises UncacheableKernel)."""
-    fingerprint = function_fingerprint(function)
-    sources = "sources " + ",".join(sorted(file_digest(path) for path in _FINGERPRINTS.sources(function)))
+    """The key of one specialization (raises UncacheableKernel). Walked afresh each time, as numba reads the
+    globals afresh for each specialization it compiles."""
+    fingerprints = Fingerprints()
+    fingerprint = fingerprints.function(function)
+    sources = "sources " + ",".join(sorted(file_digest(path) for path in fingerprints.sources(function)))
     return "\n".join((f"ninfer kernel cache format {FORMAT}", f"nvvm {nvvm_version}",
-                      f"cc {tuple(compute_capability)}", fingerprint, f"options {_FINGERPRINTS.of(dict(options))}",
+                      f"cc {tuple(compute_capability)}", fingerprint, f"options {fingerprints.of(dict(options))}",
                       "arguments " + ",".join(t.name for t in argument_types), sources))
 
 

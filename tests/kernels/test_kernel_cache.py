@@ -147,7 +147,8 @@ def test_keys_tell_apart_closures_globals_constants_options_types_and_devices():
     before = fingerprint(_scaled)
     other = types.FunctionType(_scaled.__code__, {**_scaled.__globals__, "SCALE": 3}, "_scaled")
     other.__qualname__ = _scaled.__qualname__
-    assert kernel_cache.Fingerprints().function(other) != before
+    assert kernel_cache.function_fingerprint(other) != before
+    assert kernel_cache.function_fingerprint(_scaled) == before
     # template instantiations: the same bytecode, other literal sizes
     source = "def sized(x):\n    x[0] = {size}\n"
     made = []
@@ -156,7 +157,7 @@ def test_keys_tell_apart_closures_globals_constants_options_types_and_devices():
         exec(compile(source.format(size=size), "<sized>", "exec"), scope)  # noqa: S102  (test source)
         made.append(scope["sized"])
     assert made[0].__code__.co_code == made[1].__code__.co_code
-    assert kernel_cache.Fingerprints().function(made[0]) != kernel_cache.Fingerprints().function(made[1])
+    assert fingerprint(made[0]) != fingerprint(made[1])
 
     def key(options=None, arguments=ADD_ARGUMENTS, device=FAKE_DEVICE):
         return kernel_cache.entry_key(_add, options or {}, arguments, *device)
@@ -218,8 +219,6 @@ def test_a_kernels_key_follows_the_source_files_it_draws_on_and_no_others(tmp_pa
 
     def keys():
         kernel_cache.file_digest.cache_clear()
-        fingerprints = kernel_cache.Fingerprints()
-        monkeypatch.setattr(kernel_cache, "_FINGERPRINTS", fingerprints)
         return [kernel_cache.entry_key(getattr(cache_kernels, name), {}, ADD_ARGUMENTS[:1], *FAKE_DEVICE)
                 for name in ("uses_helper", "alone")]
 
