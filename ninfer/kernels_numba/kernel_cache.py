@@ -395,10 +395,13 @@ class KernelDiskCache:
 
     def load_overload(self, sig: Any, target_context: Any) -> Any | None:
         # Any failure here means compiling, as without the cache: an unreadable or foreign entry is replaced by
-        # the save that follows.
+        # the save that follows. The loaded kernel binds here (its cubin loaded into the context, as numba binds a
+        # kernel it compiles), so a cubin the driver refuses is compiled over too, not found at the first launch.
         try:
             payload = self._files.load(self._key(sig))
             kernel = None if payload is None else _rebuild(payload)
+            if kernel is not None:
+                kernel.bind()
         except UncacheableKernel:
             return None
         except Exception:

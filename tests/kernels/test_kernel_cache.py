@@ -72,7 +72,11 @@ def _cache(tmp_path: Path, function=_add, options=None) -> kernel_cache.KernelDi
 
 
 @pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", reason="the simulator compiles nothing")
-def test_a_saved_kernel_is_loaded_by_another_cache_with_its_cubin_and_types(tmp_path, fake_device):
+def test_a_saved_kernel_is_loaded_by_another_cache_with_its_cubin_and_types(tmp_path, fake_device, monkeypatch):
+    from numba.cuda.dispatcher import _Kernel
+
+    bound = []
+    monkeypatch.setattr(_Kernel, "bind", lambda self: bound.append(self.entry_name))  # no driver to load it into
     compiled = _compiled_add()
     _cache(tmp_path).save_overload(ADD_ARGUMENTS, compiled)
     assert kernel_cache.COUNTS == kernel_cache.CacheCounts(compiled=1)
@@ -82,6 +86,7 @@ def test_a_saved_kernel_is_loaded_by_another_cache_with_its_cubin_and_types(tmp_
 
     loaded = _cache(tmp_path).load_overload(ADD_ARGUMENTS, None)  # as a later process's dispatcher asks
     assert loaded.entry_name == compiled.entry_name and loaded.argument_types == compiled.argument_types
+    assert bound == [compiled.entry_name]  # bound on load: a cubin the driver refuses is compiled over
     cubin = [bytes(k._codelibrary.get_cubin(COMPUTE_CAPABILITY).code) for k in (loaded, compiled)]
     assert cubin[0] == cubin[1]
     assert kernel_cache.COUNTS == kernel_cache.CacheCounts(loaded=1, compiled=1)
@@ -89,6 +94,13 @@ def test_a_saved_kernel_is_loaded_by_another_cache_with_its_cubin_and_types(tmp_
     assert _cache(tmp_path).load_overload((int32[::1], int32[::1]), None) is None  # other argument types
     assert _cache(tmp_path, options={"max_registers": 64}).load_overload(ADD_ARGUMENTS, None) is None
     assert kernel_cache.COUNTS.loaded == 1 and kernel_cache.COUNTS.failed == 0
+
+    def refused(self):
+        raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+
+    monkeypatch.setattr(_Kernel, "bind", refused)
+    assert _cache(tmp_path).load_overload(ADD_ARGUMENTS, None) is None  # compiled over
+    assert kernel_cache.COUNTS.loaded == 1 and kernel_cache.COUNTS.failed == 1
 
 
 def test_an_unreadable_or_foreign_entry_is_compiled_over(tmp_path, fake_device):
