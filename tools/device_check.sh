@@ -39,6 +39,23 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/device-out}"; mkdir -p "$OUT"
 what="${1:-tests}"; shift || true
 quiet() { grep --line-buffered -v -i "warn"; }  # drop the warning lines, keep each other line as it comes
+# At the end of every call the kernel cache (.kernel-cache, tools/device_setup.sh) comes back in $OUT, in parts of at
+# most 15 MiB, where it fits the 8 files a call returns and the carry limit (45 MiB with the core wheels): unpacked
+# here by tools/kernel_cache_unpack.sh, the next session's first call carries it, so a kernel whose sources did not
+# change since is loaded, not compiled.
+pack_kernel_cache() {
+  [ -d .kernel-cache ] || return 0
+  tar -czf /tmp/kernel-cache.tgz .kernel-cache || return 0
+  local size parts
+  size=$(stat -c %s /tmp/kernel-cache.tgz); parts=$(( (size + 15728639) / 15728640 ))
+  if [ "$size" -le $(( 45 * 1048576 )) ] && [ $(( $(ls -1 "$OUT" | wc -l) + parts )) -le 8 ]; then
+    split -b 15m -d /tmp/kernel-cache.tgz "$OUT/kernel-cache.tgz.part"
+    echo "kernel cache: $(du -sh .kernel-cache | cut -f1) in $parts part(s) of $OUT"
+  else
+    echo "kernel cache: $(du -sh .kernel-cache | cut -f1), $size bytes packed: not sent back (size or file count)"
+  fi
+}
+trap pack_kernel_cache EXIT
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"  # the ncu modes' profiler
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 case "$what" in
