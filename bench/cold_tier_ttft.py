@@ -105,7 +105,8 @@ def main() -> None:
     from bench.cuda_model import MODELS
     from ninfer.backends.cuda.cold_arena import build_cold_arenas
     from ninfer.backends.cuda.device import CudaDevice
-    from ninfer.backends.cuda.model import Capacity, CudaQwen
+    from ninfer.backends.cuda.capacity import Capacity
+    from ninfer.backends.cuda.model import CudaQwen
     from ninfer.backends.cuda.runner import CudaRunner
     from ninfer.backends.cuda.weights import RandomDeviceWeights
     from ninfer.backends.cuda_probe import cuda_device_count

@@ -35,7 +35,8 @@ from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (numpy shim fir
 from bench.host_trace import GcPauses  # noqa: E402
 from ninfer.backends.cuda.timing import wall_seconds  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
-from ninfer.backends.cuda.model import Capacity, CudaQwen, PrefillSpan  # noqa: E402
+from ninfer.backends.cuda.capacity import Capacity, PrefillSpan  # noqa: E402
+from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
 from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cuda_model import event_time  # noqa: E402  (the repository root on sys.path first)
 from ninfer.backends.cuda.timing import wall_seconds  # noqa: E402
-from ninfer.backends.cuda.model import Capacity, CudaQwen  # noqa: E402
+from ninfer.backends.cuda.capacity import Capacity  # noqa: E402
+from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
 from ninfer.targets.registry import QWEN36_35B_A3B_DFLASH_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402

@@ -23,7 +23,8 @@ from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402,F401  (numpy shi
 
 from bench.cuda_model import MODELS, setup_lanes  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
-from ninfer.backends.cuda.model import Capacity, CudaQwen  # noqa: E402
+from ninfer.backends.cuda.capacity import Capacity  # noqa: E402
+from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
 

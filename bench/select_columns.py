@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ninfer.kernels_numba.numba_setup  # noqa: E402,F401  (the numpy shim before numba)
 
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
-from ninfer.backends.cuda.model import CHECKPOINT_SLOTS, CudaQwen, _gdn_states  # noqa: E402
+from ninfer.backends.cuda.lane_state import CHECKPOINT_SLOTS, make_gdn_states  # noqa: E402
+from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
 from ninfer.backends.cuda.timing import wall_seconds  # noqa: E402
 from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402
 
@@ -40,7 +41,7 @@ def per_layer_copies(device, states: dict, tails, hidden, picks: list[tuple[int,
 def measure(name: str, dims, device) -> list[dict]:
     recurrent = [i for i, kind in enumerate(dims.layer_types) if kind != "full_attention"]
     capacity = SimpleNamespace(lanes=LANES, verify_columns=COLUMNS)
-    states, bank = _gdn_states(device, dims, capacity, CHECKPOINT_SLOTS, recurrent)
+    states, bank = make_gdn_states(device, dims, capacity, CHECKPOINT_SLOTS, recurrent)
     model = SimpleNamespace(  # what CudaQwen.stage_selection and select_staged read
         device=device, k=device.kernels, gdn_bank=bank,
         tails=device.zeros((LANES, dims.hidden), np.float32, "state"),

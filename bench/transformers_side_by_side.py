@@ -25,7 +25,8 @@ from ninfer.kernels_numba.numba_setup import cuda  # noqa: E402  (numpy shim fir
 
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
 from ninfer.backends.cuda.graphs import capture  # noqa: E402
-from ninfer.backends.cuda.model import Capacity, CudaQwen  # noqa: E402
+from ninfer.backends.cuda.capacity import Capacity  # noqa: E402
+from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
 from ninfer.targets.registry import QWEN36_27B_DIMS, QWEN36_35B_A3B_DIMS  # noqa: E402

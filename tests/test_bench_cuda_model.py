@@ -18,7 +18,7 @@ def bench():
 
 def test_chosen_batches_and_prefill_paths_and_the_host_profile(bench):
     from ninfer.backends.cuda.host import HostDevice
-    from ninfer.backends.cuda.model import Capacity
+    from ninfer.backends.cuda.capacity import Capacity
     from ninfer.kernels_numba.attention import row_splits
 
     default_floor = attrs.fields(Capacity).attention_min_split_keys.default

@@ -32,7 +32,7 @@ from ninfer.artifact.reader import Artifact
 from ninfer.backends.cpu import ops
 from ninfer.backends.cpu.dflash import DFlashContextError
 from ninfer.backends.cpu.runner import CpuRunner
-from ninfer.backends.cuda.model import Capacity
+from ninfer.backends.cuda.capacity import Capacity
 from ninfer.engine.cold_tier import ColdTier, ParkedArray
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.prefix import Residency

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ninfer.backends.cuda.host import HostDevice
-from ninfer.backends.cuda.model import InputRows, StepInputs
+from ninfer.backends.cuda.inputs import InputRows, StepInputs
 
 
 class CountingDevice(HostDevice):

@@ -95,7 +95,7 @@ def prompt_logits(model, cpu_model, ids: np.ndarray) -> tuple[np.ndarray, np.nda
     bf16 KV storage (the per-sequence CPU cache keeps fp32 K/V, which a bf16 pool rounds)."""
     from ninfer.backends.cpu.ops import ATTENTION, Segment
     from ninfer.backends.cpu.paged_kv import PagedKVView, PagedLayerKV
-    from ninfer.backends.cuda.model import PrefillSpan
+    from ninfer.backends.cuda.capacity import PrefillSpan
 
     model.reset_lane(0)
     model.inputs.set_page_table(0, np.arange(4, dtype=np.int32))
@@ -292,7 +292,7 @@ def test_tensor_core_quantized_decode_matches_the_cpu_runner(device_kind, artifa
     (measured 0.6-0.7% here before the experts moved to the tensor cores), greedy MTP equal to greedy. Greedy tokens
     equal the CPU runner's up to ties for the dense model; the tiny MoE's router has near-ties that bf16-rounded
     activations flip (one of these prompts diverges with a 0.45 logit gap), so there only the logits are compared."""
-    from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SKINNY_ROWS
 
     path = artifacts[(kind, "ninfer-v2")]
     cpu = load_model(path)
@@ -460,7 +460,7 @@ def test_a_bounded_graph_cache_frees_old_shapes_and_changes_no_token(device_kind
 
 
 def test_the_short_prefill_bound(device_kind, artifacts):
-    from ninfer.backends.cuda.model import SHORT_PREFILL_ROW_KEYS, SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SHORT_PREFILL_ROW_KEYS, SKINNY_ROWS
 
     model = cuda_build(device_kind, artifacts[("dense", "bf16")]).model
     assert model.capacity.short_prefill_rows == SKINNY_ROWS  # prefill_chunk 128
@@ -495,7 +495,7 @@ def test_padded_and_chunked_expert_gemms_give_the_grouped_gemms_logits(device_ki
     to a multiple of 5, or at the most chunks the rows can make (no read of the counts). "auto" gives the logits of
     the layout its rule picks for this routing; both fall back to the grouped call when their rows pass the
     scratch. (The counts read back: a chunk this short is sync-free by default, `moe_sync_free` None.)"""
-    from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
+    from ninfer.backends.cuda.capacity import MOE_CHUNK_ROWS
 
     path = artifacts[("moe", recipe)]
     build = cuda_build(device_kind, path, prefill_chunk=256)
@@ -573,7 +573,7 @@ def test_auto_expert_layout_pads_balanced_routing_and_chunks_skewed_routing(arti
     MOE_CHUNK_ROWS chunks, chunks laid end to end), grouped when neither fits the permuted scratch; info says which,
     the rows in all and the largest count or the chunks."""
     from ninfer.backends.cuda.blas import MAX_CHUNKS
-    from ninfer.backends.cuda.model import MOE_CHUNK_ROWS
+    from ninfer.backends.cuda.capacity import MOE_CHUNK_ROWS
     from ninfer.kernels_numba.moe import LAYOUT_CHUNKED, LAYOUT_GROUPED, LAYOUT_PADDED, moe_layout_reference
 
     model = cuda_build("host", artifacts[("moe", "bf16")], prefill_chunk=256).model
@@ -644,7 +644,7 @@ def test_dequantizing_ahead_changes_no_logit(device_kind, artifacts, kind, quant
     of their own, into spare buffers. The first chunk teaches the dequantizer the order, the next ones run ahead:
     the logits are those of dequantizing each matrix right before its GEMM, bit for bit (on the GPU: no GEMM read a
     buffer before or while its matrix was written, and none was overwritten under a GEMM)."""
-    from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SKINNY_ROWS
 
     path = artifacts[(kind, "ninfer-v2")]
     model = cuda_build(device_kind, path, decode_linear="cublas", decode_quant=quant).model
@@ -689,7 +689,7 @@ def test_split_projections_prefill_into_their_columns_without_a_join(artifacts, 
     the tokens stay the CPU runner's."""
     from ninfer.backends.cuda import host_kernels
     from ninfer.backends.cuda.host import HostBlas
-    from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SKINNY_ROWS
 
     joins, columns = [], []
     concat, gemm = host_kernels.concat_columns, HostBlas.gemm_bf16
@@ -712,7 +712,7 @@ def test_split_projections_join_short_rows_in_the_skinny_scratch(artifacts, monk
     (SKINNY_ROWS rows a block, whatever the prefill chunk), then one join: decode steps and a short prompt, the CPU
     runner's tokens."""
     from ninfer.backends.cuda import host_kernels
-    from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SKINNY_ROWS
 
     joins = []
     concat = host_kernels.concat_columns
@@ -835,7 +835,7 @@ def test_ab_in_recurrence_defaults_to_the_tensor_core_in_projections(device_kind
 
 
 def test_capacity_settings_are_checked_where_they_are_given():
-    from ninfer.backends.cuda.model import Capacity
+    from ninfer.backends.cuda.capacity import Capacity
 
     sizes = dict(lanes=1, max_context=256, kv_dtype="bf16", prefill_rows=128, draft_tokens=0)
     with pytest.raises(ValueError, match="fewest keys a split takes must be >= 0, got -1"):
@@ -886,7 +886,7 @@ def test_narrow_decode_routes_in_one_launch(device_kind, artifacts, recipe, monk
     MoE's router has near ties that the quantized recipe's bf16-rounded activations flip). On the GPU this is the check
     that the routing block reads every block's logits and leaves its counter at zero for the next replay."""
     from ninfer.backends.cuda import host_kernels
-    from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SKINNY_ROWS
 
     routed, fused = [], []
     for name, calls in (("route_top_k", routed), ("linear_bf16_narrow_route", fused)):
@@ -919,7 +919,7 @@ def test_swiglu_epilogue_replaces_the_silu_mul_launches(device_kind, artifacts, 
     fragments), longer chunks dequantize them back in order for cuBLAS. Graphs give the eager tokens, greedy MTP the
     greedy ones, and the dense model's tokens are the CPU runner's up to bf16 near ties."""
     from ninfer.backends.cuda import host_kernels
-    from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SKINNY_ROWS
 
     silu_rows, fused = [], []
     for name, calls in (("silu_mul_rows", silu_rows), ("silu_mul_slots", silu_rows),
@@ -955,7 +955,7 @@ def test_direct_quant_experts_multiply_the_codes_and_keep_the_tokens(device_kind
     once from fp32 instead of from bf16 gate and up), and greedy MTP (its head's MoE too) the same tokens. Its
     dequantization scratch leaves the experts out."""
     from ninfer.backends.cuda import host_kernels
-    from ninfer.backends.cuda.model import SKINNY_ROWS
+    from ninfer.backends.cuda.capacity import SKINNY_ROWS
     from ninfer.backends.cuda.weights import is_quantized
 
     chunked, dequantized = [], []

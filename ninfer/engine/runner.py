@@ -40,7 +40,7 @@ Shape of the contract
 Determinism: for a given runner configuration, a row's logits must not depend on which other rows share its call
 (batch, verify block or prefill chunk). Greedy output is then identical alone or batched, with or without speculative
 decoding or prefix reuse. (The CUDA runner's cuBLAS decode keeps one GEMM shape per configuration for that: see
-`backends.cuda.model.Linear`.)
+`backends.cuda.linear.Linear`.)
 """
 
 from __future__ import annotations

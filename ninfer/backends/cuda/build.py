@@ -15,7 +15,8 @@ import attrs
 from ninfer.artifact.reader import Artifact
 from ninfer.backends.cuda.device import GIB, CudaDevice, Device
 from ninfer.backends.cuda.graph_cache import SPARE_GRAPHS
-from ninfer.backends.cuda.model import DEFAULT_SPLIT_K_NORM, PAGE_TOKENS, Capacity, CudaQwen
+from ninfer.backends.cuda.capacity import Capacity, DEFAULT_SPLIT_K_NORM, PAGE_TOKENS
+from ninfer.backends.cuda.model import CudaQwen
 from ninfer.backends.cuda.runner import CudaRunner
 from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.backends.cuda.weights import ArtifactDeviceWeights

@@ -21,8 +21,6 @@ batched); longer prefill chunks round activations to bf16 for cuBLAS.
 
 from __future__ import annotations
 
-import copy
-import math
 from typing import Any, Callable
 
 import attrs
@@ -32,1067 +30,31 @@ from ninfer.artifact.formats import align_up
 from ninfer.backends.cpu.dflash import DFLASH_KV_DTYPE
 from ninfer.backends.cpu.ops import rope_inv_freq
 from ninfer.backends.cpu.paged_kv import kv_bytes_per_token
-from ninfer.backends.cpu.runner import SPEC_BACKENDS
+from ninfer.backends.cuda.blas import MAX_CHUNKS
+from ninfer.backends.cuda.capacity import (CAPTURED_SPAN, MMA_ROWS, MOE_CHUNK_ROWS, MOE_CHUNK_STEP,
+                                           MOE_SYNC_FREE_CHUNK_ROWS, MOE_SYNC_FREE_ROWS, PAGE_TOKENS,
+                                           SHORT_PREFILL_ROW_KEYS, SKINNY_ROWS, Capacity, PrefillSpan,
+                                           check_recurrence_groups, check_split_k_norm)
+from ninfer.backends.cuda.device import CudaDevice, Device
+from ninfer.backends.cuda.inputs import DFlashInputs, InputRows, StepInputs
+from ninfer.backends.cuda.lane_state import (CHECKPOINT_SLOTS, DFlashRing, GdnLayerState, KvPool, make_dflash_ring,
+                                             make_gdn_states, make_kv_pool)
+from ninfer.backends.cuda.layer_weights import (AttentionWeights, DenseFfn, LayerWeights, MoeFfn, MtpWeights,
+                                                load_attention, load_dflash, load_ffn, load_layer)
+from ninfer.backends.cuda.linear import Linear, fp32_read, reads_bf16_alone
+from ninfer.backends.cuda.linear_tuning import tune_decode_paths
+from ninfer.backends.cuda.weights import (Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_matrix, is_quantized,
+                                          row_blocks, tensor_core)
+from ninfer.backends.cuda.workspace import DFlashWorkspace, SideScratch, Workspace
 from ninfer.engine.cold_tier import ParkedArray, RowRuns
 from ninfer.engine.sampler import TOP_K_CAP
 from ninfer.kernels_numba.attention import check_min_split_keys, check_splits, row_splits
-from ninfer.kernels_numba.elementwise import ADD_SLICES
-from ninfer.kernels_numba.gdn import REC_DEFAULT_GROUPS, REC_GROUP_CHOICES, conv_normed_fits
-from ninfer.kernels_numba.gdn_chunked import CHUNK as GDN_CHUNK
-from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS, NARROW_MAX_K, NARROW_MAX_ROWS
-from ninfer.kernels_numba.moe import (COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_INFO, LAYOUT_PADDED,
-                                     PADDED_LIMIT, stepped_chunks)
-from ninfer.kernels_numba.moe import GROUP_ROWS as MOE_GROUP_ROWS
+from ninfer.kernels_numba.gdn import conv_normed_fits
+from ninfer.kernels_numba.linear_narrow import FUSED_ROUTE_ROWS
+from ninfer.kernels_numba.moe import COMBINE_NORM_SLOTS, LAYOUT_CHUNKED, LAYOUT_CODES, LAYOUT_PADDED, stepped_chunks
 from ninfer.kernels_numba.programmatic import check_available as check_programmatic_launch
 from ninfer.kernels_numba.quant_mma_chunked import CHUNK_ROWS as QUANT_CHUNK_ROWS
-from ninfer.backends.cuda.blas import MAX_CHUNKS
-from ninfer.backends.cuda.dequant_ahead import WeightDequantizer
-from ninfer.backends.cuda.device import CudaDevice, Device
-from ninfer.backends.cuda.linear_tuning import BF16_INPUT_PATHS, DECODE_PATHS, candidate_paths, tune_decode_paths
-from ninfer.backends.cuda.weights import Bf16Matrix, DeviceWeights, Matrix, SplitMatrix, is_quantized
-from ninfer.models.dflash import DFlashMismatchError
-from ninfer.targets.dims import SLIDING_ATTENTION, DFlashDims, QwenDims
-
-SKINNY_ROWS = 64  # up to this many rows, linear layers run the batch-invariant skinny kernels
-DEFAULT_SPLIT_K_NORM = 2  # Capacity.split_k_norm's default (see there)
-MMA_ROWS = 8  # activation rows per x-fragment set (the mma's N); a plain launch takes k.ROW_SETS sets
-PAGE_TOKENS = 64
-# A prefill chunk of at most SKINNY_ROWS rows whose rows x keys stay within this bound runs the decode path (decode
-# attention, each row over the lane's pages; the gathered MoE route) and is captured as a graph keyed by its row
-# count. Eager, such a chunk costs its ~500-2,500 numba launches of Python (0.13-0.19 s for 32 rows at the 27B and
-# 35B shapes on the H200), far more than its GPU work. The bound limits the decode kernel's per-row re-reads of the
-# lane's keys (64 rows at 8K context, 16 at 32K); where it should sit is still to be measured on the GPU.
-SHORT_PREFILL_ROW_KEYS = 64 * 8192
-SCORE_BYTES = 1 << 30  # fp32 attention-score scratch of the tensor-core prefill path
-# The MoE prefill's expert GEMMs (bf16, 8K chunk of the 35B-A3B's gate_up, results/grouped_gemm_probe_session13.json,
-# time with the host's work): every expert padded to the largest count, one strided-batched GEMM, 0.52 ms at 20%
-# padding (time grows with the padded rows); each expert padded to whole MOE_CHUNK_ROWS chunks, one pointer-array
-# batched GEMM, 0.67-0.71 ms whatever the skew; the grouped GEMM on the contiguous groups 1.10-1.26 ms. So the
-# padded layout while the padded rows stay within 8/5 of the routed ones (0.71 / 0.52 * 1.2: moe.PADDED_LIMIT, the
-# rule `moe_layout` applies on the device), the chunked one past it. In the model
-# (results/cuda_model_35b_bf16_moe_gemm_session13.json) chunked everywhere took the 8K prefill from 249.8 ms ("auto"
-# then: padded within 2x, else grouped) to 230.5.
-MOE_CHUNK_ROWS = 128  # rows a batch entry of the chunked layout
-MOE_CHUNK_STEP = 1  # the chunked layout's batch count rounded up to a multiple of this (see CudaQwen.moe_chunk_step)
-# Prefill chunks of up to MOE_SYNC_FREE_ROWS rows size their expert GEMMs without reading the group sizes back: the
-# chunked layout at its most chunks for the rows, MOE_SYNC_FREE_CHUNK_ROWS rows a chunk (the surplus chunks, rows
-# nothing reads, take the last expert's weights, which stay in L2). Then nothing waits on the host mid-chunk, so
-# such a chunk replays as graphs (`CudaQwen.capture_prefill`). At the server's 1024-row chunks the 35B-A3B's 8K
-# prefill is host-bound (H200, bf16, eager, counts read back in chunks of 128: 232 ms of GPU work in 300 ms of wall;
-# results/cuda_model_35b_prefill_chunk1024_*_session38.*). Eager, the sync-free layout took 277 ms in chunks of 32
-# rows (64: 295, 16: 309, 128: 309) against 303 read back in chunks of 128; replayed as graphs, 269 ms. Measured
-# at 1024 rows only: longer chunks keep the read (2048: 192 ms eager, less host-bound).
-MOE_SYNC_FREE_ROWS = 1024
-MOE_SYNC_FREE_CHUNK_ROWS = 32
-
-
-@attrs.frozen
-class PrefillSpan:
-    """A prefill chunk: rows 0..count-1 are tokens kv_start.. of `lane`. `rows`: the chunk's real rows when it runs
-    padded to more (`CudaQwen.stage_prefill`), None when it runs as it is."""
-
-    lane: int
-    kv_start: int
-    rows: int | None = None
-
-
-# the span `capture_prefill` records with: only the attention calls read a span, and they run at each replay with
-# the replay's
-CAPTURED_SPAN = PrefillSpan(-1, -1)
-
-
-@attrs.frozen
-class Capacity:
-    """Everything that sizes the runtime layout except the KV pool's page count (sized last, from what is left)."""
-
-    lanes: int
-    max_context: int
-    kv_dtype: str  # "bf16" | "int8"
-    prefill_rows: int  # most rows of a prefill chunk
-    draft_tokens: int  # k of speculative decoding, 0 when off
-    draft_head: bool = False  # --lm-head-draft: proposals from the artifact's shortlist head, when it has one
-    spec: str = "mtp"  # the drafter that draft_tokens > 0 runs: "mtp" (the MTP head) or "dflash" (the DFlash drafter)
-    # Prefill attention on the tensor cores (cuBLAS; 2.5x faster than the numba kernel at 8K on the H200): its
-    # scratch is allocated only with this set.
-    tensor_core_attention: bool = True
-    # bf16 linear layers of up to SKINNY_ROWS rows: "cublas" (activations rounded to bf16; every call padded to the
-    # decode rows, since cuBLAS picks its algorithm from the row count), "mma" (`linear_mma`: the tensor cores,
-    # activations rounded to bf16, only the rows there are: batch invariant by construction), "kernels" (the
-    # batch-invariant SIMT skinny kernels, fp32 activations; 1.4x slower at 27B batch 1 on the H200) or "auto" (per
-    # matrix shape the fastest of those and the narrow kernel, timed on the GPU when the model is built:
-    # `linear_tuning`). Quantized matrices always use their kernels.
-    decode_linear: str = "cublas"
-    # Quantized (ninfer-v2) linear layers of up to SKINNY_ROWS rows: "mma" (`quant_mma`: the tensor cores,
-    # activations rounded to bf16, in launches of 8 rows; the stacked MoE experts through its gathered kernel) or
-    # "simt" (`quant_linear`, fp32 activations). On the H200, 27B ninfer-v2 decode: 1.7x faster per Q4 GEMV at M=1,
-    # 10x at M=8; the whole B=1 step 11.3 ms.
-    decode_quant: str = "mma"
-    # Steps of up to SKINNY_ROWS rows run independent work on a second stream, beside the serving stream's: the MoE
-    # shared expert beside the router and routed experts, the Gated DeltaNet a/b projection beside in_proj and the
-    # conv. Same kernels, same results (tests run the branches in both orders on the host). None: on for MoE models
-    # only, as measured on the H200 (bench/cuda_model.py --branches off,on; results/cuda_model_session10.json):
-    # 35B-A3B B=1 ninfer-v2 3.76 -> 3.36-3.55 ms, bf16 4.77 -> 4.27-4.31; B=8 7.48 -> 7.16, 10.18 -> 9.67; 27B
-    # (no shared expert, only the small a/b projection to overlap) bf16 15.58 -> 15.99, ninfer-v2 9.38 -> 9.20.
-    branches: bool | None = None
-    # Decode kernels launched programmatically (`kernels_numba.programmatic`): the tensor-core quantized GEMVs, the
-    # bf16 gathered expert GEMVs and the Gated DeltaNet recurrence start while the kernel before finishes and load
-    # what no earlier kernel of the step writes (weights, the recurrent state) before waiting for it. Same kernels,
-    # same bits. On, as measured on the H200 (bench/cuda_model.py --programmatic off,on, ms a step): the quantized
-    # GEMVs alone (results/cuda_model_v2_programmatic_session29.json) 27B ninfer-v2 B=1 7.94 -> 7.62, B=8 11.08 ->
-    # 10.74; with the gathered GEMVs and the recurrence (results/cuda_model_programmatic_bf16_session31.json)
-    # 35B-A3B bf16 B=1 3.73 -> 3.60, B=8 8.29 -> 8.12, ninfer-v2 B=1 3.08 -> 2.99, B=8 5.55 -> 5.47.
-    programmatic_launch: bool = True
-    # The most key splits a decode attention row takes (`attention_decode`: ceil(length / S) keys each, one block a
-    # kv head and split), at S x (head_dim + 2) fp32 of scratch a row and q head. None: `row_splits` (64 for the
-    # 27B and the 35B-A3B), as measured on the H200. A row's bits depend on its keys and S only, so one S holds for
-    # every batch size.
-    attention_splits: int | None = None
-    # The fewest keys a decode attention split takes (`split_keys`): fewer splits for a short row. At B=8 every
-    # decode kernel was fastest at 16 splits (35B-A3B 1K context: 28 us against 55 at 64; results/
-    # kernel_attention_staged_session16.json), B=1 at 32-64: a floor per split (the same for every row and batch,
-    # so batch invariant) gives short rows fewer splits. 64, as measured on the H200 (results/
-    # cuda_model_floor_session17.json, bf16, floor 0 / 64 / 128, ms a step): 1K context B=8 35B-A3B 9.33 / 9.21 /
-    # 9.25, 27B 19.00 / 18.63 / 18.73; B=1 within noise (4.07 / 4.08 / 4.16, 15.64 / 15.71 / 15.89); 32K the same.
-    attention_min_split_keys: int = 64
-    # Decode attention over bf16 KV (head_dim 256) on the tensor cores (`attention_decode_mma`: a block serves the
-    # q heads of one kv head for the rows of one lane together, K and V tiles loaded once for all of them) instead
-    # of the staged SIMT kernel (a warp a q head and row). Both are batch invariant; the choice depends on the KV
-    # dtype only (INT8 pools: tensor_core_decode_int8), so greedy MTP stays greedy. Why: the SIMT kernel's time grows
-    # with the rows of a lane, and an MTP verify step is k + 1 rows of one lane: 27B bf16 at 8K context, 4 rows,
-    # 128 us a layer (results/cuda_model_27b_bf16_mtp_parts_session33.log). On, as measured on the H200 at 8K
-    # context (bench/cuda_model.py --tensor-core-decode off,on; results/*tensor_core_decode_session33.json, ms):
-    # 27B bf16 MTP k = 3 round 20.84 -> 19.32 (verify 17.76 -> 16.37), decode B=1 / 4 / 8 14.88 / 17.51 / 20.80 ->
-    # 14.77 / 17.04 / 19.81; 35B-A3B bf16 k = 3 round 7.55 -> 7.27, B=1 / 8 3.72 / 9.33 -> 3.65 / 8.92; 27B
-    # ninfer-v2 round 12.79 -> 11.33, B=1 / 8 7.65 / 14.34 -> 7.54 / 13.36; 35B-A3B ninfer-v2 round 5.70 -> 5.39,
-    # B=1 / 8 2.91 / 6.55 -> 2.86 / 6.15.
-    tensor_core_decode: bool = True
-    # The same for INT8-G64 pools (`attention_decode_mma`'s INT8 form: the tile's codes turned into exact bf16 in
-    # shared memory, each 64-dim group's scores times its K scales, a key's V scale folded into its probability).
-    # Off until timed on the GPU (bench/cuda_model.py --kv int8 --tensor-core-decode off,on): the staged SIMT kernel
-    # till then.
-    tensor_core_decode_int8: bool = False
-    # bf16 matrices of at most NARROW_MAX_ROWS output rows and NARROW_MAX_K columns (the MoE router, the Gated
-    # DeltaNet a/b projection) up to SKINNY_ROWS rows through `linear_narrow` (K split over a block's warps, every
-    # weight load issued first; the router's GEMV and the expert routing in one launch) instead of decode_linear's
-    # path. Batch invariant like the quantized kernels. Why: on the H200 each of those cuBLAS GEMVs took ~6.7 us for
-    # ~0.3 us of bytes (35B-A3B decode: 70 a step, 471 us) and the routing launch after the router ~5 us more. None:
-    # on for dense models only, as measured (results/cuda_model_v2_decode_session16.json, off -> on): 27B ninfer-v2
-    # B=1 8.25 -> 8.15 ms, B=8 12.21 -> 11.97; 35B-A3B B=1 3.55 -> 3.62, B=8 7.34 -> 7.52 (its 40 fused routers at
-    # ~9 us a launch against ~7 for cuBLAS's GEMV, and slower beside the shared expert on the side stream).
-    narrow_decode: bool | None = None
-    # Quantized matrices a long prefill chunk dequantizes to bf16 ahead of their cuBLAS GEMMs, on a stream of their
-    # own (`dequant_ahead`), each in a buffer as large as the largest quantized matrix (27B: 356 MB; the 35B-A3B's
-    # stacked expert gate|up: 1 GiB). 0: each right before its GEMM, on the serving stream. None: 2 for dense models,
-    # 0 for MoE, as measured on the H200 (8K prefill, ahead 0 / 1 / 2 / 3, ms; results/
-    # cuda_model_v2_dequant_ahead_session25.json): 27B ninfer-v2 722.3 / 714.6 / 699.5 / 706.4, 35B-A3B ninfer-v2
-    # 185.6 / 185.7 / 183.4 / 184.8 (within its run-to-run spread, for 3 GiB). The dequantizations barely overlap:
-    # the GEMMs and flash attention leave no SM room for their blocks.
-    dequant_ahead: int | None = None
-    # Decode projections that add into the residual right before a norm (the attention and Gated DeltaNet output
-    # projections, the dense FFN's down) on the cuBLAS path, padded to the decode rows: their product in this many
-    # slices of K (one strided-batched cuBLAS call, `Blas.split_k_gemm_bf16`), the slices added to the residual in
-    # the launch of that norm (`add_slices_rms_norm_rows`) instead of cuBLAS's own split-K reduction launch and an
-    # accumulating write. 0: off. A matrix whose K is not a multiple of 8 slices keeps the plain call. The slices'
-    # sum is the same product to fp32 rounding in a fixed order: batch invariant like the padded call. 2, as measured
-    # on the H200 (bench/cuda_model.py --split-k-norm 0,2,4, cuBLAS padded to 32 decode rows; results/
-    # cuda_model_split_k_norm_session29.json, ms a step): 35B-A3B bf16 B=1 3.75 / 3.69 / 3.70, B=8 8.31 / 8.26 /
-    # 8.27; 27B bf16 B=1 15.55 / 15.48 / 15.79, B=8 18.38 / 18.30 / 18.55.
-    split_k_norm: int = DEFAULT_SPLIT_K_NORM
-    # Gated DeltaNet decode rows whose in-projection runs on the tensor cores (ninfer-v2): the causal conv in the
-    # GEMV's launch (`quant_mma_conv`: each block convolves the 16 channels it computed) instead of a launch of its
-    # own after it. The same bits either way. On, as measured on the H200 (bench/cuda_model.py --conv-in-projection
-    # off,on, twice each; results/cuda_model_conv_in_projection_preloaded_session30.json, ms a step): 27B ninfer-v2
-    # B=1 7.59 / 7.61 -> 7.53 / 7.51, B=8 10.66 -> 10.67; 35B-A3B ninfer-v2 B=1 3.01 / 3.02 -> 3.04 / 3.02, B=8
-    # 5.51 / 5.52 -> 5.53 / 5.51 (level).
-    conv_in_projection: bool = True
-    # Gated DeltaNet decode rows with a bf16 a/b projection: the projection computed by the recurrence's blocks from
-    # the fp32 normed rows (`gdn_recurrent_projected`) instead of a GEMV launch before it. That GEMV (2 Hv rows, ~0.3
-    # MB) sat on the critical path: serially on the dense models, and beside a tensor-core in-projection that held
-    # every SM on the 35B-A3B (its side-stream launch waited ~11 us for SMs, the recurrence ~5 us for it). None: on
-    # where the in-projection is a tensor-core quantized matrix (ninfer-v2), as measured on the H200
-    # (bench/cuda_model.py --ab-in-recurrence off,on, ms a step; results/*ab_in_recurrence*session32.json):
-    # 35B-A3B ninfer-v2 B=1 2.93 -> 2.77, B=8 5.38 -> 5.38; 27B ninfer-v2 B=1 7.35 -> 7.36. Off beside a cuBLAS
-    # in-projection (bf16), where the projection overlaps it: 35B-A3B bf16 B=1 3.56 -> 3.62, B=8 8.17 -> 8.43 (the
-    # first form of the kernel, a group of columns a round trip). Row-independent, so a step's rows never change it
-    # (greedy MTP stays greedy).
-    ab_in_recurrence: bool | None = None
-    # Key groups of the decode recurrence (`gdn.gdn_recurrent`: 4 or 8 threads share a value column's key-dim sum;
-    # 8 halves a thread's registers, 166 against 242-255 at key dim 128, so more blocks fit an SM when a step has
-    # many: the 35B-A3B's B=8 recurrence ran 23.8 us a layer against 6.8 at B=1, ~0.3 of copy). It fixes the
-    # sums' order: one value a deployment. Not yet timed on the H200 (bench/cuda_model.py --recurrence-groups 4,8).
-    recurrence_groups: int = REC_DEFAULT_GROUPS
-    # Prefill chunks between SKINNY_ROWS and prefill_rows rows padded to the next power of two
-    # (`CudaQwen.padded_prefill_rows`), so that graphs captured at startup for those few row counts serve every such
-    # chunk: a prompt shorter than a chunk, and every prompt's remainder, run eagerly otherwise (host-bound on the
-    # 35B-A3B: ~1,200 launches a chunk whatever its rows). Off until timed on the GPU (bench/cuda_model.py
-    # --prefill-tokens N --prefill-buckets off,on).
-    prefill_buckets: bool = False
-    # Prefill MoE chunks whose routed experts are tensor-core quantized (ninfer-v2) multiply them straight from their
-    # codes over the chunked layout (`quant_mma_chunked`: 32 rows a block, the gate|up GEMM writing silu(gate) * up)
-    # instead of dequantizing every expert to bf16 for cuBLAS: the 35B-A3B ninfer-v2 writes ~64 GB of bf16 experts
-    # a 1024-row chunk that way (~27 ms on the H200 against ~12 ms of expert GEMMs; its served 8K prefill 545 ms
-    # against bf16's 269-311). The layout is then chunked whatever moe_prefill_gemm says. Off until timed on the GPU
-    # (bench/cuda_model.py --prefill-only --prefill-chunk 1024 --direct-quant-experts off,on).
-    direct_quant_experts: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        if self.attention_splits is not None:
-            check_splits(self.attention_splits)
-        check_min_split_keys(self.attention_min_split_keys)
-        if self.decode_linear not in ("cublas", "mma", "kernels", "auto"):
-            raise ValueError(f"decode_linear must be 'cublas', 'mma', 'kernels' or 'auto', got {self.decode_linear!r}")
-        if self.decode_quant not in ("simt", "mma"):
-            raise ValueError(f"decode_quant must be 'simt' or 'mma', got {self.decode_quant!r}")
-        if self.spec not in SPEC_BACKENDS:
-            raise ValueError(f"spec must be one of {', '.join(SPEC_BACKENDS)}, got {self.spec!r}")
-        if self.dequant_ahead is not None and self.dequant_ahead < 0:
-            raise ValueError(f"dequant_ahead must be 0 or more, got {self.dequant_ahead}")
-        check_split_k_norm(self.split_k_norm)
-        check_recurrence_groups(self.recurrence_groups)
-
-    @property
-    def mtp(self) -> bool:
-        return self.draft_tokens > 0 and self.spec == "mtp"
-
-    @property
-    def dflash(self) -> bool:
-        return self.draft_tokens > 0 and self.spec == "dflash"
-
-    @property
-    def verify_columns(self) -> int:
-        return self.draft_tokens + 1 if self.draft_tokens else 0
-
-    @property
-    def decode_rows(self) -> int:
-        return self.lanes * (self.draft_tokens + 1)
-
-    @property
-    def dflash_rows(self) -> int:
-        """Rows of a DFlash drafter call in a decode round: per lane a proposal block and its committed columns, k+1
-        rows each (0 without DFlash)."""
-        return 2 * self.decode_rows if self.dflash else 0
-
-    @property
-    def short_prefill_rows(self) -> int:
-        """The most rows of a prefill chunk that may run the decode path (see SHORT_PREFILL_ROW_KEYS)."""
-        return min(self.prefill_rows, SKINNY_ROWS)
-
-    @property
-    def max_rows(self) -> int:
-        # +1: a final prefill chunk's MTP rows add the bridge column
-        return max(self.decode_rows, self.prefill_rows + 1, self.dflash_rows)
-
-    @property
-    def max_pages_per_lane(self) -> int:
-        return -(-self.max_context // PAGE_TOKENS)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Weights
-
-
-@attrs.frozen
-class AttentionWeights:
-    in_proj: Matrix  # rows q | k | gate | v
-    query_norm: Any
-    key_norm: Any
-    output: Matrix
-
-
-@attrs.frozen
-class GdnWeights:
-    in_proj: Matrix  # rows q | k | v | z
-    ab_proj: Matrix  # rows a | b
-    conv: Any  # fp32 [K, C]
-    neg_a: Any  # fp32 [Hv]: -exp(a_log)
-    dt_bias: Any
-    norm: Any
-
-
-@attrs.frozen
-class GdnOutput:
-    output: Matrix
-
-
-@attrs.frozen
-class DenseFfn:
-    gate_up: Matrix
-    down: Matrix
-
-
-@attrs.frozen
-class MoeFfn:
-    # [E + 1 + zero rows, H]: the router's rows, then the shared expert's gate (one GEMV), padded (ROUTER_ROWS_MULTIPLE)
-    router_shared_gate: Bf16Matrix
-    routed_gate_up: Matrix  # [E * 2I, H]
-    routed_down: Matrix  # [E * H, I]
-    shared_gate_up: Matrix
-    shared_down: Matrix
-
-
-@attrs.frozen
-class LayerWeights:
-    input_norm: Any
-    post_attention_norm: Any
-    attention: AttentionWeights | None
-    gdn: GdnWeights | None
-    gdn_output: Matrix | None
-    ffn: DenseFfn | MoeFfn
-
-
-@attrs.frozen
-class MtpWeights:
-    input_projection: Matrix  # [H, 2H]
-    embedding_norm: Any
-    hidden_norm: Any
-    layer: LayerWeights
-    final_norm: Any
-
-
-@attrs.frozen
-class DFlashLayerWeights:
-    input_norm: Any
-    query_key_value: Matrix  # rows q | k | v
-    query_norm: Any  # plain per-head norms
-    key_norm: Any
-    output: Matrix
-    post_attention_norm: Any
-    mlp: DenseFfn
-    window: int  # a sliding layer's window (|p_key - p_query| < window); 0 for a full layer
-
-
-@attrs.frozen
-class DFlashWeights:
-    """The drafter's own objects (`dflash/...`); it reads the target's embedding table and heads."""
-
-    dims: DFlashDims
-    feature_projection: Matrix  # [H, layers * H]
-    context_norm: Any
-    layers: tuple[DFlashLayerWeights, ...]
-    final_norm: Any
-    inv_freq: Any  # 1-D RoPE over every head dim
-
-
-def _dflash_weights(w: DeviceWeights, device: Device, target: QwenDims, dims: DFlashDims | None,
-                    draft_tokens: int) -> DFlashWeights:
-    # Imported here: the kernel geometry check needs numba, which the rest of this module reaches through `device`.
-    from ninfer.kernels_numba.dflash import check_geometry
-
-    if dims is None:
-        raise ValueError("DFlash speculative decoding needs the drafter's dimensions (an artifact with its "
-                         "dflash/... objects)")
-    problems = dims.problems_with(target)
-    if problems:
-        raise DFlashMismatchError("the DFlash drafter does not fit the target model: " + "; ".join(problems))
-    if draft_tokens > dims.max_draft_tokens:
-        raise ValueError(f"the DFlash drafter proposes at most {dims.max_draft_tokens} tokens (block size "
-                         f"{dims.block_size}), not {draft_tokens}")
-    check_geometry(dims.attn_heads, dims.kv_heads, dims.head_dim)
-    layers = []
-    for index, kind in enumerate(dims.layer_types):
-        p = f"dflash/layers/{index}/"
-        layers.append(DFlashLayerWeights(
-            w.vector(p + "input_norm"), w.matrix(p + "attention/query_key_value"), w.vector(p + "attention/query_norm"),
-            w.vector(p + "attention/key_norm"), w.matrix(p + "attention/output"), w.vector(p + "post_attention_norm"),
-            DenseFfn(w.matrix(p + "mlp/gate_up"), w.matrix(p + "mlp/down")),
-            dims.sliding_window if kind == SLIDING_ATTENTION else 0))
-    return DFlashWeights(dims, w.matrix("dflash/feature_projection"), w.vector("dflash/context_norm"), tuple(layers),
-                         w.vector("dflash/final_norm"),
-                         device.upload(rope_inv_freq(dims.head_dim, dims.rope_theta), "weights"))
-
-
-def _attention_weights(w: DeviceWeights, prefix: str, fused: bool) -> AttentionWeights:
-    names = (prefix + "query_key_gate_value",) if fused else (prefix + "query_key", prefix + "gate_value")
-    return AttentionWeights(w.matrix(*names), w.vector(prefix + "query_norm"), w.vector(prefix + "key_norm"),
-                            w.matrix(prefix + "output"))
-
-
-def _gdn_weights(w: DeviceWeights, device: Device, prefix: str, fused: bool) -> GdnWeights:
-    if fused:
-        in_proj, ab = w.matrix(prefix + "query_key_value_z"), w.matrix(prefix + "a_b_projection")
-    else:
-        in_proj = w.matrix(prefix + "query_key", prefix + "value_z")
-        ab = w.matrix(prefix + "a_projection", prefix + "b_projection")
-    neg_a = -np.exp(w.host(prefix + "a_log").astype(np.float32)).astype(np.float32)
-    return GdnWeights(in_proj, ab, w.vector(prefix + "convolution"), device.upload(neg_a, "weights"),
-                      w.vector(prefix + "dt_bias"),
-                      w.vector(prefix + "norm"))
-
-
-# cuBLAS runs a GEMM whose fp32 output rows are not 16-byte aligned on old kernels with a split-K reduce (the router
-# and shared gate, 257 rows: 6.6 + 2 us a layer on the H200, where 256 + 1 took 5.5 + 5): their weight rows are padded
-# with zeros to a multiple of this.
-ROUTER_ROWS_MULTIPLE = 8
-
-
-def _zero_padded_rows(device: Device, matrix: Bf16Matrix, multiple: int) -> Bf16Matrix:
-    """`matrix` with zero rows appended up to a multiple of `multiple` rows; the unpadded copy is released."""
-    rows, width = matrix.shape
-    padded_rows = align_up(rows, multiple)
-    if padded_rows == rows:
-        return matrix
-    padded = device.zeros((padded_rows, width), np.uint16, "weights")
-    device.copy(padded[:rows], matrix.data)
-    device.synchronize()  # the copy has read the unpadded rows before they are freed with their last reference
-    device.ledger["weights"] -= matrix.nbytes
-    return Bf16Matrix(padded)
-
-
-def _gate_up(w: DeviceWeights, name: str, down: Matrix, inter: int, *, gathered: bool = False) -> Matrix:
-    """A SwiGLU gate|up matrix, stored for the fused epilogue (`swiglu_rows`) when its down projection reads x
-    fragments too (the epilogue writes those, and no fp32 activation)."""
-    return w.matrix(name, gathered=gathered, swiglu_rows=2 * inter if _tensor_core(down) else 0)
-
-
-def _ffn_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str) -> DenseFfn | MoeFfn:
-    if not dims.is_moe:
-        down = w.matrix(prefix + "mlp/down")
-        return DenseFfn(_gate_up(w, prefix + "mlp/gate_up", down, dims.intermediate), down)
-    p = prefix + "moe/"
-    router_shared_gate = w.matrix(p + "router_shared_gate")
-    if is_quantized(router_shared_gate):
-        raise ValueError(f"{p}router_shared_gate must be stored as BF16")
-    routed_down, shared_down = w.matrix(p + "routed_down", gathered=True), w.matrix(p + "shared_down")
-    return MoeFfn(_zero_padded_rows(device, router_shared_gate, ROUTER_ROWS_MULTIPLE),
-                  _gate_up(w, p + "routed_gate_up", routed_down, dims.moe_intermediate, gathered=True), routed_down,
-                  _gate_up(w, p + "shared_gate_up", shared_down, dims.shared_intermediate), shared_down)
-
-
-def _layer_weights(w: DeviceWeights, device: Device, dims: QwenDims, prefix: str, kind: str,
-                   fused: bool) -> LayerWeights:
-    attention = gdn_weights = gdn_output = None
-    if kind == "full_attention":
-        attention = _attention_weights(w, prefix + "attention/", fused)
-    else:
-        gdn_weights = _gdn_weights(w, device, prefix + "gdn/", fused)
-        gdn_output = w.matrix(prefix + "gdn/output")
-    return LayerWeights(w.vector(prefix + "input_norm"), w.vector(prefix + "post_attention_norm"), attention,
-                        gdn_weights, gdn_output, _ffn_weights(w, device, dims, prefix))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# State
-
-
-@attrs.frozen
-class KvPool:
-    k: Any
-    v: Any
-    k_scale: Any  # None for bf16 pools
-    v_scale: Any
-
-
-@attrs.frozen
-class GdnLayerState:
-    conv: Any  # [lanes, K-1, C]
-    ssm: Any  # [lanes, Hv, Dk, Dv]
-    conv_checkpoints: Any  # [lanes, slots, K-1, C]
-    ssm_checkpoints: Any  # [lanes, slots, Hv, Dk, Dv]
-    conv_columns: Any  # [lanes, max(1, columns), K-1, C]
-    ssm_columns: Any  # [lanes, columns - 1, Hv, Dk, Dv]: the last column's state is the running one (none without MTP)
-
-
-@attrs.frozen
-class DFlashRing:
-    """A sliding drafter layer's cyclic context caches: position p of lane l in slot p % window (bf16)."""
-
-    k: Any  # uint16 [lanes, window, kv_heads, head_dim]
-    v: Any
-    k_checkpoints: Any  # uint16 [lanes, slots, window, kv_heads, head_dim]
-    v_checkpoints: Any
-
-
-def _dflash_ring(device: Device, dims: DFlashDims, lanes: int, slots: int) -> DFlashRing:
-    shape = (dims.sliding_window, dims.kv_heads, dims.head_dim)
-    return DFlashRing(device.zeros((lanes,) + shape, np.uint16, "state"),
-                      device.zeros((lanes,) + shape, np.uint16, "state"),
-                      device.zeros((lanes, slots) + shape, np.uint16, "state"),
-                      device.zeros((lanes, slots) + shape, np.uint16, "state"))
-
-
-def _kv_pool(device: Device, dims: QwenDims | DFlashDims, kv_dtype: str, pages: int) -> KvPool:
-    shape = (pages, PAGE_TOKENS, dims.kv_heads, dims.head_dim)
-    if kv_dtype == "bf16":
-        return KvPool(device.zeros(shape, np.uint16, "kv"), device.zeros(shape, np.uint16, "kv"), None, None)
-    group = min(64, dims.head_dim)
-    scale_shape = shape[:-1] + (dims.head_dim // group,)
-    return KvPool(device.zeros(shape, np.int8, "kv"), device.zeros(shape, np.int8, "kv"),
-                  device.zeros(scale_shape, np.uint16, "kv"), device.zeros(scale_shape, np.uint16, "kv"))
-
-
-@attrs.frozen
-class GdnStateBank:
-    """The running and verify-column states of every recurrent layer, one allocation a kind with the layer first
-    (each GdnLayerState holds views of its layer), so one launch restores every layer of many lanes from their
-    verify columns (`CudaQwen.select_columns`) where a copy a layer a lane cost ~100 host calls a lane a round."""
-
-    conv: Any  # [layers, lanes, (K-1) C]
-    ssm: Any  # [layers, lanes, Hv Dk Dv]
-    conv_columns: Any  # [layers, lanes, max(1, columns), (K-1) C]
-    ssm_columns: Any  # [layers, lanes, columns - 1, Hv Dk Dv]
-
-
-def _gdn_states(device: Device, dims: QwenDims, cap: Capacity, slots: int,
-                layers: list[int]) -> tuple[dict[int, GdnLayerState], GdnStateBank | None]:
-    """Each recurrent layer's state (views into the bank for the running and the verify-column states), and the
-    bank (None without recurrent layers)."""
-    if not layers:
-        return {}, None
-    conv = (dims.conv_kernel - 1, dims.gdn_conv_channels)
-    ssm = (dims.gdn_v_heads, dims.gdn_k_dim, dims.gdn_v_dim)
-    lanes, columns, count = cap.lanes, max(1, cap.verify_columns), len(layers)
-    # the recurrence records every verify column but the last (gdn.py): 3 MB a layer a lane less on the 27B, and
-    # nothing at all without speculative decoding (~1.2 GB at 8 lanes)
-    records = max(0, cap.verify_columns - 1)
-    bank = GdnStateBank(device.zeros((count, lanes, math.prod(conv)), np.float32, "state"),
-                        device.zeros((count, lanes, math.prod(ssm)), np.float32, "state"),
-                        device.zeros((count, lanes, columns, math.prod(conv)), np.float32, "state"),
-                        device.zeros((count, lanes, records, math.prod(ssm)), np.float32, "state"))
-    states = {layer: GdnLayerState(
-        bank.conv[j].reshape((lanes,) + conv), bank.ssm[j].reshape((lanes,) + ssm),
-        device.zeros((lanes, slots) + conv, np.float32, "state"),
-        device.zeros((lanes, slots) + ssm, np.float32, "state"),
-        bank.conv_columns[j].reshape((lanes, columns) + conv), bank.ssm_columns[j].reshape((lanes, records) + ssm))
-        for j, layer in enumerate(layers)}
-    return states, bank
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Per-call inputs and workspace
-
-
-class InputRows:
-    """Named int32 input rows carved from one device array [names, rows] (each row a contiguous view), with a host
-    mirror, so that a call's inputs go down in one pitched copy (`Device.write_rows`) instead of a write each: a
-    write with its event took ~10 us of host time, and an MTP round at one lane wrote 12 input rows (two fills)
-    while the GPU waited for them. `fill` copies rows 0 .. the last one given, columns 0 .. the longest value given:
-    rows in that range it was not given go down again as the mirror holds them, so no kernel may write a row
-    before a name listed after it unless every fill gives that row (`StepInputs` puts `next_ids`, which the draft
-    chain writes on the device, last)."""
-
-    def __init__(self, device: Device, names: tuple[str, ...], rows: int) -> None:
-        self._device = device
-        self._rows = {name: i for i, name in enumerate(names)}
-        self.block = device.zeros((len(names), rows), np.int32, "inputs")
-        self._mirror = np.zeros((len(names), rows), np.int32)
-
-    def row(self, name: str) -> Any:
-        return self.block[self._rows[name]]
-
-    def fill(self, values: dict[str, Any]) -> None:
-        """Each named row's first len(value) entries (a 2D value: its rows from the named row on); names given None
-        or empty values keep their contents. (Per call on the decode path: kept to plain slice assignments.)"""
-        last, width, mirror, capacity = -1, 0, self._mirror, self._mirror.shape[1]
-        for name, value in values.items():
-            if value is None or not len(value):
-                continue
-            first = self._rows[name]
-            value = value if isinstance(value, np.ndarray) else np.asarray(value)
-            count, columns = value.shape if value.ndim == 2 else (1, value.shape[0])
-            if columns > capacity:
-                raise ValueError(f"{columns} values of {name} exceed the {capacity} this model was sized for")
-            mirror[first:first + count, :columns] = value
-            if first + count - 1 > last:
-                last = first + count - 1
-            if columns > width:
-                width = columns
-        if last >= 0:
-            self._device.write_rows(self.block[:last + 1, :width], mirror[:last + 1, :width])
-
-
-class StepInputs:
-    """Fixed device buffers a call reads its per-row and per-segment inputs from (filled before a replay)."""
-
-    # positions are three rows (MRoPE's sections); next_ids last (see InputRows)
-    ROWS = ("token_ids", "row_lane", "row_pos", "positions", "positions 1", "positions 2", "seg_lane", "seg_row",
-            "seg_count", "seg_record", "hidden_rows", "next_ids")
-
-    def __init__(self, device: Device, rows: int, lanes: int, pages: int) -> None:
-        self._device = device
-        self._inputs = InputRows(device, self.ROWS, rows)
-        row = self._inputs.row
-        self.token_ids, self.row_lane, self.row_pos = row("token_ids"), row("row_lane"), row("row_pos")
-        self.positions = self._inputs.block[3:6]  # [3, rows]
-        self.seg_lane, self.seg_row = row("seg_lane"), row("seg_row")
-        self.seg_count, self.seg_record = row("seg_count"), row("seg_record")
-        self.hidden_rows = row("hidden_rows")  # MTP: each row's target hidden row (`CudaQwen.gather_mtp_hidden`)
-        self.next_ids = row("next_ids")  # MTP: the token after each row's token
-        self.page_tables = device.zeros((lanes, pages), np.int32, "inputs")
-        self.host_page_tables = np.zeros((lanes, pages), np.int32)
-
-    def fill(self, *, token_ids: Any, positions: np.ndarray, row_lane: Any, row_pos: Any, seg_lane: Any,
-             seg_row: Any, seg_count: Any, seg_record: Any, next_ids: Any = None, hidden_rows: Any = None) -> None:
-        """Per-row inputs (rows = len(token_ids)) and per-segment inputs (segments = len(seg_lane)), in one copy."""
-        if len(token_ids) > len(self.token_ids):
-            raise ValueError(f"{len(token_ids)} rows exceed the {len(self.token_ids)} this model was sized for")
-        rows = len(token_ids)
-        self._inputs.fill({"token_ids": token_ids, "row_lane": row_lane, "row_pos": row_pos,
-                           "positions": np.asarray(positions)[:, :rows] if rows else None, "seg_lane": seg_lane,
-                           "seg_row": seg_row, "seg_count": seg_count, "seg_record": seg_record,
-                           "hidden_rows": hidden_rows, "next_ids": next_ids})
-
-    def set_page_table(self, lane: int, table: np.ndarray) -> None:
-        pages = self.host_page_tables.shape[1]
-        if len(table) > pages:
-            raise ValueError(f"lane {lane}: {len(table)} pages exceed the {pages} a lane can address")
-        row = np.zeros(pages, np.int32)
-        row[: len(table)] = table
-        self.host_page_tables[lane] = row
-        self._device.write(self.page_tables[lane], row)
-
-
-class DFlashInputs:
-    """Fixed device buffers of a drafter call's rows: block rows first (proposal blocks of k+1 rows), then context
-    rows (committed positions to project into the caches)."""
-
-    def __init__(self, device: Device, rows: int) -> None:
-        self._inputs = InputRows(device, ("ids", "positions", "row_lane", "ring_slot", "context_source"), rows)
-        row = self._inputs.row
-        self.ids = row("ids")  # block rows: anchor, then the mask id
-        self.positions = row("positions")  # RoPE and window position; -1: a padding row
-        self.row_lane = row("row_lane")
-        self.ring_slot = row("ring_slot")  # context rows: ring slot, -1 when superseded
-        self.context_source = row("context_source")  # context row r: its pending row (lane-major)
-
-    def fill(self, *, ids: Any, positions: Any, row_lane: Any, ring_slot: Any, context_source: Any) -> None:
-        if len(positions) > len(self.positions):
-            raise ValueError(f"{len(positions)} drafter rows exceed the {len(self.positions)} this model was sized for")
-        self._inputs.fill({"ids": ids, "positions": positions, "row_lane": row_lane, "ring_slot": ring_slot,
-                           "context_source": context_source})
-
-
-class DFlashWorkspace:
-    """The drafter's activation buffers: `rows` rows for what context rows pass through (a prefill chunk's features
-    and projections), `linear_rows` (the drafter's cuBLAS padding, see `Linear`) for the block rows' linear-layer
-    operands, and `block_rows` (the most proposal rows of a call) for the attention's."""
-
-    def __init__(self, device: Device, dims: DFlashDims, *, rows: int, linear_rows: int, block_rows: int) -> None:
-        def buf(*shape: int) -> Any:
-            return device.empty(shape, np.float32, "workspace")
-
-        h = dims.hidden
-        self.features = buf(rows, dims.feature_width)  # context features: captured by the target, or gathered
-        self.projected = buf(rows, h)  # W_fc s, before the context norm
-        self.normed = buf(rows, h)  # block rows' normed input, then context rows' c: one qkv projection for both
-        self.qkv = buf(rows, dims.q_width + 2 * dims.kv_width)
-        self.u = buf(linear_rows, h)  # the block rows' residual stream
-        self.attended = buf(linear_rows, dims.q_width)
-        self.gate_up = buf(linear_rows, 2 * dims.intermediate)
-        self.act = buf(linear_rows, dims.intermediate)
-        self.q = buf(block_rows, dims.attn_heads, dims.head_dim)
-        self.k_block = buf(block_rows, dims.kv_heads, dims.head_dim)
-        self.v_block = buf(block_rows, dims.kv_heads, dims.head_dim)
-        self.partials = buf(*device.kernels.attention_partials_shape(block_rows, dims.attn_heads, dims.head_dim))
-
-
-class Workspace:
-    """Activation buffers for up to `rows` rows, allocated once."""
-
-    def __init__(self, device: Device, dims: QwenDims, rows: int, *, mtp: bool, dequant_elements: int,
-                 decode_attention_rows: int, attention_splits: int, max_context: int,
-                 tensor_core_attention: bool, fragment_words: int = 0,
-                 slot_fragment_words: int = 0, dflash: DFlashDims | None = None, decode_rows: int = 0,
-                 residual_slices: int = 0) -> None:
-        d, f32 = dims, np.float32
-
-        def buf(*shape: int, dtype: Any = f32) -> Any:
-            return device.empty(shape, dtype, "workspace")
-
-        h = d.hidden
-        self.x = buf(rows, h)
-        self.h = buf(rows, h)
-        self.final = buf(rows, h)
-        self.qkgv = buf(rows, 2 * d.q_width + 2 * d.kv_width)
-        self.q = buf(rows, d.attn_heads, d.head_dim)
-        self.attended = buf(rows, d.q_width)
-        # split partials of the decode attention kernel: decode and verify rows, and short prefill chunks
-        self.partials = buf(*device.kernels.decode_partials_shape(decode_attention_rows, d.attn_heads, d.head_dim,
-                                                                  attention_splits))
-        channels = d.gdn_conv_channels
-        self.projected = buf(rows, channels + d.gdn_v_width)
-        self.ab = buf(rows, 2 * d.gdn_v_heads)
-        self.mixed = buf(rows, channels)
-        self.gdn_out = buf(rows, d.gdn_v_heads, d.gdn_v_dim)
-        self.gdn_normed = buf(rows, d.gdn_v_width)
-        if rows > SKINNY_ROWS:  # the chunked gated delta rule of long prefill chunks: its inputs (gdn_gates'
-            # outputs: the recurrent form computes them itself), G, and T / P per chunk
-            self.gdn_q = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
-            self.gdn_k = buf(rows, d.gdn_qk_heads, d.gdn_k_dim)
-            self.log_decay = buf(rows, d.gdn_v_heads)
-            self.beta = buf(rows, d.gdn_v_heads)
-            self.gdn_cum = buf(rows, d.gdn_v_heads)
-            self.gdn_mats = buf(rows, d.gdn_v_heads, GDN_CHUNK)
-        # Split projections (27B ninfer-v2): q|k and gate|v of attention, q|k and v|z of Gated DeltaNet. Their
-        # blocks meet in this scratch only up to SKINNY_ROWS rows (past them each block's GEMM writes its columns).
-        split = max(d.q_width + d.kv_width, 2 * d.gdn_qk_width, 2 * d.gdn_v_width)
-        split_rows = min(rows, SKINNY_ROWS)
-        self.split_a, self.split_b = buf(split_rows * split), buf(split_rows * split)
-        widths = [h, d.q_width, d.gdn_v_width, 2 * h if mtp else h]
-        if d.is_moe:
-            s, e = d.moe_top_k, d.moe_experts
-            # then the shared expert's gate logit and the padding rows' zeros
-            self.router_logits = buf(rows, align_up(e + 1, ROUTER_ROWS_MULTIPLE))
-            self.expert_ids = buf(rows, s, dtype=np.int32)
-            self.expert_weights = buf(rows, s)
-            # linear_bf16_narrow_route's count of finished blocks: zero between launches
-            self.route_counter = device.zeros(1, np.int32, "workspace")
-            slot_rows = min(rows, SKINNY_ROWS)  # the per-row expert route runs for up to SKINNY_ROWS rows
-            self.slot_gate_up = buf(slot_rows, s, 2 * d.moe_intermediate)
-            self.slot_act = buf(slot_rows, s, d.moe_intermediate)
-            self.slot_out = buf(slot_rows, s, h)
-            self.shared_gate_up = buf(rows, 2 * d.shared_intermediate)
-            self.shared_act = buf(rows, d.shared_intermediate)
-            self.shared_out = buf(rows, h)
-            widths += [d.moe_intermediate, d.shared_intermediate]
-            self.moe_counts = buf(e, dtype=np.int32)
-            # moe_group's offsets, then moe_layout's info: what the prefill reads back, in one copy
-            self.moe_sizes = buf(e + 1 + LAYOUT_INFO, dtype=np.int32)
-            self.moe_offsets = self.moe_sizes[: e + 1]
-            self.moe_slot_of = buf(rows * s, dtype=np.int32)
-            self.moe_position_of = buf(rows * s, dtype=np.int32)
-            if rows > SKINNY_ROWS:
-                self.moe_block_counts = buf(-(-rows // MOE_GROUP_ROWS), e, dtype=np.int32)  # moe_group's scratch
-                self.moe_padded_position_of = buf(rows * s, dtype=np.int32)
-                self.moe_starts = buf(e, dtype=np.int32)  # each expert's first row in the expert GEMMs' layout
-                self.moe_chunk_groups = buf(MAX_CHUNKS, dtype=np.int32)  # the chunked layout's chunk -> expert
-                # the expert GEMMs' input, bf16 outputs and the activation between them, with room for the padded
-                # layout wherever the "auto" rule takes it
-                limit, parts = PADDED_LIMIT
-                permuted = max(rows * s * limit // parts, rows * s + e * (MOE_CHUNK_ROWS - 1))
-                self.perm_in = buf(permuted, h, dtype=np.uint16)
-                self.perm_gate_up = buf(permuted, 2 * d.moe_intermediate, dtype=np.uint16)
-                self.perm_act_bf16 = buf(permuted, d.moe_intermediate, dtype=np.uint16)
-                self.perm_out = buf(permuted, h, dtype=np.uint16)
-        else:
-            self.gate_up = buf(rows, 2 * d.intermediate)
-            self.act = buf(rows, d.intermediate)
-            widths.append(d.intermediate)
-        if dflash is not None:  # the drafter's linear layers share the bf16 activation scratch
-            widths += [dflash.feature_width, dflash.q_width, dflash.intermediate]
-        self.mtp_in = buf(rows, 2 * h) if mtp else None
-        self.mtp_embedded = buf(rows, h) if mtp else None
-        self.mtp_carried = buf(rows, h) if mtp else None
-        self.x_bf16 = buf(rows, max(widths), dtype=np.uint16)  # activations rounded for cuBLAS
-        # the same for the linear layers on the side stream (Capacity.branches): h into the shared expert and the
-        # GDN a/b projection, the shared expert's activation into its down projection
-        side_rows = min(rows, max(SKINNY_ROWS, decode_rows))
-        self.side_x_bf16 = buf(side_rows, max(h, d.shared_intermediate if d.is_moe else 0), dtype=np.uint16)
-        # Capacity.split_k_norm: a residual projection's K slices at the padded decode rows, for the norm after it
-        self.residual_partials = buf(residual_slices * decode_rows * h) if residual_slices and decode_rows else None
-        # Tensor-core prefill attention (`prefill_attention="gemm"`), only when asked for (up to ~1.5 GiB): the
-        # lane's K/V as contiguous bf16, a block of packed queries, and the score / probability scratch (at most
-        # SCORE_BYTES of fp32 scores).
-        self.gemm_keys = self.gemm_values = self.gemm_queries = self.gemm_out = None
-        self.gemm_scores = self.gemm_probs = None
-        if tensor_core_attention:
-            self.gemm_keys = buf(d.kv_heads * max_context * d.head_dim, dtype=np.uint16)
-            # (flash: V^T rows of a multiple of 8 keys)
-            self.gemm_values = buf(d.kv_heads * align_up(max_context, 8) * d.head_dim, dtype=np.uint16)
-            self.gemm_queries = buf(rows * d.q_width, dtype=np.uint16)
-            self.gemm_out = buf(rows * d.q_width)
-            scores = min(SCORE_BYTES // 4, d.attn_heads * rows * max_context)
-            self.gemm_scores = buf(scores)
-            self.gemm_probs = buf(scores, dtype=np.uint16)
-        self.w_bf16 = buf(dequant_elements, dtype=np.uint16) if dequant_elements else None
-        # bf16 B fragments of up to 8 activation rows for the tensor-core quantized layers (`quant_mma`)
-        self.x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
-        # the same per expert slot for the tensor-core MoE down projection, whose input differs per slot
-        self.slot_x_fragments = buf(slot_fragment_words, dtype=np.uint32) if slot_fragment_words else None
-        self.side_x_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
-        # the down projections' x fragments the fused SwiGLU epilogues write (dense FFN, or the shared expert), apart
-        # from the fragments of h their gate|up reads
-        self.act_fragments = buf(fragment_words, dtype=np.uint32) if fragment_words else None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The model
-
-
-@attrs.frozen
-class SideScratch:
-    """The scratch a Linear on the side stream converts its inputs into (`Linear.beside`): not the serving stream's,
-    which the other branch may be reading. Split projections and dequantized weights never run there."""
-
-    x_bf16: Any
-    x_fragments: Any
-    split_a: None = None
-    split_b: None = None
-    w_bf16: None = None
-
-
-def _fp32_read(h: Any, rows: int, h_bf16: Any, h_fragments: Any) -> Any:
-    """Rows h (a layer's normed rows, the attention's output) for their producer to write, or None where nothing
-    reads them in fp32: past SKINNY_ROWS rows every reader is a cuBLAS GEMM or the MoE gather, and all read the
-    bf16 copy (the side streams that convert h themselves run only up to SKINNY_ROWS)."""
-    return None if rows > SKINNY_ROWS and reads_bf16_alone(h_bf16, h_fragments) else h
-
-
-def reads_bf16_alone(x_bf16: Any, x_fragments: Any) -> bool:
-    """Whether the consumer of an activation reads only its bf16 copy: `Linear.bf16_input` asked for one (a cuBLAS
-    GEMM, which reads nothing else) and `fragment_input` for no fragments. Its producer can then skip the fp32."""
-    return x_bf16 is not None and x_fragments is None
-
-
-class Linear:
-    """y (+)= x @ W^T for any stored format: up to SKINNY_ROWS rows the quantized kernels, and for bf16 matrices
-    cuBLAS, the tensor-core kernel (`bf16_path` "mma") or the skinny kernels (`cublas_decode`; both from
-    Capacity.decode_linear); cuBLAS on bf16 beyond.
-
-    Batch invariance with cuBLAS: cuBLAS picks its algorithm (and so the summation order) from the shape, so up to
-    `pad_rows` rows every call computes exactly `pad_rows` rows (one shape, whatever the batch; a row's result never
-    depends on other rows). Callers pass whole workspace buffers and `rows` for that: rows past `rows` of x are
-    stale inputs and of y scratch outputs. cuBLAS takes bf16 activations; a producer kernel that already wrote them
-    (into `bf16_input`'s scratch) passes that copy as `x_bf16` and saves the conversion launch."""
-
-    def __init__(self, device: Device, workspace: Workspace, *, cublas_decode: bool, pad_rows: int,
-                 bf16_path: str | None = None) -> None:
-        self._device, self.blas, self._ws, self._k = device, device.blas(), workspace, device.kernels
-        self._stream = device.stream
-        self.cublas_decode, self.pad_rows = cublas_decode, pad_rows
-        # the decode path (`DECODE_PATHS`) of every bf16 matrix `decode_paths` has none for; None: the settings above
-        self.bf16_path = bf16_path
-        self.programmatic = False  # Capacity.programmatic_launch (CudaQwen.set_programmatic)
-        self.narrow = False  # Capacity.narrow_decode (CudaQwen.set_narrow)
-        # Capacity.decode_linear "auto": each bf16 shape's decode path as timed on this GPU (`linear_tuning`; (N, K) ->
-        # "cublas", "kernels" or "narrow"), ahead of the settings above; shared with `beside` and `with_pad_rows`
-        self.decode_paths: dict[tuple[int, int], str] = {}
-        # the bf16 copies of quantized matrices past SKINNY_ROWS (CudaQwen.set_dequant_ahead adds buffers)
-        self.dequantizer = (WeightDequantizer([workspace.w_bf16], self._dequantize, device.stream)
-                            if workspace.w_bf16 is not None else None)
-
-    def beside(self, side: Any, scratch: "SideScratch") -> Linear:
-        """A Linear with this one's settings that launches on the side stream `side`, with its cuBLAS handle and
-        its own conversion scratch (an x_bf16 or x_fragments passed in is read, never written)."""
-        sibling = copy.copy(self)
-        sibling._stream, sibling.blas, sibling._ws = side.stream, side.blas, scratch
-        sibling.dequantizer = None
-        return sibling
-
-    def with_pad_rows(self, pad_rows: int) -> Linear:
-        """A Linear sharing this one's cuBLAS handle and scratch whose padded calls compute `pad_rows` rows: a caller
-        with calls of another fixed size (the DFlash drafter) keeps its own shape."""
-        sibling = copy.copy(self)
-        sibling.pad_rows = pad_rows if self.cublas_decode else 0
-        return sibling
-
-    def __call__(self, x: Any, w: Matrix, y: Any, *, rows: int | None = None, accumulate: bool = False,
-                 x_bf16: Any = None, x_fragments: Any = None) -> None:
-        stream, k = self._stream, self._k
-        rows = x.shape[0] if rows is None else rows
-        if isinstance(w, SplitMatrix):
-            self._split(x, w, y, rows, accumulate, x_bf16, x_fragments)
-            return
-        path = self.decode_path(w, rows)
-        if path is not None:
-            self.bf16_decode(path, x, w, y, rows, accumulate=accumulate, x_bf16=x_bf16)
-            return
-        if self.reads_narrow(w, rows):
-            k.linear_bf16_narrow(x[:rows], w.data, y[:rows], stream=stream, accumulate=accumulate)
-            return
-        if rows <= SKINNY_ROWS and (is_quantized(w) or not self.cublas_decode):
-            if _tensor_core(w):
-                if x_fragments is not None and rows <= self.mma_launch_rows:  # the producer of x wrote them
-                    k.linear_quant_mma(x_fragments, w, y[:rows], stream=stream, accumulate=accumulate,
-                                       programmatic=self.programmatic)
-                    return
-                for first in range(0, rows, self.mma_launch_rows):  # a row's result is independent of the others
-                    last = min(rows, first + self.mma_launch_rows)
-                    k.x_fragments(x[first:last], self._ws.x_fragments, stream=stream)
-                    k.linear_quant_mma(self._ws.x_fragments, w, y[first:last], stream=stream, accumulate=accumulate,
-                                       programmatic=self.programmatic)
-            elif is_quantized(w):
-                k.linear_quant(x[:rows], w, y[:rows], stream=stream, accumulate=accumulate)
-            else:
-                k.linear_bf16(x[:rows], w.data, y[:rows], stream=stream, accumulate=accumulate)
-            return
-        self._cublas(x, w, y, rows, accumulate, x_bf16)
-
-    def decode_path(self, w: Matrix, rows: int) -> str | None:
-        """The path `decode_paths` chose for a bf16 matrix at this row count, else `bf16_path` where that path takes
-        the shape; None: the settings decide."""
-        if rows <= SKINNY_ROWS and isinstance(w, Bf16Matrix):
-            shape = tuple(w.shape)
-            if shape in self.decode_paths:
-                return self.decode_paths[shape]
-            return self.bf16_path if self.bf16_path in candidate_paths(shape) else None
-        return None
-
-    def bf16_decode(self, path: str, x: Any, w: Bf16Matrix, y: Any, rows: int, *, accumulate: bool = False,
-                    x_bf16: Any = None) -> None:
-        """y[:rows] (+)= x[:rows] @ W^T through one decode path (`DECODE_PATHS`): cuBLAS padded to `pad_rows` or the
-        tensor-core kernel (bf16 input, `x_bf16` when its producer wrote it), the skinny kernel or the narrow one
-        (fp32 input)."""
-        if path == "cublas":
-            self._cublas(x, w, y, rows, accumulate, x_bf16)
-        elif path == "mma":
-            self._k.linear_bf16_mma(self._gemm_input(x, rows, x_bf16, rows), w.data, y[:rows], stream=self._stream,
-                                    accumulate=accumulate, programmatic=self.programmatic)
-        elif path == "kernels":
-            self._k.linear_bf16(x[:rows], w.data, y[:rows], stream=self._stream, accumulate=accumulate)
-        elif path == "narrow":
-            self._k.linear_bf16_narrow(x[:rows], w.data, y[:rows], stream=self._stream, accumulate=accumulate)
-        else:
-            raise ValueError(f"decode path must be one of {', '.join(DECODE_PATHS)}, got {path!r}")
-
-    def splits_k(self, w: Matrix, rows: int, slices: int) -> bool:
-        """Whether `split_k` takes w at this row count: a bf16 matrix on the padded cuBLAS path, at least twice as
-        wide as tall, whose K divides into `slices` slices of whole 8-column vectors. Why the width: on the H200
-        (results/split_k_probe_session29c.json) the sliced call and its add beat cuBLAS plus the norm on the 35B-A3B's
-        2048 x 4096 out projection (9.2 -> 7.8 us) and the 27B's 5120 x 17408 down (55.5 -> 50.0) but lost on the
-        27B's 5120 x 6144 out projections (21.3 -> 22.4): near-square, cuBLAS does not split K itself, and the
-        slices only add partials to write and read."""
-        return (slices > 0 and isinstance(w, Bf16Matrix) and 0 < rows <= self.pad_rows <= SKINNY_ROWS
-                and self._reads_bf16(w, rows) and self.decode_path(w, rows) in (None, "cublas")
-                and w.shape[1] >= 2 * w.shape[0] and w.shape[1] % (8 * slices) == 0)
-
-    def split_k(self, x: Any, w: Bf16Matrix, partials: Any, rows: int, x_bf16: Any, slices: int) -> Any:
-        """The K slices of x[:pad_rows] @ W^T into the flat fp32 `partials` (`Blas.split_k_gemm_bf16`; x rounded
-        to bf16 here unless its producer wrote `x_bf16`); returns them as [slices, pad_rows, N]. Check `splits_k`
-        first."""
-        n = w.shape[0]
-        sliced = partials[: slices * self.pad_rows * n].reshape(slices, self.pad_rows, n)
-        self.blas.split_k_gemm_bf16(self._gemm_input(x, rows, x_bf16, self.pad_rows), self.bf16_weight(w), sliced,
-                                    slices)
-        return sliced
-
-    def _cublas(self, x: Any, w: Matrix, y: Any, rows: int, accumulate: bool, x_bf16: Any) -> None:
-        gemm_rows = self._gemm_rows(rows, x, y)
-        self.blas.gemm_bf16(self._gemm_input(x, rows, x_bf16, gemm_rows), self.bf16_weight(w), y[:gemm_rows],
-                            accumulate=accumulate)
-
-    def _gemm_input(self, x: Any, rows: int, x_bf16: Any, gemm_rows: int) -> Any:
-        """The bf16 copy of x a cuBLAS call reads, its first `gemm_rows` rows: x[:rows] rounded into the shared
-        scratch here unless its producer wrote it there (`x_bf16`)."""
-        width = x.shape[1]
-        if x_bf16 is None:
-            self._k.to_bf16_rows(x[:rows], self.bf16_input(rows, width), stream=self._stream)
-        return self.bf16_input(gemm_rows, width)
-
-    def _gemm_rows(self, rows: int, x: Any, y: Any) -> int:
-        """Rows a cuBLAS call computes: `pad_rows` for calls of up to that many (one GEMM shape whatever the
-        batch), else `rows`."""
-        return self.pad_rows if rows <= self.pad_rows <= min(x.shape[0], y.shape[0]) else rows
-
-    @property
-    def stream(self) -> Any:
-        """The stream this Linear launches on."""
-        return self._stream
-
-    def fragments_of(self, x: Any) -> Any:
-        """x's tensor-core x fragments (at most mma_launch_rows rows) in this Linear's scratch."""
-        self._k.x_fragments(x, self._ws.x_fragments, stream=self._stream)
-        return self._ws.x_fragments
-
-    @property
-    def mma_launch_rows(self) -> int:
-        """x rows one tensor-core launch takes: its x-fragment sets of MMA_ROWS rows."""
-        return MMA_ROWS * self._k.ROW_SETS
-
-    def bf16_input(self, rows: int, width: int, *consumers: Matrix) -> Any:
-        """The shared scratch for a [rows, width] bf16 copy of an activation, or None when no consumer would read it
-        (with consumers given: the producer then skips writing it). Pass it to every consumer as `x_bf16` (those
-        that read fp32 or fragments ignore it). The copy is valid until the next linear call that converts its own
-        input."""
-        if consumers and not any(self._reads_bf16(w, rows) for w in consumers):
-            return None
-        return self._ws.x_bf16.reshape(self._ws.x_bf16.size)[: rows * width].reshape(rows, width)
-
-    def fragment_input(self, rows: int, *consumers: Matrix) -> Any:
-        """The shared x-fragment buffer for the producer of an activation to write (`out_fragments`) when some
-        consumer runs on the tensor cores at this row count (<= 8 rows: one set), else None. Pass it to every
-        consumer as `x_fragments` (the others ignore it): none then converts its own input, and the fragments stay
-        valid until the next linear call without them."""
-        if rows > MMA_ROWS or not any(self._reads_fragments(w, rows) for w in consumers):
-            return None
-        return self._ws.x_fragments
-
-    def reads_narrow(self, w: Matrix, rows: int) -> bool:
-        """Whether `__call__` multiplies w through the narrow kernel (fp32 input) at this row count."""
-        path = self.decode_path(w, rows)
-        if path is not None:
-            return path == "narrow"
-        return (self.narrow and isinstance(w, Bf16Matrix) and rows <= SKINNY_ROWS and w.shape[0] <= NARROW_MAX_ROWS
-                and w.shape[1] <= NARROW_MAX_K)
-
-    def _reads_fragments(self, w: Matrix, rows: int) -> bool:
-        if isinstance(w, SplitMatrix):
-            return any(self._reads_fragments(part, rows) for part in w.parts)
-        return _tensor_core(w) and rows <= SKINNY_ROWS
-
-    def _reads_bf16(self, w: Matrix, rows: int) -> bool:
-        """Whether `__call__` multiplies w through cuBLAS (bf16 input) at this row count (a split projection: both
-        its blocks, past the decode rows)."""
-        if isinstance(w, SplitMatrix):
-            return rows > SKINNY_ROWS
-        path = self.decode_path(w, rows)
-        if path is not None:
-            return path in BF16_INPUT_PATHS
-        return rows > SKINNY_ROWS or (isinstance(w, Bf16Matrix) and self.cublas_decode
-                                      and not self.reads_narrow(w, rows))
-
-    def _split(self, x: Any, w: SplitMatrix, y: Any, rows: int, accumulate: bool, x_bf16: Any,
-               x_fragments: Any) -> None:
-        """Two row blocks (every split projection of the 27B inventory has exactly two): past the decode rows each
-        block's GEMM writes its columns of y from one bf16 copy of x; on the tensor-core decode path one pair launch
-        writes both; otherwise each block into scratch rows, then joined side by side."""
-        if accumulate or len(w.parts) != 2:
-            raise ValueError("a split projection must have two blocks and overwrite its output")
-        if rows > SKINNY_ROWS:  # no join: at 8K rows the 27B's 64 joins were 57 ms of a 0.9 s prefill
-            gemm_rows = self._gemm_rows(rows, x, y)
-            x_bf16 = self._gemm_input(x, rows, x_bf16, gemm_rows)
-            column = 0
-            for part in w.parts:
-                self.blas.gemm_bf16(x_bf16, self.bf16_weight(part), y[:gemm_rows], first_column=column)
-                column += part.shape[0]
-            return
-        widest = max(part.shape[0] for part in w.parts)
-        capacity, outputs = min(x.shape[0], y.shape[0], self._ws.split_a.shape[0] // widest), []
-        if rows > capacity:
-            raise ValueError(f"a split projection of {rows} rows: its blocks' scratch holds {capacity}")
-        if x_fragments is None and rows <= self.mma_launch_rows and self._reads_fragments(w, rows):
-            x_fragments = self._ws.x_fragments  # one conversion for both blocks
-            self._k.x_fragments(x[:rows], x_fragments, stream=self._stream)
-        first, second = w.parts
-        if (x_fragments is not None and rows <= min(self.mma_launch_rows, SKINNY_ROWS) and _tensor_core(first)
-                and _tensor_core(second) and self._k.has_pair_kernel(first, second)):
-            self._k.linear_quant_mma_pair(x_fragments, first, second, y[:rows], stream=self._stream,
-                                          programmatic=self.programmatic)  # one launch, no join
-            return
-        for part, scratch in zip(w.parts, (self._ws.split_a, self._ws.split_b)):
-            out = scratch[: capacity * part.shape[0]].reshape(capacity, part.shape[0])
-            self(x, part, out, rows=rows, x_fragments=x_fragments)
-            outputs.append(out[:rows])
-        self._k.concat_columns(outputs[0], outputs[1], y[:rows], stream=self._stream)
-
-    def convolves(self, w: Matrix, rows: int) -> bool:
-        """Whether `linear_conv` takes w at this row count: the tensor-core decode path (one launch's rows) for
-        every row block of w, and a compiled fused kernel for their formats."""
-        parts = _row_blocks(w)
-        return (0 < rows <= min(self.mma_launch_rows, SKINNY_ROWS) and all(_tensor_core(part) for part in parts)
-                and self._k.has_conv_kernel(parts))
-
-    def linear_conv(self, x: Any, w: Matrix, y: Any, conv: tuple, mixed: Any, *, rows: int, channels: int,
-                    x_fragments: Any = None) -> None:
-        """y[:rows] = x[:rows] @ W^T and mixed[:rows] = gdn_conv of y's first `channels` columns, in one launch
-        (`linear_quant_mma_conv`; check `convolves` first). `conv`: the conv weight, state, histories and the four
-        segment arrays, as `gdn_conv` takes them; `x_fragments`: x's, when its producer wrote them."""
-        if x_fragments is None:
-            x_fragments = self.fragments_of(x[:rows])
-        self._k.linear_quant_mma_conv(x_fragments, _row_blocks(w), y[:rows], *conv, mixed[:rows], channels=channels,
-                                      stream=self._stream, programmatic=self.programmatic)
-
-    def bf16_weight(self, w: Matrix) -> Any:
-        """A bf16 [N, K] view of the weight: itself, or its dequantization (`WeightDequantizer.weight`: valid for
-        the readers queued before the next call)."""
-        if not is_quantized(w):
-            return w.data
-        if self.dequantizer is None:
-            raise RuntimeError("this Linear has no dequantization scratch (a side stream's, or no long prefill rows)")
-        return self.dequantizer.weight(w)
-
-    def _dequantize(self, w: Matrix, out: Any, stream: Any) -> None:
-        dequantize = self._k.dequantize_mma_bf16 if _tensor_core(w) else self._k.dequantize_bf16
-        dequantize(w, out, stream=stream)
+from ninfer.targets.dims import DFlashDims, QwenDims
 
 
 class CudaQwen:
@@ -1134,7 +96,7 @@ class CudaQwen:
         fused = dims.is_moe
         weights.quant_layout = capacity.decode_quant
         self.embedding = weights.table("text/token_embedding")
-        self.layers = [_layer_weights(weights, device, dims, f"text/layers/{i}/", kind, fused)
+        self.layers = [load_layer(weights, device, dims, f"text/layers/{i}/", kind, fused)
                        for i, kind in enumerate(dims.layer_types)]
         self.final_norm = weights.vector("text/final_norm")
         self.head = weights.matrix("text/output_head")
@@ -1142,11 +104,11 @@ class CudaQwen:
         if capacity.mtp:
             mtp_layer = LayerWeights(weights.vector("mtp/layer/input_norm"),
                                      weights.vector("mtp/layer/post_attention_norm"),
-                                     _attention_weights(weights, "mtp/layer/attention/", True), None, None,
-                                     _ffn_weights(weights, device, dims, "mtp/layer/"))
+                                     load_attention(weights, "mtp/layer/attention/", True), None, None,
+                                     load_ffn(weights, device, dims, "mtp/layer/"))
             self.mtp = MtpWeights(weights.matrix("mtp/input_projection"), weights.vector("mtp/embedding_norm"),
                                   weights.vector("mtp/hidden_norm"), mtp_layer, weights.vector("mtp/final_norm"))
-        self.dflash = _dflash_weights(weights, device, dims, dflash, capacity.draft_tokens) if capacity.dflash \
+        self.dflash = load_dflash(weights, device, dims, dflash, capacity.draft_tokens) if capacity.dflash \
             else None
         # The optimized proposal head (§3.9): a shortlist of head rows and the token id of each.
         self.draft_head = self.draft_head_ids = self.draft_head_id_rows = None
@@ -1167,7 +129,7 @@ class CudaQwen:
         self.mtp_kv: KvPool | None = None
         self.dflash_kv: dict[int, KvPool] = {}  # the drafter's full layers (allocate_kv)
         recurrent = [i for i, kind in enumerate(dims.layer_types) if kind != "full_attention"]
-        self.gdn, self.gdn_bank = _gdn_states(device, dims, capacity, CHECKPOINT_SLOTS, recurrent)
+        self.gdn, self.gdn_bank = make_gdn_states(device, dims, capacity, CHECKPOINT_SLOTS, recurrent)
 
         rows = capacity.max_rows
         self.inputs = StepInputs(device, rows, capacity.lanes, capacity.max_pages_per_lane)
@@ -1187,7 +149,7 @@ class CudaQwen:
         self.dflash_pending = self.dflash_inputs = self.dflash_workspace = None
         self.feature_blocks: dict[int, int] = {}
         if drafter is not None:
-            self.dflash_rings = {layer: _dflash_ring(device, drafter, capacity.lanes, CHECKPOINT_SLOTS)
+            self.dflash_rings = {layer: make_dflash_ring(device, drafter, capacity.lanes, CHECKPOINT_SLOTS)
                                  for layer in drafter.sliding_layers()}
             self.dflash_pending = device.zeros((capacity.lanes, capacity.verify_columns, drafter.feature_width),
                                                np.float32, "state")
@@ -1368,11 +330,11 @@ class CudaQwen:
         """The shared paged KV pools (every attention layer, and the MTP layer or the DFlash drafter's full layers
         with speculative decoding)."""
         dims, kv_dtype = self.dims, self.capacity.kv_dtype
-        self.kv = {i: _kv_pool(self.device, dims, kv_dtype, pages) for i, kind in enumerate(dims.layer_types)
+        self.kv = {i: make_kv_pool(self.device, dims, kv_dtype, pages) for i, kind in enumerate(dims.layer_types)
                    if kind == "full_attention"}
-        self.mtp_kv = _kv_pool(self.device, dims, kv_dtype, pages) if self.capacity.mtp else None
+        self.mtp_kv = make_kv_pool(self.device, dims, kv_dtype, pages) if self.capacity.mtp else None
         if self.dflash is not None:
-            self.dflash_kv = {layer: _kv_pool(self.device, self.dflash.dims, DFLASH_KV_DTYPE, pages)
+            self.dflash_kv = {layer: make_kv_pool(self.device, self.dflash.dims, DFLASH_KV_DTYPE, pages)
                               for layer in self.dflash.dims.full_layers()}
         self.pages = pages
 
@@ -1389,14 +351,14 @@ class CudaQwen:
     def _fragment_words(self) -> int:
         """x-fragment words of the widest input a tensor-core quantized matrix reads, for the sets of one launch."""
         heads = (self.head,) if self.draft_head is None else (self.head, self.draft_head)  # (a bf16 model's is Q4)
-        widths = [m.shape[1] for m in (*self._matrices(), *heads) if _tensor_core(m)]
+        widths = [m.shape[1] for m in (*self._matrices(), *heads) if tensor_core(m)]
         return self.k.ROW_SETS * self.k.x_fragment_words(max(widths)) if widths else 0
 
     def _slot_fragment_words(self) -> int:
         """x-fragment words of the per-slot inputs of the MoE down projections, when they are tensor-core: one set
         per expert slot."""
         layers = self._layers_with_mtp()
-        if not any(isinstance(layer.ffn, MoeFfn) and _tensor_core(layer.ffn.routed_down) for layer in layers):
+        if not any(isinstance(layer.ffn, MoeFfn) and tensor_core(layer.ffn.routed_down) for layer in layers):
             return 0
         return self.dims.moe_top_k * self.k.x_fragment_words(self.dims.moe_intermediate)
 
@@ -1410,7 +372,7 @@ class CudaQwen:
         for layer in layers:
             for part in (layer.attention, layer.gdn, layer.ffn):
                 if part is not None:
-                    found += [v for v in attrs.astuple(part, recurse=False) if _is_matrix(v)]
+                    found += [v for v in attrs.astuple(part, recurse=False) if is_matrix(v)]
             if layer.gdn_output is not None:
                 found.append(layer.gdn_output)
         if self.mtp:
@@ -1420,7 +382,7 @@ class CudaQwen:
             for layer in self.dflash.layers:
                 found += [layer.query_key_value, layer.output, layer.mlp.gate_up, layer.mlp.down]
         for matrix in found:
-            yield from _row_blocks(matrix)
+            yield from row_blocks(matrix)
 
     # ---- the decoder ----
 
@@ -1724,7 +686,7 @@ class CudaQwen:
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *mixer)
         h_frag = self.linear.fragment_input(rows, *mixer)
         # the recurrence that projects a/b reads the fp32 rows
-        self._norm(x, layer.input_norm, h if projects_ab else _fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16,
+        self._norm(x, layer.input_norm, h if projects_ab else fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16,
                    out_fragments=h_frag)
         if layer.attention is not None:
             self._attention(layer.attention, rows, prefill, kv, h_bf16, h_frag)
@@ -1736,7 +698,7 @@ class CudaQwen:
                      else (ffn.router_shared_gate, ffn.shared_gate_up, ffn.routed_gate_up))
         h_bf16 = self.linear.bf16_input(rows, d.hidden, *consumers)
         h_frag = self.linear.fragment_input(rows, *consumers)
-        self._norm(x, layer.post_attention_norm, _fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16,
+        self._norm(x, layer.post_attention_norm, fp32_read(h, rows, h_bf16, h_frag), out_bf16=h_bf16,
                    out_fragments=h_frag)
         if isinstance(ffn, DenseFfn) and _fused_swiglu(ffn.gate_up, rows):
             self._swiglu_ffn(ffn.gate_up, ffn.down, rows, self.linear, h_frag, ws.gate_up, ws.x, accumulate=True)
@@ -1861,7 +823,7 @@ class CudaQwen:
         packed = ws.gemm_queries[: kv_heads * group * rows * head_dim].reshape(kv_heads, group * rows, head_dim)
         k.pack_queries(ws.q[:rows], packed, first=0, rows=rows, group=group, scale=1.0 / np.sqrt(head_dim),
                        stream=stream)
-        out = _fp32_read(ws.attended[:rows], rows, out_bf16, None)
+        out = fp32_read(ws.attended[:rows], rows, out_bf16, None)
         k.flash_prefill(packed, keys_bf16, values_t, ws.qkgv[:rows], out, rows=rows, first_position=prefill.kv_start,
                         length=length, group=group, stream=stream, out_bf16=out_bf16)
 
@@ -1973,7 +935,7 @@ class CudaQwen:
                                                    stream=stream, programmatic=self.linear.programmatic
                                                    and isinstance(w.routed_gate_up, Bf16Matrix))
             else:
-                act_frag = (ws.slot_x_fragments if rows <= MMA_ROWS and _tensor_core(w.routed_down) else None)
+                act_frag = (ws.slot_x_fragments if rows <= MMA_ROWS and tensor_core(w.routed_down) else None)
                 self.k.silu_mul_slots(gate_up, act, stream=stream, out_fragments=act_frag)
                 self._gathered(act, w.routed_down, ids, out, rows_per_expert=d.hidden, x_per_slot=True,
                                x_fragments=act_frag)
@@ -2028,7 +990,7 @@ class CudaQwen:
         """Whether a Gated DeltaNet layer's recurrence computes its a/b projection (`Capacity.ab_in_recurrence`;
         None: where the in-projection is a tensor-core quantized matrix): rows that take the recurrence (not the
         chunked rule) and a bf16 projection."""
-        on = (all(_tensor_core(part) for part in _row_blocks(w.in_proj)) if self.ab_in_recurrence is None
+        on = (all(tensor_core(part) for part in row_blocks(w.in_proj)) if self.ab_in_recurrence is None
               else self.ab_in_recurrence)
         return on and isinstance(w.ab_proj, Bf16Matrix) and not (chunked and rows > SKINNY_ROWS)
 
@@ -2117,7 +1079,7 @@ class CudaQwen:
         X(m, s) = x[m], or x[m, s] with x_per_slot. The tensor-core kernel takes x as fragments, 8 rows a launch;
         `x_fragments` are those of x written by its producer (at most 8 rows)."""
         k, stream = self.k, self.device.stream
-        if _tensor_core(w):
+        if tensor_core(w):
             if x_fragments is not None and x.shape[0] <= MMA_ROWS:  # the producer of x wrote them
                 k.linear_quant_mma_gathered(x_fragments, w, ids, y, rows_per_expert=rows_per_expert,
                                             x_per_slot=x_per_slot, stream=stream,
@@ -2233,7 +1195,7 @@ class CudaQwen:
     def _direct_capable(self, w: MoeFfn) -> bool:
         """Both routed matrices in the tensor-core layout, the gate|up stored for the SwiGLU output."""
         gate_up, down = w.routed_gate_up, w.routed_down
-        return (_tensor_core(gate_up) and _tensor_core(down)
+        return (tensor_core(gate_up) and tensor_core(down)
                 and getattr(gate_up, "swiglu_rows", 0) == 2 * self.dims.moe_intermediate)
 
     def _moe_chunk_bound(self, rows: int, chunk: int) -> int:
@@ -2379,37 +1341,7 @@ def _runs(values: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(a), int(values[a]), int(b - a)) for a, b in zip(starts, stops)]
 
 
-CHECKPOINT_SLOTS = 2
-
-
-def check_recurrence_groups(groups: int) -> None:
-    """The ValueError of a Capacity.recurrence_groups the recurrence has no compiled variant for."""
-    if groups not in REC_GROUP_CHOICES:
-        raise ValueError(f"recurrence_groups must be one of {', '.join(map(str, REC_GROUP_CHOICES))}, got {groups}")
-
-
-def check_split_k_norm(slices: int) -> None:
-    """The ValueError of a Capacity.split_k_norm `add_slices_rms_norm_rows` has no kernel for."""
-    if slices != 0 and slices not in ADD_SLICES:
-        raise ValueError(f"split_k_norm must be 0 (off) or one of {', '.join(map(str, ADD_SLICES))} slices, got "
-                         f"{slices}")
-
-
 def _fused_swiglu(gate_up: Any, rows: int) -> bool:
     """Whether decode rows of this gate|up run the fused SwiGLU epilogue: it is stored for it (`_gate_up`), and the
     row count is the decode path's (prefill chunks dequantize it, back in its original row order)."""
     return bool(getattr(gate_up, "swiglu_rows", 0)) and rows <= SKINNY_ROWS
-
-
-def _row_blocks(matrix: Matrix) -> tuple:
-    """The matrices a projection is stored as: a split projection's row blocks, or the matrix itself."""
-    return tuple(matrix.parts) if isinstance(matrix, SplitMatrix) else (matrix,)
-
-
-def _tensor_core(matrix: Any) -> bool:
-    """A quantized matrix stored in the tensor-core layout (`quant_mma`)."""
-    return bool(getattr(matrix, "tensor_core", False))
-
-
-def _is_matrix(value: Any) -> bool:
-    return isinstance(value, (Bf16Matrix, SplitMatrix)) or is_quantized(value)

@@ -230,3 +230,16 @@ def is_quantized(matrix: Any) -> bool:
     """A ninfer-v2 matrix: the kernel set's quantized weight, which carries its storage format."""
     return getattr(matrix, "fmt", None) in QUANT_FORMATS
 
+
+def row_blocks(matrix: Matrix) -> tuple:
+    """The matrices a projection is stored as: a split projection's row blocks, or the matrix itself."""
+    return tuple(matrix.parts) if isinstance(matrix, SplitMatrix) else (matrix,)
+
+
+def tensor_core(matrix: Any) -> bool:
+    """A quantized matrix stored in the tensor-core layout (`quant_mma`)."""
+    return bool(getattr(matrix, "tensor_core", False))
+
+
+def is_matrix(value: Any) -> bool:
+    return isinstance(value, (Bf16Matrix, SplitMatrix)) or is_quantized(value)
