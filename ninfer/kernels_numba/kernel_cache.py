@@ -38,6 +38,7 @@ import hashlib
 import importlib.metadata
 import os
 import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -54,6 +55,7 @@ OFF_VALUES = frozenset({"", "0", "off", "no", "false", "none"})
 KEEP_GENERATIONS = 3  # toolchains kept under the cache root (the most recently used)
 STALE_DAYS = 30  # an entry neither loaded nor saved for this long is removed
 FORMAT = 2  # of the keys and entries
+GENERATION_NAME = re.compile(r"kernels-[0-9a-f]{32}")
 _VERSIONED = ("numba", "numba-cuda", "llvmlite", "cuda-bindings")
 # modules whose objects a kernel may name by qualified name alone (their versions are in the generation's name)
 _LIBRARIES = ("numba", "llvmlite", "numpy", "math", "cmath", "operator", "builtins")
@@ -343,9 +345,11 @@ class KernelFiles:
 
 
 def prune_generations(root: Path, *, keep: int) -> list[Path]:
-    """Remove all but the `keep` most recently used generation directories under `root`; returns those removed."""
-    generations = sorted((path for path in root.iterdir() if path.is_dir()), key=lambda p: p.stat().st_mtime,
-                         reverse=True)
+    """Remove all but the `keep` most recently used generation directories under `root` (named as `_generation`
+    names them: nothing else there is touched, whatever directory NINFER_KERNEL_CACHE names); returns those
+    removed."""
+    generations = sorted((path for path in root.iterdir() if path.is_dir() and GENERATION_NAME.fullmatch(path.name)),
+                         key=lambda p: p.stat().st_mtime, reverse=True)
     removed = generations[keep:]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -371,7 +375,7 @@ def prune_entries(directory: Path, *, older_than: float) -> list[Path]:
 @functools.cache
 def _generation(root: Path) -> KernelFiles:
     """The current generation's files (one object a process, so pruning runs once)."""
-    return KernelFiles(root / toolchain_digest()[:32])
+    return KernelFiles(root / f"kernels-{toolchain_digest()[:32]}")
 
 
 class KernelDiskCache:

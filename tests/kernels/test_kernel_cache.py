@@ -254,22 +254,30 @@ def test_the_cache_root_from_the_environment(monkeypatch, tmp_path):
         assert kernel_cache.cache_root() is None
 
 
-def test_old_generations_are_pruned_by_last_use(tmp_path):
-    for age, name in enumerate(("newest", "second", "third", "fourth", "oldest")):
-        (tmp_path / name).mkdir()
+def _generation_name(n: int) -> str:
+    return f"kernels-{n:032x}"
+
+
+def test_old_generations_are_pruned_by_last_use_and_nothing_else_is_touched(tmp_path):
+    for age in range(5):
+        (tmp_path / _generation_name(age)).mkdir()
         stamp = time.time() - 100 * age
-        os.utime(tmp_path / name, (stamp, stamp))
+        os.utime(tmp_path / _generation_name(age), (stamp, stamp))
+    (tmp_path / "someone-elses").mkdir()  # the cache pointed at a shared directory
+    stamp = time.time() - 10_000
+    os.utime(tmp_path / "someone-elses", (stamp, stamp))
     removed = kernel_cache.prune_generations(tmp_path, keep=3)
-    assert sorted(p.name for p in removed) == ["fourth", "oldest"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["newest", "second", "third"]
+    assert sorted(p.name for p in removed) == [_generation_name(3), _generation_name(4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([_generation_name(0), _generation_name(1),
+                                                                  _generation_name(2), "someone-elses"])
 
 
 def test_the_first_save_makes_its_generation_the_newest_and_prunes(tmp_path):
     for age in range(4):
-        (tmp_path / f"old{age}").mkdir()
+        (tmp_path / _generation_name(age + 1)).mkdir()
         stamp = time.time() - 1000 - age
-        os.utime(tmp_path / f"old{age}", (stamp, stamp))
-    current = tmp_path / "current"
+        os.utime(tmp_path / _generation_name(age + 1), (stamp, stamp))
+    current = tmp_path / _generation_name(0)
     current.mkdir()
     stale, crashed, recent = current / "stale.kernel", current / "crashed.partial", current / "recent.kernel"
     for path, days in ((stale, kernel_cache.STALE_DAYS + 1), (crashed, 2), (recent, kernel_cache.STALE_DAYS - 1)):
@@ -279,7 +287,7 @@ def test_the_first_save_makes_its_generation_the_newest_and_prunes(tmp_path):
     files = kernel_cache.KernelFiles(current)
     files.save("key", __import__("pickle").dumps(("key", {"payload": 1})))
     assert files.load("key") == {"payload": 1} and files.load("other") is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "old0", "old1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [_generation_name(n) for n in range(3)]
     assert sorted(p.name for p in current.iterdir()) == sorted([files.path("key").name, "recent.kernel"])
 
 
