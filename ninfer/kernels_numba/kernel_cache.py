@@ -215,8 +215,10 @@ class Fingerprints:
 
     def code(self, code: types.CodeType) -> str:
         constants = ",".join(self.of(constant) for constant in code.co_consts)
-        return (f"code:{code.co_name}:{hashlib.sha256(code.co_code).hexdigest()}:[{constants}]:"
-                f"{','.join(code.co_names)}:{','.join(code.co_freevars)}")
+        body = code.co_code + getattr(code, "co_exceptiontable", b"")
+        return (f"code:{code.co_name}:{hashlib.sha256(body).hexdigest()}:[{constants}]:{','.join(code.co_names)}:"
+                f"{','.join(code.co_varnames)}:{code.co_argcount},{code.co_kwonlyargcount},{code.co_flags}:"
+                f"{','.join(code.co_freevars)}")
 
     def function(self, function: types.FunctionType) -> str:
         known = self._functions.get(id(function))
@@ -237,6 +239,7 @@ class Fingerprints:
                     parts.append(f"{global_name}={self.of(function.__globals__[global_name])}")
             for default in function.__defaults__ or ():
                 parts.append(self.of(default))
+            parts.append(self.of(function.__kwdefaults__ or {}))
         except UncacheableKernel:
             del self._functions[id(function)]  # no fingerprint: not its name either
             raise
