@@ -178,7 +178,8 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
 
 
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
-                 dims=None, context: int = CONTEXT, prefill_tokens: int = PREFILL, repeats: int = 30,
+                 dims=None, context: int = CONTEXT, prefill_tokens: int | tuple[int, ...] = PREFILL,
+                 repeats: int = 30,
                  decode_linears: tuple[str, ...] = ("kernels",), profile: bool = False,
                  decode_only: bool = False, prefill_only: bool = False, mtp_only: bool = False,
                  decode_quant: str = "mma",
@@ -205,8 +206,12 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     the full-size chunks replay graphs captured in pieces where the model can (`CudaQwen.capture_prefill`, as the
     server's runner does), off and/or on. `prefill_buckets`: shorter chunks padded to their row buckets
     (Capacity.prefill_buckets), off and/or on. `direct_quant_experts`: a MoE model's quantized routed experts
-    multiplied from their codes (Capacity.direct_quant_experts), off and/or on."""
+    multiplied from their codes (Capacity.direct_quant_experts), off and/or on. `prefill_tokens`: one prompt length
+    or several, each timed with every prefill setting on the same build (sized for the longest; with
+    `prefill_chunk`, the workspace is the chunk's whatever the lengths)."""
     dims = dims or MODELS[dims_name]
+    lengths = (prefill_tokens,) if isinstance(prefill_tokens, int) else tuple(prefill_tokens)
+    prefill_tokens = max(lengths)  # what sizes the build, the suffix prefill's context
     if prefill_only:
         batches = ()
     device = device or CudaDevice(0)
@@ -332,14 +337,17 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     table = np.arange(capacity.max_pages_per_lane, dtype=np.int32)
     model.inputs.set_page_table(0, table)
     ids = np.random.default_rng(0).integers(0, dims.vocab_ids, prefill_tokens)
-    chunks = [(start, min(capacity.prefill_rows, prefill_tokens - start))
-              for start in range(0, prefill_tokens, capacity.prefill_rows)]
+    chunks: list[tuple[int, int]] = []  # the timed prompt's (start, rows) chunks: set for each length below
+
+    def split(tokens: int) -> list[tuple[int, int]]:
+        rows = capacity.prefill_rows
+        return [(start, min(rows, tokens - start)) for start in range(0, tokens, rows)]
 
     def stage(start: int, count: int) -> tuple[int, PrefillSpan]:
         positions = np.tile(np.arange(start, start + count), (3, 1))
         return model.stage_prefill(0, start, ids[start : start + count], positions)
 
-    staged = [stage(*chunks[0])]  # one chunk's inputs, written before the timing (again for each setting)
+    staged: list = [None]  # one chunk's inputs, written before the timing (again for each setting and length)
     pieces: dict[int, Any] = {}  # padded rows -> their graph pieces while a setting replays them
 
     def prefill():
@@ -362,9 +370,10 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     aheads = dequant_aheads if dequantizer is not None else (None,)
     serving_free_chunk = model.moe_sync_free_chunk_rows
     directs = direct_quant_experts if dims.is_moe and dequantizer is not None else (False,)
-    for attention, (moe_gemm, chunk, step, sync_free), ahead, buckets, direct, graphs in (
-            (a, m, d, b, q, g) for a in prefill_attentions for m in moe_settings for d in aheads
-            for b in prefill_buckets for q in directs for g in prefill_graphs):
+    for attention, (moe_gemm, chunk, step, sync_free), ahead, buckets, direct, graphs, tokens in (
+            (a, m, d, b, q, g, n) for a in prefill_attentions for m in moe_settings for d in aheads
+            for b in prefill_buckets for q in directs for g in prefill_graphs for n in lengths):
+        chunks[:] = split(tokens)
         model.prefill_attention, model.moe_prefill_gemm = attention, moe_gemm
         model.moe_chunk_rows, model.moe_chunk_step = chunk or serving_chunk, step or serving_step
         model.moe_sync_free_chunk_rows = chunk or serving_free_chunk
@@ -396,7 +405,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         with GcPauses() as pauses:
             times = event_time(device.stream, prefill, PREFILL_REPEATS)
         seconds = float(np.median(times))
-        flops = prefill_flops(model, prefill_tokens)
+        flops = prefill_flops(model, tokens)
         gc_pauses = pauses.summary()
         result["prefill"].append({"attention": attention, "moe_gemm": moe_gemm,
                                   "moe_chunk_rows": model.moe_chunk_rows, "moe_chunk_step": model.moe_chunk_step,
@@ -410,13 +419,13 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                   # matrices dequantized in all the prefills timed (each chunk dequantizes its own)
                                   "dequantized": (dequantizer.hits + dequantizer.misses - dequantized_before
                                                   if dequantizer is not None else 0),
-                                  "tokens": prefill_tokens, "chunk": capacity.prefill_rows,
+                                  "tokens": tokens, "chunk": capacity.prefill_rows,
                                   "seconds": seconds, "all_seconds": [float(t) for t in times],
-                                  "tok_s": prefill_tokens / seconds, "flops": flops,
+                                  "tok_s": tokens / seconds, "flops": flops,
                                   "ratio_to_gemm_peak": flops / seconds / gemm, "gc_pauses": gc_pauses})
         chunked = f" in chunks of {capacity.prefill_rows}" if len(chunks) > 1 else ""
-        print(f"  prefill [{label}] {prefill_tokens}{chunked}: {seconds * 1e3:8.1f} ms  "
-              f"{prefill_tokens / seconds:8.0f} tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  "
+        print(f"  prefill [{label}] {tokens}{chunked}: {seconds * 1e3:8.1f} ms  "
+              f"{tokens / seconds:8.0f} tok/s  {flops / seconds / 1e12:6.1f} TFLOP/s  "
               f"ratio {flops / seconds / gemm:.2f}  (of "
               f"{PREFILL_REPEATS}: {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms; the collector paused the host "
               f"{gc_pauses['collections']} times, {gc_pauses['total_ms']:.1f} ms, longest {gc_pauses['max_ms']:.1f})",
@@ -656,6 +665,16 @@ def on_off_or_default(parser: argparse.ArgumentParser, option: str, value: str) 
     return tuple(None if choice == "default" else on_off(parser, option, choice)[0] for choice in value.split(","))
 
 
+def prompt_lengths(parser: argparse.ArgumentParser, value: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        parser.error(f"--prefill-tokens takes positive token counts separated by commas, got {value!r}")
+    return lengths
+
+
 def counts_or_default(value: str) -> tuple[int | None, ...]:
     """A list option of integers, where "default" (None) stands for the model's own setting."""
     return tuple(None if x == "default" else int(x) for x in value.split(","))
@@ -734,9 +753,10 @@ def main() -> None:
     parser.add_argument("--tensor-core-decode", default="on",
                         help="decode attention over bf16 KV on the tensor cores off and/or on (off,on; default: on, "
                              "the serving default); the MTP rounds run with each")
-    parser.add_argument("--prefill-tokens", type=int, default=PREFILL,
-                        help="the prompt the prefill timings run (8192 by default); with --prefill-chunk longer, the "
-                             "workspace is still the chunk's, as the server's")
+    parser.add_argument("--prefill-tokens", default=str(PREFILL),
+                        help="the prompt lengths the prefill timings run (a list: 200,500,900; 8192 by default), on "
+                             "one build; with --prefill-chunk longer, the workspace is still the chunk's, as the "
+                             "server's")
     parser.add_argument("--prefill-buckets", default="off",
                         help="prefill chunks shorter than --prefill-chunk padded to their row buckets off and/or on "
                              "(off,on; default: off, the serving default)")
@@ -750,6 +770,7 @@ def main() -> None:
                         help="per-kernel GPU time of the B=1 and B=8 decode graphs and of the 8K prefill (CUPTI "
                              "through torch.profiler)")
     args = parser.parse_args()
+    lengths = prompt_lengths(parser, args.prefill_tokens)
     if not set(args.branches.split(",")) <= {"off", "on", "default"}:
         parser.error(f"--branches takes off, on, default or a list of them; got {args.branches!r}")
     programmatic = on_off(parser, "--programmatic", args.programmatic)
@@ -809,7 +830,7 @@ def main() -> None:
                                                           direct_quant_experts=on_off(
                                                               parser, "--direct-quant-experts",
                                                               args.direct_quant_experts),
-                                                          prefill_tokens=args.prefill_tokens))
+                                                          prefill_tokens=lengths))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -64,6 +64,21 @@ def test_a_prompt_shorter_than_the_chunk_runs_eagerly_or_padded_to_its_bucket_in
             for row in result["prefill"]] == [(False, [100], [], 128, 100), (True, [128], [128], 128, 100)]
 
 
+def test_several_prompt_lengths_are_timed_on_one_build(bench):
+    """--prefill-tokens 100,256 with a 128-row chunk: each setting times each length (one chunk padded to its
+    bucket, then two full chunks replaying the captured graphs), the workspace the chunk's."""
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
+                                context=70, prefill_tokens=(100, 256), prefill_chunk=128, repeats=4, prefill_only=True,
+                                prefill_attentions=("flash",), prefill_buckets=(False, True))
+    assert [(row["prefill_buckets"], row["tokens"], row["padded_rows"], row["prefill_graphs"], row["chunk"])
+            for row in result["prefill"]] == [(False, 100, [100], [], 128), (False, 256, [128, 128], [128], 128),
+                                              (True, 100, [128], [128], 128), (True, 256, [128, 128], [128], 128)]
+    assert all(row["flops"] > 0 for row in result["prefill"])
+    assert result["prefill"][1]["flops"] > 2 * result["prefill"][0]["flops"]
+
+
 def test_direct_quant_experts_are_timed_beside_the_dequantizing_path(bench):
     """--direct-quant-experts off,on on a ninfer-v2 MoE model: one prefill row each, the second without
     dequantizing the experts (fewer matrices dequantized: the routed gate|up and down of every layer)."""
