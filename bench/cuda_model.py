@@ -17,6 +17,7 @@ Run on the GPU machine: `python bench/cuda_model.py [--models 27b,35b] [--recipe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -165,6 +167,33 @@ def prefill_flops(model: CudaQwen, tokens: int) -> float:
     return 2.0 * params * tokens + attention
 
 
+class FirstPasses:
+    """Times the first eager pass of each kind in a configuration (decode step, prefill), where the kernels it
+    launches are compiled or loaded from the kernel cache: the seconds and the cache's counts go into `result`
+    ("first_passes") and the log."""
+
+    def __init__(self, result: dict) -> None:
+        self._result = result.setdefault("first_passes", {})
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str):
+        from ninfer.kernels_numba import kernel_cache
+
+        if kind in self._result:
+            yield
+            return
+        counts, began = attrs.evolve(kernel_cache.COUNTS), time.perf_counter()
+        yield
+        seconds = time.perf_counter() - began
+        after = kernel_cache.COUNTS
+        record = {"seconds": seconds, "loaded": after.loaded - counts.loaded,
+                  "compiled": after.compiled - counts.compiled, "failed": after.failed - counts.failed}
+        self._result[kind] = record
+        print(f"  first {kind} pass {seconds:.1f}s: kernels {record['loaded']} loaded, {record['compiled']} "
+              f"compiled, {record['failed']} failed (cache {kernel_cache.report()['directory'] or 'off'})",
+              flush=True)
+
+
 def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
     """Page tables for `batch` lanes holding `context` tokens each, and one decode row per lane."""
     pages_per_lane = model.capacity.max_pages_per_lane
@@ -231,6 +260,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     print(f"[{dims_name} {recipe} kv={kv_dtype}] built in {result['build_seconds']:.1f}s, "
           f"weights {device.ledger['weights'] / 2**30:.1f} GiB", flush=True)
 
+    first_pass = FirstPasses(result)
     decode = []
     branches = tuple(dims.is_moe if side is None else side for side in branches)  # None: the serving default
     narrow = tuple(not dims.is_moe if thin is None else thin for thin in narrow)  # None: the serving default
@@ -268,8 +298,9 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                 model.keep_segment_rows(batch)
                 model.greedy(model.head_logits(model.workspace.final, batch))
 
-            step()
-            device.synchronize()
+            with first_pass("decode"):
+                step()
+                device.synchronize()
             free_before = device.info.free_bytes
             graph = device.capture(step)
             device.synchronize()
@@ -389,7 +420,10 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             "" if sync_free is None else f" sync-free {'on' if sync_free else 'off'}") + (
             "" if ahead is None else f" dequant ahead {ahead}") + (" buckets" if buckets else "") + (
             " direct experts" if direct else "")
-        for _ in range(PREFILL_WARMUPS):  # eager (compiles the kernels)
+        with first_pass("prefill"):
+            prefill()  # eager (compiles the kernels, or loads them from the kernel cache)
+            device.synchronize()
+        for _ in range(PREFILL_WARMUPS - 1):
             prefill()
         device.synchronize()
         # graphs of the full-size chunk and the buckets, as the runner captures them (`capture_prefill_graph`)
