@@ -57,10 +57,12 @@ def test_step_inputs_keep_the_device_written_next_ids_when_a_fill_gives_none():
     inputs.next_ids[:2] = [11, 12]
     inputs.fill(token_ids=[3], positions=np.array([[5], [6], [7]]), row_lane=[1], row_pos=[4], seg_lane=[1],
                 seg_row=[0], seg_count=[1], seg_record=[0])
-    assert device.calls == {"write_rows": 2} and device.pitched == [(12, 2), (10, 1)]
+    # every row to next_ids (the last), then the rows to seg_record (the last a decode fill gives)
+    assert device.calls == {"write_rows": 2} and device.pitched == [(len(StepInputs.ROWS), 2), (10, 1)]
     assert inputs.next_ids[:2].tolist() == [11, 12] and inputs.token_ids[:2].tolist() == [3, 8]
     assert inputs.positions[:, :2].tolist() == [[5, 1], [6, 3], [7, 5]]
     assert inputs.positions.shape == (3, 6) and inputs.positions.flags.c_contiguous
+    assert inputs.sampling.shape == (8, 6) and inputs.sampling.flags.c_contiguous
     with pytest.raises(ValueError, match="7 rows exceed the 6"):
         inputs.fill(token_ids=np.zeros(7), positions=np.zeros((3, 7)), row_lane=np.zeros(7), row_pos=np.zeros(7),
                     seg_lane=[0], seg_row=[0], seg_count=[7], seg_record=[0])
@@ -124,13 +126,16 @@ def test_the_mtp_rows_of_a_prefill_chunk_are_gathered_on_the_device(tmp_path):
     assert copies == [1, 1], copies  # the draft chain's two MTP steps
 
 
-def test_a_decode_step_keeps_its_lanes_rows_inside_its_graph(tmp_path):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_decode_step_keeps_its_lanes_rows_inside_its_graph(tmp_path, sampled):
     """A plain decode step at eight lanes: one pitched copy of its inputs, the graph, one read of the tokens; each
     lane's tail (and, in MTP rounds, its verify columns) is kept by the step's own graph (`keep_segment_rows`), where
-    the host made a device copy a lane after the read."""
+    the host made a device copy a lane after the read. Sampled lanes (penalties on) cost no more: their penalties
+    and draw parameters go down with the inputs, the draw and the count run in the graph, where the host wrote the
+    penalties twice, read the candidates twice and wrote the counts three times."""
     from ninfer.backends.cuda import host as host_module
     from tests.support.cuda_models import write_tiny_qwen_artifact
-    from tests.test_cuda_runner import GREEDY, Lane, cuda_build, decode_round, prompt
+    from tests.test_cuda_runner import GREEDY, SAMPLED, Lane, cuda_build, decode_round, prompt
 
     path = write_tiny_qwen_artifact(tmp_path / "dense.ninfer", moe=False, recipe="bf16")
     build = cuda_build("host", path, lanes=8)
@@ -139,7 +144,8 @@ def test_a_decode_step_keeps_its_lanes_rows_inside_its_graph(tmp_path):
         original = getattr(device, name)
         setattr(device, name, lambda *a, _name=name, _original=original, **k: (
             calls.update([] if replaying else [_name]), _original(*a, **k))[1])
-    lanes = [Lane(build.runner, i, prompt(3 + i, 20), sampling=GREEDY, budget=8) for i in range(8)]
+    lanes = [Lane(build.runner, i, prompt(3 + i, 20), sampling=SAMPLED if sampled else GREEDY, budget=8)
+             for i in range(8)]
     for lane in lanes:
         lane.prefill(1000)
     decode_round(build.runner, lanes)

@@ -166,31 +166,42 @@ class Sampler:
         return chosen
 
     def _top_k(self) -> int:
-        top_k = self.params.top_k
-        return TOP_K_CAP if top_k <= 0 or top_k >= TOP_K_CAP else top_k
+        return effective_top_k(self.params.top_k)
 
     def _kept(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Steps 4-6 over the top-k candidates (best first) and their penalised logits: temperature weights
-        relative to the best, then min_p and top_p cuts (at least one candidate stays)."""
         p = self.params
-        weights = np.exp((values - values[0]) / np.float32(p.temperature)).astype(np.float32)
-        keep = len(ids)
-        if p.min_p > 0.0:
-            below = np.flatnonzero(weights < np.float32(p.min_p))  # w_0 == 1, so the threshold is min_p itself
-            if below.size:
-                keep = int(below[0])
-        if p.top_p < 1.0:
-            target = np.float32(p.top_p) * np.sum(weights, dtype=np.float32)
-            reached = np.flatnonzero(np.cumsum(weights, dtype=np.float32) >= target)
-            if reached.size:
-                keep = min(keep, int(reached[0]) + 1)
-        keep = max(keep, 1)
-        return ids[:keep], weights[:keep]
+        weights = kept_weights(values, p.temperature, p.min_p, p.top_p)
+        return ids[: len(weights)], weights
 
     def count(self, token: int) -> None:
         """Step 8: a token was generated (the penalties of later draws see it)."""
         if self.params.penalties_active:
             self._counts[token] += 1
+
+
+def effective_top_k(top_k: int) -> int:
+    """Step 3's candidate count: top_k, with 0 (off) and anything past TOP_K_CAP meaning TOP_K_CAP."""
+    return TOP_K_CAP if top_k <= 0 or top_k >= TOP_K_CAP else top_k
+
+
+def kept_weights(values: np.ndarray, temperature: float, min_p: float, top_p: float) -> np.ndarray:
+    """Steps 4-6 over the top-k candidates' penalised logits (best first): the temperature weights relative to the
+    best, cut by min_p, then by top_p (at least one candidate stays); returns the kept prefix's weights. Each
+    weight's exp is taken in float64 and rounded once to fp32, and the sums run in order in fp32: the device's
+    sampler (`kernels_numba.sampling.sample_candidates`) computes the same bits."""
+    tempered = ((values - values[0]) / np.float32(temperature)).astype(np.float32)
+    weights = np.exp(tempered.astype(np.float64)).astype(np.float32)
+    keep = len(weights)
+    if min_p > 0.0:
+        below = np.flatnonzero(weights < np.float32(min_p))  # w_0 == 1, so the threshold is min_p itself
+        if below.size:
+            keep = int(below[0])
+    if top_p < 1.0:
+        cumulative = np.cumsum(weights, dtype=np.float32)
+        reached = np.flatnonzero(cumulative >= np.float32(top_p) * cumulative[-1])
+        if reached.size:
+            keep = min(keep, int(reached[0]) + 1)
+    return weights[: max(keep, 1)]
 
 
 def draw(ids: np.ndarray, weights: np.ndarray, u: float) -> int:

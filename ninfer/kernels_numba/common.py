@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import float32, int32, int64, types, uint32
+from numba import float32, int32, int64, types, uint32, uint64
 from numba.cuda import libdevice
 from numba.cuda.extending import intrinsic
 
@@ -306,6 +306,17 @@ def store_words2_at(typingctx, address, w0, w1):
 def store_words4_at(typingctx, address, w0, w1, w2, w3):
     """Store four uint32 words at a global byte address aligned to 16 bytes, as one store."""
     return types.void(int64, uint32, uint32, uint32, uint32), _store_codegen(4)
+
+
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+@device_function
+def mix64(z):
+    """splitmix64's finaliser of a 64-bit state (the fills' hash of (seed, index); the sampler's RNG)."""
+    z = (z ^ (z >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> uint64(27))) * uint64(0x94D049BB133111EB)
+    return z ^ (z >> uint64(31))
 
 
 def blocks_for(items: int, per_block: int) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, uint16, uint32, uint64
 
-from ninfer.kernels_numba.common import blocks_for, f32_to_bf16
+from ninfer.kernels_numba.common import GOLDEN_GAMMA, blocks_for, f32_to_bf16, mix64
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 THREADS = 256
@@ -16,10 +16,7 @@ THREADS = 256
 @device_function
 def _mix(seed, index):
     """A splitmix64-style mix of (seed, index) to 64 random bits."""
-    z = uint64(seed) + uint64(index) * uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> uint64(27))) * uint64(0x94D049BB133111EB)
-    return z ^ (z >> uint64(31))
+    return mix64(uint64(seed) + uint64(index) * uint64(GOLDEN_GAMMA))
 
 
 @device_function

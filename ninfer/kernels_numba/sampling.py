@@ -22,7 +22,7 @@ from numba import float32, float64, int32, uint8, uint32, uint64
 from numba.cuda import libdevice
 
 from ninfer.engine.sampler import TOP_K_CAP, top_candidates
-from ninfer.kernels_numba.common import warp_max_u32
+from ninfer.kernels_numba.common import GOLDEN_GAMMA, blocks_for, mix64, warp_max_u32
 from ninfer.kernels_numba.numba_setup import cuda, device_function, kernel
 
 THREADS = 256
@@ -320,6 +320,131 @@ def top_candidates_rows_reference(logits, vocab_ids, counts, row_lane, presence,
         ids[r, :len(top)] = top
         values[r, :len(top)] = x[top]
     return ids, values
+
+
+# ---------------------------------------------------------------------------------------------------- the draw
+
+# The per-row parameters of `sample_candidates`, rows of one int32 array [len(SAMPLE_FIELDS), R] (fp32 values as
+# their bits: `sample_parameters` writes them).
+SAMPLE_FIELDS = ("temperature", "top_p", "min_p", "top_k", "seed_low", "seed_high", "sample_position", "sample_flags")
+(_TEMPERATURE, _TOP_P, _MIN_P, _TOP_K, _SEED_LOW, _SEED_HIGH, _POSITION, _FLAGS) = range(len(SAMPLE_FIELDS))
+SAMPLED, COUNTED, MIN_P_CUT, TOP_P_CUT = 1, 2, 4, 8  # flag bits; the draw's purpose (sampler.Purpose) in bits 8..15
+SAMPLE_THREADS = 64
+
+
+@device_function
+def _uniform(seed, position, purpose):
+    """sampler.uniform on the device: u in [0, 1) from (seed, position, purpose), sub 0."""
+    key = mix64((seed ^ (position * uint64(0xD1B54A32D192ED03))) + uint64(GOLDEN_GAMMA))
+    key = mix64((key ^ (purpose << uint64(21))) + uint64(GOLDEN_GAMMA))
+    return float32(uint32(key >> uint64(40))) * float32(1.0 / 16777216.0)
+
+
+@kernel((int32[:, ::1], F32_2D, int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32), fastmath=False)
+def _sample_kernel(ids, values, params, row_lane, counts, out, rows):
+    """A thread a row: steps 4-8 of the pipeline over the row's candidates, in `sampler.kept_weights` and
+    `sampler.draw`'s order and precision (each exp in float64 rounded once to fp32, the sums in order in fp32)."""
+    r = cuda.grid(1)
+    if r >= rows:
+        return
+    flags = params[_FLAGS, r]
+    if (flags & SAMPLED) == 0:  # a greedy row: its argmax is already in out
+        return
+    temperature = libdevice.int_as_float(params[_TEMPERATURE, r])
+    k = params[_TOP_K, r]
+    n = 0
+    for j in range(TOP_K_CAP):
+        if j < k and ids[r, j] >= 0:  # (a vocabulary under TOP_K_CAP pads the tail with id -1)
+            n = j + 1
+    weights = cuda.local.array(TOP_K_CAP, float32)
+    best = values[r, 0]
+    total = float32(0.0)
+    for j in range(TOP_K_CAP):
+        if j < n:
+            weights[j] = float32(math.exp(float64((values[r, j] - best) / temperature)))
+            total += weights[j]
+    keep = n
+    if (flags & MIN_P_CUT) != 0:
+        min_p = libdevice.int_as_float(params[_MIN_P, r])
+        for j in range(TOP_K_CAP):
+            if j < n and keep == n and weights[j] < min_p:
+                keep = j
+    if (flags & TOP_P_CUT) != 0:
+        target = libdevice.int_as_float(params[_TOP_P, r]) * total
+        running = float32(0.0)
+        reached = n
+        for j in range(TOP_K_CAP):
+            if j < n:
+                running += weights[j]
+                if reached == n and running >= target:
+                    reached = j
+        if reached < n:
+            keep = min(keep, reached + 1)
+    keep = max(keep, 1)
+    seed = (uint64(uint32(params[_SEED_HIGH, r])) << uint64(32)) | uint64(uint32(params[_SEED_LOW, r]))
+    u = _uniform(seed, uint64(uint32(params[_POSITION, r])), uint64((flags >> 8) & 0xFF))
+    kept_total = float32(0.0)
+    for j in range(TOP_K_CAP):
+        if j < keep:
+            kept_total += weights[j]
+    threshold = u * kept_total
+    chosen = keep - 1
+    running = float32(0.0)
+    for j in range(TOP_K_CAP):
+        if j < keep:
+            running += weights[j]
+            if chosen == keep - 1 and running > threshold:
+                chosen = j
+    token = ids[r, chosen]
+    out[r] = token
+    if (flags & COUNTED) != 0:
+        counts[row_lane[r], token] += 1
+
+
+def sample_candidates(ids, values, params, row_lane, counts, out, *, stream) -> None:
+    """Steps 4-8 of §4.8 on the device for the rows params flag SAMPLED, over their TOP_K_CAP best penalised
+    candidates (`top_candidates_rows`): ids int32 [R, 20], values fp32 [R, 20]; params int32 [SAMPLE_FIELDS, R]
+    (`sample_parameters`). Writes each sampled row's token to out[r] (the other rows keep their argmax) and, where
+    flagged COUNTED, counts it for the row's lane (row_lane[r]: one row a lane). Capture-safe."""
+    rows = ids.shape[0]
+    if rows:
+        _sample_kernel[blocks_for(rows, SAMPLE_THREADS), SAMPLE_THREADS, stream](
+            ids, values, params, row_lane, counts, out, np.int32(rows))
+
+
+def sample_parameters(*, temperature: float, top_k: int, top_p: float, min_p: float, seed: int, position: int,
+                      purpose: int, counted: bool) -> dict[str, int]:
+    """One sampled row's SAMPLE_FIELDS values as int32 (fp32 as bits), for `sample_candidates`: `top_k` already
+    the effective count (1..TOP_K_CAP), the min_p / top_p cuts flagged where the host sampler applies them."""
+    bits = np.array([temperature, top_p, min_p], np.float32).view(np.int32)
+    flags = SAMPLED | (COUNTED if counted else 0) | (MIN_P_CUT if min_p > 0.0 else 0) | (
+        TOP_P_CUT if top_p < 1.0 else 0) | (int(purpose) << 8)
+    return {"temperature": int(bits[0]), "top_p": int(bits[1]), "min_p": int(bits[2]), "top_k": int(top_k),
+            "seed_low": int(np.uint32(seed & 0xFFFFFFFF).view(np.int32)),
+            "seed_high": int(np.uint32(seed >> 32).view(np.int32)),
+            "sample_position": int(np.uint32(position & 0xFFFFFFFF).view(np.int32)), "sample_flags": flags}
+
+
+def sample_candidates_reference(ids, values, params, row_lane, counts, out) -> None:
+    """`sample_candidates` on the host, in place (out, counts): the host sampler's own functions."""
+    from ninfer.engine.sampler import draw, kept_weights, uniform
+
+    for r in range(ids.shape[0]):
+        field = {name: int(params[i, r]) for i, name in enumerate(SAMPLE_FIELDS)}
+        flags = field["sample_flags"]
+        if not flags & SAMPLED:
+            continue
+        as_float = np.array([field["temperature"], field["top_p"], field["min_p"]], np.int32).view(np.float32)
+        real = ids[r, : field["top_k"]] >= 0
+        row_ids, row_values = ids[r, : field["top_k"]][real], values[r, : field["top_k"]][real]
+        weights = kept_weights(row_values, float(as_float[0]), float(as_float[2]) if flags & MIN_P_CUT else 0.0,
+                               float(as_float[1]) if flags & TOP_P_CUT else 1.0)
+        seed = (field["seed_high"] & 0xFFFFFFFF) << 32 | (field["seed_low"] & 0xFFFFFFFF)
+        token = draw(row_ids[: len(weights)], weights,
+                     uniform(seed, field["sample_position"] & 0xFFFFFFFF, (flags >> 8) & 0xFF))
+        out[r] = token
+        if flags & COUNTED:
+            counts[row_lane[r], token] += 1
 
 
 # ---------------------------------------------------------------------------------------------------- counts

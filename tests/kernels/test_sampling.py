@@ -1,4 +1,5 @@
-"""sampling.py: twins vs engine/sampler.py (argmax ties, candidates with ties and penalties), GPU parity (gpu)."""
+"""sampling.py: twins vs engine/sampler.py (argmax ties, candidates with ties and penalties, the draw over the
+candidates), the draw in the CUDA simulator, GPU parity (gpu)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,49 @@ def _counts(rng, lanes, width):
 
 
 # ------------------------------------------------------------------------------------------------ CPU
+
+
+def test_the_draws_twin_is_the_host_sampler_draw_for_draw():
+    """sample_candidates' twin picks what Sampler.sample_top picks from the same candidates (so the device draw,
+    bitwise its twin, serves the runner's sampled rows as the host sampler did), and counts what it counts."""
+    from ninfer.engine.sampler import Purpose, effective_top_k
+    from tests.support.simulated_kernels import sample_candidates_case
+
+    rng = np.random.default_rng(7)
+    agreed = 0
+    for _ in range(40):
+        ids, values, params, row_lane = sample_candidates_case(rng, 12, 500)
+        out, counts = np.full(12, -1, np.int32), np.zeros((12, 500), np.int32)
+        sampling.sample_candidates_reference(ids, values, params, row_lane, counts, out)
+        for r in range(12):
+            field = dict(zip(sampling.SAMPLE_FIELDS, params[:, r].tolist()))
+            flags = field["sample_flags"]
+            if not flags & sampling.SAMPLED:
+                assert out[r] == -1  # greedy rows are left to the argmax
+                continue
+            temperature, top_p, min_p = np.array([field["temperature"], field["top_p"], field["min_p"]],
+                                                 np.int32).view(np.float32).tolist()
+            top_k = field["top_k"]
+            params_r = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                      presence_penalty=1.0 if flags & sampling.COUNTED else 0.0,
+                                      seed=(field["seed_high"] & 0xFFFFFFFF) << 32 | (field["seed_low"] & 0xFFFFFFFF))
+            assert effective_top_k(top_k) == top_k
+            sampler = Sampler(params_r, 500)
+            token = sampler.sample_top(ids[r], values[r], field["sample_position"] & 0xFFFFFFFF,
+                                       Purpose((flags >> 8) & 0xFF))
+            assert out[r] == token
+            assert counts[r].sum() == (1 if flags & sampling.COUNTED else 0)
+            agreed += 1
+    assert agreed == 40 * 10
+
+
+def test_the_draw_in_cuda_simulator():
+    """The device draw (a thread a row) equals its twin bit for bit in numba's CUDA simulator
+    (`simulated_kernels.sample_candidates`)."""
+    from tests.support.simulated_kernels import run
+
+    assert [line for line in run("sample_candidates").splitlines() if line.startswith("ok sample")] == [
+        "ok sample_candidates 12 500", "ok sample_candidates 6 7"]
 
 
 @pytest.mark.parametrize("rows,width,vocab", [(1, 64, 50), (3, 1000, 1000), (2, 5000, 4097)])
@@ -165,3 +209,28 @@ def test_gpu_count_tokens(valid_dtype):
     got = d.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_array_equal(got, sampling.count_tokens_reference(counts, lanes, tokens, valid))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,vocab", [(12, 500), (64, VOCAB_IDS), (6, 7)])
+def test_gpu_sample_candidates(rows, vocab):
+    """The device draw equals its twin (the host sampler's functions) bit for bit over many seeds and parameter
+    mixes: each weight's exp in float64 rounded once to fp32 on both sides (a double rounding could split them
+    about once in 10^8 weights)."""
+    from tests.support.simulated_kernels import sample_candidates_case
+
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(rows)
+    for _ in range(20):
+        ids, values, params, row_lane = sample_candidates_case(rng, rows, vocab)
+        counts = np.zeros((rows, vocab), np.int32)
+        out = np.full(rows, -7, np.int32)
+        d_counts, d_out = cuda.to_device(counts, stream=stream), cuda.to_device(out, stream=stream)
+        sampling.sample_candidates(*[cuda.to_device(a, stream=stream) for a in (ids, values, params, row_lane)],
+                                   d_counts, d_out, stream=stream)
+        got_out, got_counts = d_out.copy_to_host(stream=stream), d_counts.copy_to_host(stream=stream)
+        stream.synchronize()
+        sampling.sample_candidates_reference(ids, values, params, row_lane, counts, out)
+        np.testing.assert_array_equal(got_out, out)
+        np.testing.assert_array_equal(got_counts, counts)

@@ -1290,6 +1290,53 @@ def select_columns() -> None:
     print("ok copy_segments", flush=True)
 
 
+def sample_candidates_case(rng: np.random.Generator, rows: int, vocab: int) -> tuple:
+    """Candidates and sampling parameters for `sample_candidates`: rows of every kind (greedy, plain, top_k under
+    20, min_p and top_p cuts, penalties counted, a vocabulary under 20 that pads ids with -1), one row a lane."""
+    from ninfer.engine.sampler import TOP_K_CAP, Purpose, effective_top_k
+    from ninfer.kernels_numba.sampling import SAMPLE_FIELDS, sample_parameters
+
+    ids = np.full((rows, TOP_K_CAP), -1, np.int32)
+    values = np.full((rows, TOP_K_CAP), -np.inf, np.float32)
+    real = min(vocab, TOP_K_CAP)
+    for r in range(rows):
+        ids[r, :real] = rng.permutation(vocab)[:real]
+        values[r, :real] = np.sort(rng.standard_normal(real).astype(np.float32) * 3)[::-1]
+    params = np.zeros((len(SAMPLE_FIELDS), rows), np.int32)
+    settings = [None, (1.0, 0, 1.0, 0.0, False), (0.6, 5, 0.95, 0.0, True), (0.7, 20, 0.8, 0.05, True),
+                (1.3, 0, 0.5, 0.2, False), (0.2, 3, 1.0, 0.9, True)]
+    for r in range(rows):
+        setting = settings[r % len(settings)]
+        if setting is None:  # a greedy row: out keeps its argmax
+            continue
+        temperature, top_k, top_p, min_p, counted = setting
+        fields = sample_parameters(temperature=temperature, top_k=effective_top_k(top_k), top_p=top_p, min_p=min_p,
+                                   seed=int(rng.integers(0, 2**63)) * 2 + r, position=int(rng.integers(0, 2**32)),
+                                   purpose=Purpose.DECODE if r % 2 else Purpose.PREFILL, counted=counted)
+        params[:, r] = [fields[name] for name in SAMPLE_FIELDS]
+    return ids, values, params, np.arange(rows, dtype=np.int32)
+
+
+def sample_candidates() -> None:
+    """The sampler's last steps on the device (a thread a row) equal the host sampler's own functions bit for bit:
+    tokens, greedy rows untouched, penalty counts of the counted rows; over many seeds and parameter mixes."""
+    from ninfer.kernels_numba import sampling
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(sampling))
+    rng = np.random.default_rng(0)
+    for rows, vocab in ((12, 500), (6, 7)):
+        for _ in range(3):
+            ids, values, params, row_lane = sample_candidates_case(rng, rows, vocab)
+            out, counts = np.full(rows, -7, np.int32), np.zeros((rows, vocab), np.int32)
+            sampling.sample_candidates(ids, values, params, row_lane, counts, out, stream=0)
+            want_out, want_counts = np.full(rows, -7, np.int32), np.zeros((rows, vocab), np.int32)
+            sampling.sample_candidates_reference(ids, values, params, row_lane, want_counts, want_out)
+            np.testing.assert_array_equal(out, want_out)
+            np.testing.assert_array_equal(counts, want_counts)
+        print("ok sample_candidates", rows, vocab, flush=True)
+
+
 CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill,
           "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated,
@@ -1301,7 +1348,7 @@ CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_na
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
           "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv,
-          "select_columns": select_columns}
+          "select_columns": select_columns, "sample_candidates": sample_candidates}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -477,6 +477,10 @@ def unpack_gated(o, qkgv, out, *, first, rows, group, stream):
     _attention_gemm.unpack_gated_reference(o, qkgv, out, first=first, rows=rows, group=group)
 
 
+def sample_candidates(ids, values, params, row_lane, counts, out, *, stream) -> None:
+    _sampling.sample_candidates_reference(ids, values, params, row_lane, counts, out)
+
+
 def top_candidates_rows(logits, vocab_ids, counts, row_lane, presence, frequency, out_ids, out_values, *, stream,
                         scratch=None):
     out_ids[...], out_values[...] = _sampling.top_candidates_rows_reference(logits, vocab_ids, counts, row_lane,

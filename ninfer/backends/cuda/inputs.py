@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ninfer.backends.cuda.device import Device
+from ninfer.kernels_numba.sampling import SAMPLE_FIELDS
 
 class InputRows:
     """Named int32 input rows carved from one device array [names, rows] (each row a contiguous view), with a host
@@ -51,9 +52,10 @@ class InputRows:
 class StepInputs:
     """Fixed device buffers a call reads its per-row and per-segment inputs from (filled before a replay)."""
 
-    # positions are three rows (MRoPE's sections); next_ids last (see InputRows)
+    # positions are three rows (MRoPE's sections); then the sampled rows' penalties and draw parameters (fp32 as
+    # bits: `sampling.sample_parameters`), which only sampling calls write; next_ids last (see InputRows)
     ROWS = ("token_ids", "row_lane", "row_pos", "positions", "positions 1", "positions 2", "seg_lane", "seg_row",
-            "seg_count", "seg_record", "hidden_rows", "next_ids")
+            "seg_count", "seg_record", "hidden_rows", "presence", "frequency", *SAMPLE_FIELDS, "next_ids")
 
     def __init__(self, device: Device, rows: int, lanes: int, pages: int) -> None:
         self._device = device
@@ -65,19 +67,30 @@ class StepInputs:
         self.seg_count, self.seg_record = row("seg_count"), row("seg_record")
         self.hidden_rows = row("hidden_rows")  # MTP: each row's target hidden row (`CudaQwen.gather_mtp_hidden`)
         self.next_ids = row("next_ids")  # MTP: the token after each row's token
+        # the sampled rows' penalties (`CudaQwen.candidates`) and the draw's parameters (`CudaQwen.sample`)
+        self.presence, self.frequency = row("presence").view(np.float32), row("frequency").view(np.float32)
+        first = self.ROWS.index(SAMPLE_FIELDS[0])
+        self.sampling = self._inputs.block[first:first + len(SAMPLE_FIELDS)]  # [SAMPLE_FIELDS, rows]
         self.page_tables = device.zeros((lanes, pages), np.int32, "inputs")
         self.host_page_tables = np.zeros((lanes, pages), np.int32)
 
     def fill(self, *, token_ids: Any, positions: np.ndarray, row_lane: Any, row_pos: Any, seg_lane: Any,
-             seg_row: Any, seg_count: Any, seg_record: Any, next_ids: Any = None, hidden_rows: Any = None) -> None:
-        """Per-row inputs (rows = len(token_ids)) and per-segment inputs (segments = len(seg_lane)), in one copy."""
+             seg_row: Any, seg_count: Any, seg_record: Any, next_ids: Any = None, hidden_rows: Any = None,
+             sampling: "SampledRows | None" = None) -> None:
+        """Per-row inputs (rows = len(token_ids)) and per-segment inputs (segments = len(seg_lane)), in one copy;
+        with `sampling`, the rows' penalties and draw parameters too."""
         if len(token_ids) > len(self.token_ids):
             raise ValueError(f"{len(token_ids)} rows exceed the {len(self.token_ids)} this model was sized for")
         rows = len(token_ids)
         self._inputs.fill({"token_ids": token_ids, "row_lane": row_lane, "row_pos": row_pos,
                            "positions": np.asarray(positions)[:, :rows] if rows else None, "seg_lane": seg_lane,
                            "seg_row": seg_row, "seg_count": seg_count, "seg_record": seg_record,
-                           "hidden_rows": hidden_rows, "next_ids": next_ids})
+                           "hidden_rows": hidden_rows, "next_ids": next_ids,
+                           **(sampling.rows() if sampling is not None else {})})
+
+    def fill_sampling(self, row_lane: Any, sampling: "SampledRows") -> None:
+        """The rows' lanes, penalties and draw parameters alone (a prefill's last row, sampled after its chunk)."""
+        self._inputs.fill({"row_lane": row_lane, **sampling.rows()})
 
     def set_page_table(self, lane: int, table: np.ndarray) -> None:
         pages = self.host_page_tables.shape[1]
@@ -87,6 +100,23 @@ class StepInputs:
         row[: len(table)] = table
         self.host_page_tables[lane] = row
         self._device.write(self.page_tables[lane], row)
+
+
+class SampledRows:
+    """The per-row sampling inputs of one call, rows not sampled left at zero (no penalty, not drawn): `add` one
+    sampled row's parameters (`sampling.sample_parameters`) and penalties."""
+
+    def __init__(self, rows: int) -> None:
+        self.presence, self.frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        self.fields = np.zeros((len(SAMPLE_FIELDS), rows), np.int32)
+
+    def add(self, row: int, *, presence: float, frequency: float, parameters: dict[str, int]) -> None:
+        self.presence[row], self.frequency[row] = presence, frequency
+        self.fields[:, row] = [parameters[name] for name in SAMPLE_FIELDS]
+
+    def rows(self) -> dict[str, np.ndarray]:
+        return {"presence": self.presence.view(np.int32), "frequency": self.frequency.view(np.int32),
+                **dict(zip(SAMPLE_FIELDS, self.fields))}
 
 
 class DFlashInputs:

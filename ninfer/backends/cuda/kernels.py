@@ -29,7 +29,8 @@ from ninfer.kernels_numba.quant_mma import (ROW_SETS, dequantize_mma_bf16, has_p
                                             repack_quant_mma, upload_quant_mma, upload_quant_mma_planes, x_fragment_words, x_fragments, x_slot_fragments)
 from ninfer.kernels_numba.quant_mma_chunked import linear_quant_mma_chunked
 from ninfer.kernels_numba.quant_mma_conv import has_conv_kernel, linear_quant_mma_conv
-from ninfer.kernels_numba.sampling import argmax_rows, count_tokens, scratch_columns, top_candidates_rows
+from ninfer.kernels_numba.sampling import (argmax_rows, count_tokens, sample_candidates, scratch_columns,
+                                          top_candidates_rows)
 from ninfer.kernels_numba.vision import (add_rows, bias_gelu_bf16, layer_norm_bf16, vision_heads, vision_merge_heads,
                                          vision_softmax)
 
@@ -86,6 +87,7 @@ __all__ = [
     "rms_norm_rows",
     "add_slices_rms_norm_rows",
     "route_top_k",
+    "sample_candidates",
     "scratch_columns",
     "select_columns",
     "sigmoid_gate_add",

@@ -184,11 +184,10 @@ class CudaQwen:
         self.sampling_scratch = device.empty((max(capacity.decode_rows, 1),
                                               device.kernels.scratch_columns(dims.vocab_ids)),
                                              np.uint64, "workspace")
-        # Sampling on the device: penalty counts per lane, per-row penalties, the 20 best penalised candidates.
+        # Sampling on the device: penalty counts per lane, the 20 best penalised candidates (the rows' penalties
+        # and draw parameters are inputs: `StepInputs`).
         decode_rows = max(capacity.decode_rows, 1)
         self.penalty_counts = device.zeros((capacity.lanes, dims.vocab_ids), np.int32, "state")
-        self.presence = device.zeros(decode_rows, np.float32, "inputs")
-        self.frequency = device.zeros(decode_rows, np.float32, "inputs")
         self.candidate_ids = device.empty((decode_rows, TOP_K_CAP), np.int32, "workspace")
         self.candidate_values = device.empty((decode_rows, TOP_K_CAP), np.float32, "workspace")
         self.count_lanes = device.zeros(decode_rows, np.int32, "inputs")
@@ -654,9 +653,18 @@ class CudaQwen:
         frequency[r]) into candidate_ids / candidate_values: §4.8 steps 2-3 on the device."""
         rows = logits.shape[0]
         self.k.top_candidates_rows(logits, self.dims.vocab_ids, self.penalty_counts, self.inputs.row_lane[:rows],
-                                   self.presence[:rows], self.frequency[:rows], self.candidate_ids[:rows],
-                                   self.candidate_values[:rows], stream=self.device.stream,
-                                   scratch=self.sampling_scratch)
+                                   self.inputs.presence[:rows], self.inputs.frequency[:rows],
+                                   self.candidate_ids[:rows], self.candidate_values[:rows],
+                                   stream=self.device.stream, scratch=self.sampling_scratch)
+
+    def sample(self, rows: int) -> Any:
+        """§4.8 steps 4-8 on the device for the rows `inputs.sampling` flags: each one's token over its candidates
+        (`candidates` first) replaces its argmax (`greedy` first), and is counted for its lane's penalties where
+        flagged. Returns argmax[:rows], every row's token."""
+        self.k.sample_candidates(self.candidate_ids[:rows], self.candidate_values[:rows], self.inputs.sampling,
+                                 self.inputs.row_lane[:rows], self.penalty_counts, self.argmax[:rows],
+                                 stream=self.device.stream)
+        return self.argmax[:rows]
 
     def count_generated(self, lanes: list[int], tokens: list[int]) -> None:
         """Step 8 on the device: these generated tokens now count toward their lanes' penalties."""

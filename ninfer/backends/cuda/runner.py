@@ -32,6 +32,7 @@ import numpy as np
 
 from ninfer.backends.cpu.dflash import DFlashContextError
 from ninfer.backends.cuda.graph_cache import GraphCache
+from ninfer.backends.cuda.inputs import SampledRows
 from ninfer.backends.cuda.capacity import PAGE_TOKENS, PrefillSpan
 from ninfer.backends.cuda.lane_state import CHECKPOINT_SLOTS
 from ninfer.backends.cuda.model import CudaQwen
@@ -39,10 +40,11 @@ from ninfer.engine.cold_tier import ParkedArray
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillChunk, PrefillResult, RunnerInfo,
                                   SequenceStart, StateSource, VisionUnavailable)
 from ninfer.engine.request import PromptMedia
-from ninfer.engine.sampler import Purpose, Sampler
+from ninfer.engine.sampler import Purpose, Sampler, effective_top_k
 from ninfer.engine.speculative import verify_drafts
 from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.models.qwen3_6_vision import VisionTower, encode_prompt_item
+from ninfer.kernels_numba.sampling import sample_parameters
 
 
 @attrs.define
@@ -229,9 +231,7 @@ class CudaRunner:
         token = -1
         if chunk.final:
             row = self._model.last_row if count else model.tails[lane : lane + 1]
-            token = self._sample_rows(row, [state.sampler], [start + count], Purpose.PREFILL)[0]
-            if state.sampler.params.penalties_active and not state.sampler.params.is_greedy:
-                model.count_generated([lane], [token])
+            token = self._sample_rows(row, [lane], [start + count], Purpose.PREFILL)[0]
         drafts_ready = self._dflash and chunk.final and self._affords_a_round(chunk.remaining - 1)
         if self._mtp:
             rows = self._prefill_mtp_rows(chunk, token)
@@ -278,25 +278,18 @@ class CudaRunner:
             positions += range(position, position + n)
         rows = len(ids)
         positions = np.broadcast_to(np.asarray(positions, np.int32), (3, rows))
+        samplers = [self._lanes[lane].sampler for lane in lanes]
+        # Ordinary sampled rows draw on the device (§4.8 whole: penalised candidates, the draw, the count), in the
+        # step's graph; speculative sampled rows need per-column penalties inside the round, so they read their
+        # logits.
+        sampled = [b for b in range(size) if not samplers[b].params.is_greedy and not batch.speculative[b]]
         model.inputs.fill(token_ids=ids, positions=positions, row_lane=row_lane,
                           row_pos=row_pos, seg_lane=lanes, seg_row=seg_row, seg_count=columns,
-                          seg_record=[int(c > 1) for c in columns])
-        samplers = [self._lanes[lane].sampler for lane in lanes]
-        # Ordinary sampled rows draw from the device's 20 best penalised candidates; speculative sampled rows need
-        # per-column penalties inside the round, so they read their logits (exact, and rarer).
-        sampled = [b for b in range(size) if not samplers[b].params.is_greedy and not batch.speculative[b]]
-        if sampled:
-            presence, frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
-            for b in sampled:
-                params = samplers[b].params
-                presence[seg_row[b]], frequency[seg_row[b]] = params.presence_penalty, params.frequency_penalty
-            model.device.write(model.presence[:rows], presence)
-            model.device.write(model.frequency[:rows], frequency)
+                          seg_record=[int(c > 1) for c in columns],
+                          sampling=_sampled_rows(rows, {seg_row[b]: (samplers[b], int(batch.kv_lengths[b]))
+                                                       for b in sampled}, Purpose.DECODE) if sampled else None)
         self._step(("decode", rows, size, bool(sampled)), lambda: self._decode_step(rows, size, bool(sampled)))
-        argmax = model.device.read(model.argmax[:rows])
-        if sampled:
-            candidate_ids = model.device.read(model.candidate_ids[:rows])
-            candidate_values = model.device.read(model.candidate_values[:rows])
+        argmax = model.device.read(model.argmax[:rows])  # with the sampled rows' draws
         host_logits = self._host_logits([r for b, lane in enumerate(lanes) if batch.speculative[b]
                                          and not samplers[b].params.is_greedy
                                          for r in range(seg_row[b], seg_row[b] + columns[b])])
@@ -319,16 +312,14 @@ class CudaRunner:
                 verified_lanes.append(lane)
                 kept_columns.append(int(accepted[b]))
             else:
-                if sampler.params.is_greedy:
-                    produced = [int(argmax[first])]
-                else:
-                    produced = [sampler.sample_top(candidate_ids[first], candidate_values[first], start,
-                                                   Purpose.DECODE)]
+                produced = [int(argmax[first])]
+                if not sampler.params.is_greedy:
+                    sampler.count(produced[0])  # (the device counted it too: the draw's COUNTED flag)
                 state.verified = False  # (its row is its tail: `keep_segment_rows`)
             state.drafts = None
             n = len(produced)
             tokens[b, :n], counts[b] = produced, n
-            if sampler.params.penalties_active and not sampler.params.is_greedy:
+            if batch.speculative[b] and sampler.params.penalties_active and not sampler.params.is_greedy:
                 counted_lanes += [lane] * n
                 counted += produced
             state.has_tail = True
@@ -410,6 +401,7 @@ class CudaRunner:
         model.greedy(logits)
         if sampled:
             model.candidates(logits)
+            model.sample(rows)
 
     def _host_logits(self, rows: list[int]) -> dict[int, np.ndarray]:
         if not rows:
@@ -417,17 +409,23 @@ class CudaRunner:
         logits = self._model.device.read(self._model.logits[: max(rows) + 1])
         return {r: logits[r] for r in rows}
 
-    def _sample_rows(self, hidden: Any, samplers: list[Sampler], positions: list[int], purpose: Purpose) -> list[int]:
+    def _sample_rows(self, hidden: Any, lanes: list[int], positions: list[int], purpose: Purpose) -> list[int]:
+        """Each row of `hidden` (lane lanes[r]) through the head and its lane's sampler, on the device: the argmax,
+        or the draw over the penalised candidates (counted for the lane's penalties on both sides)."""
         model = self._model
+        samplers = [self._lanes[lane].sampler for lane in lanes]
         logits = model.head_logits(hidden)
-        argmax = model.device.read(model.greedy(logits))
-        out = []
-        for r, (sampler, position) in enumerate(zip(samplers, positions)):
-            if sampler.params.is_greedy:
-                out.append(int(argmax[r]))
-            else:
-                out.append(sampler.sample(model.device.read(logits[r]), position, purpose))
-        return out
+        model.greedy(logits)
+        sampled = {r: (sampler, position) for r, (sampler, position) in enumerate(zip(samplers, positions))
+                   if not sampler.params.is_greedy}
+        if sampled:
+            model.inputs.fill_sampling(lanes, _sampled_rows(len(lanes), sampled, purpose))
+            model.candidates(logits)
+            model.sample(len(lanes))
+        tokens = [int(t) for t in model.device.read(model.argmax[: len(lanes)])]
+        for r, (sampler, _) in sampled.items():
+            sampler.count(tokens[r])
+        return tokens
 
     def _select_columns(self, lanes: list[int], columns: list[int]) -> None:
         """These lanes continue from these verify columns: one launch a state kind for all of them (a graph), and
@@ -568,3 +566,14 @@ def _verify_greedy(argmax: np.ndarray, drafts: np.ndarray) -> tuple[int, list[in
             return i, produced + [int(argmax[i])]
         produced.append(int(draft))
     return len(drafts), produced + [int(argmax[len(drafts)])]
+
+
+def _sampled_rows(rows: int, sampled: dict[int, tuple[Sampler, int]], purpose: Purpose) -> SampledRows:
+    """The sampling inputs of a call's rows: row -> (its sampler, the draw's position) for the rows that sample."""
+    out = SampledRows(rows)
+    for row, (sampler, position) in sampled.items():
+        p = sampler.params
+        out.add(row, presence=p.presence_penalty, frequency=p.frequency_penalty, parameters=sample_parameters(
+            temperature=p.temperature, top_k=effective_top_k(p.top_k), top_p=p.top_p, min_p=p.min_p, seed=p.seed,
+            position=position, purpose=purpose, counted=p.penalties_active))
+    return out
