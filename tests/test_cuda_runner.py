@@ -1123,6 +1123,18 @@ def test_sampled_generation_matches_the_cpu_runner(device_kind, artifacts):
     assert got == want  # same seeds, same candidates unless a near-tie reorders the top 20 (none here)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_sampled_mtp_generation_matches_the_cpu_runner(device_kind, artifacts, kind):
+    """Sampled lanes (presence penalty on) under MTP k = 3: the accept rules over the device's candidates (each verify
+    column's with the round's earlier drafts counted) give the CPU runner's tokens, which applies them to its full
+    logits."""
+    path = artifacts[(kind, "bf16")]
+    prompts = [prompt(11, 20), prompt(12, 8)]
+    got = run_lanes(cuda_build(device_kind, path, lanes=2, draft_tokens=3).runner, prompts, 24, sampling=SAMPLED)
+    want = run_lanes(cpu_runner(path, lanes=2, draft_tokens=3), prompts, 24, sampling=SAMPLED)
+    assert got == want
+
+
 def test_checkpoint_restores_the_state_it_saved(device_kind, artifacts):
     path = artifacts[("dense", "bf16")]
     runner = cuda_build(device_kind, path, lanes=1).runner

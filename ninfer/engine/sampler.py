@@ -157,13 +157,18 @@ class Sampler:
         ids by value descending and id ascending, their penalised values; ids < 0 pad a vocabulary under 20)."""
         if self.params.is_greedy:
             raise ValueError("a greedy request takes the argmax, not candidates")
-        ids, values = np.asarray(ids), np.asarray(values, dtype=np.float32)
-        real = ids >= 0
-        k = self._top_k()
-        ids, weights = self._kept(ids[real][:k], values[real][:k])
+        ids, weights = self.kept(ids, values)
         chosen = draw(ids, weights, uniform(self.params.seed, position, purpose))
         self.count(chosen)
         return chosen
+
+    def kept(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 3-6 over the TOP_K_CAP best penalised candidates computed elsewhere (ids < 0 pad a vocabulary under
+        20): the kept ids, best first, and their unnormalised fp32 weights."""
+        ids, values = np.asarray(ids), np.asarray(values, dtype=np.float32)
+        real = ids >= 0
+        k = self._top_k()
+        return self._kept(ids[real][:k], values[real][:k])
 
     def _top_k(self) -> int:
         return effective_top_k(self.params.top_k)

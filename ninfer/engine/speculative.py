@@ -25,17 +25,32 @@ def verify_drafts(logits: np.ndarray, drafts: np.ndarray, sampler: Sampler, base
     p_i(draft_i); a rejection draws from p_i without the draft with U(seed, L+i+1, correction); after k acceptances
     the bonus token is drawn from column k with U(seed, L+k+1, bonus).
     """
+    if sampler.params.is_greedy:
+        for i, draft in enumerate(int(d) for d in drafts):
+            best = sampler.argmax(logits[i])
+            if best != draft:
+                return i, [int(d) for d in drafts[:i]] + [best]
+        return len(drafts), [int(d) for d in drafts] + [sampler.argmax(logits[len(drafts)])]
+    return _verify_sampled(lambda i: sampler.candidates(logits[i]), drafts, sampler, base)
+
+
+def verify_candidates(ids: np.ndarray, values: np.ndarray, drafts: np.ndarray, sampler: Sampler,
+                      base: int) -> tuple[int, list[int]]:
+    """`verify_drafts` for a sampled request from each column's TOP_K_CAP best penalised candidates (ids and
+    values `[k+1, 20]`, as `Sampler.sample_top` takes them) computed with the round's earlier drafts counted for the
+    penalties (the CUDA runner's device candidates): the same decisions, without the columns' logits."""
+    return _verify_sampled(lambda i: sampler.kept(ids[i], values[i]), drafts, sampler, base)
+
+
+def _verify_sampled(column, drafts: np.ndarray, sampler: Sampler, base: int) -> tuple[int, list[int]]:
+    """The sampled accept rules over `column(i)`: column i's kept candidate ids and weights, computed with the
+    drafts before i counted (the host sampler counts each accepted draft before asking for the next column)."""
     k = len(drafts)
     produced: list[int] = []
-    greedy, seed = sampler.params.is_greedy, sampler.params.seed
+    seed = sampler.params.seed
     for i in range(k):
         draft = int(drafts[i])
-        if greedy:
-            if sampler.argmax(logits[i]) == draft:
-                produced.append(draft)
-                continue
-            return i, produced + [sampler.argmax(logits[i])]
-        ids, weights = sampler.candidates(logits[i])
+        ids, weights = column(i)
         at = np.flatnonzero(ids == draft)
         total = np.cumsum(weights, dtype=np.float32)[-1]
         probability = float(weights[at[0]] / total) if at.size else 0.0
@@ -47,7 +62,10 @@ def verify_drafts(logits: np.ndarray, drafts: np.ndarray, sampler: Sampler, base
         correction = draw(ids[others], weights[others], uniform(seed, base + i + 1, Purpose.CORRECTION))
         sampler.count(correction)
         return i, produced + [correction]
-    return k, produced + [sampler.sample(logits[k], base + k + 1, Purpose.BONUS)]
+    ids, weights = column(k)
+    bonus = draw(ids, weights, uniform(seed, base + k + 1, Purpose.BONUS))
+    sampler.count(bonus)
+    return k, produced + [bonus]
 
 
 @attrs.define

@@ -447,6 +447,64 @@ def sample_candidates_reference(ids, values, params, row_lane, counts, out) -> N
             counts[row_lane[r], token] += 1
 
 
+# ---------------------------------------------------------------------------------------------------- verify rows
+
+MAX_ROUND_ROWS = 16  # a verify round's rows a lane (k + 1, DFlash's k at most 15)
+COUNT_THREADS = 256
+COUNT_ITEMS = 8  # vocabulary columns a thread
+
+
+@kernel((int32[:, ::1], int32[::1], int32[::1], int32[::1], int32[::1], int32, int32[:, ::1], int32),
+        fastmath=False)
+def _verify_counts_kernel(counts, row_lane, token_ids, seg_row, seg_count, segments, out, vocab_ids):
+    """Block (vocabulary chunk, row r): out[r, t] = counts[row_lane[r], t] + the times t occurs among the tokens of
+    r's segment after its first row, up to r (a verify round's drafts before column r)."""
+    r = cuda.blockIdx.y
+    drafts = cuda.shared.array(MAX_ROUND_ROWS, int32)
+    start = r
+    for s in range(segments):
+        if seg_row[s] <= r < seg_row[s] + seg_count[s]:
+            start = seg_row[s]
+    before = r - start  # drafts before column r
+    if cuda.threadIdx.x < before:
+        drafts[cuda.threadIdx.x] = token_ids[start + 1 + cuda.threadIdx.x]
+    cuda.syncthreads()
+    lane = row_lane[r]
+    first = cuda.blockIdx.x * COUNT_THREADS * COUNT_ITEMS + cuda.threadIdx.x
+    for item in range(COUNT_ITEMS):
+        t = first + item * COUNT_THREADS
+        if t < vocab_ids:
+            c = counts[lane, t]
+            for j in range(MAX_ROUND_ROWS - 1):
+                if j < before and drafts[j] == t:
+                    c += 1
+            out[r, t] = c
+
+
+def verify_counts(counts, row_lane, token_ids, seg_row, seg_count, out, *, vocab_ids: int, stream) -> None:
+    """Each row's penalty counts for the sampler (out int32 [R, vocab_ids]): its lane's counts (counts[row_lane[r]])
+    plus the tokens of its segment after the segment's first row, up to and with r: in an MTP / DFlash verify round
+    those are the drafts before column r, which the host sampler has counted by the time it reads column r (each
+    earlier draft accepted; `speculative.verify_candidates`). A one-row segment (a plain decode row) gets its lane's
+    counts. Segments of at most MAX_ROUND_ROWS rows. Capture-safe."""
+    rows, segments = out.shape[0], seg_row.shape[0]
+    if rows:
+        blocks = -(-vocab_ids // (COUNT_THREADS * COUNT_ITEMS))
+        _verify_counts_kernel[(blocks, rows), COUNT_THREADS, stream](counts, row_lane, token_ids, seg_row, seg_count,
+                                                                     np.int32(segments), out, np.int32(vocab_ids))
+
+
+def verify_counts_reference(counts, row_lane, token_ids, seg_row, seg_count, *, rows: int,
+                            vocab_ids: int) -> np.ndarray:
+    out = np.zeros((rows, vocab_ids), np.int32)
+    for r in range(rows):
+        start = next((int(first) for first, count in zip(seg_row, seg_count) if first <= r < first + count), r)
+        out[r] = counts[row_lane[r], :vocab_ids]
+        for token in token_ids[start + 1:r + 1]:
+            out[r, token] += 1
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- counts
 
 

@@ -70,6 +70,14 @@ def test_the_draws_twin_is_the_host_sampler_draw_for_draw():
     assert agreed == 40 * 10
 
 
+def test_verify_row_counts_in_cuda_simulator():
+    """Each verify row's penalty counts (its lane's plus its segment's drafts before it) equal the twin in numba's
+    CUDA simulator (`simulated_kernels.verify_counts`)."""
+    from tests.support.simulated_kernels import run
+
+    assert "ok verify_counts" in run("verify_counts").splitlines()
+
+
 def test_the_draw_in_cuda_simulator():
     """The device draw (a thread a row) equals its twin bit for bit in numba's CUDA simulator
     (`simulated_kernels.sample_candidates`)."""
@@ -234,3 +242,27 @@ def test_gpu_sample_candidates(rows, vocab):
         sampling.sample_candidates_reference(ids, values, params, row_lane, counts, out)
         np.testing.assert_array_equal(got_out, out)
         np.testing.assert_array_equal(got_counts, counts)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_counts():
+    """Each verify row's penalty counts at the real vocabulary: its lane's counts plus its segment's drafts before
+    it (segments of 1, 4 and 16 rows), equal to the twin."""
+    cuda = _cuda()
+    stream = cuda.stream()
+    rng = np.random.default_rng(31)
+    seg_count = np.array([1, 4, 16], np.int32)
+    seg_row = np.array([0, 1, 5], np.int32)
+    rows = int(seg_count.sum())
+    row_lane = np.repeat(np.array([2, 0, 1], np.int32), seg_count)
+    token_ids = rng.integers(0, VOCAB_IDS, rows).astype(np.int32)
+    token_ids[3] = token_ids[2]
+    counts = _counts(rng, 3, VOCAB_IDS)
+    out = cuda.device_array((rows, VOCAB_IDS), np.int32, stream=stream)
+    sampling.verify_counts(*[cuda.to_device(a, stream=stream) for a in (counts, row_lane, token_ids, seg_row,
+                                                                         seg_count)],
+                           out, vocab_ids=VOCAB_IDS, stream=stream)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(got, sampling.verify_counts_reference(counts, row_lane, token_ids, seg_row,
+                                                                        seg_count, rows=rows, vocab_ids=VOCAB_IDS))

@@ -1337,6 +1337,31 @@ def sample_candidates() -> None:
         print("ok sample_candidates", rows, vocab, flush=True)
 
 
+def verify_counts() -> None:
+    """Each verify row's penalty counts (its lane's, plus its segment's drafts before it) equal the twin: segments of
+    1, 4 and 16 rows (DFlash's longest), repeated drafts, a draft counted twice in a later column."""
+    from ninfer.kernels_numba import sampling
+    from tests.support import cuda_simulator
+
+    cuda_simulator.install(vars(sampling))
+    rng = np.random.default_rng(3)
+    vocab = 2100  # two blocks, the second partial
+    seg_count = np.array([1, 4, 16], np.int32)
+    seg_row = np.array([0, 1, 5], np.int32)
+    rows = int(seg_count.sum())
+    row_lane = np.repeat(np.array([2, 0, 1], np.int32), seg_count)
+    token_ids = rng.integers(0, 40, rows).astype(np.int32)
+    token_ids[3] = token_ids[2]  # the same draft twice in one round
+    counts = rng.integers(0, 3, (3, vocab)).astype(np.int32)
+    out = np.full((rows, vocab), -1, np.int32)
+    sampling.verify_counts(counts, row_lane, token_ids, seg_row, seg_count, out, vocab_ids=vocab, stream=0)
+    want = sampling.verify_counts_reference(counts, row_lane, token_ids, seg_row, seg_count, rows=rows,
+                                            vocab_ids=vocab)
+    np.testing.assert_array_equal(out, want)
+    assert (want[4] - counts[0]).sum() == 3 and (want[20] - counts[1]).sum() == 15
+    print("ok verify_counts", flush=True)
+
+
 CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_narrow, "flash_prefill": flash_prefill,
           "gather_kv": gather_kv,
           "gdn_chunked": gdn_chunked, "gdn_recurrent_gated": gdn_recurrent_gated,
@@ -1348,7 +1373,8 @@ CHECKS = {"linear": linear, "linear_mma": linear_mma, "linear_narrow": linear_na
           "moe_combine_norm": moe_combine_norm, "moe_route": moe_route, "gdn_output": gdn_output,
           "moe_padded": moe_padded, "moe_layout": moe_layout, "moe_group": moe_group,
           "gdn_conv_quads": gdn_conv_quads, "gdn_conv_normed": gdn_conv_normed, "quant_mma_conv": quant_mma_conv,
-          "select_columns": select_columns, "sample_candidates": sample_candidates}
+          "select_columns": select_columns, "sample_candidates": sample_candidates,
+          "verify_counts": verify_counts}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

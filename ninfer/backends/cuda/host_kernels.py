@@ -481,6 +481,11 @@ def sample_candidates(ids, values, params, row_lane, counts, out, *, stream) -> 
     _sampling.sample_candidates_reference(ids, values, params, row_lane, counts, out)
 
 
+def verify_counts(counts, row_lane, token_ids, seg_row, seg_count, out, *, vocab_ids, stream) -> None:
+    out[...] = _sampling.verify_counts_reference(counts, row_lane, token_ids, seg_row, seg_count, rows=out.shape[0],
+                                                 vocab_ids=vocab_ids)
+
+
 def top_candidates_rows(logits, vocab_ids, counts, row_lane, presence, frequency, out_ids, out_values, *, stream,
                         scratch=None):
     out_ids[...], out_values[...] = _sampling.top_candidates_rows_reference(logits, vocab_ids, counts, row_lane,

@@ -104,15 +104,19 @@ class StepInputs:
 
 class SampledRows:
     """The per-row sampling inputs of one call, rows not sampled left at zero (no penalty, not drawn): `add` one
-    sampled row's parameters (`sampling.sample_parameters`) and penalties."""
+    sampled row's parameters (`sampling.sample_parameters`) and penalties, `penalize` a row the host samples."""
 
     def __init__(self, rows: int) -> None:
         self.presence, self.frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
         self.fields = np.zeros((len(SAMPLE_FIELDS), rows), np.int32)
 
     def add(self, row: int, *, presence: float, frequency: float, parameters: dict[str, int]) -> None:
-        self.presence[row], self.frequency[row] = presence, frequency
+        self.penalize(row, presence, frequency)
         self.fields[:, row] = [parameters[name] for name in SAMPLE_FIELDS]
+
+    def penalize(self, row: int, presence: float, frequency: float) -> None:
+        """A row whose candidates the host reads (a sampled verify row): its penalties, no draw."""
+        self.presence[row], self.frequency[row] = presence, frequency
 
     def rows(self) -> dict[str, np.ndarray]:
         return {"presence": self.presence.view(np.int32), "frequency": self.frequency.view(np.int32),

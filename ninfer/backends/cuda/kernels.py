@@ -30,7 +30,7 @@ from ninfer.kernels_numba.quant_mma import (ROW_SETS, dequantize_mma_bf16, has_p
 from ninfer.kernels_numba.quant_mma_chunked import linear_quant_mma_chunked
 from ninfer.kernels_numba.quant_mma_conv import has_conv_kernel, linear_quant_mma_conv
 from ninfer.kernels_numba.sampling import (argmax_rows, count_tokens, sample_candidates, scratch_columns,
-                                          top_candidates_rows)
+                                          top_candidates_rows, verify_counts)
 from ninfer.kernels_numba.vision import (add_rows, bias_gelu_bf16, layer_norm_bf16, vision_heads, vision_merge_heads,
                                          vision_softmax)
 
@@ -97,6 +97,7 @@ __all__ = [
     "silu_mul_to_bf16_rows",
     "to_bf16_rows",
     "top_candidates_rows",
+    "verify_counts",
     "upload_quant_planes",
     "upload_quant_weight",
     "add_rows",

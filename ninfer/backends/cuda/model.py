@@ -188,6 +188,11 @@ class CudaQwen:
         # and draw parameters are inputs: `StepInputs`).
         decode_rows = max(capacity.decode_rows, 1)
         self.penalty_counts = device.zeros((capacity.lanes, dims.vocab_ids), np.int32, "state")
+        # a verify round's rows' counts (each with its round's drafts before it: `candidates(segments=)`)
+        speculative = capacity.mtp or capacity.dflash
+        self.row_counts = (device.zeros((decode_rows, dims.vocab_ids), np.int32, "workspace") if speculative
+                           else None)
+        self.row_index = device.upload(np.arange(decode_rows, dtype=np.int32), "inputs")
         self.candidate_ids = device.empty((decode_rows, TOP_K_CAP), np.int32, "workspace")
         self.candidate_values = device.empty((decode_rows, TOP_K_CAP), np.float32, "workspace")
         self.count_lanes = device.zeros(decode_rows, np.int32, "inputs")
@@ -648,13 +653,19 @@ class CudaQwen:
         self.linear(hidden, self.head, self.logits, rows=rows)
         return self.logits[:rows]
 
-    def candidates(self, logits: Any) -> None:
+    def candidates(self, logits: Any, *, segments: int | None = None) -> None:
         """The TOP_K_CAP best penalised candidates of each row (row r of lane row_lane[r], penalties presence[r] and
-        frequency[r]) into candidate_ids / candidate_values: §4.8 steps 2-3 on the device."""
-        rows = logits.shape[0]
-        self.k.top_candidates_rows(logits, self.dims.vocab_ids, self.penalty_counts, self.inputs.row_lane[:rows],
-                                   self.inputs.presence[:rows], self.inputs.frequency[:rows],
-                                   self.candidate_ids[:rows], self.candidate_values[:rows],
+        frequency[r]) into candidate_ids / candidate_values: §4.8 steps 2-3 on the device. With `segments` (a
+        verify round's), each row's counts also hold its segment's drafts before it (`sampling.verify_counts`)."""
+        rows, inputs = logits.shape[0], self.inputs
+        counts, count_rows = self.penalty_counts, inputs.row_lane[:rows]
+        if segments is not None:
+            counts, count_rows = self.row_counts[:rows], self.row_index[:rows]
+            self.k.verify_counts(self.penalty_counts, inputs.row_lane[:rows], inputs.token_ids[:rows],
+                                 inputs.seg_row[:segments], inputs.seg_count[:segments], counts,
+                                 vocab_ids=self.dims.vocab_ids, stream=self.device.stream)
+        self.k.top_candidates_rows(logits, self.dims.vocab_ids, counts, count_rows, inputs.presence[:rows],
+                                   inputs.frequency[:rows], self.candidate_ids[:rows], self.candidate_values[:rows],
                                    stream=self.device.stream, scratch=self.sampling_scratch)
 
     def sample(self, rows: int) -> Any:

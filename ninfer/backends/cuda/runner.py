@@ -41,7 +41,7 @@ from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillC
                                   SequenceStart, StateSource, VisionUnavailable)
 from ninfer.engine.request import PromptMedia
 from ninfer.engine.sampler import Purpose, Sampler, effective_top_k
-from ninfer.engine.speculative import verify_drafts
+from ninfer.engine.speculative import verify_candidates
 from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.models.qwen3_6_vision import VisionTower, encode_prompt_item
 from ninfer.kernels_numba.sampling import sample_parameters
@@ -280,19 +280,27 @@ class CudaRunner:
         positions = np.broadcast_to(np.asarray(positions, np.int32), (3, rows))
         samplers = [self._lanes[lane].sampler for lane in lanes]
         # Ordinary sampled rows draw on the device (§4.8 whole: penalised candidates, the draw, the count), in the
-        # step's graph; speculative sampled rows need per-column penalties inside the round, so they read their
-        # logits.
+        # step's graph. Speculative sampled rows get their candidates there, each column's with the round's drafts
+        # before it counted (`model.candidates(segments=)`), and the host applies the accept rules over them.
         sampled = [b for b in range(size) if not samplers[b].params.is_greedy and not batch.speculative[b]]
+        verified = [b for b in range(size) if not samplers[b].params.is_greedy and batch.speculative[b]]
+        sampling = None
+        if sampled or verified:
+            sampling = _sampled_rows(rows, {seg_row[b]: (samplers[b], int(batch.kv_lengths[b])) for b in sampled},
+                                     Purpose.DECODE)
+            for b in verified:
+                params = samplers[b].params
+                for row in range(seg_row[b], seg_row[b] + columns[b]):
+                    sampling.penalize(row, params.presence_penalty, params.frequency_penalty)
         model.inputs.fill(token_ids=ids, positions=positions, row_lane=row_lane,
                           row_pos=row_pos, seg_lane=lanes, seg_row=seg_row, seg_count=columns,
-                          seg_record=[int(c > 1) for c in columns],
-                          sampling=_sampled_rows(rows, {seg_row[b]: (samplers[b], int(batch.kv_lengths[b]))
-                                                       for b in sampled}, Purpose.DECODE) if sampled else None)
-        self._step(("decode", rows, size, bool(sampled)), lambda: self._decode_step(rows, size, bool(sampled)))
+                          seg_record=[int(c > 1) for c in columns], sampling=sampling)
+        self._step(("decode", rows, size, bool(sampled), bool(verified)),
+                   lambda: self._decode_step(rows, size, bool(sampled), bool(verified)))
         argmax = model.device.read(model.argmax[:rows])  # with the sampled rows' draws
-        host_logits = self._host_logits([r for b, lane in enumerate(lanes) if batch.speculative[b]
-                                         and not samplers[b].params.is_greedy
-                                         for r in range(seg_row[b], seg_row[b] + columns[b])])
+        if verified:
+            candidate_ids = model.device.read(model.candidate_ids[:rows])
+            candidate_values = model.device.read(model.candidate_values[:rows])
 
         tokens, counts = np.zeros((size, k + 1), np.int32), np.zeros(size, np.int32)
         accepted, drafts_ready = np.zeros(size, np.int32), np.zeros(size, bool)
@@ -306,8 +314,9 @@ class CudaRunner:
                 if sampler.params.is_greedy:
                     accepted[b], produced = _verify_greedy(argmax[first : first + k + 1], state.drafts)
                 else:
-                    logits = np.stack([host_logits[r] for r in range(first, first + k + 1)])
-                    accepted[b], produced = verify_drafts(logits, state.drafts, sampler, start)
+                    accepted[b], produced = verify_candidates(candidate_ids[first : first + k + 1],
+                                                              candidate_values[first : first + k + 1],
+                                                              state.drafts, sampler, start)
                 state.verified, state.live_column = True, k  # (its columns' rows: `keep_segment_rows`)
                 verified_lanes.append(lane)
                 kept_columns.append(int(accepted[b]))
@@ -391,23 +400,19 @@ class CudaRunner:
         if self._graphs_on:
             self._graphs.add(key, self._model.device.capture(body), pinned=pinned)
 
-    def _decode_step(self, rows: int, segments: int, sampled: bool = False) -> None:
+    def _decode_step(self, rows: int, segments: int, sampled: bool = False, verified: bool = False) -> None:
         """A decode or verify round: decoder, what each lane keeps of its rows (its tail, or its verify columns),
-        head, argmax, and the penalised top candidates when a row samples."""
+        head, argmax; when a row samples, the penalised top candidates (each verify row's with its round's earlier
+        drafts counted, when a sampled lane verifies) and the draw of the ordinary sampled rows."""
         model = self._model
         model.forward(rows, segments)
         model.keep_segment_rows(segments)
         logits = model.head_logits(model.workspace.final, rows)
         model.greedy(logits)
+        if sampled or verified:
+            model.candidates(logits, segments=segments if verified else None)
         if sampled:
-            model.candidates(logits)
             model.sample(rows)
-
-    def _host_logits(self, rows: list[int]) -> dict[int, np.ndarray]:
-        if not rows:
-            return {}
-        logits = self._model.device.read(self._model.logits[: max(rows) + 1])
-        return {r: logits[r] for r in rows}
 
     def _sample_rows(self, hidden: Any, lanes: list[int], positions: list[int], purpose: Purpose) -> list[int]:
         """Each row of `hidden` (lane lanes[r]) through the head and its lane's sampler, on the device: the argmax,
