@@ -38,6 +38,9 @@ from bench.host_trace import GcPauses  # noqa: E402
 from ninfer.backends.cuda.timing import wall_seconds  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
 from ninfer.backends.cuda.capacity import Capacity, PrefillSpan  # noqa: E402
+from ninfer.backends.cuda.inputs import SampledRows  # noqa: E402
+from ninfer.engine.sampler import Purpose, SamplingParams  # noqa: E402
+from ninfer.kernels_numba.sampling import sample_parameters  # noqa: E402
 from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
@@ -194,8 +197,9 @@ class FirstPasses:
               flush=True)
 
 
-def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
-    """Page tables for `batch` lanes holding `context` tokens each, and one decode row per lane."""
+def setup_lanes(model: CudaQwen, batch: int, context: int, *, sampled: bool = False) -> None:
+    """Page tables for `batch` lanes holding `context` tokens each, and one decode row per lane (with `sampled`,
+    each row drawn on the device with a serving preset's parameters)."""
     pages_per_lane = model.capacity.max_pages_per_lane
     for lane in range(batch):
         table = np.arange(lane * pages_per_lane, (lane + 1) * pages_per_lane, dtype=np.int32)
@@ -203,7 +207,25 @@ def setup_lanes(model: CudaQwen, batch: int, context: int) -> None:
     lanes = np.arange(batch)
     model.inputs.fill(token_ids=np.arange(batch) + 100, positions=np.full((3, batch), context),
                       row_lane=lanes, row_pos=np.full(batch, context), seg_lane=lanes, seg_row=lanes,
-                      seg_count=np.ones(batch), seg_record=np.zeros(batch))
+                      seg_count=np.ones(batch), seg_record=np.zeros(batch),
+                      sampling=sampled_rows(batch, range(batch), context) if sampled else None)
+
+
+SAMPLED_PRESET = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0, presence_penalty=1.5, seed=1)
+
+
+def sampled_rows(rows: int, drawn: Any, position: int, penalized: Any = ()) -> SampledRows:
+    """Sampling inputs as the runner writes them for a serving preset (Qwen's non-thinking one): the rows `drawn` on
+    the device, and the rows whose candidates the host reads (`penalized`: sampled verify rows)."""
+    out = SampledRows(rows)
+    p = SAMPLED_PRESET
+    for row in drawn:
+        out.add(row, presence=p.presence_penalty, frequency=p.frequency_penalty, parameters=sample_parameters(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed, position=position,
+            purpose=Purpose.DECODE, counted=True))
+    for row in penalized:
+        out.penalize(row, p.presence_penalty, p.frequency_penalty)
+    return out
 
 
 def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, gemm: float, *, device=None,
@@ -226,7 +248,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                  recurrence_groups: tuple[int | None, ...] = (None,),
                  tensor_core_decodes: tuple[bool, ...] = (True,), prefill_chunk: int | None = None,
                  prefill_graphs: tuple[bool, ...] = (True,), prefill_buckets: tuple[bool, ...] = (False,),
-                 direct_quant_experts: tuple[bool, ...] = (False,)) -> dict:
+                 direct_quant_experts: tuple[bool, ...] = (False,), sampled: tuple[bool, ...] = (False,)) -> dict:
     """One model/recipe/KV configuration. `device`, `dims` and the sizes exist for the CPU smoke test (a HostDevice
     and a tiny model); the GPU run uses the defaults. `prefill_only`: the 8K prefill alone (no decode steps, suffix
     prefill or MTP rounds), for a short device call after a prefill change; `mtp_only`: the decode steps and the MTP
@@ -235,7 +257,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
     the full-size chunks replay graphs captured in pieces where the model can (`CudaQwen.capture_prefill`, as the
     server's runner does), off and/or on. `prefill_buckets`: shorter chunks padded to their row buckets
     (Capacity.prefill_buckets), off and/or on. `direct_quant_experts`: a MoE model's quantized routed experts
-    multiplied from their codes (Capacity.direct_quant_experts), off and/or on. `prefill_tokens`: one prompt length
+    multiplied from their codes (Capacity.direct_quant_experts), off and/or on. `sampled`: the decode steps and MTP
+    rounds as greedy lanes and/or as sampled ones (presence penalty on) run them. `prefill_tokens`: one prompt length
     or several, each timed with every prefill setting on the same build (sized for the longest; with
     `prefill_chunk`, the workspace is the chunk's whatever the lengths)."""
     dims = dims or MODELS[dims_name]
@@ -290,13 +313,17 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
             print(f"  decode paths tuned in {time.perf_counter() - began:.1f}s: " + "  ".join(
                 f"{n}x{k} {entry['path']} (" + " / ".join(f"{p} {t:.1f}" for p, t in entry["us"].items()) + " us)"
                 for entry in result["decode_paths"] for n, k in [entry["shape"]]), flush=True)
-        for batch in batches:
-            setup_lanes(model, batch, context)
+        for batch, sampling in ((batch, sampling) for batch in batches for sampling in sampled):
+            setup_lanes(model, batch, context, sampled=sampling)
 
             def step():  # as the runner's step (`CudaRunner._decode_step`)
                 model.forward(batch, batch)
                 model.keep_segment_rows(batch)
-                model.greedy(model.head_logits(model.workspace.final, batch))
+                logits = model.head_logits(model.workspace.final, batch)
+                model.greedy(logits)
+                if sampling:  # each lane's row draws on the device
+                    model.candidates(logits)
+                    model.sample(batch)
 
             with first_pass("decode"):
                 step()
@@ -311,7 +338,8 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                    if device.stream is not None else (seconds, 0.0))
             nbytes = decode_bytes(model, batch, context)
             roofline = nbytes / bandwidth
-            decode.append({"linear": linear, "branches": side, "programmatic": pdl, "narrow": thin,
+            decode.append({"sampled": sampling, "linear": linear, "branches": side, "programmatic": pdl,
+                           "narrow": thin,
                            "split_k_norm": sliced, "conv_in_projection": conv, "ab_in_recurrence": fused_ab,
                            "recurrence_groups": model.recurrence_groups, "tensor_core_decode": tc,
                            "attention_splits": model.workspace.partials.shape[2], "min_split_keys": floor,
@@ -328,7 +356,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                 {False: " -ab-in-recurrence", True: " +ab-in-recurrence"}.get(fused_ab, "")) + (
                 f" groups {groups}" if groups else "") + (
                 {False: " -tensor-core-decode", True: " +tensor-core-decode"}[tc] if len(tensor_core_decodes) > 1
-                else "")
+                else "") + (" sampled" if sampling else "")
             print(f"  decode [{label}] B={batch}: {seconds * 1e3:7.2f} ms/step  {batch / seconds:7.1f} tok/s  "
                   f"roofline {roofline * 1e3:6.2f} ms  ratio {roofline / seconds:.2f}  graph {graph_bytes / 2**20:.1f} "
                   f"MiB  back to back {queued * 1e3:.2f} ms (ratio {roofline / queued:.2f}), launch "
@@ -359,7 +387,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
         return result
     if mtp_only:
         result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, decode_linears,
-                                              profile=profile)
+                                              profile=profile, sampled=sampled)
         return result
 
     # Prefill: one lane, `prefill_tokens` from position 0, in chunks of capacity.prefill_rows, each staged as the
@@ -494,7 +522,7 @@ def bench_config(dims_name: str, recipe: str, kv_dtype: str, bandwidth: float, g
                                               profile=profile)
 
     result["mtp_round"] = mtp_rounds_each(model, dims, context, tensor_core_decodes, decode_linears,
-                                          profile=profile)
+                                          profile=profile, sampled=sampled)
     return result
 
 
@@ -580,31 +608,34 @@ def set_decode_linear(model: CudaQwen, linear: str) -> None:
 
 
 def mtp_rounds_each(model: CudaQwen, dims, context: int, tensor_core_decodes: tuple[bool, ...],
-                    decode_linears: tuple[str, ...], *, profile: bool) -> list[dict]:
+                    decode_linears: tuple[str, ...], *, profile: bool,
+                    sampled: tuple[bool, ...] = (False,)) -> list[dict]:
     """`mtp_rounds` with each decode attention kernel and each bf16 decode linear path asked for ("auto" and
     "cublas:N" skipped: the serving paths' rounds), then back to the serving default."""
     out = []
     linears = [linear for linear in decode_linears if linear in ("cublas", "mma", "kernels")] or ["cublas"]
-    for tc, linear in ((tc, linear) for tc in tensor_core_decodes for linear in linears):
+    for tc, linear, sampling in ((tc, linear, sampling) for tc in tensor_core_decodes for linear in linears
+                                 for sampling in sampled):
         model.set_tensor_core_decode(tc)
         set_decode_linear(model, linear)
-        if len(tensor_core_decodes) > 1 or len(linears) > 1:
-            print(f"  MTP rounds, decode attention {'tensor cores' if tc else 'staged SIMT'}, bf16 linear {linear}:",
-                  flush=True)
-        out += [dict(entry, tensor_core_decode=tc, decode_linear=linear)
-                for entry in mtp_rounds(model, dims, context, profile=profile)]
+        if len(tensor_core_decodes) > 1 or len(linears) > 1 or len(sampled) > 1:
+            print(f"  MTP rounds, decode attention {'tensor cores' if tc else 'staged SIMT'}, bf16 linear {linear}"
+                  f"{', sampled lane' if sampling else ''}:", flush=True)
+        out += [dict(entry, tensor_core_decode=tc, decode_linear=linear, sampled=sampling)
+                for entry in mtp_rounds(model, dims, context, profile=profile, sampled=sampling)]
     set_decode_linear(model, model.capacity.decode_linear)
     return out
 
 
-def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) -> list[dict]:
+def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False, sampled: bool = False) -> list[dict]:
     """Batch-1 MTP round at `context` tokens, as the runner runs it: the verify graph (k+1 rows, decoder + head +
     argmax), a read of the argmaxes, the MTP-head graph over the k+1 columns, then the draft chain (one graph: k
     proposals with k-1 MTP steps between them, each step's token copied on the device) and a read of the drafts.
     The round rejects its last draft, so the verify columns' states are restored (`select_columns`, as the runner
     does). Wall-clock per round, host work and reads included, and each part's GPU time alone; with `profile`, the
     k = 3 round's kernels. Proposals over the full head, and over the shortlist head when the model loaded one
-    (`model.propose`, as the runner does)."""
+    (`model.propose`, as the runner does). `sampled`: a sampled lane's round, whose verify also computes each
+    column's candidates with the round's earlier drafts counted and whose host reads them."""
     out = []
     device = model.device
     heads = ("full", "shortlist") if model.draft_head is not None else ("full",)
@@ -616,7 +647,16 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         def verify():
             model.forward(rows, 1)
             model.keep_segment_rows(1)  # the lane's verify columns, as the runner's step keeps them
-            model.greedy(model.head_logits(model.workspace.final, rows))
+            logits = model.head_logits(model.workspace.final, rows)
+            model.greedy(logits)
+            if sampled:
+                model.candidates(logits, segments=1)
+
+        def fill():
+            model.inputs.fill(token_ids=np.arange(rows) + 5, next_ids=np.arange(rows) + 6, positions=positions,
+                              row_lane=np.zeros(rows), row_pos=context + np.arange(rows), seg_lane=[0],
+                              seg_row=[0], seg_count=[rows], seg_record=[1],
+                              sampling=sampled_rows(rows, (), context, range(rows)) if sampled else None)
 
         def mtp():
             model.mtp_forward(hidden, rows)
@@ -640,19 +680,18 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         model.stage_selection([0], [k - 1], [True])
         for name, body in (("verify", verify), ("mtp", mtp), ("propose", propose), ("advance", advance),
                            ("drafts", drafts), ("select", select)):
-            model.inputs.fill(token_ids=np.arange(rows) + 5, next_ids=np.arange(rows) + 6, positions=positions,
-                              row_lane=np.zeros(rows), row_pos=context + np.arange(rows), seg_lane=[0],
-                              seg_row=[0], seg_count=[rows], seg_record=[1])
+            fill()
             body()
             device.synchronize()
             graphs[name] = device.capture(body)
 
         def round_():
-            model.inputs.fill(token_ids=np.arange(rows) + 5, next_ids=np.arange(rows) + 6, positions=positions,
-                              row_lane=np.zeros(rows), row_pos=context + np.arange(rows), seg_lane=[0],
-                              seg_row=[0], seg_count=[rows], seg_record=[1])
+            fill()
             graphs["verify"].replay(device.stream_handle)
             device.read(model.argmax[:rows])
+            if sampled:  # the runner's accept rules read the columns' candidates
+                device.read(model.candidate_ids[:rows])
+                device.read(model.candidate_values[:rows])
             model.stage_selection([0], [k - 1], [True])
             graphs["select"].replay(device.stream_handle)
             device.copy(hidden, model.workspace.final[:rows])
@@ -672,7 +711,8 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False) ->
         entry = {"k": k, "proposals": proposals, "round_ms": seconds * 1e3, "graph_ms": parts,
                  "host_ms": seconds * 1e3 - gpu_ms,
                  "tok_s_at_tokens_per_round": {str(t): t / seconds for t in (1.0 + 0.8 * k, float(k + 1))}}
-        print(f"  MTP k={k} ({proposals} head): round {seconds * 1e3:7.2f} ms (graphs; host reads included): "
+        print(f"  MTP k={k} ({proposals} head{', sampled' if sampled else ''}): round {seconds * 1e3:7.2f} ms "
+              f"(graphs; host reads included): "
               + " ".join(f"{name} {ms:.3f}" for name, ms in parts.items())
               + f" ms a replay, host {entry['host_ms']:.2f} ms a round", flush=True)
         if profile and k == 3:
@@ -794,6 +834,9 @@ def main() -> None:
     parser.add_argument("--prefill-buckets", default="off",
                         help="prefill chunks shorter than --prefill-chunk padded to their row buckets off and/or on "
                              "(off,on; default: off, the serving default)")
+    parser.add_argument("--sampled", default="off",
+                        help="decode steps and MTP rounds of greedy and/or sampled lanes (off,on; sampled: a Qwen "
+                             "preset's parameters, the draw on the device, a verify's candidates read by the host)")
     parser.add_argument("--direct-quant-experts", default="off",
                         help="a MoE model's quantized routed experts multiplied from their codes in prefill chunks "
                              "off and/or on (off,on; default: off, the serving default)")
@@ -864,7 +907,8 @@ def main() -> None:
                                                           direct_quant_experts=on_off(
                                                               parser, "--direct-quant-experts",
                                                               args.direct_quant_experts),
-                                                          prefill_tokens=lengths))
+                                                          prefill_tokens=lengths,
+                                                          sampled=on_off(parser, "--sampled", args.sampled)))
                     gc.collect()  # the configuration's device arrays go with its model
                     cuda.current_context().deallocations.clear()
                 except Exception as exc:  # keep the other configurations' numbers

@@ -79,6 +79,21 @@ def test_several_prompt_lengths_are_timed_on_one_build(bench):
     assert result["prefill"][1]["flops"] > 2 * result["prefill"][0]["flops"]
 
 
+def test_sampled_lanes_are_timed_beside_greedy_ones(bench):
+    """--sampled off,on: each batch's decode step and each MTP round as greedy and as sampled lanes run them (the
+    draw in the step's graph; the verify's candidates with its drafts counted, read by the host); the sampled
+    steps' tokens are draws, counted for the lanes' penalties."""
+    from ninfer.backends.cuda.host import HostDevice
+
+    result = bench.bench_config("tiny", "bf16", "bf16", 1e12, 1e14, device=HostDevice(), dims=cuda_tiny_dims(moe=True),
+                                context=70, prefill_tokens=128, repeats=4, batches=(1, 2), mtp_only=True,
+                                sampled=(False, True))
+    assert [(row["batch"], row["sampled"]) for row in result["decode"]] == [(1, False), (1, True), (2, False),
+                                                                            (2, True)]
+    assert [(row["k"], row["sampled"]) for row in result["mtp_round"]] == [
+        (k, sampled) for sampled in (False, True) for k in (1, 2, 3)]
+
+
 def test_direct_quant_experts_are_timed_beside_the_dequantizing_path(bench):
     """--direct-quant-experts off,on on a ninfer-v2 MoE model: one prefill row each, the second without
     dequantizing the experts (fewer matrices dequantized: the routed gate|up and down of every layer)."""
