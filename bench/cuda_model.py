@@ -690,8 +690,7 @@ def mtp_rounds(model: CudaQwen, dims, context: int, *, profile: bool = False, sa
             graphs["verify"].replay(device.stream_handle)
             device.read(model.argmax[:rows])
             if sampled:  # the runner's accept rules read the columns' candidates
-                device.read(model.candidate_ids[:rows])
-                device.read(model.candidate_values[:rows])
+                model.read_candidates(rows)
             model.stage_selection([0], [k - 1], [True])
             graphs["select"].replay(device.stream_handle)
             device.copy(hidden, model.workspace.final[:rows])

@@ -193,8 +193,9 @@ class CudaQwen:
         self.row_counts = (device.zeros((decode_rows, dims.vocab_ids), np.int32, "workspace") if speculative
                            else None)
         self.row_index = device.upload(np.arange(decode_rows, dtype=np.int32), "inputs")
-        self.candidate_ids = device.empty((decode_rows, TOP_K_CAP), np.int32, "workspace")
-        self.candidate_values = device.empty((decode_rows, TOP_K_CAP), np.float32, "workspace")
+        # ids and values in one block (the values' fp32 as int32 bits), so the host reads both in one copy
+        self.candidates_block = device.empty((2, decode_rows, TOP_K_CAP), np.int32, "workspace")
+        self.candidate_ids, self.candidate_values = self.candidates_block[0], self.candidates_block[1].view(np.float32)
         self.count_lanes = device.zeros(decode_rows, np.int32, "inputs")
         self.count_ids = device.zeros(decode_rows, np.int32, "inputs")
         self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
@@ -667,6 +668,11 @@ class CudaQwen:
         self.k.top_candidates_rows(logits, self.dims.vocab_ids, counts, count_rows, inputs.presence[:rows],
                                    inputs.frequency[:rows], self.candidate_ids[:rows], self.candidate_values[:rows],
                                    stream=self.device.stream, scratch=self.sampling_scratch)
+
+    def read_candidates(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first `rows` rows' candidate ids and values on the host, in one read."""
+        block = self.device.read(self.candidates_block)
+        return block[0, :rows], block[1, :rows].view(np.float32)
 
     def sample(self, rows: int) -> Any:
         """§4.8 steps 4-8 on the device for the rows `inputs.sampling` flags: each one's token over its candidates

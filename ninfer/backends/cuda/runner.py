@@ -299,8 +299,7 @@ class CudaRunner:
                    lambda: self._decode_step(rows, size, bool(sampled), bool(verified)))
         argmax = model.device.read(model.argmax[:rows])  # with the sampled rows' draws
         if verified:
-            candidate_ids = model.device.read(model.candidate_ids[:rows])
-            candidate_values = model.device.read(model.candidate_values[:rows])
+            candidate_ids, candidate_values = model.read_candidates(rows)
 
         tokens, counts = np.zeros((size, k + 1), np.int32), np.zeros(size, np.int32)
         accepted, drafts_ready = np.zeros(size, np.int32), np.zeros(size, bool)
