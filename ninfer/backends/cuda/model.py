@@ -196,9 +196,7 @@ class CudaQwen:
         # ids and values in one block (the values' fp32 as int32 bits), so the host reads both in one copy
         self.candidates_block = device.empty((2, decode_rows, TOP_K_CAP), np.int32, "workspace")
         self.candidate_ids, self.candidate_values = self.candidates_block[0], self.candidates_block[1].view(np.float32)
-        self.count_lanes = device.zeros(decode_rows, np.int32, "inputs")
-        self.count_ids = device.zeros(decode_rows, np.int32, "inputs")
-        self.count_valid = device.zeros(decode_rows, np.int32, "inputs")
+        self.counted = InputRows(device, ("lanes", "tokens", "valid"), decode_rows)  # `count_generated`'s tokens
         cublas = capacity.decode_linear in ("cublas", "auto")  # "auto": cuBLAS where the tuning chose no path
         self.linear = Linear(device, self.workspace, cublas_decode=cublas,
                              pad_rows=capacity.decode_rows if cublas else 0,
@@ -688,11 +686,10 @@ class CudaQwen:
         n = len(tokens)
         if not n:
             return
-        self.device.write(self.count_lanes[:n], np.asarray(lanes, np.int32))
-        self.device.write(self.count_ids[:n], np.asarray(tokens, np.int32))
-        self.device.write(self.count_valid[:n], np.ones(n, np.int32))
-        self.k.count_tokens(self.penalty_counts, self.count_lanes[:n], self.count_ids[:n], self.count_valid[:n],
-                            stream=self.device.stream)
+        counted = self.counted
+        counted.fill({"lanes": lanes, "tokens": tokens, "valid": np.ones(n, np.int32)})
+        self.k.count_tokens(self.penalty_counts, counted.row("lanes")[:n], counted.row("tokens")[:n],
+                            counted.row("valid")[:n], stream=self.device.stream)
 
     def greedy(self, logits: Any) -> Any:
         out = self.argmax[: logits.shape[0]]
