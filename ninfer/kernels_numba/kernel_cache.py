@@ -10,7 +10,7 @@ llvmlite, cuda-bindings), the Python version and FORMAT; the KEEP_GENERATIONS mo
 and an entry unused for STALE_DAYS goes.
 
 What an entry is: one file per kernel specialization, named by the SHA-256 of its key, holding the key and the
-kernel's cubin with what numba needs to launch it (no LLVM IR, no PTX). The key holds the NVVM version, the compute
+kernel's cubin with what numba needs to launch it (no LLVM IR, no PTX). The key holds the NVVM build, the compute
 capability, the argument types, the `cuda.jit` options, a fingerprint of the Python function and the bytes of every
 source file it draws on. The fingerprint covers the function's code objects (bytecode, constants, names, nested
 code), the values its closure holds and the globals its code names, each function, device function or intrinsic among
@@ -142,7 +142,7 @@ def _source_file(function: types.FunctionType) -> str | None:
 
 
 def device_identity() -> tuple[tuple[int, int], str]:
-    """(compute capability of the current device, NVVM version): what a cubin is compiled for and by."""
+    """(compute capability of the current device, the NVVM build): what a cubin is compiled for and by."""
     from ninfer.kernels_numba.numba_setup import cuda
 
     return tuple(cuda.get_current_device().compute_capability), _nvvm_version()
@@ -150,9 +150,25 @@ def device_identity() -> tuple[tuple[int, int], str]:
 
 @functools.cache
 def _nvvm_version() -> str:
+    """NVVM's API and IR versions, and the identity of the libnvvm that compiles (its size and the digest of its
+    first and last MiB): the API version alone stays 2.0 across CUDA releases, whose code generation differs."""
     from numba.cuda.cudadrv import nvvm
 
-    return repr(nvvm.NVVM().get_version())
+    compiler = nvvm.NVVM()
+    identity = f"api {compiler.get_version()} ir {compiler.get_ir_version()}"
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        library = Path(load_nvidia_dynamic_lib("nvvm").abs_path)
+        size = library.stat().st_size
+        with library.open("rb") as handle:
+            head = handle.read(1 << 20)
+            handle.seek(max(0, size - (1 << 20)))
+            tail = handle.read(1 << 20)
+        identity += f" lib {size} {hashlib.sha256(head + tail).hexdigest()[:32]}"
+    except Exception:  # no pathfinder, or a library it cannot name: the versions alone
+        pass
+    return identity
 
 
 class Fingerprints:
