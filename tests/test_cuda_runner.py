@@ -454,9 +454,23 @@ def test_a_bounded_graph_cache_frees_old_shapes_and_changes_no_token(device_kind
     assert run_lanes(bounded.runner, prompts, 16, chunk=32) == want
     cache = bounded.runner._graphs
     assert cache.evictions > 0
-    pinned = {("decode", size, size, False) for size in range(1, bounded.runner.info.lanes + 1)}
+    from ninfer.backends.cuda.runner import decode_key
+
+    pinned = {decode_key(size, size) for size in range(1, bounded.runner.info.lanes + 1)}
     pinned.add(("prefill pieces", bounded.model.capacity.prefill_rows))  # the full-size prefill chunk's
     assert pinned <= set(cache) and len(cache) <= len(pinned) + 2
+
+
+def test_greedy_decode_steps_replay_the_graphs_the_startup_captured(device_kind, artifacts):
+    """Without speculation, greedy lanes of every batch size decode through the graphs `capture_decode_graphs` made
+    at startup (their key is the decode step's own): no decode graph is captured while serving."""
+    from ninfer.backends.cuda.runner import decode_key
+
+    build = cuda_build(device_kind, artifacts[("dense", "bf16")], lanes=3)
+    startup = {key for key in build.runner._graphs if key[0] == "decode"}
+    assert startup == {decode_key(size, size) for size in (1, 2, 3)}
+    run_lanes(build.runner, [prompt(1, 20), prompt(2, 9), prompt(3, 14)], 6)
+    assert {key for key in build.runner._graphs if key[0] == "decode"} == startup
 
 
 def test_the_short_prefill_bound(device_kind, artifacts):

@@ -295,7 +295,7 @@ class CudaRunner:
         model.inputs.fill(token_ids=ids, positions=positions, row_lane=row_lane,
                           row_pos=row_pos, seg_lane=lanes, seg_row=seg_row, seg_count=columns,
                           seg_record=[int(c > 1) for c in columns], sampling=sampling)
-        self._step(("decode", rows, size, bool(sampled), bool(verified)),
+        self._step(decode_key(rows, size, bool(sampled), bool(verified)),
                    lambda: self._decode_step(rows, size, bool(sampled), bool(verified)))
         argmax = model.device.read(model.argmax[:rows])  # with the sampled rows' draws
         if verified:
@@ -363,9 +363,8 @@ class CudaRunner:
             self._model.inputs.fill(token_ids=np.zeros(size), positions=np.zeros((3, size), np.int32),
                                     row_lane=lanes, row_pos=np.zeros(size), seg_lane=lanes, seg_row=lanes,
                                     seg_count=np.ones(size), seg_record=np.zeros(size))
-            if ("decode", size, size, False) not in self._graphs:
-                self._step(("decode", size, size, False), lambda size=size: self._decode_step(size, size),
-                           pinned=True)
+            if decode_key(size, size) not in self._graphs:
+                self._step(decode_key(size, size), lambda size=size: self._decode_step(size, size), pinned=True)
         self._model.device.clear(self._model.tails)  # the placeholder rows' (`keep_segment_rows`)
 
     def capture_prefill_graph(self) -> None:
@@ -570,6 +569,12 @@ def _verify_greedy(argmax: np.ndarray, drafts: np.ndarray) -> tuple[int, list[in
             return i, produced + [int(argmax[i])]
         produced.append(int(draft))
     return len(drafts), produced + [int(argmax[len(drafts)])]
+
+
+def decode_key(rows: int, segments: int, sampled: bool = False, verified: bool = False) -> tuple:
+    """The graph of a decode or verify step: its rows and segments, whether a row draws on the device and whether a
+    sampled lane verifies (`CudaRunner._decode_step`)."""
+    return ("decode", rows, segments, sampled, verified)
 
 
 def _sampled_rows(rows: int, sampled: dict[int, tuple[Sampler, int]], purpose: Purpose) -> SampledRows:
