@@ -31,9 +31,9 @@ import attrs
 import numpy as np
 
 from ninfer.backends.cpu.dflash import DFlashContextError
+from ninfer.backends.cuda.capacity import PAGE_TOKENS, PrefillSpan
 from ninfer.backends.cuda.graph_cache import GraphCache
 from ninfer.backends.cuda.inputs import SampledRows
-from ninfer.backends.cuda.capacity import PAGE_TOKENS, PrefillSpan
 from ninfer.backends.cuda.lane_state import CHECKPOINT_SLOTS
 from ninfer.backends.cuda.model import CudaQwen
 from ninfer.engine.cold_tier import ParkedArray
