@@ -4,6 +4,8 @@
 #   bash tools/device_check.sh tests [SECONDS [TEST PATHS]]  GPU tests: device plumbing, every kernel vs its twin,
 #                                                   the runner (or only the paths given)
 #   bash tools/device_check.sh bench [BENCH ARGS]   bench/cuda_model.py (e.g. --models 27b --recipes bf16 --kv int8)
+#   bash tools/device_check.sh served [BENCH ARGS]  bench/served_decode.py (the scheduler over the CUDA runner:
+#                                                   served tokens/s of greedy and sampled requests)
 #   bash tools/device_check.sh peers                bench/transformers_side_by_side.py
 #   bash tools/device_check.sh cold [BENCH ARGS]    bench/cold_tier_ttft.py (needs 2 GPUs: kind nvidia-h200-x2)
 #   bash tools/device_check.sh vision [BENCH ARGS]  bench/vision_tower_gpu.py
@@ -74,6 +76,8 @@ case "$what" in
     grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/gpu_tests.log" | tail -40 ;;
   bench)
     python3 bench/cuda_model.py "$@" 2>&1 | quiet | tee "$OUT/cuda_model.log" | tail -60 ;;
+  served)
+    python3 bench/served_decode.py "$@" 2>&1 | quiet | tee "$OUT/served_decode.log" | tail -40 ;;
   peers)
     python3 bench/transformers_side_by_side.py 2>&1 | quiet | tee "$OUT/side_by_side.log" | tail -20 ;;
   cold)
@@ -144,6 +148,6 @@ for r in rows: print(r[0], r[4].split("(")[0][-48:], r[12], r[13], r[14])' "$OUT
     grep -E "^  [a-zA-Z_]|Duration|Throughput|Registers Per|Occupancy|Warp Cycles Per Issued|Issued Warp|Eligible" \
       "$OUT/ncu_script_details.txt" | cut -c1-160 | head -60
     head -50 "$OUT/ncu_script_summary.txt" ;;
-  *) echo "usage: $0 tests|bench|peers|cold|vision|quant|dflash|moe|linear|ncu|ncu-source|ncu-script|ncu-dram [args]" >&2
+  *) echo "usage: $0 tests|bench|served|peers|cold|vision|quant|dflash|moe|linear|ncu|ncu-source|ncu-script|ncu-dram [args]" >&2
      exit 2 ;;
 esac
