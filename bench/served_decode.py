@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer.kernels_numba import numba_setup  # noqa: E402,F401  (numpy shim first)
 
 from bench.cuda_model import MODELS, SAMPLED_PRESET  # noqa: E402
+from bench.host_trace import HostTrace  # noqa: E402
 from ninfer.backends.cuda.capacity import Capacity  # noqa: E402
 from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
 from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
@@ -81,23 +82,19 @@ def served(runner: CudaRunner, *, batch: int, prompt: int, output: int, sampling
     while scheduler.snapshot().decode_ready < batch:
         scheduler.step()
     produced_before = _drain_tokens(sinks)  # the prefills' tokens, and a first round's with the last prefill
-    decode, inside = runner.decode, []
+    trace, rounds = HostTrace(), 0
+    trace.wrap(runner, "decode")  # each round's seconds inside the runner
 
-    def timed_decode(round_batch):
-        began = time.perf_counter()
-        result = decode(round_batch)
-        inside.append(time.perf_counter() - began)
-        return result
-
-    runner.decode = timed_decode
-    rounds, began = 0, time.perf_counter()
-    try:
+    def decode_all() -> None:
+        nonlocal rounds
         while scheduler.snapshot().running:
             scheduler.step()
             rounds += 1
-    finally:
-        runner.decode = decode
+
+    began = time.perf_counter()
+    events = trace.run(decode_all)
     seconds = time.perf_counter() - began
+    inside = [end - start for _, start, end in events]
     tokens = _drain_tokens(sinks)  # the timed rounds'
     if produced_before + tokens != batch * output:
         raise RuntimeError(f"{produced_before + tokens} tokens reached the sinks, not {batch} x {output}")
