@@ -371,6 +371,35 @@ def test_full_prefill_chunks_replay_graph_pieces_with_the_eager_bits(device_kind
                                   eager.model.device.read(eager.model.tails))
 
 
+def test_a_prefill_capture_starts_with_no_dequantization_queued_ahead(artifacts):
+    """Each prefill capture at startup (the full-size chunk's, then each bucket's) follows an eager pass, whose
+    dequantizer queues the matrices it predicts next outside any capture; a capture that waited on them fails on the
+    GPU (CUDA_ERROR_STREAM_CAPTURE_ISOLATION: the dense ninfer-v2 bucket capture, session 40). So the queue is empty
+    when each capture begins."""
+    from ninfer.backends.cuda import dequant_ahead
+    from ninfer.backends.cuda import host as host_module
+
+    dequantizers, queued = [], []
+    capture, init = host_module.HostDevice.capture_pieces, dequant_ahead.WeightDequantizer.__init__
+
+    def counting_capture(device, record):
+        queued.append(dequantizers[-1].queued)
+        return capture(device, record)
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        dequantizers.append(self)
+
+    host_module.HostDevice.capture_pieces = counting_capture
+    dequant_ahead.WeightDequantizer.__init__ = recording_init
+    try:  # the build captures at startup (dense models dequantize two matrices ahead)
+        build = cuda_build("host", artifacts[("dense", "ninfer-v2")], prefill_chunk=256, prefill_buckets=True)
+    finally:
+        host_module.HostDevice.capture_pieces, dequant_ahead.WeightDequantizer.__init__ = capture, init
+    assert build.model.linear.dequantizer is dequantizers[-1] and dequantizers[-1].ahead == 2
+    assert queued == [0, 0]  # the full-size chunk's and the 128-row bucket's
+
+
 @pytest.mark.parametrize("case", CASES, ids=["-".join(case) for case in CASES])
 def test_padded_prefill_chunks_replay_their_buckets_graphs_and_leave_other_lanes_alone(device_kind, artifacts, case):
     """With prefill buckets (256-row chunks: shorter ones past 64 rows padded to 128, or to 256), three lanes

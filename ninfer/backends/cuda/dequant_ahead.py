@@ -49,6 +49,11 @@ class WeightDequantizer:
         return self._ahead
 
     @property
+    def queued(self) -> int:
+        """Dequantizations queued ahead and not yet handed out."""
+        return len(self._queue)
+
+    @property
     def spare_buffers(self) -> int:
         return len(self._buffers) - 1
 

@@ -460,6 +460,9 @@ class CudaQwen:
             finally:
                 self._attention_cut = None
 
+        # dequantizations queued ahead by the eager calls before (the matrices predicted to follow) were recorded
+        # outside the capture, which may not wait on them (CUDA_ERROR_STREAM_CAPTURE_ISOLATION)
+        self._drain_dequantizer()
         return self.device.capture_pieces(record)
 
     def forward(self, rows: int, segments: int, prefill: PrefillSpan | None = None,
