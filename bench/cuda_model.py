@@ -40,7 +40,6 @@ from ninfer.backends.cuda.device import CudaDevice  # noqa: E402
 from ninfer.backends.cuda.capacity import Capacity, PrefillSpan  # noqa: E402
 from ninfer.backends.cuda.inputs import SampledRows  # noqa: E402
 from ninfer.engine.sampler import Purpose, SamplingParams  # noqa: E402
-from ninfer.kernels_numba.sampling import sample_parameters  # noqa: E402
 from ninfer.backends.cuda.model import CudaQwen  # noqa: E402
 from ninfer.backends.cuda.weights import RandomDeviceWeights  # noqa: E402
 from ninfer.convert.qwen_hf import plan_qwen_tensor_specs  # noqa: E402
@@ -218,13 +217,10 @@ def sampled_rows(rows: int, drawn: Any, position: int, penalized: Any = ()) -> S
     """Sampling inputs as the runner writes them for a serving preset (Qwen's non-thinking one): the rows `drawn` on
     the device, and the rows whose candidates the host reads (`penalized`: sampled verify rows)."""
     out = SampledRows(rows)
-    p = SAMPLED_PRESET
     for row in drawn:
-        out.add(row, presence=p.presence_penalty, frequency=p.frequency_penalty, parameters=sample_parameters(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed, position=position,
-            purpose=Purpose.DECODE, counted=True))
+        out.draw(row, SAMPLED_PRESET, position, Purpose.DECODE)
     for row in penalized:
-        out.penalize(row, p.presence_penalty, p.frequency_penalty)
+        out.penalize(row, SAMPLED_PRESET.presence_penalty, SAMPLED_PRESET.frequency_penalty)
     return out
 
 

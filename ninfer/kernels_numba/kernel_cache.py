@@ -316,14 +316,15 @@ class KernelFiles:
 
     def load(self, key: str) -> Any | None:
         """The payload saved under `key`, or None (no entry). Raises on an unreadable or mismatched entry."""
+        entry = self.path(key)
         try:
-            data = self.path(key).read_bytes()
+            data = entry.read_bytes()
         except FileNotFoundError:
             return None
         stored_key, payload = pickle.loads(data)
         if stored_key != key:
-            raise ValueError(f"{self.path(key)} holds another key")
-        self._mark_used(self.path(key))
+            raise ValueError(f"{entry} holds another key")
+        self._mark_used(entry)
         return payload
 
     def _mark_used(self, entry: Path) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from ninfer.backends.cuda.device import Device
-from ninfer.kernels_numba.sampling import SAMPLE_FIELDS
+from ninfer.engine.sampler import Purpose, SamplingParams, effective_top_k
+from ninfer.kernels_numba.sampling import SAMPLE_FIELDS, sample_parameters
 
 class InputRows:
     """Named int32 input rows carved from one device array [names, rows] (each row a contiguous view), with a host
@@ -103,16 +104,21 @@ class StepInputs:
 
 
 class SampledRows:
-    """The per-row sampling inputs of one call, rows not sampled left at zero (no penalty, not drawn): `add` one
-    sampled row's parameters (`sampling.sample_parameters`) and penalties, `penalize` a row the host samples."""
+    """The per-row sampling inputs of one call, rows not sampled left at zero (no penalty, not drawn): `draw` a row
+    on the device with a request's parameters, `penalize` a row whose candidates the host samples."""
 
     def __init__(self, rows: int) -> None:
         self.presence, self.frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
         self.fields = np.zeros((len(SAMPLE_FIELDS), rows), np.int32)
 
-    def add(self, row: int, *, presence: float, frequency: float, parameters: dict[str, int]) -> None:
-        self.penalize(row, presence, frequency)
-        self.fields[:, row] = [parameters[name] for name in SAMPLE_FIELDS]
+    def draw(self, row: int, params: SamplingParams, position: int, purpose: Purpose) -> None:
+        """The row draws on the device (`sampling.sample_candidates`) at `position` for `purpose`, counted for its
+        lane's penalties when they are on."""
+        self.penalize(row, params.presence_penalty, params.frequency_penalty)
+        fields = sample_parameters(temperature=params.temperature, top_k=effective_top_k(params.top_k),
+                                   top_p=params.top_p, min_p=params.min_p, seed=params.seed, position=position,
+                                   purpose=purpose, counted=params.penalties_active)
+        self.fields[:, row] = [fields[name] for name in SAMPLE_FIELDS]
 
     def penalize(self, row: int, presence: float, frequency: float) -> None:
         """A row whose candidates the host reads (a sampled verify row): its penalties, no draw."""

@@ -40,11 +40,10 @@ from ninfer.engine.cold_tier import ParkedArray
 from ninfer.engine.runner import (DecodeBatch, DecodeResult, LaneImage, PrefillChunk, PrefillResult, RunnerInfo,
                                   SequenceStart, StateSource, VisionUnavailable)
 from ninfer.engine.request import PromptMedia
-from ninfer.engine.sampler import Purpose, Sampler, effective_top_k
+from ninfer.engine.sampler import Purpose, Sampler
 from ninfer.engine.speculative import verify_candidates
 from ninfer.backends.cuda.vision import CudaVisionTower
 from ninfer.models.qwen3_6_vision import VisionTower, encode_prompt_item
-from ninfer.kernels_numba.sampling import sample_parameters
 
 
 @attrs.define
@@ -286,8 +285,9 @@ class CudaRunner:
         verified = [b for b in range(size) if not samplers[b].params.is_greedy and batch.speculative[b]]
         sampling = None
         if sampled or verified:
-            sampling = _sampled_rows(rows, {seg_row[b]: (samplers[b], int(batch.kv_lengths[b])) for b in sampled},
-                                     Purpose.DECODE)
+            sampling = SampledRows(rows)
+            for b in sampled:
+                sampling.draw(seg_row[b], samplers[b].params, int(batch.kv_lengths[b]), Purpose.DECODE)
             for b in verified:
                 params = samplers[b].params
                 for row in range(seg_row[b], seg_row[b] + columns[b]):
@@ -419,15 +419,17 @@ class CudaRunner:
         samplers = [self._lanes[lane].sampler for lane in lanes]
         logits = model.head_logits(hidden)
         model.greedy(logits)
-        sampled = {r: (sampler, position) for r, (sampler, position) in enumerate(zip(samplers, positions))
-                   if not sampler.params.is_greedy}
+        sampled = [r for r, sampler in enumerate(samplers) if not sampler.params.is_greedy]
         if sampled:
-            model.inputs.fill_sampling(lanes, _sampled_rows(len(lanes), sampled, purpose))
+            sampling = SampledRows(len(lanes))
+            for r in sampled:
+                sampling.draw(r, samplers[r].params, positions[r], purpose)
+            model.inputs.fill_sampling(lanes, sampling)
             model.candidates(logits)
             model.sample(len(lanes))
         tokens = [int(t) for t in model.device.read(model.argmax[: len(lanes)])]
-        for r, (sampler, _) in sampled.items():
-            sampler.count(tokens[r])
+        for r in sampled:
+            samplers[r].count(tokens[r])
         return tokens
 
     def _select_columns(self, lanes: list[int], columns: list[int]) -> None:
@@ -576,13 +578,3 @@ def decode_key(rows: int, segments: int, sampled: bool = False, verified: bool =
     sampled lane verifies (`CudaRunner._decode_step`)."""
     return ("decode", rows, segments, sampled, verified)
 
-
-def _sampled_rows(rows: int, sampled: dict[int, tuple[Sampler, int]], purpose: Purpose) -> SampledRows:
-    """The sampling inputs of a call's rows: row -> (its sampler, the draw's position) for the rows that sample."""
-    out = SampledRows(rows)
-    for row, (sampler, position) in sampled.items():
-        p = sampler.params
-        out.add(row, presence=p.presence_penalty, frequency=p.frequency_penalty, parameters=sample_parameters(
-            temperature=p.temperature, top_k=effective_top_k(p.top_k), top_p=p.top_p, min_p=p.min_p, seed=p.seed,
-            position=position, purpose=purpose, counted=p.penalties_active))
-    return out
