@@ -11,6 +11,7 @@ from ninfer.backends.cuda.device import Device
 from ninfer.engine.sampler import Purpose, SamplingParams, effective_top_k
 from ninfer.kernels_numba.sampling import SAMPLE_FIELDS, sample_parameters
 
+
 class InputRows:
     """Named int32 input rows carved from one device array [names, rows] (each row a contiguous view), with a host
     mirror, so that a call's inputs go down in one pitched copy (`Device.write_rows`) instead of a write each: a
